@@ -1,0 +1,109 @@
+package protocol
+
+import "time"
+
+// Sandbox statuses. A sandbox is born provisioning, runs, may stop (files kept) and resume, may fail
+// (its setup command or its runtime could not start), and passes through deleting on its way out.
+const (
+	StatusProvisioning = "provisioning"
+	StatusRunning      = "running"
+	StatusStopped      = "stopped"
+	StatusFailed       = "failed"
+	StatusDeleting     = "deleting"
+)
+
+// Statuses lists every status, for validation of list filters.
+var Statuses = []string{StatusProvisioning, StatusRunning, StatusStopped, StatusFailed, StatusDeleting}
+
+// Stop reasons recorded on a stopped sandbox.
+const (
+	StopRequested   = "requested"    // the owner asked (sbctl stop, attach --stop-on-exit)
+	StopTTLExpired  = "ttl_expired"  // no heartbeat within ttl_seconds: the sweeper stopped it
+	StopRuntimeLost = "runtime_lost" // the sandbox's processes ended without being asked to
+)
+
+// Create outcomes: what create-or-reuse did.
+const (
+	OutcomeCreated = "created"
+	OutcomeReused  = "reused"
+	OutcomeResumed = "resumed"
+)
+
+// Sandbox is a sandbox as the REST API shows it.
+type Sandbox struct {
+	ID              string            `json:"id"`
+	Org             string            `json:"org"`
+	Name            string            `json:"name"`
+	Template        string            `json:"template"`
+	Provider        string            `json:"provider"`
+	Status          string            `json:"status"`
+	Tags            map[string]string `json:"tags"`
+	TTLSeconds      int64             `json:"ttl_seconds"`
+	CreatedAt       time.Time         `json:"created_at"`
+	LastHeartbeatAt time.Time         `json:"last_heartbeat_at"`
+	// ExpiresAt is when the sweeper stops a running sandbox that gets no heartbeat; nil when
+	// ttl_seconds is 0 (no lease) or the sandbox is not running.
+	ExpiresAt  *time.Time `json:"expires_at"`
+	StopReason string     `json:"stop_reason,omitempty"`
+	StoppedAt  *time.Time `json:"stopped_at,omitempty"`
+	// Failure says why a failed sandbox failed (for a setup command: its exit code and output tail).
+	Failure   string `json:"failure,omitempty"`
+	CreatedBy string `json:"created_by"`
+	// Workspace is the sandbox path of the workspace directory, the default cwd for exec.
+	Workspace string `json:"workspace"`
+	// ProcessesLostAt is set when the broker restarted under a running sandbox: its files are intact,
+	// its processes (background servers included) are gone and were not restarted.
+	ProcessesLostAt *time.Time `json:"processes_lost_at,omitempty"`
+}
+
+// CreateSandboxRequest is the body of POST /v1/sandboxes.
+type CreateSandboxRequest struct {
+	Name     string `json:"name,omitempty"`
+	Template string `json:"template,omitempty"`
+	// TTLSeconds is the lease: no heartbeat for this long and the sandbox is stopped. Nil means the
+	// broker's default; 0 means no lease (the sandbox runs until stopped).
+	TTLSeconds *int64            `json:"ttl_seconds,omitempty"`
+	Tags       map[string]string `json:"tags,omitempty"`
+	// Reuse (default true) returns an existing sandbox of the same name instead of failing with
+	// name_conflict; a stopped one is resumed.
+	Reuse *bool `json:"reuse,omitempty"`
+}
+
+// CreateSandboxResponse says what create-or-reuse did.
+type CreateSandboxResponse struct {
+	Outcome string  `json:"outcome"`
+	Sandbox Sandbox `json:"sandbox"`
+}
+
+// ListSandboxesResponse is one page of GET /v1/sandboxes.
+type ListSandboxesResponse struct {
+	Items []Sandbox `json:"items"`
+	// NextCursor is empty on the last page.
+	NextCursor string `json:"next_cursor,omitempty"`
+}
+
+// TTLRequest is the body of POST /v1/sandboxes/{ref}/ttl.
+type TTLRequest struct {
+	TTLSeconds *int64 `json:"ttl_seconds"`
+}
+
+// HeartbeatResponse is the answer to POST /v1/sandboxes/{ref}/heartbeat; small on purpose, it is the
+// hottest route.
+type HeartbeatResponse struct {
+	SandboxID  string     `json:"sandbox_id"`
+	Status     string     `json:"status"`
+	TTLSeconds int64      `json:"ttl_seconds"`
+	ExpiresAt  *time.Time `json:"expires_at"`
+}
+
+// DeleteSandboxesResponse answers DELETE /v1/sandboxes?tag=k=v (and DELETE of one sandbox).
+type DeleteSandboxesResponse struct {
+	DryRun  bool      `json:"dry_run"`
+	Deleted []Sandbox `json:"deleted"`
+}
+
+// EnvironmentResponse is GET /v1/sandboxes/{ref}/environment: what printenv shows inside.
+type EnvironmentResponse struct {
+	SandboxID string            `json:"sandbox_id"`
+	Env       map[string]string `json:"env"`
+}

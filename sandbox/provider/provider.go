@@ -1,0 +1,143 @@
+package provider
+
+import (
+	"context"
+	"io"
+	"time"
+)
+
+// Provider turns a template into a running sandbox on this host. Two exist: "namespace" (bubblewrap,
+// isolated) and "dir" (a plain directory, no isolation). Both keep the workspace on the host's disk,
+// so file operations run in the broker through the workspace package, not through exec.
+//
+// The lifecycle is: Create once (prepare persistent state), Start / Instance.Stop any number of times
+// (files stay), Destroy once (remove everything). A Provider is safe for concurrent use on different
+// sandboxes; the caller serializes calls for one sandbox.
+type Provider interface {
+	// Name is "namespace" or "dir"; it is recorded on each sandbox.
+	Name() string
+	// Create prepares the sandbox's persistent state: its workspace directory (empty, owned by the
+	// sandbox user) and its state directory. It is idempotent.
+	Create(ctx context.Context, spec Spec) error
+	// Start starts the sandbox's resident init and returns once the sandbox can exec. It captures the
+	// environment snapshot before it returns.
+	Start(ctx context.Context, spec Spec) (Instance, error)
+	// Destroy removes the workspace and state directories. The sandbox must not be running.
+	Destroy(ctx context.Context, spec Spec) error
+	// WorkspaceDir is the host directory that holds the sandbox's /workspace.
+	WorkspaceDir(spec Spec) string
+}
+
+// Spec names one sandbox for a provider.
+type Spec struct {
+	// ID is the sandbox id (sb_...). Providers name host resources (directories, cgroups) after it.
+	ID       string
+	Template Template
+}
+
+// Instance is one running sandbox: a resident init inside the sandbox's namespaces that forks
+// commands on request.
+type Instance interface {
+	// Exec runs one command and returns when it has exited (or, for Background, once it started).
+	// Errors are for the request itself (bad cwd, init gone); a command that runs and fails is a
+	// result with a non-zero ExitCode.
+	Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
+	// Environment is the snapshot of what printenv shows inside, captured at Start.
+	Environment() map[string]string
+	// Stop ends every process in the sandbox (background ones included) and waits for them. Files stay.
+	Stop(ctx context.Context) error
+	// Done is closed when the init exits, whether through Stop or not (a crash, the limit killer).
+	Done() <-chan struct{}
+}
+
+// WorkspacePath is the sandbox path of the workspace: the default cwd of exec and the root of every
+// file operation path.
+const WorkspacePath = "/workspace"
+
+// ExecRequest is one command. Exactly one of Command and Argv is set.
+type ExecRequest struct {
+	// Command is a shell string, run as /bin/sh -c Command.
+	Command string
+	// Argv is a program and its arguments, run without a shell; Argv[0] is looked up in PATH.
+	Argv []string
+	// Cwd is a sandbox path; empty means WorkspacePath.
+	Cwd string
+	// Env is added to (and overrides) the sandbox environment.
+	Env map[string]string
+	// Stdin feeds the command's standard input; nil means an empty one.
+	Stdin io.Reader
+	// Stdout and Stderr receive output as it comes. When Stderr is nil, stderr goes to Stdout through
+	// the same pipe, interleaved as the command wrote it. A nil Stdout discards output.
+	Stdout io.Writer
+	Stderr io.Writer
+	// MaxOutput caps the bytes delivered to Stdout and Stderr together; past it output is read and
+	// dropped (the command is not blocked) and the result says Truncated. 0 means no cap.
+	MaxOutput int64
+	// Timeout kills the command's whole process tree when it passes; 0 means the template's default.
+	// It is capped by the template's maximum.
+	Timeout time.Duration
+	// Background starts the command and returns at once with its pid; it runs until it exits or the
+	// sandbox stops, with its output discarded.
+	Background bool
+}
+
+// ExecResult is how a command ended.
+type ExecResult struct {
+	// ExitCode is the command's exit status, or 128+signal when a signal ended it (as a shell reports).
+	ExitCode int
+	// Signal names the signal that ended the command ("KILL", "SEGV"), empty if it exited.
+	Signal string
+	// Reason says why the broker or the kernel ended the command, empty when it ended on its own:
+	// "timeout", "cancelled", "memory_limit".
+	Reason    string
+	Truncated bool
+	Duration  time.Duration
+	// Pid is the command's pid inside the sandbox (set for Background).
+	Pid int
+}
+
+// Reasons a command was ended from outside.
+const (
+	ReasonTimeout     = "timeout"
+	ReasonCancelled   = "cancelled"
+	ReasonMemoryLimit = "memory_limit"
+)
+
+// Template is what a sandbox is made from. Templates come from the broker's --templates file and a
+// built-in "default".
+type Template struct {
+	Name string `json:"name"`
+	// Rootfs is a host directory mounted read-only as /; empty means the host's /usr (with the usual
+	// /bin, /lib links) and a minimal /etc.
+	Rootfs string `json:"rootfs,omitempty"`
+	// Mounts are extra read-only host directories (a knowledge base, a toolchain).
+	Mounts []Mount `json:"mounts,omitempty"`
+	// Env is added to every command's environment.
+	Env map[string]string `json:"env,omitempty"`
+	// Network lets the sandbox reach the host's network; off means a private loopback only.
+	Network bool   `json:"network,omitempty"`
+	Limits  Limits `json:"limits,omitempty"`
+	// Setup is a shell command run once at create, in the workspace; a non-zero exit marks the sandbox
+	// failed with the command's output.
+	Setup string `json:"setup,omitempty"`
+}
+
+// Mount is a read-only bind of a host directory into the sandbox.
+type Mount struct {
+	Source string `json:"source"`
+	Target string `json:"target"`
+}
+
+// Limits bound what a sandbox may use. Zero values mean the broker's defaults.
+type Limits struct {
+	MemoryBytes int64   `json:"memory_bytes,omitempty"`
+	Pids        int64   `json:"pids,omitempty"`
+	CPUs        float64 `json:"cpus,omitempty"`
+	// ExecTimeout is the default per-command timeout, ExecTimeoutMax the largest a caller may ask for.
+	ExecTimeout    Duration `json:"exec_timeout,omitempty"`
+	ExecTimeoutMax Duration `json:"exec_timeout_max,omitempty"`
+}
+
+// Duration is a time.Duration that reads and writes as a Go duration string ("30s", "10m") in
+// template files.
+type Duration time.Duration

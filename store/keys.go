@@ -1,0 +1,62 @@
+package store
+
+import "strings"
+
+// Every key of one org carries the hash tag {org}, so multi-key Lua scripts (a create touches the
+// sandbox hash, the name index, tag indexes and the deadline set) run unchanged on Redis Cluster.
+// Keys come only from these helpers; nothing else spells a key.
+
+func orgKey(org string, parts ...string) string {
+	return "sbx:{" + org + "}:" + strings.Join(parts, ":")
+}
+
+// SandboxKey is the hash holding one sandbox record.
+func SandboxKey(org, id string) string { return orgKey(org, "sb", id) }
+
+// NamesKey is the org's name index: a hash of name -> sandbox id.
+func NamesKey(org string) string { return orgKey(org, "names") }
+
+// AllKey is the org's sandboxes in creation order: a sorted set of id scored by created_at (ms).
+func AllKey(org string) string { return orgKey(org, "all") }
+
+// TagKey indexes the org's sandboxes carrying tag k=v: a sorted set scored like AllKey.
+func TagKey(org, k, v string) string { return orgKey(org, "tag", k+"="+v) }
+
+// DeadlinesKey holds the org's running sandboxes with a lease: a sorted set of id scored by
+// expires_at (ms). The sweeper reads only what expired.
+func DeadlinesKey(org string) string { return orgKey(org, "deadlines") }
+
+// StoppedKey holds the org's stopped sandboxes scored by stopped_at (ms), for retention.
+func StoppedKey(org string) string { return orgKey(org, "stopped") }
+
+// WarnedKey holds the org's sandboxes that were sent an expiring warning for their current deadline:
+// a sorted set of id scored by the deadline warned about.
+func WarnedKey(org string) string { return orgKey(org, "warned") }
+
+// RevokedKey is a revoked delegation token's deny-list entry; it expires with the token.
+func RevokedKey(org, jti string) string { return orgKey(org, "revoked", jti) }
+
+// DelegationsKey holds metadata of the tokens minted for one sandbox: a hash of jti -> JSON.
+func DelegationsKey(org, sandboxID string) string { return orgKey(org, "dlg", sandboxID) }
+
+// EventsKey is the org's event stream.
+func EventsKey(org string) string { return orgKey(org, "events") }
+
+// Keys outside any org.
+const (
+	// OrgsKey is the set of org names.
+	OrgsKey = "sbx:orgs"
+	// SweepLockKey is held by the broker that sweeps.
+	SweepLockKey = "sbx:sweep-lock"
+	// RevocationsChannel carries revocations to every broker, so open dataplane connections close.
+	RevocationsChannel = "sbx:revocations"
+)
+
+// APIKeyKey is the hash of one API key (its hash, org, name, created_at, revoked_at).
+func APIKeyKey(keyID string) string { return "sbx:apikey:" + keyID }
+
+// OrgAPIKeysKey is the set of an org's API key ids.
+func OrgAPIKeysKey(org string) string { return orgKey(org, "apikeys") }
+
+// NodeChannel carries lifecycle commands to the broker that hosts a sandbox.
+func NodeChannel(node string) string { return "sbx:node:" + node }

@@ -1,0 +1,107 @@
+// Package redistest starts a real redis-server for tests, on a free loopback port, and stops it when
+// the test ends. It never mocks Redis: a machine without redis-server fails the test with the command
+// that installs it.
+package redistest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Server is a running redis-server.
+type Server struct {
+	// Addr is host:port on 127.0.0.1.
+	Addr string
+	// URL is redis://Addr, the form --redis-url takes.
+	URL    string
+	cmd    *exec.Cmd
+	exited chan struct{}
+}
+
+// Start starts a redis-server with no persistence and returns once it answers PING. It is stopped
+// (and its data gone) when t ends.
+func Start(t testing.TB) *Server {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("redis-server not found on PATH: these tests use a real Redis. Install it with " +
+			"`apt-get install -y redis-server` (scripts/test.sh does this for you)")
+	}
+	dir := t.TempDir()
+	var lastErr error
+	for attempt := 0; attempt < 5; attempt++ {
+		port, err := freePort()
+		if err != nil {
+			t.Fatalf("redistest: find a free port: %v", err)
+		}
+		s := &Server{Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port))}
+		s.URL = "redis://" + s.Addr
+		s.cmd = exec.Command(bin,
+			"--bind", "127.0.0.1", "--port", strconv.Itoa(port),
+			"--save", "", "--appendonly", "no", "--dir", dir,
+			"--logfile", filepath.Join(dir, "redis.log"))
+		if err := s.cmd.Start(); err != nil {
+			t.Fatalf("redistest: start redis-server: %v", err)
+		}
+		s.exited = make(chan struct{})
+		go func() { s.cmd.Wait(); close(s.exited) }()
+		if lastErr = s.waitReady(5 * time.Second); lastErr == nil {
+			t.Cleanup(s.stop)
+			return s
+		}
+		s.stop() // most likely lost the port to another process; try another
+	}
+	t.Fatalf("redistest: redis-server did not become ready: %v (log in %s)", lastErr, dir)
+	return nil
+}
+
+// Client returns a client for the server, closed when t ends.
+func (s *Server) Client(t testing.TB) redis.UniversalClient {
+	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{s.Addr}})
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func (s *Server) waitReady(limit time.Duration) error {
+	c := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1})
+	defer c.Close()
+	deadline := time.Now().Add(limit)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		err := c.Ping(ctx).Err()
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("ping %s: %w", s.Addr, err)
+		}
+		select {
+		case <-s.exited:
+			return fmt.Errorf("redis-server exited: %w", err)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+func (s *Server) stop() {
+	s.cmd.Process.Kill()
+	<-s.exited
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}

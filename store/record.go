@@ -1,0 +1,148 @@
+package store
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Sentinel errors. The server maps them to codes in one place.
+var (
+	ErrNotFound     = errors.New("store: not found")
+	ErrNameConflict = errors.New("store: name taken")
+	// ErrWrongState means a transition's precondition failed (e.g. stop of a deleting sandbox).
+	ErrWrongState = errors.New("store: wrong state")
+	// ErrTemplateMismatch means create-or-reuse found the name taken by a sandbox of another template.
+	ErrTemplateMismatch = errors.New("store: name taken with another template")
+)
+
+// StateError carries the status that made a transition fail.
+type StateError struct {
+	Status string
+}
+
+func (e *StateError) Error() string { return "store: sandbox is " + e.Status }
+
+// Is lets errors.Is(err, ErrWrongState) match.
+func (e *StateError) Is(target error) bool { return target == ErrWrongState }
+
+// Record is a sandbox record as stored: one Redis hash.
+type Record struct {
+	ID         string
+	Org        string
+	Name       string
+	Template   string
+	Provider   string
+	Node       string // the broker that hosts the sandbox's files and processes
+	Status     string
+	Tags       map[string]string
+	TTL        time.Duration // lease; 0 = none
+	CreatedAt  time.Time
+	CreatedBy  string
+	Heartbeat  time.Time // last heartbeat
+	ExpiresAt  time.Time // zero when not running or no lease
+	StoppedAt  time.Time
+	StopReason string
+	Failure    string
+	LostAt     time.Time // processes lost in a broker restart
+	Gen        int64     // delegation token generation
+}
+
+// Hash field names. Lua scripts spell the same names.
+const (
+	fID, fOrg, fName, fTemplate, fProvider, fNode, fStatus = "id", "org", "name", "template", "provider", "node", "status"
+	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
+	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
+)
+
+// fields flattens a new record into HSET arguments.
+func (r *Record) fields() []any {
+	tags, _ := json.Marshal(r.Tags)
+	return []any{
+		fID, r.ID, fOrg, r.Org, fName, r.Name, fTemplate, r.Template, fProvider, r.Provider,
+		fNode, r.Node, fStatus, r.Status, fTags, string(tags), fTTL, int64(r.TTL / time.Second),
+		fCreated, ms(r.CreatedAt), fCreatedBy, r.CreatedBy, fHeartbeat, ms(r.Heartbeat),
+		fExpires, ms(r.ExpiresAt), fStopped, ms(r.StoppedAt), fStopReason, r.StopReason,
+		fFailure, r.Failure, fLost, ms(r.LostAt), fGen, max(r.Gen, 1),
+	}
+}
+
+// parseRecord reads the flat field/value array of HGETALL as returned by a script.
+func parseRecord(v any) (Record, error) {
+	flat, ok := v.([]any)
+	if !ok || len(flat) == 0 || len(flat)%2 != 0 {
+		return Record{}, ErrNotFound
+	}
+	m := make(map[string]string, len(flat)/2)
+	for i := 0; i < len(flat); i += 2 {
+		k, _ := flat[i].(string)
+		val, _ := flat[i+1].(string)
+		m[k] = val
+	}
+	return recordFromMap(m)
+}
+
+func recordFromMap(m map[string]string) (Record, error) {
+	if m[fID] == "" {
+		return Record{}, ErrNotFound
+	}
+	r := Record{
+		ID: m[fID], Org: m[fOrg], Name: m[fName], Template: m[fTemplate], Provider: m[fProvider],
+		Node: m[fNode], Status: m[fStatus], CreatedBy: m[fCreatedBy], StopReason: m[fStopReason],
+		Failure:   m[fFailure],
+		TTL:       time.Duration(atoi(m[fTTL])) * time.Second,
+		CreatedAt: fromMS(m[fCreated]), Heartbeat: fromMS(m[fHeartbeat]), ExpiresAt: fromMS(m[fExpires]),
+		StoppedAt: fromMS(m[fStopped]), LostAt: fromMS(m[fLost]), Gen: atoi(m[fGen]),
+	}
+	if t := m[fTags]; t != "" && t != "null" {
+		if err := json.Unmarshal([]byte(t), &r.Tags); err != nil {
+			return Record{}, fmt.Errorf("store: record %s has corrupt tags: %w", r.ID, err)
+		}
+	}
+	if r.Tags == nil {
+		r.Tags = map[string]string{}
+	}
+	return r, nil
+}
+
+func ms(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixMilli()
+}
+
+func fromMS(s string) time.Time {
+	n := atoi(s)
+	if n == 0 {
+		return time.Time{}
+	}
+	return time.UnixMilli(n).UTC()
+}
+
+func atoi(s string) int64 {
+	n, _ := strconv.ParseInt(s, 10, 64)
+	return n
+}
+
+// scriptErr turns a script's status reply ({"err", code, detail}) into a sentinel error.
+func scriptErr(code, detail string) error {
+	switch code {
+	case "not_found":
+		return ErrNotFound
+	case "conflict":
+		return ErrNameConflict
+	case "mismatch":
+		return fmt.Errorf("%w (it uses template %q)", ErrTemplateMismatch, detail)
+	case "state":
+		return &StateError{Status: detail}
+	}
+	return fmt.Errorf("store: script answered %q %q", code, detail)
+}
+
+// isNil reports whether err is redis.Nil.
+func isNil(err error) bool { return errors.Is(err, redis.Nil) }

@@ -1,0 +1,311 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Store is the Redis state. It is safe for concurrent use.
+type Store struct {
+	rdb redis.UniversalClient
+}
+
+// New wraps a client. The client may point at one Redis, a Sentinel group or a Cluster.
+func New(rdb redis.UniversalClient) *Store { return &Store{rdb: rdb} }
+
+// Client is the underlying client, for packages that keep their own keys (events, delegation).
+func (s *Store) Client() redis.UniversalClient { return s.rdb }
+
+// Scripts take the org's key prefix in ARGV when they must reach a sandbox hash whose id they only
+// learn inside the script (a name lookup). Every such key carries the org's hash tag, so it lives in
+// the same cluster slot as the declared KEYS.
+func sandboxPrefix(org string) string { return orgKey(org, "sb", "") }
+
+// luaResolve resolves ARGV-given ref (an id "sb_..." or a name) to a sandbox hash key.
+// Expects KEYS[1] = names hash and the sandbox key prefix in the variable `prefix`.
+const luaResolve = `
+local function resolve(ref)
+  local id = ref
+  if string.sub(ref, 1, 3) ~= 'sb_' then
+    id = redis.call('HGET', KEYS[1], ref)
+    if not id then return nil end
+  end
+  if redis.call('EXISTS', prefix .. id) == 0 then return nil end
+  return id
+end
+`
+
+// luaLease (re)computes a running sandbox's deadline: expires = now + ttl, in the deadline set, and
+// forgets any expiry warning sent for the previous deadline. ttl 0 means no lease.
+const luaLease = `
+local function lease(key, id, now, deadlines, warned)
+  local ttl = tonumber(redis.call('HGET', key, 'ttl')) or 0
+  redis.call('HSET', key, 'heartbeat', now)
+  redis.call('ZREM', warned, id)
+  if ttl > 0 then
+    local exp = now + ttl * 1000
+    redis.call('HSET', key, 'expires', exp)
+    redis.call('ZADD', deadlines, exp, id)
+    return exp
+  end
+  redis.call('HSET', key, 'expires', 0)
+  redis.call('ZREM', deadlines, id)
+  return 0
+end
+`
+
+// createScript is create-or-reuse by name, atomic so that racing creates of one name make one sandbox.
+// KEYS: 1 names, 2 new sandbox hash, 3 all, 4 stopped, 5.. tag indexes of the new sandbox.
+// ARGV: 1 name, 2 new id, 3 now (ms), 4 reuse ("1"/"0"), 5 sandbox key prefix, 6 template,
+// 7.. field/value pairs of the new record.
+// Answers {"created"|"reused"|"resumed", id} or {"err", code, detail}. A stopped sandbox found by
+// reuse is claimed for resuming (status provisioning) here, so only one caller resumes it.
+// Invariant: names[name] = id iff the record exists with that name and is not deleting.
+var createScript = redis.NewScript(`
+local name, newid, now, reuse, prefix, template = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local id = redis.call('HGET', KEYS[1], name)
+if id then
+  if reuse ~= '1' then return {'err', 'conflict', id} end
+  local key = prefix .. id
+  local cur = redis.call('HMGET', key, 'status', 'template')
+  if cur[2] ~= template then return {'err', 'mismatch', cur[2]} end
+  if cur[1] == 'stopped' then
+    redis.call('HSET', key, 'status', 'provisioning', 'stop_reason', '', 'stopped', 0, 'heartbeat', now)
+    redis.call('ZREM', KEYS[4], id)
+    return {'resumed', id}
+  end
+  if cur[1] == 'failed' then return {'err', 'state', 'failed'} end
+  return {'reused', id}
+end
+redis.call('HSET', KEYS[1], name, newid)
+local fields = {}
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[2], unpack(fields))
+redis.call('ZADD', KEYS[3], now, newid)
+for i = 5, #KEYS do redis.call('ZADD', KEYS[i], now, newid) end
+return {'created', newid}
+`)
+
+// Outcome says what CreateOrReuse did: created, reused or resumed (protocol.Outcome*).
+type Outcome string
+
+// CreateOrReuse inserts rec (status provisioning) unless rec.Name is taken. When it is taken and reuse
+// is set, it returns the existing record: "reused", or "resumed" when it was stopped, in which case
+// this caller owns the resume (the record is now provisioning).
+func (s *Store) CreateOrReuse(ctx context.Context, rec Record, reuse bool) (Record, Outcome, error) {
+	keys := []string{NamesKey(rec.Org), SandboxKey(rec.Org, rec.ID), AllKey(rec.Org), StoppedKey(rec.Org)}
+	for k, v := range rec.Tags {
+		keys = append(keys, TagKey(rec.Org, k, v))
+	}
+	args := append([]any{rec.Name, rec.ID, ms(rec.CreatedAt), boolArg(reuse), sandboxPrefix(rec.Org), rec.Template}, rec.fields()...)
+	res, err := createScript.Run(ctx, s.rdb, keys, args...).StringSlice()
+	if err != nil {
+		return Record{}, "", fmt.Errorf("store: create %s: %w", rec.Name, err)
+	}
+	if res[0] == "err" {
+		return Record{}, "", scriptErr(res[1], res[2])
+	}
+	got, err := s.Get(ctx, rec.Org, res[1])
+	if err != nil {
+		return Record{}, "", err
+	}
+	return got, Outcome(res[0]), nil
+}
+
+// getScript resolves a ref and reads the record in one round trip.
+// KEYS: 1 names. ARGV: 1 ref, 2 sandbox key prefix. Answers the HGETALL array, or nil.
+var getScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + `
+local id = resolve(ARGV[1])
+if not id then return nil end
+return redis.call('HGETALL', prefix .. id)
+`)
+
+// Get reads a sandbox by id or name. A sandbox of another org is simply not found: every key is
+// scoped to the caller's org.
+func (s *Store) Get(ctx context.Context, org, ref string) (Record, error) {
+	v, err := getScript.Run(ctx, s.rdb, []string{NamesKey(org)}, ref, sandboxPrefix(org)).Result()
+	if isNil(err) {
+		return Record{}, ErrNotFound
+	}
+	if err != nil {
+		return Record{}, fmt.Errorf("store: get %s: %w", ref, err)
+	}
+	return parseRecord(v)
+}
+
+// transitionScript moves a sandbox between statuses if its current status is one of the allowed
+// ones, keeping the deadline and stopped indexes in step with the status.
+// KEYS: 1 names, 2 deadlines, 3 stopped, 4 warned.
+// ARGV: 1 ref, 2 sandbox key prefix, 3 allowed current statuses ("a,b"), 4 new status, 5 now (ms),
+// 6 only-if-expired-by (ms; 0 = unconditional: the sweeper passes now, so a heartbeat that moved the
+// deadline first wins), 7.. extra field/value pairs to set.
+// Answers {"ok", HGETALL...} or {"err", code, detail}.
+// Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped.
+var transitionScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + `
+local id = resolve(ARGV[1])
+if not id then return {'err', 'not_found', ''} end
+local key = prefix .. id
+local status = redis.call('HGET', key, 'status')
+local allowed = false
+for s in string.gmatch(ARGV[3], '[^,]+') do if s == status then allowed = true end end
+if not allowed then return {'err', 'state', status} end
+local now, to, ifexp = tonumber(ARGV[5]), ARGV[4], tonumber(ARGV[6])
+if ifexp > 0 then
+  local exp = tonumber(redis.call('HGET', key, 'expires')) or 0
+  if exp == 0 or exp > ifexp then return {'err', 'state', 'renewed'} end
+end
+redis.call('HSET', key, 'status', to)
+for i = 7, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+if to == 'running' then
+  lease(key, id, now, KEYS[2], KEYS[4])
+else
+  redis.call('HSET', key, 'expires', 0)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[4], id)
+end
+if to == 'stopped' then
+  redis.call('HSET', key, 'stopped', now)
+  redis.call('ZADD', KEYS[3], now, id)
+else
+  redis.call('ZREM', KEYS[3], id)
+end
+if to == 'deleting' then
+  local name = redis.call('HGET', key, 'name')
+  if redis.call('HGET', KEYS[1], name) == id then redis.call('HDEL', KEYS[1], name) end
+  redis.call('HINCRBY', key, 'gen', 1)
+end
+local out = {'ok'}
+for _, v in ipairs(redis.call('HGETALL', key)) do out[#out + 1] = v end
+return out
+`)
+
+// Transition is one status change.
+type Transition struct {
+	From []string // allowed current statuses
+	To   string
+	// Fields are extra record fields to set (stop_reason, failure, lost, provider, node...).
+	Fields map[string]string
+	// IfExpiredBy makes the change conditional on the sandbox's deadline being at or before this time:
+	// the sweeper's re-check, so that a heartbeat that lands first wins.
+	IfExpiredBy time.Time
+}
+
+// Field names callers may set through Transition.Fields.
+const (
+	FieldStopReason = fStopReason
+	FieldFailure    = fFailure
+	FieldLost       = fLost
+	FieldNode       = fNode
+	FieldProvider   = fProvider
+)
+
+// Transition applies t to the sandbox ref at time now and returns the updated record. Moving to
+// running starts a lease (expires = now + ttl); moving to deleting frees the name and bumps the token
+// generation, which revokes every delegation token of the sandbox.
+func (s *Store) Transition(ctx context.Context, org, ref string, now time.Time, t Transition) (Record, error) {
+	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, ms(now), ms(t.IfExpiredBy)}
+	for k, v := range t.Fields {
+		args = append(args, k, v)
+	}
+	keys := []string{NamesKey(org), DeadlinesKey(org), StoppedKey(org), WarnedKey(org)}
+	v, err := transitionScript.Run(ctx, s.rdb, keys, args...).Slice()
+	if err != nil {
+		return Record{}, fmt.Errorf("store: %s -> %s: %w", ref, t.To, err)
+	}
+	if v[0] == "err" {
+		return Record{}, scriptErr(str(v[1]), str(v[2]))
+	}
+	return parseRecord(v[1:])
+}
+
+// leaseScript renews a running sandbox's lease (a heartbeat), optionally setting a new ttl first.
+// KEYS: 1 names, 2 deadlines, 3 warned. ARGV: 1 ref, 2 sandbox key prefix, 3 now (ms),
+// 4 new ttl in seconds ("" keeps it). Answers {"ok", id, status, ttl, expires} or {"err", code, detail}.
+// A heartbeat only renews running sandboxes: a stopped one must be resumed explicitly.
+var leaseScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + `
+local id = resolve(ARGV[1])
+if not id then return {'err', 'not_found', ''} end
+local key = prefix .. id
+local status = redis.call('HGET', key, 'status')
+if ARGV[4] ~= '' then redis.call('HSET', key, 'ttl', ARGV[4]) end
+if status ~= 'running' then
+  if ARGV[4] ~= '' and status ~= 'deleting' then
+    return {'ok', id, status, redis.call('HGET', key, 'ttl'), '0'}
+  end
+  return {'err', 'state', status}
+end
+local exp = lease(key, id, tonumber(ARGV[3]), KEYS[2], KEYS[3])
+return {'ok', id, status, redis.call('HGET', key, 'ttl'), tostring(exp)}
+`)
+
+// Lease is the state of a sandbox's lease after a heartbeat.
+type Lease struct {
+	ID        string
+	Status    string
+	TTL       time.Duration
+	ExpiresAt time.Time // zero: no lease
+}
+
+// Heartbeat renews the lease of a running sandbox: expires = now + ttl. It is one round trip.
+func (s *Store) Heartbeat(ctx context.Context, org, ref string, now time.Time) (Lease, error) {
+	return s.lease(ctx, org, ref, now, "")
+}
+
+// SetTTL changes a sandbox's lease length; a running sandbox's deadline moves to now + ttl.
+func (s *Store) SetTTL(ctx context.Context, org, ref string, ttl time.Duration, now time.Time) (Lease, error) {
+	return s.lease(ctx, org, ref, now, strconv.FormatInt(int64(ttl/time.Second), 10))
+}
+
+func (s *Store) lease(ctx context.Context, org, ref string, now time.Time, ttl string) (Lease, error) {
+	keys := []string{NamesKey(org), DeadlinesKey(org), WarnedKey(org)}
+	v, err := leaseScript.Run(ctx, s.rdb, keys, ref, sandboxPrefix(org), ms(now), ttl).StringSlice()
+	if err != nil {
+		return Lease{}, fmt.Errorf("store: lease %s: %w", ref, err)
+	}
+	if v[0] == "err" {
+		return Lease{}, scriptErr(v[1], v[2])
+	}
+	return Lease{ID: v[1], Status: v[2], TTL: time.Duration(atoi(v[3])) * time.Second, ExpiresAt: fromMS(v[4])}, nil
+}
+
+// purgeScript removes a deleting sandbox's record and every index entry. Idempotent.
+// KEYS: 1 sandbox hash, 2 all, 3 delegations, 4.. tag indexes. ARGV: 1 id.
+var purgeScript = redis.NewScript(`
+if redis.call('HGET', KEYS[1], 'status') ~= 'deleting' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+end
+redis.call('DEL', KEYS[1], KEYS[3])
+redis.call('ZREM', KEYS[2], ARGV[1])
+for i = 4, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
+return 1
+`)
+
+// Purge removes a record that Transition moved to deleting, once its files are gone.
+func (s *Store) Purge(ctx context.Context, rec Record) error {
+	keys := []string{SandboxKey(rec.Org, rec.ID), AllKey(rec.Org), DelegationsKey(rec.Org, rec.ID)}
+	for k, v := range rec.Tags {
+		keys = append(keys, TagKey(rec.Org, k, v))
+	}
+	n, err := purgeScript.Run(ctx, s.rdb, keys, rec.ID).Int()
+	if err != nil {
+		return fmt.Errorf("store: purge %s: %w", rec.ID, err)
+	}
+	if n == 0 {
+		return &StateError{Status: "not deleting"}
+	}
+	return nil
+}
+
+func boolArg(b bool) string {
+	if b {
+		return "1"
+	}
+	return "0"
+}
+
+func str(v any) string { s, _ := v.(string); return s }

@@ -1,0 +1,386 @@
+package store_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/store/redistest"
+)
+
+// backends runs each store test against a plain redis-server and against the embedded default.
+func backends(t *testing.T) map[string]func(t *testing.T) redis.UniversalClient {
+	return map[string]func(t *testing.T) redis.UniversalClient{
+		"redis-server": func(t *testing.T) redis.UniversalClient { return redistest.Start(t).Client(t) },
+		"embedded": func(t *testing.T) redis.UniversalClient {
+			e, err := store.StartEmbedded(t.Context(), t.TempDir(), slog.New(slog.NewTextHandler(io.Discard, nil)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(e.Stop)
+			c := redis.NewUniversalClient(e.Options())
+			t.Cleanup(func() { c.Close() })
+			return c
+		},
+	}
+}
+
+var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
+
+func newRecord(org, name string, tags map[string]string) store.Record {
+	return store.Record{
+		ID: "sb_" + uuid.NewString(), Org: org, Name: name, Template: "default", Provider: "dir",
+		Node: "n1", Status: protocol.StatusProvisioning, Tags: tags, TTL: 30 * time.Second,
+		CreatedAt: t0, CreatedBy: "key:test", Heartbeat: t0,
+	}
+}
+
+func TestStore(t *testing.T) {
+	for name, connect := range backends(t) {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			s := store.New(connect(t))
+			for _, tc := range []struct {
+				name string
+				fn   func(t *testing.T, s *store.Store)
+			}{
+				{"CreateReuseResume", testCreateReuseResume},
+				{"ConcurrentCreateOneName", testConcurrentCreate},
+				{"OrgIsolation", testOrgIsolation},
+				{"LeaseAndSweepRecheck", testLease},
+				{"ListFiltersAndPages", testList},
+				{"DeleteFreesNameAndBumpsGen", testDelete},
+				{"APIKeys", testAPIKeys},
+			} {
+				t.Run(tc.name, func(t *testing.T) { tc.fn(t, s) })
+			}
+		})
+	}
+}
+
+func testCreateReuseResume(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	rec := newRecord("acme", "dev", map[string]string{"thread_id": "t1"})
+	got, out, err := s.CreateOrReuse(ctx, rec, true)
+	if err != nil || out != protocol.OutcomeCreated || got.ID != rec.ID || got.Tags["thread_id"] != "t1" {
+		t.Fatalf("create: %v %v %+v", out, err, got)
+	}
+	again := newRecord("acme", "dev", nil)
+	got, out, err = s.CreateOrReuse(ctx, again, true)
+	if err != nil || out != protocol.OutcomeReused || got.ID != rec.ID {
+		t.Fatalf("reuse: %v %v %+v", out, err, got)
+	}
+	if _, _, err := s.CreateOrReuse(ctx, again, false); !errors.Is(err, store.ErrNameConflict) {
+		t.Fatalf("no-reuse: want ErrNameConflict, got %v", err)
+	}
+	other := newRecord("acme", "dev", nil)
+	other.Template = "python"
+	if _, _, err := s.CreateOrReuse(ctx, other, true); !errors.Is(err, store.ErrTemplateMismatch) {
+		t.Fatalf("other template: want ErrTemplateMismatch, got %v", err)
+	}
+	// provisioning -> running starts a lease; running -> stopped ends it; reuse resumes.
+	r, err := s.Transition(ctx, "acme", "dev", t0, store.Transition{From: []string{"provisioning"}, To: "running"})
+	if err != nil || r.Status != "running" || !r.ExpiresAt.Equal(t0.Add(30*time.Second)) {
+		t.Fatalf("to running: %v %+v", err, r)
+	}
+	r, err = s.Transition(ctx, "acme", rec.ID, t0.Add(time.Second), store.Transition{
+		From: []string{"running"}, To: "stopped", Fields: map[string]string{store.FieldStopReason: "requested"}})
+	if err != nil || r.Status != "stopped" || r.StopReason != "requested" || !r.ExpiresAt.IsZero() || r.StoppedAt.IsZero() {
+		t.Fatalf("to stopped: %v %+v", err, r)
+	}
+	got, out, err = s.CreateOrReuse(ctx, newRecord("acme", "dev", nil), true)
+	if err != nil || out != protocol.OutcomeResumed || got.Status != "provisioning" || got.StopReason != "" {
+		t.Fatalf("resume through create: %v %v %+v", out, err, got)
+	}
+	// A second racer sees it provisioning and merely reuses it.
+	if _, out, _ := s.CreateOrReuse(ctx, newRecord("acme", "dev", nil), true); out != protocol.OutcomeReused {
+		t.Fatalf("second resumer: %v", out)
+	}
+	if _, err := s.Transition(ctx, "acme", "dev", t0, store.Transition{From: []string{"stopped"}, To: "running"}); !errors.Is(err, store.ErrWrongState) {
+		t.Fatalf("wrong from-state: %v", err)
+	}
+}
+
+func testConcurrentCreate(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	var wg sync.WaitGroup
+	outcomes := make(chan store.Outcome, 50)
+	ids := make(chan string, 50)
+	for i := 0; i < 50; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, out, err := s.CreateOrReuse(ctx, newRecord("race", "one", nil), true)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			outcomes <- out
+			ids <- r.ID
+		}()
+	}
+	wg.Wait()
+	close(outcomes)
+	close(ids)
+	count := map[store.Outcome]int{}
+	for o := range outcomes {
+		count[o]++
+	}
+	seen := map[string]bool{}
+	for id := range ids {
+		seen[id] = true
+	}
+	if count[protocol.OutcomeCreated] != 1 || count[protocol.OutcomeReused] != 49 || len(seen) != 1 {
+		t.Fatalf("want 1 created + 49 reused of one id, got %v over %d ids", count, len(seen))
+	}
+	all, err := s.ListAll(ctx, "race", store.Filter{})
+	if err != nil || len(all) != 1 {
+		t.Fatalf("want one record, got %d (%v)", len(all), err)
+	}
+}
+
+func testOrgIsolation(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	rec := newRecord("org-a", "secret", nil)
+	if _, _, err := s.CreateOrReuse(ctx, rec, true); err != nil {
+		t.Fatal(err)
+	}
+	for _, ref := range []string{rec.ID, "secret"} {
+		if _, err := s.Get(ctx, "org-b", ref); !errors.Is(err, store.ErrNotFound) {
+			t.Errorf("org-b get %s: want not found, got %v", ref, err)
+		}
+		if _, err := s.Transition(ctx, "org-b", ref, t0, store.Transition{From: []string{"provisioning"}, To: "deleting"}); !errors.Is(err, store.ErrNotFound) {
+			t.Errorf("org-b delete %s: want not found, got %v", ref, err)
+		}
+		if _, err := s.Heartbeat(ctx, "org-b", ref, t0); !errors.Is(err, store.ErrNotFound) {
+			t.Errorf("org-b heartbeat %s: want not found, got %v", ref, err)
+		}
+	}
+	if r, err := s.Get(ctx, "org-a", "secret"); err != nil || r.Status != "provisioning" {
+		t.Fatalf("org-a's sandbox changed: %v %+v", err, r)
+	}
+}
+
+func testLease(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	rec := newRecord("lease", "hb", nil)
+	s.CreateOrReuse(ctx, rec, true)
+	if _, err := s.Heartbeat(ctx, "lease", "hb", t0); !errors.Is(err, store.ErrWrongState) {
+		t.Fatalf("heartbeat of a provisioning sandbox: want wrong state, got %v", err)
+	}
+	s.Transition(ctx, "lease", "hb", t0, store.Transition{From: []string{"provisioning"}, To: "running"})
+	l, err := s.Heartbeat(ctx, "lease", "hb", t0.Add(10*time.Second))
+	if err != nil || !l.ExpiresAt.Equal(t0.Add(40*time.Second)) {
+		t.Fatalf("heartbeat: %v %+v", err, l)
+	}
+	if ids, _ := s.Expired(ctx, "lease", t0.Add(39*time.Second), 10); len(ids) != 0 {
+		t.Fatalf("expired too early: %v", ids)
+	}
+	if ids, _ := s.Expired(ctx, "lease", t0.Add(40*time.Second), 10); len(ids) != 1 || ids[0] != rec.ID {
+		t.Fatalf("expired: %v", ids)
+	}
+	// The sweeper saw the old deadline; a heartbeat landed before its stop: the heartbeat wins.
+	sweptAt := t0.Add(40 * time.Second)
+	s.Heartbeat(ctx, "lease", "hb", sweptAt)
+	_, err = s.Transition(ctx, "lease", rec.ID, sweptAt, store.Transition{
+		From: []string{"running"}, To: "stopped", IfExpiredBy: sweptAt})
+	if !errors.Is(err, store.ErrWrongState) {
+		t.Fatalf("sweep after heartbeat: want refused, got %v", err)
+	}
+	later := sweptAt.Add(31 * time.Second)
+	r, err := s.Transition(ctx, "lease", rec.ID, later, store.Transition{
+		From: []string{"running"}, To: "stopped", IfExpiredBy: later, Fields: map[string]string{store.FieldStopReason: "ttl_expired"}})
+	if err != nil || r.StopReason != "ttl_expired" {
+		t.Fatalf("sweep after expiry: %v %+v", err, r)
+	}
+	if ids, _ := s.Expired(ctx, "lease", later, 10); len(ids) != 0 {
+		t.Fatalf("stopped sandbox still has a deadline: %v", ids)
+	}
+	if ids, _ := s.StoppedBefore(ctx, "lease", later, 10); len(ids) != 1 {
+		t.Fatalf("stopped index: %v", ids)
+	}
+	// SetTTL 0 on a running sandbox removes its deadline.
+	s.Transition(ctx, "lease", rec.ID, later, store.Transition{From: []string{"stopped"}, To: "running"})
+	if l, err := s.SetTTL(ctx, "lease", rec.ID, 0, later); err != nil || !l.ExpiresAt.IsZero() {
+		t.Fatalf("ttl 0: %v %+v", err, l)
+	}
+	if ids, _ := s.Expired(ctx, "lease", later.Add(time.Hour), 10); len(ids) != 0 {
+		t.Fatalf("no-lease sandbox in deadlines: %v", ids)
+	}
+}
+
+func testList(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	const n = 23
+	for i := 0; i < n; i++ {
+		tags := map[string]string{"team": "a"}
+		if i%2 == 0 {
+			tags["even"] = "yes"
+		}
+		r := newRecord("lister", fmt.Sprintf("sb-%02d", i), tags)
+		r.CreatedAt = t0.Add(time.Duration(i/5) * time.Millisecond) // ties on purpose
+		if _, _, err := s.CreateOrReuse(ctx, r, true); err != nil {
+			t.Fatal(err)
+		}
+		if i%3 == 0 {
+			s.Transition(ctx, "lister", r.ID, t0, store.Transition{From: []string{"provisioning"}, To: "running"})
+		}
+	}
+	collect := func(f store.Filter, limit int) []string {
+		var names []string
+		cursor := ""
+		for pages := 0; pages < 100; pages++ {
+			p, err := s.List(ctx, "lister", f, limit, cursor)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(p.Records) > limit {
+				t.Fatalf("page of %d over limit %d", len(p.Records), limit)
+			}
+			for _, r := range p.Records {
+				names = append(names, r.Name)
+			}
+			if p.Next == "" {
+				return names
+			}
+			cursor = p.Next
+		}
+		t.Fatal("pagination does not end")
+		return nil
+	}
+	uniq := func(names []string) int {
+		m := map[string]bool{}
+		for _, n := range names {
+			m[n] = true
+		}
+		return len(m)
+	}
+	for _, tc := range []struct {
+		f    store.Filter
+		want int
+	}{
+		{store.Filter{}, n},
+		{store.Filter{Tags: map[string]string{"team": "a"}}, n},
+		{store.Filter{Tags: map[string]string{"team": "a", "even": "yes"}}, 12},
+		{store.Filter{Statuses: []string{"running"}}, 8},
+		{store.Filter{Tags: map[string]string{"even": "yes"}, Statuses: []string{"running"}}, 4},
+		{store.Filter{Tags: map[string]string{"team": "b"}}, 0},
+	} {
+		for _, limit := range []int{1, 4, 100} {
+			got := collect(tc.f, limit)
+			if len(got) != tc.want || uniq(got) != tc.want {
+				t.Errorf("filter %+v limit %d: got %d (%d unique), want %d", tc.f, limit, len(got), uniq(got), tc.want)
+			}
+		}
+	}
+	if _, err := s.List(ctx, "lister", store.Filter{}, 10, "garbage!"); !errors.Is(err, store.ErrBadCursor) {
+		t.Fatalf("bad cursor: %v", err)
+	}
+}
+
+func testDelete(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	rec := newRecord("del", "gone", map[string]string{"k": "v"})
+	s.CreateOrReuse(ctx, rec, true)
+	r, err := s.Transition(ctx, "del", "gone", t0, store.Transition{From: []string{"provisioning", "running", "stopped", "failed"}, To: "deleting"})
+	if err != nil || r.Gen != 2 {
+		t.Fatalf("deleting: %v gen=%d", err, r.Gen)
+	}
+	if _, err := s.Get(ctx, "del", "gone"); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("name still resolves while deleting: %v", err)
+	}
+	// The name is free again at once; the old record is still there by id until purged.
+	fresh := newRecord("del", "gone", nil)
+	if _, out, err := s.CreateOrReuse(ctx, fresh, true); err != nil || out != protocol.OutcomeCreated {
+		t.Fatalf("recreate: %v %v", out, err)
+	}
+	if err := s.Purge(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Get(ctx, "del", rec.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("purged record still there: %v", err)
+	}
+	if recs, _ := s.ListAll(ctx, "del", store.Filter{Tags: map[string]string{"k": "v"}}); len(recs) != 0 {
+		t.Fatalf("tag index keeps a purged record: %v", recs)
+	}
+	if err := s.Purge(ctx, fresh); !errors.Is(err, store.ErrWrongState) {
+		t.Fatalf("purge of a live record must refuse: %v", err)
+	}
+}
+
+func testAPIKeys(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	key, k, err := s.CreateAPIKey(ctx, "keys", "ci", t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Authenticate(ctx, key)
+	if err != nil || got.Org != "keys" || got.ID != k.ID {
+		t.Fatalf("authenticate: %v %+v", err, got)
+	}
+	raw, _ := s.Client().HGetAll(ctx, store.APIKeyKey(k.ID)).Result()
+	for f, v := range raw {
+		if v == key || (len(v) > 20 && len(key) > 20 && v == key[len(key)-20:]) {
+			t.Fatalf("field %s stores the key in clear", f)
+		}
+	}
+	flipped := key[:len(key)-1] + map[bool]string{true: "B", false: "A"}[key[len(key)-1] == 'A']
+	for _, bad := range []string{"", "sbk_", key + "x", flipped, "sbk_" + k.ID + "_" + "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "Bearer " + key} {
+		if _, err := s.Authenticate(ctx, bad); !errors.Is(err, store.ErrBadKey) {
+			t.Errorf("authenticate %q: want ErrBadKey, got %v", bad, err)
+		}
+	}
+	if _, err := s.RevokeAPIKey(ctx, k.ID, t0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Authenticate(ctx, key); !errors.Is(err, store.ErrBadKey) {
+		t.Fatalf("revoked key still works: %v", err)
+	}
+	if _, _, err := s.CreateAPIKey(ctx, "Bad Org", "x", t0); !errors.Is(err, store.ErrInvalidOrg) {
+		t.Fatalf("bad org: %v", err)
+	}
+	keys, _ := s.ListAPIKeys(ctx, "")
+	if len(keys) != 1 || keys[0].RevokedAt.IsZero() {
+		t.Fatalf("list: %+v", keys)
+	}
+}
+
+// The embedded default keeps records across a restart of its redis-server on the same data dir.
+func TestEmbeddedSurvivesRestart(t *testing.T) {
+	dir := t.TempDir()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	ctx := context.Background()
+	e, err := store.StartEmbedded(ctx, dir, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := redis.NewUniversalClient(e.Options())
+	rec := newRecord("persist", "keepme", nil)
+	if _, _, err := store.New(c).CreateOrReuse(ctx, rec, true); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	e.Stop()
+
+	e, err = store.StartEmbedded(ctx, dir, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Stop()
+	c = redis.NewUniversalClient(e.Options())
+	defer c.Close()
+	got, err := store.New(c).Get(ctx, "persist", "keepme")
+	if err != nil || got.ID != rec.ID {
+		t.Fatalf("after restart: %v %+v", err, got)
+	}
+}

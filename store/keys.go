@@ -60,3 +60,6 @@ func OrgAPIKeysKey(org string) string { return orgKey(org, "apikeys") }
 
 // NodeChannel carries lifecycle commands to the broker that hosts a sandbox.
 func NodeChannel(node string) string { return "sbx:node:" + node }
+
+// NodesKey is a hash of node name -> the base URL clients reach that broker at.
+const NodesKey = "sbx:nodes"

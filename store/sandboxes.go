@@ -309,3 +309,23 @@ func boolArg(b bool) string {
 }
 
 func str(v any) string { s, _ := v.(string); return s }
+
+// bumpGenScript increments a sandbox's token generation if the sandbox exists.
+// KEYS: 1 sandbox hash. Answers the new generation, or 0 when the sandbox is gone.
+var bumpGenScript = redis.NewScript(`
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+return redis.call('HINCRBY', KEYS[1], 'gen', 1)
+`)
+
+// BumpGen increments a sandbox's token generation, which revokes every delegation token minted
+// before, and returns the new generation.
+func (s *Store) BumpGen(ctx context.Context, org, id string) (int64, error) {
+	gen, err := bumpGenScript.Run(ctx, s.rdb, []string{SandboxKey(org, id)}).Int64()
+	if err != nil {
+		return 0, fmt.Errorf("store: bump gen: %w", err)
+	}
+	if gen == 0 {
+		return 0, ErrNotFound
+	}
+	return gen, nil
+}

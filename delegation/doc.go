@@ -1,0 +1,12 @@
+// Package delegation owns the broker's delegation credentials: the Ed25519 signing keyring and its
+// JWKS, minting and verifying delegation tokens (JWT, alg EdDSA, typ protocol.TokenType), the map from
+// dataplane operations to scopes, and the command allowlist policy a token may carry.
+//
+// Every token check in the broker goes through one function, (*Verifier).Verify, and every rejection it
+// returns is a *protocol.Error whose code names the check that failed (see protocol/errors.go). The
+// only other error it returns wraps ErrRevocationState, for a failure of the revocation State itself.
+//
+// It must not touch HTTP, Redis or logging: revocation state (the jti deny-list and each sandbox's
+// token generation) is consulted through the State interface, which the server implements on Redis.
+// Nothing in this package ever puts a token or a key into an error message.
+package delegation

@@ -1,0 +1,191 @@
+package delegation
+
+import (
+	"strings"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// CheckCommand decides whether an exec request may run under a token's command allowlist (its cmd
+// claim). It returns nil, or a *protocol.Error with code command_not_allowed whose message says why.
+//
+// An empty allowlist allows everything. Under an allowlist:
+//   - a request that sets env is refused (env could redirect PATH or LD_PRELOAD);
+//   - argv form (argv non-empty, command empty): argv[0] must equal an allowlisted entry exactly;
+//   - shell-string form (command non-empty, argv empty): command must be a simple command, i.e.
+//     words separated by spaces or tabs, made of plain characters, backslash escapes of plain
+//     characters, '...' (literal) and "..." (in which $, ` and \ are refused). Anything a shell would
+//     treat as an operator, substitution, redirection, comment or assignment (; & | < > ( ) $ `
+//     newline, a word starting with #, a leading NAME=value), any control character, and unterminated
+//     quotes are refused. Its first word after quote removal must equal an allowlisted entry exactly,
+//     so a quoted "pytest", or py'test' (quotes joining within one word, as the shell does), runs
+//     pytest, and ./pytest or /tmp/pytest do not match pytest.
+//     Glob characters, ~, = and braces in later words are allowed: they only ever make arguments.
+//
+// An allowlisted interpreter or launcher (sh, python, env, xargs, find, make, pytest with a writable
+// conftest.py ...) can still run anything: the allowlist narrows what a token runs directly, it does
+// not sandbox what that program does. The guarantee holds for POSIX shells (sh, dash, bash, ash)
+// started non-interactively, which is how the dataplane runs a shell-string command.
+func CheckCommand(allow []string, command string, argv []string, env map[string]string) error {
+	if len(allow) == 0 {
+		return nil
+	}
+	if len(env) > 0 {
+		return notAllowed("a token with a command allowlist may not set environment variables (they could redirect PATH or LD_PRELOAD)")
+	}
+	var program string
+	switch {
+	case command != "" && len(argv) > 0:
+		return notAllowed("give either a shell command or argv, not both")
+	case len(argv) > 0:
+		for _, a := range argv {
+			if strings.IndexByte(a, 0) >= 0 {
+				return notAllowed("an argument contains a NUL byte")
+			}
+		}
+		program = argv[0]
+	default:
+		words, why := splitSimpleCommand(command)
+		if why != "" {
+			return notAllowed(why + "; under a command allowlist only a simple command may run")
+		}
+		program = words[0]
+	}
+	for _, a := range allow {
+		// An entry that is not valid never matches (the verifier refuses such tokens anyway).
+		if a == program && checkCmdEntry(a) == "" {
+			return nil
+		}
+	}
+	return notAllowed(quoteShort(program) + " is not in the token's command allowlist (" + strings.Join(allow, ", ") + ")")
+}
+
+func notAllowed(msg string) *protocol.Error {
+	return &protocol.Error{Code: protocol.CodeCommandNotAllowed, Message: msg}
+}
+
+// splitSimpleCommand splits a shell command into its words after quote removal, or returns why it is
+// not a simple command.
+func splitSimpleCommand(s string) (words []string, why string) {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 && c != '\t' || c == 0x7f {
+			switch c {
+			case '\n', '\r':
+				return nil, "the command contains a line break, which separates commands"
+			case 0:
+				return nil, "the command contains a NUL byte"
+			}
+			return nil, "the command contains a control character"
+		}
+	}
+	if isAssignment(strings.TrimLeft(s, " \t")) {
+		return nil, "the command starts with a variable assignment (NAME=value)"
+	}
+
+	var cur []byte
+	inWord := false
+	for i := 0; i < len(s); {
+		c := s[i]
+		switch {
+		case c == ' ' || c == '\t':
+			if inWord {
+				words = append(words, string(cur))
+				cur, inWord = cur[:0], false
+			}
+			i++
+		case c == '\'':
+			end := strings.IndexByte(s[i+1:], '\'')
+			if end < 0 {
+				return nil, "the command has an unterminated single quote"
+			}
+			cur, inWord = append(cur, s[i+1:i+1+end]...), true
+			i += end + 2
+		case c == '"':
+			j := i + 1
+			for ; j < len(s) && s[j] != '"'; j++ {
+				if d := s[j]; d == '$' || d == '`' || d == '\\' {
+					return nil, "the command has " + quoteByte(d) + " inside double quotes, where the shell expands it"
+				}
+			}
+			if j == len(s) {
+				return nil, "the command has an unterminated double quote"
+			}
+			cur, inWord = append(cur, s[i+1:j]...), true
+			i = j + 1
+		case c == '\\':
+			if i+1 == len(s) {
+				return nil, "the command ends with a backslash"
+			}
+			if d := s[i+1]; isShellMeta(d) {
+				return nil, "the command escapes " + quoteByte(d) + "; quote it instead"
+			}
+			cur, inWord = append(cur, s[i+1]), true
+			i += 2
+		case isShellMeta(c):
+			return nil, "the command contains " + quoteByte(c) + ", a shell operator, substitution or redirection"
+		case c == '#' && !inWord:
+			return nil, "the command contains a comment (#)"
+		default:
+			cur, inWord = append(cur, c), true
+			i++
+		}
+	}
+	if inWord {
+		words = append(words, string(cur))
+	}
+	if len(words) == 0 {
+		return nil, "the command is empty"
+	}
+	return words, ""
+}
+
+// isShellMeta reports the characters that end a simple command or start a substitution or
+// redirection when unquoted.
+func isShellMeta(c byte) bool {
+	switch c {
+	case ';', '&', '|', '<', '>', '(', ')', '$', '`':
+		return true
+	}
+	return false
+}
+
+// isAssignment reports whether s starts with NAME=, which a shell takes as an assignment.
+func isAssignment(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '=':
+			return i > 0
+		case c == '_' || c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || i > 0 && c >= '0' && c <= '9':
+		default:
+			return false
+		}
+	}
+	return false
+}
+
+func quoteByte(c byte) string {
+	if c == '\'' {
+		return `"'"`
+	}
+	return "'" + string(c) + "'"
+}
+
+// RequiredScope returns the scope a dataplane operation needs (docs/dataplane.md): fs:read for stat,
+// ls, read, glob, grep, download and env; fs:write for write, edit, delete, mkdir, move and upload;
+// exec for exec; "" for ping, which any valid token may do. ok is false for an unknown operation,
+// which the caller refuses (unknown_op).
+func RequiredScope(op string) (scope string, ok bool) {
+	scope, ok = opScopes[op]
+	return scope, ok
+}
+
+var opScopes = map[string]string{
+	"stat": protocol.ScopeFSRead, "ls": protocol.ScopeFSRead, "read": protocol.ScopeFSRead,
+	"glob": protocol.ScopeFSRead, "grep": protocol.ScopeFSRead, "download": protocol.ScopeFSRead,
+	"env":   protocol.ScopeFSRead,
+	"write": protocol.ScopeFSWrite, "edit": protocol.ScopeFSWrite, "delete": protocol.ScopeFSWrite,
+	"mkdir": protocol.ScopeFSWrite, "move": protocol.ScopeFSWrite, "upload": protocol.ScopeFSWrite,
+	"exec": protocol.ScopeExec,
+	"ping": "",
+}

@@ -1,0 +1,293 @@
+package delegation
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Service is delegation on top of the store: minting with recorded metadata, listing, revocation (a
+// jti deny-list and the sandbox's token generation, both in Redis, announced to every broker), and
+// introspection. It implements State for the Verifier.
+type Service struct {
+	issuer   *Issuer
+	verifier *Verifier
+	store    *store.Store
+	rdb      redis.UniversalClient
+	events   events.Sink
+	log      *slog.Logger
+	now      func() time.Time
+	// dataplaneURL builds the dataplane URL of a sandbox from the node that hosts it.
+	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
+}
+
+// ServiceConfig wires a Service.
+type ServiceConfig struct {
+	Keys         *Keyring
+	Token        Config
+	Store        *store.Store
+	Events       events.Sink
+	Log          *slog.Logger
+	DataplaneURL func(ctx context.Context, rec store.Record) (string, error)
+}
+
+// NewService builds the service and its verifier (which consults the service for revocations).
+func NewService(cfg ServiceConfig) (*Service, error) {
+	s := &Service{store: cfg.Store, rdb: cfg.Store.Client(), events: cfg.Events, log: cfg.Log, dataplaneURL: cfg.DataplaneURL}
+	var err error
+	if s.issuer, err = NewIssuer(cfg.Keys, cfg.Token); err != nil {
+		return nil, err
+	}
+	if s.verifier, err = NewVerifier(cfg.Keys, cfg.Token, s); err != nil {
+		return nil, err
+	}
+	s.now = s.issuer.cfg.Now
+	if s.events == nil {
+		s.events = events.Discard
+	}
+	return s, nil
+}
+
+// Verifier is the one verifier of delegation tokens, with revocation checks.
+func (s *Service) Verifier() *Verifier { return s.verifier }
+
+// metadata is what the broker keeps of a minted token (never the token).
+type metadata struct {
+	Scopes   []string `json:"scopes"`
+	AllowCmd []string `json:"allow_cmd,omitempty"`
+	Iat      int64    `json:"iat"`
+	Exp      int64    `json:"exp"`
+	Sub      string   `json:"sub"`
+	Gen      int64    `json:"gen"`
+}
+
+// Mint mints a token for one sandbox and returns it with its run-config block. actor is the owner
+// principal ("key:<id>").
+func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req protocol.MintRequest) (protocol.MintResponse, error) {
+	switch rec.Status {
+	case protocol.StatusDeleting:
+		return protocol.MintResponse{}, protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", rec.Name)
+	case protocol.StatusFailed:
+		return protocol.MintResponse{}, protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %s failed; delete it and create another", rec.Name)
+	}
+	var ttl time.Duration
+	if req.TTLSeconds != nil {
+		if *req.TTLSeconds <= 0 || *req.TTLSeconds > int64(s.issuer.cfg.MaxTTL/time.Second) {
+			return protocol.MintResponse{}, protocol.Errorf(protocol.CodeInvalidTTL,
+				"ttl_seconds must be between 1 and %d (the broker's maximum token lifetime)", int64(s.issuer.cfg.MaxTTL/time.Second))
+		}
+		ttl = time.Duration(*req.TTLSeconds) * time.Second
+	}
+	url, err := s.dataplaneURL(ctx, rec)
+	if err != nil {
+		return protocol.MintResponse{}, err
+	}
+	token, c, err := s.issuer.Mint(Grant{Org: rec.Org, SandboxID: rec.ID, Gen: rec.Gen, Subject: actor,
+		Scopes: req.Scopes, AllowCmd: req.AllowCmd, TTL: ttl})
+	if err != nil {
+		return protocol.MintResponse{}, err
+	}
+	meta, _ := json.Marshal(metadata{Scopes: c.Scopes(), AllowCmd: c.Cmd, Iat: c.IssuedAt.Unix(), Exp: c.ExpiresAt.Unix(), Sub: actor, Gen: c.Gen})
+	if err := s.rdb.HSet(ctx, store.DelegationsKey(rec.Org, rec.ID), c.ID, meta).Err(); err != nil {
+		return protocol.MintResponse{}, fmt.Errorf("delegation: record token: %w", err)
+	}
+	s.events.Emit(rec.Org, protocol.Event{Type: protocol.EventTokenMinted, SandboxID: rec.ID, Name: rec.Name,
+		Time: s.now().UTC(), Actor: actor, JTI: c.ID})
+	return protocol.MintResponse{
+		Token: token, JTI: c.ID, ExpiresAt: c.ExpiresAt.Time.UTC(),
+		Sandbox: protocol.SandboxBlock{SandboxID: rec.ID, Credential: token, DataplaneURL: url},
+	}, nil
+}
+
+// List returns the metadata of a sandbox's unexpired tokens, newest first, pruning expired ones.
+func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delegation, error) {
+	key := store.DelegationsKey(rec.Org, rec.ID)
+	all, err := s.rdb.HGetAll(ctx, key).Result()
+	if err != nil {
+		return nil, fmt.Errorf("delegation: list: %w", err)
+	}
+	now := s.now()
+	out := []protocol.Delegation{}
+	var expired []string
+	jtis := make([]string, 0, len(all))
+	for jti := range all {
+		jtis = append(jtis, jti)
+	}
+	denied := map[string]bool{}
+	if len(jtis) > 0 {
+		pipe := s.rdb.Pipeline()
+		cmds := make([]*redis.IntCmd, len(jtis))
+		for i, jti := range jtis {
+			cmds[i] = pipe.Exists(ctx, store.RevokedKey(rec.Org, jti))
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			return nil, fmt.Errorf("delegation: list: %w", err)
+		}
+		for i, c := range cmds {
+			denied[jtis[i]] = c.Val() == 1
+		}
+	}
+	for _, jti := range jtis {
+		var m metadata
+		if json.Unmarshal([]byte(all[jti]), &m) != nil || time.Unix(m.Exp, 0).Before(now) {
+			expired = append(expired, jti)
+			continue
+		}
+		out = append(out, protocol.Delegation{
+			JTI: jti, SandboxID: rec.ID, Scopes: m.Scopes, AllowCmd: m.AllowCmd, IssuedBy: m.Sub,
+			IssuedAt: time.Unix(m.Iat, 0).UTC(), ExpiresAt: time.Unix(m.Exp, 0).UTC(),
+			Revoked: denied[jti] || m.Gen < rec.Gen,
+		})
+	}
+	if len(expired) > 0 {
+		s.rdb.HDel(ctx, key, expired...)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].IssuedAt.After(out[j].IssuedAt) })
+	return out, nil
+}
+
+// Revoke denies one token by jti until it would have expired anyway, and tells every broker.
+func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti string) error {
+	raw, err := s.rdb.HGet(ctx, store.DelegationsKey(rec.Org, rec.ID), jti).Result()
+	if errors.Is(err, redis.Nil) {
+		return protocol.Errorf(protocol.CodeNotFound, "sandbox %s has no unexpired token %q (see sbctl delegations)", rec.Name, clipJTI(jti))
+	}
+	if err != nil {
+		return fmt.Errorf("delegation: revoke: %w", err)
+	}
+	var m metadata
+	json.Unmarshal([]byte(raw), &m)
+	ttl := time.Until(time.Unix(m.Exp, 0)) + s.issuer.cfg.Leeway
+	if ttl <= 0 {
+		return nil // already expired: nothing to deny
+	}
+	if err := s.rdb.Set(ctx, store.RevokedKey(rec.Org, jti), 1, ttl).Err(); err != nil {
+		return fmt.Errorf("delegation: revoke: %w", err)
+	}
+	s.announce(ctx, Revocation{Org: rec.Org, SandboxID: rec.ID, JTI: jti})
+	s.events.Emit(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
+		Time: s.now().UTC(), Actor: actor, JTI: jti})
+	return nil
+}
+
+// RevokeAll revokes every token of a sandbox by bumping its generation.
+func (s *Service) RevokeAll(ctx context.Context, rec store.Record, actor string) error {
+	gen, err := s.store.BumpGen(ctx, rec.Org, rec.ID)
+	if errors.Is(err, store.ErrNotFound) {
+		return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", rec.Name)
+	}
+	if err != nil {
+		return err
+	}
+	s.announce(ctx, Revocation{Org: rec.Org, SandboxID: rec.ID, Gen: gen})
+	s.events.Emit(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
+		Time: s.now().UTC(), Actor: actor, Reason: "all tokens of the sandbox"})
+	return nil
+}
+
+// Revocation is announced on store.RevocationsChannel so every broker closes affected connections:
+// one token (JTI), or every token of a sandbox older than Gen.
+type Revocation struct {
+	Org       string `json:"org"`
+	SandboxID string `json:"sandbox_id"`
+	JTI       string `json:"jti,omitempty"`
+	Gen       int64  `json:"gen,omitempty"`
+}
+
+func (s *Service) announce(ctx context.Context, r Revocation) {
+	msg, _ := json.Marshal(r)
+	if err := s.rdb.Publish(ctx, store.RevocationsChannel, msg).Err(); err != nil {
+		s.log.Warn("could not announce a revocation; open connections learn it at their next re-check", "sandbox_id", r.SandboxID, "err", err)
+	}
+}
+
+// Announce tells every broker that a sandbox's tokens stopped working for another reason (deleted,
+// stopped), so open dataplane connections close.
+func (s *Service) Announce(ctx context.Context, org, sandboxID string) {
+	s.announce(ctx, Revocation{Org: org, SandboxID: sandboxID, Gen: 1 << 62})
+}
+
+// CheckRevocation implements State: one round trip reads the deny-list entry and the sandbox's
+// current generation and status.
+func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
+	pipe := s.rdb.Pipeline()
+	denied := pipe.Exists(ctx, store.RevokedKey(c.Org, c.ID))
+	state := pipe.HMGet(ctx, store.SandboxKey(c.Org, c.Sbx), "gen", "status")
+	if _, err := pipe.Exec(ctx); err != nil {
+		return err
+	}
+	if denied.Val() == 1 {
+		return protocol.Errorf(protocol.CodeTokenRevoked, "the token was revoked")
+	}
+	vals := state.Val()
+	genStr, _ := vals[0].(string)
+	status, _ := vals[1].(string)
+	if genStr == "" || status == protocol.StatusDeleting {
+		return protocol.Errorf(protocol.CodeTokenRevoked, "the token's sandbox was deleted")
+	}
+	var gen int64
+	fmt.Sscan(genStr, &gen)
+	if c.Gen < gen {
+		return protocol.Errorf(protocol.CodeTokenRevoked, "every token of the sandbox was revoked")
+	}
+	return nil
+}
+
+// Introspect says whether a token is usable now, for an agent server of org checking a block it was
+// handed. A token of another org is simply inactive, with no reason: nothing about it leaks.
+func (s *Service) Introspect(ctx context.Context, org, token string) (protocol.IntrospectResponse, error) {
+	c, err := s.verifier.Verify(ctx, token)
+	if err != nil {
+		var pe *protocol.Error
+		if errors.As(err, &pe) {
+			return protocol.IntrospectResponse{Active: false, Reason: pe.Code}, nil
+		}
+		return protocol.IntrospectResponse{}, err
+	}
+	if c.Org != org {
+		return protocol.IntrospectResponse{Active: false}, nil
+	}
+	return protocol.IntrospectResponse{Active: true, SandboxID: c.Sbx, Org: c.Org, Scopes: c.Scopes(),
+		AllowCmd: c.Cmd, JTI: c.ID, Exp: c.ExpiresAt.Unix()}, nil
+}
+
+// Subscribe calls fn for every revocation announced by any broker until ctx ends. Announcements
+// are best effort (Redis pub/sub): a subscriber that was disconnected misses some, so holders of
+// long-lived connections also re-verify them periodically.
+func Subscribe(ctx context.Context, rdb redis.UniversalClient, fn func(Revocation)) {
+	sub := rdb.Subscribe(ctx, store.RevocationsChannel)
+	defer sub.Close()
+	ch := sub.Channel(redis.WithChannelHealthCheckInterval(5 * time.Second))
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case msg, ok := <-ch:
+			if !ok {
+				return
+			}
+			var r Revocation
+			if json.Unmarshal([]byte(msg.Payload), &r) == nil {
+				fn(r)
+			}
+		}
+	}
+}
+
+func clipJTI(s string) string {
+	if len(s) > 64 {
+		s = s[:64]
+	}
+	return strings.ToValidUTF8(s, "?")
+}

@@ -1,0 +1,126 @@
+// Package events is the broker's event log: one Redis stream per org, bounded in length, written by
+// lifecycle, delegation, heartbeat and dataplane code through the Sink interface, and read by SSE
+// subscribers. It owns the stream keys' contents and the fan-out; it must not decide anything about
+// sandboxes.
+package events
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Sink receives events. Emit must not block the caller: it is called on hot paths (every dataplane
+// write) and must never slow them down.
+type Sink interface {
+	Emit(org string, e protocol.Event)
+}
+
+// Discard is a Sink that drops everything (tests of packages that do not look at events).
+var Discard Sink = discard{}
+
+type discard struct{}
+
+func (discard) Emit(string, protocol.Event) {}
+
+// StreamMaxLen bounds each org's stream (approximately: XADD MAXLEN ~).
+const StreamMaxLen = 10000
+
+// Writer appends events to the org streams from one goroutine, in batches, in the order emitted.
+type Writer struct {
+	rdb     redis.UniversalClient
+	log     *slog.Logger
+	queue   chan queued
+	dropped atomic.Int64
+	done    chan struct{}
+}
+
+type queued struct {
+	org string
+	e   protocol.Event
+}
+
+// NewWriter starts a writer; Close flushes it.
+func NewWriter(rdb redis.UniversalClient, log *slog.Logger) *Writer {
+	w := &Writer{rdb: rdb, log: log, queue: make(chan queued, 8192), done: make(chan struct{})}
+	go w.run()
+	return w
+}
+
+// Emit queues e for org's stream. When the queue is full (Redis down or far behind) the event is
+// dropped and counted; the caller is never blocked.
+func (w *Writer) Emit(org string, e protocol.Event) {
+	if e.Time.IsZero() {
+		e.Time = time.Now().UTC()
+	}
+	select {
+	case w.queue <- queued{org, e}:
+	default:
+		if w.dropped.Add(1)%1000 == 1 {
+			w.log.Warn("event queue full: dropping events", "dropped_total", w.dropped.Load())
+		}
+	}
+}
+
+// Dropped is the number of events dropped because the queue was full.
+func (w *Writer) Dropped() int64 { return w.dropped.Load() }
+
+// Close writes what is queued and stops the writer.
+func (w *Writer) Close() {
+	close(w.queue)
+	<-w.done
+}
+
+func (w *Writer) run() {
+	defer close(w.done)
+	batch := make([]queued, 0, 256)
+	for q := range w.queue {
+		batch = append(batch[:0], q)
+	fill:
+		for len(batch) < cap(batch) {
+			select {
+			case q, ok := <-w.queue:
+				if !ok {
+					break fill
+				}
+				batch = append(batch, q)
+			default:
+				break fill
+			}
+		}
+		w.write(batch)
+	}
+}
+
+func (w *Writer) write(batch []queued) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for attempt := 0; ; attempt++ {
+		_, err := w.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, q := range batch {
+				data, _ := json.Marshal(q.e)
+				p.XAdd(ctx, &redis.XAddArgs{
+					Stream: store.EventsKey(q.org), MaxLen: StreamMaxLen, Approx: true,
+					Values: []any{"sandbox_id", q.e.SandboxID, "data", data},
+				})
+			}
+			return nil
+		})
+		if err == nil {
+			return
+		}
+		if attempt == 2 || ctx.Err() != nil {
+			w.log.Error("event log write failed: events lost", "events", len(batch), "err", err)
+			w.dropped.Add(int64(len(batch)))
+			return
+		}
+		time.Sleep(100 * time.Millisecond << attempt)
+	}
+}

@@ -1,0 +1,52 @@
+package protocol
+
+import "time"
+
+// Event types on the SSE streams (GET /v1/sandboxes/{ref}/events, GET /v1/events).
+const (
+	EventCreated      = "created"
+	EventReused       = "reused"
+	EventResumed      = "resumed"
+	EventStopped      = "stopped" // reason: requested | ttl_expired | runtime_lost
+	EventFailed       = "failed"  // reason: why provisioning failed
+	EventDeleted      = "deleted"
+	EventExpiring     = "expiring" // seconds_left before the sweeper stops it
+	EventConnected    = "connected"
+	EventDisconnected = "disconnected"
+	EventFileWritten  = "file_written"
+	EventFileDeleted  = "file_deleted"
+	EventExec         = "exec"
+	EventTokenMinted  = "token_minted"
+	EventTokenRevoked = "token_revoked"
+	// EventReset is sent to a resuming subscriber whose Last-Event-ID fell out of the stream: events
+	// between it and the first event that follows were lost.
+	EventReset = "reset"
+)
+
+// SSEEventName is the SSE "event:" field of every sandbox event.
+const SSEEventName = "sandbox"
+
+// Event is one sandbox event: the SSE data field. Events name a token by its jti, never carry it.
+type Event struct {
+	// ID is the event's position in the org's stream (the SSE id, for Last-Event-ID).
+	ID        string    `json:"id,omitempty"`
+	Type      string    `json:"type"`
+	SandboxID string    `json:"sandbox_id"`
+	Name      string    `json:"name,omitempty"`
+	Time      time.Time `json:"time"`
+	// Actor is who caused it: "key:<api key id>", "token:<jti>", "sweeper", "broker".
+	Actor string `json:"actor,omitempty"`
+	// Reason qualifies stopped, failed, resumed and reset events.
+	Reason string `json:"reason,omitempty"`
+	// Path for file events; Command, ExitCode and DurationMS for exec.
+	Path       string `json:"path,omitempty"`
+	Command    string `json:"command,omitempty"`
+	ExitCode   *int   `json:"exit_code,omitempty"`
+	DurationMS *int64 `json:"duration_ms,omitempty"`
+	// JTI names the token for connected, disconnected, token_minted and token_revoked.
+	JTI string `json:"jti,omitempty"`
+	// SecondsLeft before the deadline, for expiring.
+	SecondsLeft *int64 `json:"seconds_left,omitempty"`
+	// Status is the sandbox's status after the event, where it changed.
+	Status string `json:"status,omitempty"`
+}

@@ -64,7 +64,8 @@ type ExecRequest struct {
 	Cwd string
 	// Env is added to (and overrides) the sandbox environment.
 	Env map[string]string
-	// Stdin feeds the command's standard input; nil means an empty one.
+	// Stdin feeds the command's standard input; nil means an empty one. Once the command has
+	// ended, Exec waits up to a second for a Read on Stdin that is still blocked, then abandons it.
 	Stdin io.Reader
 	// Stdout and Stderr receive output as it comes. When Stderr is nil, stderr goes to Stdout through
 	// the same pipe, interleaved as the command wrote it. A nil Stdout discards output.

@@ -1,0 +1,393 @@
+package provider
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The controllers limits need, by the name both cgroup versions use.
+var cgroupControllers = []string{"memory", "pids", "cpu"}
+
+// cgroupHost is what this host offers for limits, found once per provider.
+type cgroupHost struct {
+	version string            // "v2", "v1", or "" when nothing is usable
+	parents map[string]string // controller → <mount>/<parent>; on v2 all three are the same dir
+	// reason says why some or all limits are not enforced; empty when all are.
+	reason string
+}
+
+func (h *cgroupHost) enforced() bool { return h.version != "" && h.reason == "" }
+
+// detectCgroups picks v2 when a cgroup2 mount offers memory, pids and cpu, else the v1 per-controller
+// hierarchies, and creates <mount>/<parent> in each to prove they are writable. It never fails: what
+// is not usable is recorded in reason and the sandboxes run without that limit.
+func detectCgroups(parent string) *cgroupHost {
+	h := &cgroupHost{parents: map[string]string{}}
+	mounts, err := cgroupMounts()
+	if err != nil {
+		h.reason = "cannot read /proc/self/mountinfo: " + err.Error()
+		return h
+	}
+	for _, m := range mounts {
+		if !m.v2 {
+			continue
+		}
+		ctrls, err := os.ReadFile(filepath.Join(m.dir, "cgroup.controllers"))
+		if err != nil || !hasAll(strings.Fields(string(ctrls)), cgroupControllers) {
+			continue
+		}
+		dir := filepath.Join(m.dir, parent)
+		err = setupV2Parent(m.dir, dir)
+		if err == nil {
+			err = unix.Access(dir, unix.W_OK|unix.X_OK)
+		}
+		if err != nil {
+			h.reason = fmt.Sprintf("cgroup v2 at %s is not usable: %v (run the broker as root or give it a delegated cgroup)", m.dir, err)
+			return h
+		}
+		h.version = "v2"
+		for _, c := range cgroupControllers {
+			h.parents[c] = dir
+		}
+		return h
+	}
+	var missing, failed []string
+	for _, c := range cgroupControllers {
+		mnt := ""
+		for _, m := range mounts {
+			if !m.v2 && m.has(c) {
+				mnt = m.dir
+				break
+			}
+		}
+		if mnt == "" {
+			missing = append(missing, c)
+			continue
+		}
+		dir := filepath.Join(mnt, parent)
+		err := os.MkdirAll(dir, 0o755)
+		if err == nil {
+			// It may exist already (made by a root broker) without being ours to write.
+			err = unix.Access(dir, unix.W_OK|unix.X_OK)
+		}
+		if err != nil {
+			failed = append(failed, fmt.Sprintf("%s (%s: %v)", c, dir, unwrapPathErr(err)))
+			continue
+		}
+		h.parents[c] = dir
+	}
+	if len(h.parents) > 0 {
+		h.version = "v1"
+	}
+	var why []string
+	if len(missing) > 0 {
+		why = append(why, "no cgroup controller for "+strings.Join(missing, ", ")+" (no cgroup2 mount with them, no v1 hierarchy)")
+	}
+	if len(failed) > 0 {
+		why = append(why, "cannot create cgroups for "+strings.Join(failed, ", ")+": run the broker as root or give it a delegated cgroup")
+	}
+	h.reason = strings.Join(why, "; ")
+	return h
+}
+
+// setupV2Parent creates the parent cgroup and enables the controllers for its children. v2 only lets a
+// cgroup use a controller its parent enabled in cgroup.subtree_control, all the way from the root.
+func setupV2Parent(root, dir string) error {
+	want := "+memory +pids +cpu"
+	if err := os.WriteFile(filepath.Join(root, "cgroup.subtree_control"), []byte(want), 0); err != nil {
+		return err
+	}
+	rel, _ := filepath.Rel(root, dir)
+	cur := root
+	for _, part := range strings.Split(rel, string(filepath.Separator)) {
+		cur = filepath.Join(cur, part)
+		if err := os.Mkdir(cur, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(cur, "cgroup.subtree_control"), []byte(want), 0); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+type cgroupMount struct {
+	dir  string
+	v2   bool
+	opts []string // v1 super options (holds the controller names)
+}
+
+func (m cgroupMount) has(c string) bool {
+	for _, o := range m.opts {
+		if o == c {
+			return true
+		}
+	}
+	return false
+}
+
+func cgroupMounts() ([]cgroupMount, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []cgroupMount
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// "36 25 0:31 / /sys/fs/cgroup/memory rw,relatime shared:15 - cgroup cgroup rw,memory"
+		pre, post, ok := strings.Cut(sc.Text(), " - ")
+		if !ok {
+			continue
+		}
+		pf, qf := strings.Fields(pre), strings.Fields(post)
+		if len(pf) < 5 || len(qf) < 3 {
+			continue
+		}
+		switch qf[0] {
+		case "cgroup2":
+			out = append(out, cgroupMount{dir: unescapeMount(pf[4]), v2: true})
+		case "cgroup":
+			out = append(out, cgroupMount{dir: unescapeMount(pf[4]), opts: strings.Split(qf[2], ",")})
+		}
+	}
+	return out, sc.Err()
+}
+
+// unescapeMount undoes mountinfo's octal escapes (\040 for a space).
+func unescapeMount(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+func hasAll(have, want []string) bool {
+	for _, w := range want {
+		found := false
+		for _, h := range have {
+			if h == w {
+				found = true
+				break
+			}
+		}
+		if !found {
+			return false
+		}
+	}
+	return true
+}
+
+// staleCgroupAge is how old an empty sandbox cgroup must be before a starting provider removes it
+// as a leftover. A live sandbox's cgroup is empty only for the milliseconds between its creation
+// and the attach, so anything empty and older is what a crashed broker could not remove.
+const staleCgroupAge = time.Minute
+
+// sweepStale removes empty sandbox cgroups older than minAge under the parents: the leftovers of a
+// broker that crashed (its sandboxes died with it, their cgroups stayed).
+func (h *cgroupHost) sweepStale(minAge time.Duration) {
+	seen := map[string]bool{}
+	for _, parent := range h.parents {
+		if seen[parent] {
+			continue
+		}
+		seen[parent] = true
+		entries, err := os.ReadDir(parent)
+		if err != nil {
+			continue
+		}
+		for _, e := range entries {
+			if !e.IsDir() || !validID(e.Name()) {
+				continue
+			}
+			dir := filepath.Join(parent, e.Name())
+			fi, err := e.Info()
+			if err != nil || time.Since(fi.ModTime()) < minAge {
+				continue
+			}
+			if procs, err := os.ReadFile(filepath.Join(dir, "cgroup.procs")); err == nil && len(bytes.TrimSpace(procs)) == 0 {
+				os.Remove(dir) // fails harmlessly if a process joined meanwhile
+			}
+		}
+	}
+}
+
+// cgroupSet is one sandbox's cgroups: one dir on v2, one per controller on v1.
+type cgroupSet struct {
+	v2     bool
+	dirs   []string // distinct dirs, for attach and remove
+	memDir string   // where the OOM-kill counter lives; "" without a memory controller
+}
+
+// create makes the sandbox's cgroups and writes its limits. An existing cgroup of the same name (a
+// broker that crashed before removing it) is reused; its old limits are overwritten.
+func (h *cgroupHost) create(id string, l Limits) (*cgroupSet, error) {
+	if h.version == "" {
+		return nil, nil
+	}
+	s := &cgroupSet{v2: h.version == "v2"}
+	seen := map[string]bool{}
+	for _, c := range cgroupControllers {
+		parent, ok := h.parents[c]
+		if !ok {
+			continue
+		}
+		dir := filepath.Join(parent, id)
+		if !seen[dir] {
+			if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+				s.remove()
+				return nil, fmt.Errorf("create cgroup %s: %w", dir, err)
+			}
+			seen[dir] = true
+			s.dirs = append(s.dirs, dir)
+		}
+		if err := s.writeLimit(c, dir, l); err != nil {
+			s.remove()
+			return nil, err
+		}
+		if c == "memory" {
+			s.memDir = dir
+		}
+	}
+	return s, nil
+}
+
+func (s *cgroupSet) writeLimit(controller, dir string, l Limits) error {
+	type kv struct{ file, value string }
+	var writes []kv
+	optional := map[string]bool{}
+	switch {
+	case controller == "memory" && s.v2:
+		writes = []kv{{"memory.max", itoa(l.MemoryBytes)}, {"memory.swap.max", "0"}}
+		optional["memory.swap.max"] = true // absent without swap accounting
+	case controller == "memory":
+		// memsw caps memory+swap, so swap cannot dodge the limit; it must come after
+		// limit_in_bytes (memsw >= memory is enforced) and is absent without swap accounting.
+		// A reused cgroup may hold a smaller memsw limit, which would block raising the memory
+		// limit; this first write fixes that and is redone below when lowering.
+		_ = os.WriteFile(filepath.Join(dir, "memory.memsw.limit_in_bytes"), []byte(itoa(l.MemoryBytes)), 0)
+		writes = []kv{{"memory.limit_in_bytes", itoa(l.MemoryBytes)}, {"memory.memsw.limit_in_bytes", itoa(l.MemoryBytes)}}
+		optional["memory.memsw.limit_in_bytes"] = true
+	case controller == "pids":
+		writes = []kv{{"pids.max", itoa(l.Pids)}}
+	case controller == "cpu" && s.v2:
+		const period = 100000
+		writes = []kv{{"cpu.max", fmt.Sprintf("%d %d", int64(l.CPUs*period), period)}}
+	case controller == "cpu":
+		const period = 100000
+		writes = []kv{{"cpu.cfs_period_us", itoa(period)}, {"cpu.cfs_quota_us", itoa(int64(l.CPUs * period))}}
+	}
+	for _, w := range writes {
+		p := filepath.Join(dir, w.file)
+		if err := os.WriteFile(p, []byte(w.value), 0); err != nil {
+			if optional[w.file] && errors.Is(err, fs.ErrNotExist) {
+				continue
+			}
+			return fmt.Errorf("set cgroup limit %s=%s: %w", p, w.value, err)
+		}
+	}
+	return nil
+}
+
+// attach moves processes (each with all its threads) into every cgroup of the set. Children forked
+// afterwards inherit the cgroups, which is why this runs before the first command.
+func (s *cgroupSet) attach(pids ...int) error {
+	for _, dir := range s.dirs {
+		for _, pid := range pids {
+			if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {
+				return fmt.Errorf("attach pid %d to cgroup %s: %w", pid, dir, err)
+			}
+		}
+	}
+	return nil
+}
+
+// oomKills is the cgroup's OOM-kill counter (v1 memory.oom_control, v2 memory.events), -1 if unknown.
+func (s *cgroupSet) oomKills() int64 {
+	if s == nil || s.memDir == "" {
+		return -1
+	}
+	file := "memory.oom_control"
+	if s.v2 {
+		file = "memory.events"
+	}
+	b, err := os.ReadFile(filepath.Join(s.memDir, file))
+	if err != nil {
+		return -1
+	}
+	for _, line := range bytes.Split(b, []byte("\n")) {
+		if v, ok := bytes.CutPrefix(line, []byte("oom_kill ")); ok {
+			n, err := strconv.ParseInt(string(bytes.TrimSpace(v)), 10, 64)
+			if err == nil {
+				return n
+			}
+		}
+	}
+	return -1
+}
+
+// stat reads one value file of the set (tests and diagnostics): e.g. "pids.max".
+func (s *cgroupSet) stat(file string) string {
+	if s == nil {
+		return ""
+	}
+	for _, dir := range s.dirs {
+		if b, err := os.ReadFile(filepath.Join(dir, file)); err == nil {
+			return strings.TrimSpace(string(b))
+		}
+	}
+	return ""
+}
+
+// remove deletes the cgroups. A cgroup can be removed only once its last task is gone; exited
+// processes may take a moment to be released, so it retries briefly.
+func (s *cgroupSet) remove() error {
+	if s == nil {
+		return nil
+	}
+	var errs []error
+	dirs := append([]string(nil), s.dirs...)
+	sort.Sort(sort.Reverse(sort.StringSlice(dirs)))
+	for _, dir := range dirs {
+		var err error
+		for wait := time.Millisecond; ; wait *= 2 {
+			err = os.Remove(dir)
+			if err == nil || errors.Is(err, fs.ErrNotExist) {
+				err = nil
+				break
+			}
+			if wait > 512*time.Millisecond {
+				break
+			}
+			time.Sleep(wait)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("remove cgroup %s: %w", dir, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func itoa(v int64) string { return strconv.FormatInt(v, 10) }

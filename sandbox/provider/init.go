@@ -1,0 +1,428 @@
+package provider
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// InitArg is the argument that turns the broker's executable into a sandbox's resident init.
+const InitArg = "sandbox-init"
+
+// ctlFD is the init's end of the control socket.
+const ctlFD = 3
+
+// RunInit runs the resident init and never returns. Mains call it first thing when os.Args[1] is
+// InitArg (see the package doc); it expects the control socket on fd 3.
+func RunInit() {
+	if err := runInit(); err != nil {
+		fmt.Fprintf(os.Stderr, "sandbox-init: %v\n", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// initProc is the init's state.
+type initProc struct {
+	ctl     *ctlConn
+	env     []string // the whole environment commands start from
+	devnull int
+	host    bool // dir provider: shares the host's pid space
+	self    int
+
+	// mu is held across fork+register and across every reap, so the reaper never reaps a child it
+	// does not know yet (and so a pid is never reused under a registered command).
+	mu    sync.Mutex
+	byPid map[int]*initChild
+	byID  map[uint64]*initChild
+	// forked wakes the reaper when it found no children to wait for.
+	forked chan struct{}
+}
+
+type initChild struct {
+	id  uint64
+	pid int
+	bg  bool
+}
+
+func runInit() error {
+	// Nothing inherited may stay open in the sandbox: fd 3 is ours, anything above it (the exe fd
+	// bwrap ran us from, whatever leaked into the broker) goes at once.
+	unix.CloseOnExec(ctlFD)
+	closeInherited(ctlFD + 1)
+	ctl := newBlockingCtlConn(ctlFD)
+	buf := make([]byte, maxMessage+4096)
+	oob := make([]byte, unix.CmsgSpace(8*4)) // the broker sends at most 3 fds; room to spare
+	var cfg request
+	n, _, _, err := ctl.recv(buf, oob)
+	if err != nil || n == 0 {
+		return fmt.Errorf("read config: %v", err)
+	}
+	if err := json.Unmarshal(buf[:n], &cfg); err != nil || cfg.Op != opConfig {
+		return fmt.Errorf("bad config message")
+	}
+	// Orphans (a command's background children whose parent exited) come back to us, so they stay
+	// in the tree Stop and timeouts walk. In the namespace provider we are pid 1 and get them anyway.
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+	devnull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open /dev/null: %w", err)
+	}
+	p := &initProc{
+		ctl:     ctl,
+		env:     cfg.Env,
+		devnull: devnull,
+		host:    cfg.Host,
+		self:    os.Getpid(),
+		byPid:   make(map[int]*initChild),
+		byID:    make(map[uint64]*initChild),
+		forked:  make(chan struct{}, 1),
+	}
+	warmThreads(4)
+	p.handleSignals()
+	go p.reap()
+	if err := p.reply(&reply{Op: opReady, Pid: p.self}); err != nil {
+		return fmt.Errorf("send ready: %w", err)
+	}
+
+	for {
+		n, oobn, flags, err := ctl.recv(buf, oob)
+		if err != nil || n == 0 {
+			// The broker is gone (or closed us): end everything. In a pid namespace our exit does
+			// that; on the host we must.
+			if p.host {
+				p.killAll()
+			}
+			return nil
+		}
+		fds, _ := parseRights(oob[:oobn])
+		var req request
+		if flags&unix.MSG_TRUNC != 0 || json.Unmarshal(buf[:n], &req) != nil {
+			// Not a request we can answer (the broker never sends these); drop it.
+			closeFDs(fds)
+			continue
+		}
+		if flags&unix.MSG_CTRUNC != 0 {
+			closeFDs(fds)
+			p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: "too many file descriptors"})
+			continue
+		}
+		switch req.Op {
+		case opExec:
+			p.exec(&req, fds)
+		case opKill:
+			closeFDs(fds)
+			p.kill(req.ID)
+		default:
+			closeFDs(fds)
+		}
+	}
+}
+
+// handleSignals keeps the init alive when a command signals it (`kill -TERM 1`, `kill -HUP $PPID`):
+// the Go runtime's default is to exit on them, which would end the sandbox. They are caught, not
+// ignored, because an ignored signal stays ignored in every command we exec.
+//
+// The dir provider starts us with Pdeathsig SIGTERM: when the broker has died (our parent changed)
+// we end every command before we go, since there is no pid namespace to do it for us.
+func (p *initProc) handleSignals() {
+	parent := os.Getppid()
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT, unix.SIGUSR1, unix.SIGUSR2,
+		unix.SIGALRM, unix.SIGVTALRM, unix.SIGPIPE, unix.SIGTSTP, unix.SIGTTIN, unix.SIGTTOU)
+	go func() {
+		for sig := range sigs {
+			if sig == unix.SIGTERM && p.host && os.Getppid() != parent {
+				p.killAll()
+				os.Exit(0)
+			}
+		}
+	}()
+}
+
+// warmThreads makes the Go runtime create n spare OS threads now. Threads count against the pids
+// limit; under a fork bomb the runtime could not create one when it needs it and would abort the
+// init. Parked idle threads are reused and never freed, so creating a few up front avoids that.
+func warmThreads(n int) {
+	var ready, release sync.WaitGroup
+	ready.Add(n)
+	release.Add(1)
+	for i := 0; i < n; i++ {
+		go func() {
+			runtime.LockOSThread()
+			ready.Done()
+			release.Wait()
+			runtime.UnlockOSThread()
+		}()
+	}
+	ready.Wait()
+	release.Done()
+}
+
+// closeInherited closes the fds from `from` up that we inherited. Those are exactly the ones without
+// FD_CLOEXEC: exec only passes such fds on, and the Go runtime and standard library open everything
+// with O_CLOEXEC, so no fd of the runtime's is touched. Without /proc it falls back to marking all of
+// them close-on-exec, which at least keeps them from commands.
+func closeInherited(from int) {
+	d, err := os.Open("/proc/self/fd")
+	if err != nil {
+		unix.CloseRange(uint(from), ^uint(0)>>1, unix.CLOSE_RANGE_CLOEXEC)
+		return
+	}
+	names, _ := d.Readdirnames(-1)
+	d.Close()
+	for _, name := range names {
+		fd, err := strconv.Atoi(name)
+		if err != nil || fd < from {
+			continue
+		}
+		if flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err == nil && flags&unix.FD_CLOEXEC == 0 {
+			unix.Close(fd)
+		}
+	}
+}
+
+func (p *initProc) reply(r *reply) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	return p.ctl.send(b, nil)
+}
+
+// exec starts one command. fds are the passed stdio ends; they are closed here once the child has
+// its copies, so the broker sees EOF exactly when the command (and whatever inherited them) is done.
+func (p *initProc) exec(req *request, fds []int) {
+	defer closeFDs(fds)
+	if len(req.Argv) == 0 || req.Argv[0] == "" {
+		p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: "empty argv"})
+		return
+	}
+	var files [3]uintptr
+	for i := range files {
+		files[i] = uintptr(p.devnull)
+		if !req.Bg && i < len(req.Stdio) && req.Stdio[i] >= 0 && req.Stdio[i] < len(fds) {
+			files[i] = uintptr(fds[req.Stdio[i]])
+		}
+	}
+	env := p.env
+	if len(req.Env) > 0 {
+		env = mergeEnv(p.env, req.Env)
+	}
+	prog := req.Argv[0]
+	if !strings.Contains(prog, "/") {
+		found, err := lookPath(prog, envValue(env, "PATH"), req.Dir)
+		if err != nil {
+			p.notRunnable(req, files[2], prog, err)
+			return
+		}
+		prog = found
+	}
+	attr := &syscall.ProcAttr{
+		Dir:   req.Dir,
+		Env:   env,
+		Files: files[:],
+		// Each command leads its own process group, so a kill reaches its children too.
+		Sys: &syscall.SysProcAttr{Setpgid: true},
+	}
+	var pid int
+	var err error
+	for try := 0; ; try++ {
+		p.mu.Lock()
+		pid, err = syscall.ForkExec(prog, req.Argv, attr)
+		if err == nil {
+			c := &initChild{id: req.ID, pid: pid, bg: req.Bg}
+			p.byPid[pid] = c
+			if !req.Bg {
+				p.byID[req.ID] = c
+			}
+		}
+		p.mu.Unlock()
+		// EAGAIN is the pids limit. Right after a fork bomb was killed its zombies may not all be
+		// reaped yet; give the reaper (which needs mu) a moment before failing the request.
+		if err != unix.EAGAIN || try == 5 {
+			break
+		}
+		time.Sleep(time.Duration(try+1) * 5 * time.Millisecond)
+	}
+	if err == nil {
+		select {
+		case p.forked <- struct{}{}:
+		default:
+		}
+	}
+	if err != nil {
+		if req.Dir != "" && (errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EACCES)) {
+			if _, serr := os.Stat(req.Dir); serr != nil {
+				p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindCwd, Err: fmt.Sprintf("cwd %s: %v", req.Dir, unwrapPathErr(serr))})
+				return
+			}
+		}
+		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.EACCES) || errors.Is(err, unix.ENOEXEC) {
+			p.notRunnable(req, files[2], req.Argv[0], err)
+			return
+		}
+		p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: "start " + req.Argv[0] + ": " + err.Error()})
+		return
+	}
+	if req.Bg {
+		p.reply(&reply{Op: opStarted, ID: req.ID, Pid: pid})
+	}
+}
+
+// notRunnable reports a program that cannot be run the way a shell does: a message on the command's
+// stderr and exit status 127 (not found) or 126 (found, not executable).
+func (p *initProc) notRunnable(req *request, stderr uintptr, prog string, err error) {
+	code, what := 126, err.Error()
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, errNotFound) {
+		code, what = 127, "command not found"
+	}
+	if int(stderr) != p.devnull {
+		unix.Write(int(stderr), []byte(prog+": "+what+"\n"))
+	}
+	if req.Bg {
+		p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: prog + ": " + what})
+		return
+	}
+	p.reply(&reply{Op: opExit, ID: req.ID, Code: code})
+}
+
+// reap collects every exited child, registered or an orphan handed to us, and reports foreground
+// commands. Orphans are reaped silently so that they never linger as zombies.
+//
+// It blocks in waitid(WNOWAIT) on its own thread rather than waiting for SIGCHLD: the kernel wakes
+// it directly when a child exits, where a signal goes through the runtime's signal goroutine and a
+// channel first. WNOWAIT leaves the zombie in place, so the actual reap still happens under mu.
+func (p *initProc) reap() {
+	for {
+		var info unix.Siginfo
+		err := unix.Waitid(unix.P_ALL, 0, &info, unix.WEXITED|unix.WNOWAIT, nil)
+		switch err {
+		case nil:
+			p.reapExited()
+		case unix.ECHILD:
+			<-p.forked // no children at all: wait for the next fork
+		}
+	}
+}
+
+func (p *initProc) reapExited() {
+	for {
+		var ws unix.WaitStatus
+		p.mu.Lock()
+		pid, err := unix.Wait4(-1, &ws, unix.WNOHANG, nil)
+		if err == unix.EINTR {
+			p.mu.Unlock()
+			continue
+		}
+		if pid <= 0 {
+			p.mu.Unlock()
+			return
+		}
+		c := p.byPid[pid]
+		if c != nil {
+			delete(p.byPid, pid)
+			if !c.bg {
+				delete(p.byID, c.id)
+			}
+		}
+		p.mu.Unlock()
+		if c == nil || c.bg {
+			continue
+		}
+		r := reply{Op: opExit, ID: c.id, Pid: pid}
+		if ws.Signaled() {
+			r.Signal = int(ws.Signal())
+		} else {
+			r.Code = ws.ExitStatus()
+		}
+		p.reply(&r)
+	}
+}
+
+// kill ends a command's whole tree (timeout or cancellation). It holds mu so that our own reaper does
+// not free pids while the tree is frozen.
+func (p *initProc) kill(id uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	c := p.byID[id]
+	if c == nil {
+		return // already exited; its exit report is on the way
+	}
+	killTree(c.pid, c.pid, 0, p.self)
+}
+
+// killAll ends every process we started and every orphan handed to us: our descendants (we are
+// their subreaper) and anything still in our session.
+func (p *initProc) killAll() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	sid, _ := unix.Getsid(0)
+	killTree(p.self, 0, sid, p.self)
+}
+
+var errNotFound = errors.New("executable file not found in $PATH")
+
+// lookPath finds name in PATH like execvp does. Relative PATH entries are relative to the command's
+// cwd.
+func lookPath(name, pathEnv, dir string) (string, error) {
+	for _, d := range strings.Split(pathEnv, ":") {
+		if d == "" {
+			d = "."
+		}
+		cand := d + "/" + name
+		if !strings.HasPrefix(d, "/") && dir != "" {
+			cand = dir + "/" + cand
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(cand, &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFREG && st.Mode&0o111 != 0 {
+			return cand, nil
+		}
+	}
+	return "", errNotFound
+}
+
+func envValue(env []string, key string) string {
+	for i := len(env) - 1; i >= 0; i-- {
+		if len(env[i]) > len(key) && env[i][len(key)] == '=' && env[i][:len(key)] == key {
+			return env[i][len(key)+1:]
+		}
+	}
+	return ""
+}
+
+// mergeEnv returns base with overrides applied (an override replaces a variable of the same name).
+func mergeEnv(base, overrides []string) []string {
+	out := make([]string, 0, len(base)+len(overrides))
+	skip := make(map[string]bool, len(overrides))
+	for _, kv := range overrides {
+		if i := strings.IndexByte(kv, '='); i > 0 {
+			skip[kv[:i]] = true
+		}
+	}
+	for _, kv := range base {
+		if i := strings.IndexByte(kv, '='); i > 0 && skip[kv[:i]] {
+			continue
+		}
+		out = append(out, kv)
+	}
+	return append(out, overrides...)
+}
+
+func unwrapPathErr(err error) error {
+	var pe *os.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
+}

@@ -1,0 +1,979 @@
+package provider
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// exitGrace is how long Exec keeps reading after the command's main process exited while
+	// something (a background child: `server &`) still holds its output pipe open. After that Exec
+	// returns and the background process keeps running.
+	exitGrace = 20 * time.Millisecond
+	// postExitLimit bounds what Exec reads after the main process exited, so a chatty background
+	// process cannot keep Exec from returning. It is well above a pipe's buffer (64 KiB), which is
+	// all the main process itself can have left unread.
+	postExitLimit = 1 << 20
+	// startTimeout bounds how long Start waits for the init to say it is ready.
+	startTimeout = 15 * time.Second
+	// stdinWait bounds how long Exec waits, after the command ended, for a Stdin reader that is
+	// blocked in Read; past it the copy is abandoned.
+	stdinWait = time.Second
+)
+
+// instance is a running sandbox as the broker sees it: the init's process (bwrap's, for the
+// namespace provider), the control socket, and the commands in flight.
+type instance struct {
+	kind    string // "namespace" or "dir"
+	ctl     *ctlConn
+	cmd     *exec.Cmd
+	stderr  *headBuffer
+	cg      *cgroupSet
+	limits  Limits
+	hostWS  string // dir provider: the host directory /workspace stands for
+	release func()
+
+	mu      sync.Mutex
+	calls   map[uint64]*call
+	nextID  uint64
+	deadErr error
+	initPid int // host pid of the init
+	pidfd   int // the init's pidfd (namespace), so Stop never signals a reused pid
+
+	env      map[string]string
+	done     chan struct{}
+	stopOnce sync.Once
+	oomSeen  atomic.Int64
+}
+
+// call is one command in flight.
+type call struct {
+	id   uint64
+	done chan struct{} // closed once, when the command ended, failed to start, or the init died
+	outs []*os.File    // our read ends of its output pipes
+
+	mu     sync.Mutex
+	exited bool
+	rep    reply
+	err    error
+	reason string // set when we asked the init to kill it
+}
+
+// launchSpec is what a provider hands to launch.
+type launchSpec struct {
+	kind string
+	// cmd runs the init (directly, or bwrap running it). launch puts the control socket at fd 3;
+	// cmd.ExtraFiles, if any, follow at fd 4 and are closed by launch once the child has them.
+	cmd     *exec.Cmd
+	config  request
+	cg      *cgroupSet
+	limits  Limits
+	hostWS  string
+	release func()
+	// info, when set, is the read end of bwrap's --info-fd: it names the sandbox's first process
+	// as soon as bwrap has cloned it, so the cgroup attach can run while the init is still starting.
+	info *os.File
+}
+
+// launch starts an init and returns once it is ready, attached to its cgroups, and the environment
+// snapshot is taken. On error nothing is left running.
+func launch(ctx context.Context, ls launchSpec) (*instance, error) {
+	extra := ls.cmd.ExtraFiles
+	closeExtra := func() {
+		for _, f := range extra {
+			f.Close()
+		}
+	}
+	fail := func(err error) (*instance, error) {
+		closeExtra()
+		if ls.info != nil {
+			ls.info.Close()
+		}
+		ls.cg.remove()
+		ls.release()
+		return nil, err
+	}
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fail(fmt.Errorf("control socket: %w", err))
+	}
+	// With SO_PASSCRED every message carries its sender's pid, translated by the kernel into our pid
+	// namespace: the ready message tells us the init's host pid without scanning /proc. It is turned
+	// off once the init is ready.
+	if err := unix.SetsockoptInt(pair[0], unix.SOL_SOCKET, unix.SO_PASSCRED, 1); err != nil {
+		closeFDs(pair[:])
+		return fail(fmt.Errorf("control socket: %w", err))
+	}
+	ctl, err := newCtlConn(pair[0], "sandbox-ctl")
+	if err != nil {
+		unix.Close(pair[1])
+		return fail(fmt.Errorf("control socket: %w", err))
+	}
+	initEnd := os.NewFile(uintptr(pair[1]), "sandbox-ctl-init")
+	in := &instance{
+		kind:    ls.kind,
+		ctl:     ctl,
+		cmd:     ls.cmd,
+		stderr:  &headBuffer{max: 8 << 10},
+		cg:      ls.cg,
+		limits:  ls.limits,
+		hostWS:  ls.hostWS,
+		release: ls.release,
+		calls:   make(map[uint64]*call),
+		done:    make(chan struct{}),
+	}
+	in.cmd.ExtraFiles = append([]*os.File{initEnd}, extra...)
+	in.cmd.Stderr = in.stderr
+	in.cmd.WaitDelay = time.Second
+	// The config waits in the socket buffer until the init reads it, so it costs no round trip.
+	cfg, _ := json.Marshal(&ls.config)
+	if err := ctl.send(cfg, nil); err != nil {
+		initEnd.Close()
+		ctl.close()
+		return fail(fmt.Errorf("send init config: %w", err))
+	}
+	err = spawn(in.cmd)
+	initEnd.Close()
+	closeExtra()
+	if err != nil {
+		ctl.close()
+		if ls.info != nil {
+			ls.info.Close()
+		}
+		ls.cg.remove()
+		ls.release()
+		return nil, fmt.Errorf("start %s: %w", in.cmd.Path, err)
+	}
+	// Moving a process between v1 cgroups waits for an RCU grace period (milliseconds); doing it
+	// while bwrap sets up and the Go runtime of the init starts keeps it off the critical path.
+	var attached chan attachResult
+	if ls.info != nil && in.cg != nil {
+		attached = make(chan attachResult, 1)
+		bwrapPid := in.cmd.Process.Pid
+		go func() { attached <- earlyAttach(ls.info, in.cg, bwrapPid) }()
+	} else if ls.info != nil {
+		ls.info.Close()
+	}
+	if in.kind == kindDir {
+		in.initPid = in.cmd.Process.Pid
+	}
+	go in.wait()
+
+	abort := func(err error) (*instance, error) {
+		in.stopOnce.Do(in.kill)
+		<-in.done
+		if msg := strings.TrimSpace(in.stderr.String()); msg != "" {
+			err = fmt.Errorf("%w: %s", err, msg)
+		}
+		return nil, err
+	}
+	pid, err := in.awaitReady(ctx)
+	if err != nil {
+		return abort(fmt.Errorf("start sandbox: %w", err))
+	}
+	in.mu.Lock()
+	if in.kind == kindNamespace {
+		in.initPid = pid
+		pfd, err := unix.PidfdOpen(pid, 0)
+		if err != nil {
+			in.mu.Unlock()
+			return abort(fmt.Errorf("start sandbox: pidfd of init: %w", err))
+		}
+		in.pidfd = pfd
+	}
+	in.mu.Unlock()
+	if in.cg != nil {
+		// The attach must be complete before the first command: everything the init forks from
+		// then on inherits the cgroups.
+		attachedPid, err := -1, error(nil)
+		if attached != nil {
+			select {
+			case r := <-attached:
+				attachedPid, err = r.pid, r.err
+			case <-ctx.Done():
+				err = ctx.Err()
+			case <-time.After(startTimeout):
+				err = errors.New("no child pid from bwrap's --info-fd")
+			}
+		}
+		switch {
+		case err != nil:
+			return abort(fmt.Errorf("start sandbox: cgroup attach: %w", err))
+		case attachedPid == pid:
+		case attached != nil:
+			err = in.cg.attach(pid)
+		default:
+			err = in.cg.attach(in.cmd.Process.Pid, pid)
+		}
+		if err != nil {
+			return abort(err)
+		}
+		in.oomSeen.Store(max(in.cg.oomKills(), 0))
+	}
+	go in.readLoop()
+
+	// The snapshot goes through the normal exec path, so it is what a command really gets.
+	var out bytes.Buffer
+	res, err := in.Exec(ctx, ExecRequest{Argv: []string{"env", "-0"}, Stdout: &out, Stderr: io.Discard, Timeout: 10 * time.Second})
+	switch {
+	case err != nil:
+		return abort(fmt.Errorf("start sandbox: environment snapshot: %w", err))
+	case res.ExitCode == 127:
+		// A rootfs without env(1): commands get exactly the init's environment, so use that.
+		in.env = parseEnv0([]byte(strings.Join(ls.config.Env, "\x00")))
+	case res.ExitCode != 0:
+		return abort(fmt.Errorf("start sandbox: environment snapshot: env -0 exited %d", res.ExitCode))
+	default:
+		in.env = parseEnv0(out.Bytes())
+	}
+	return in, nil
+}
+
+type attachResult struct {
+	pid int // the child bwrap reported, -1 if none
+	err error
+}
+
+// earlyAttach reads bwrap's info ({"child-pid": N}) and moves bwrap and that child into the cgroups.
+func earlyAttach(info *os.File, cg *cgroupSet, bwrapPid int) attachResult {
+	defer info.Close()
+	var v struct {
+		ChildPid int `json:"child-pid"`
+	}
+	// Decode stops after one value; bwrap need not close the fd for this to return.
+	if err := json.NewDecoder(io.LimitReader(info, 4096)).Decode(&v); err != nil || v.ChildPid <= 0 {
+		return attachResult{pid: -1, err: fmt.Errorf("bwrap info: %v", err)}
+	}
+	return attachResult{pid: v.ChildPid, err: cg.attach(bwrapPid, v.ChildPid)}
+}
+
+// awaitReady reads the init's first message and returns the init's host pid.
+func (in *instance) awaitReady(ctx context.Context) (int, error) {
+	deadline := time.Now().Add(startTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	var mu sync.Mutex
+	armed := true
+	in.ctl.f.SetReadDeadline(deadline)
+	stop := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		if armed {
+			in.ctl.f.SetReadDeadline(time.Now())
+		}
+		mu.Unlock()
+	})
+	defer stop()
+	buf := make([]byte, 4096)
+	oob := make([]byte, unix.CmsgSpace(unix.SizeofUcred)+unix.CmsgSpace(4*4))
+	n, oobn, _, err := in.ctl.recv(buf, oob)
+	mu.Lock()
+	armed = false
+	in.ctl.f.SetReadDeadline(time.Time{})
+	mu.Unlock()
+	if fds, _ := parseRights(oob[:oobn]); len(fds) > 0 {
+		closeFDs(fds)
+	}
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return 0, ctx.Err()
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return 0, fmt.Errorf("init not ready after %v", startTimeout)
+	case n == 0 && err == nil, errors.Is(err, unix.ECONNRESET):
+		// The other end closed (ECONNRESET when our config was still unread): bwrap or the init
+		// exited. Once it is reaped its stderr is complete, and abort appends it.
+		<-in.done
+		return 0, errors.New("init exited before it was ready")
+	case err != nil:
+		return 0, err
+	}
+	var r reply
+	if err := json.Unmarshal(buf[:n], &r); err != nil || r.Op != opReady {
+		return 0, errors.New("init sent a bad ready message")
+	}
+	pid, err := parseCreds(oob[:oobn])
+	if err != nil {
+		return 0, err
+	}
+	in.ctl.rc.Control(func(fd uintptr) {
+		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PASSCRED, 0)
+	})
+	return pid, nil
+}
+
+// wait reaps the init's process and tears everything down, however the init ended.
+func (in *instance) wait() {
+	_ = in.cmd.Wait()
+	in.fail(fmt.Errorf("%w: the sandbox's init exited", ErrStopped))
+	if in.kind == kindDir && in.initPid > 0 {
+		// Without a pid namespace, processes that outlived the init (their parent died, and so did
+		// their subreaper) are still in its session.
+		killTree(0, 0, in.initPid, os.Getpid())
+	}
+	in.ctl.close()
+	in.mu.Lock()
+	if in.pidfd > 0 {
+		unix.Close(in.pidfd)
+		in.pidfd = 0
+	}
+	in.mu.Unlock()
+	in.cg.remove()
+	in.release()
+	close(in.done)
+}
+
+// kill ends everything in the sandbox; wait does the rest.
+func (in *instance) kill() {
+	select {
+	case <-in.done:
+		return
+	default:
+	}
+	switch in.kind {
+	case kindNamespace:
+		// Killing the pid namespace's init makes the kernel kill every process in the namespace,
+		// and bwrap exits once they are gone.
+		in.mu.Lock()
+		pfd := in.pidfd
+		if pfd > 0 {
+			unix.PidfdSendSignal(pfd, unix.SIGKILL, nil, 0)
+		}
+		in.mu.Unlock()
+		if pfd > 0 {
+			return
+		}
+		// The init is not known yet (an aborted Start). Killing bwrap alone is not enough: its
+		// child may still be in bwrap's setup, before --die-with-parent applies, blocked forever
+		// waiting for the parent we killed. Freeze bwrap (it clones nothing more), then kill the
+		// whole tree under it.
+		if err := in.cmd.Process.Signal(unix.SIGSTOP); err != nil {
+			return
+		}
+		killTree(in.cmd.Process.Pid, 0, 0, os.Getpid())
+	case kindDir:
+		// Stop the init first (through its pidfd, so never a reused pid): frozen, it reaps nothing
+		// and forks nothing, so the pids of its tree stay valid while we walk and kill it.
+		if err := in.cmd.Process.Signal(unix.SIGSTOP); err != nil {
+			return
+		}
+		killTree(in.initPid, 0, in.initPid, os.Getpid())
+	}
+}
+
+// readLoop demultiplexes the init's replies to the calls waiting for them.
+func (in *instance) readLoop() {
+	buf := make([]byte, 64<<10)
+	oob := make([]byte, unix.CmsgSpace(16*4))
+	for {
+		n, oobn, flags, err := in.ctl.recv(buf, oob)
+		if oobn > 0 {
+			// The init never sends fds; one that does is not ours to keep.
+			fds, _ := parseRights(oob[:oobn])
+			closeFDs(fds)
+		}
+		if err != nil || n == 0 {
+			in.fail(fmt.Errorf("%w: the sandbox's init exited", ErrStopped))
+			return
+		}
+		if flags&unix.MSG_TRUNC != 0 {
+			continue
+		}
+		var r reply
+		if json.Unmarshal(buf[:n], &r) != nil {
+			continue
+		}
+		switch r.Op {
+		case opExit, opError, opStarted:
+		default:
+			continue
+		}
+		in.mu.Lock()
+		c := in.calls[r.ID]
+		delete(in.calls, r.ID)
+		in.mu.Unlock()
+		if c != nil {
+			c.complete(r)
+		}
+	}
+}
+
+// complete records the command's end and gives output readers a short grace to reach EOF.
+func (c *call) complete(r reply) {
+	c.mu.Lock()
+	if c.exited {
+		c.mu.Unlock()
+		return
+	}
+	c.exited = true
+	c.rep = r
+	if r.Op == opError {
+		if r.Kind == errKindCwd {
+			c.err = fmt.Errorf("%w: %s", ErrInvalidRequest, r.Err)
+		} else {
+			c.err = fmt.Errorf("exec: %s", r.Err)
+		}
+	}
+	if len(c.outs) > 0 {
+		d := time.Now().Add(exitGrace)
+		for _, f := range c.outs {
+			f.SetReadDeadline(d)
+		}
+	}
+	c.mu.Unlock()
+	close(c.done)
+}
+
+// fail ends every call in flight with err and refuses new ones.
+func (in *instance) fail(err error) {
+	in.mu.Lock()
+	if in.deadErr != nil {
+		in.mu.Unlock()
+		return
+	}
+	in.deadErr = err
+	calls := in.calls
+	in.calls = map[uint64]*call{}
+	in.mu.Unlock()
+	for _, c := range calls {
+		c.mu.Lock()
+		if c.exited {
+			c.mu.Unlock()
+			continue
+		}
+		c.exited = true
+		c.err = err
+		for _, f := range c.outs {
+			f.SetReadDeadline(time.Now())
+		}
+		c.mu.Unlock()
+		close(c.done)
+	}
+}
+
+func (in *instance) register(c *call) error {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.deadErr != nil {
+		return in.deadErr
+	}
+	in.nextID++
+	c.id = in.nextID
+	in.calls[c.id] = c
+	return nil
+}
+
+func (in *instance) unregister(c *call) {
+	in.mu.Lock()
+	delete(in.calls, c.id)
+	in.mu.Unlock()
+}
+
+// send marshals and sends one request.
+func (in *instance) send(r *request, fds []int) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	if len(b) > maxMessage {
+		return fmt.Errorf("%w: command and environment are %d bytes, more than %d", ErrInvalidRequest, len(b), maxMessage)
+	}
+	if err := in.ctl.send(b, fds); err != nil {
+		in.mu.Lock()
+		dead := in.deadErr
+		in.mu.Unlock()
+		if dead != nil {
+			return dead
+		}
+		return fmt.Errorf("%w: %v", ErrStopped, err)
+	}
+	return nil
+}
+
+// Exec runs one command; see Instance.
+func (in *instance) Exec(ctx context.Context, req ExecRequest) (ExecResult, error) {
+	if err := ctx.Err(); err != nil {
+		return ExecResult{}, err
+	}
+	r := request{Op: opExec, Bg: req.Background}
+	var err error
+	if r.Argv, err = execArgv(req); err != nil {
+		return ExecResult{}, err
+	}
+	if r.Dir, err = sandboxCwd(req.Cwd); err != nil {
+		return ExecResult{}, err
+	}
+	if in.hostWS != "" {
+		r.Dir = in.hostWS + strings.TrimPrefix(r.Dir, WorkspacePath)
+	}
+	if r.Env, err = envOverrides(req.Env); err != nil {
+		return ExecResult{}, err
+	}
+	if req.Timeout < 0 {
+		return ExecResult{}, fmt.Errorf("%w: negative timeout", ErrInvalidRequest)
+	}
+	if req.Background {
+		return in.startBackground(&r)
+	}
+	timeout := req.Timeout
+	if timeout == 0 {
+		timeout = time.Duration(in.limits.ExecTimeout)
+	}
+	timeout = min(timeout, time.Duration(in.limits.ExecTimeoutMax))
+	return in.run(ctx, &r, req, timeout)
+}
+
+func (in *instance) startBackground(r *request) (ExecResult, error) {
+	c := &call{done: make(chan struct{})}
+	if err := in.register(c); err != nil {
+		return ExecResult{}, err
+	}
+	r.ID = c.id
+	if err := in.send(r, nil); err != nil {
+		in.unregister(c)
+		return ExecResult{}, err
+	}
+	<-c.done
+	if c.err != nil {
+		return ExecResult{}, c.err
+	}
+	return ExecResult{Pid: c.rep.Pid}, nil
+}
+
+// run is a foreground exec: pipes for stdio, the request, output as it comes, then the exit.
+func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeout time.Duration) (ExecResult, error) {
+	start := time.Now()
+	var (
+		send   []int // fds for the init: the command's ends of the pipes
+		outs   []*os.File
+		stdinW *os.File
+		outR   *os.File
+		errR   *os.File
+	)
+	closeAll := func() {
+		closeFDs(send)
+		send = nil
+		for _, f := range outs {
+			f.Close()
+		}
+		if stdinW != nil {
+			stdinW.Close()
+		}
+	}
+	r.Stdio = []int{-1, -1, -1}
+	if req.Stdin != nil {
+		var rfd int
+		var err error
+		if stdinW, rfd, err = writePipe(); err != nil {
+			return ExecResult{}, err
+		}
+		r.Stdio[0] = len(send)
+		send = append(send, rfd)
+	}
+	if req.Stdout != nil {
+		f, wfd, err := readPipe()
+		if err != nil {
+			closeAll()
+			return ExecResult{}, err
+		}
+		outR, outs = f, append(outs, f)
+		r.Stdio[1] = len(send)
+		r.Stdio[2] = len(send) // one pipe for both unless Stderr is set: true interleaving
+		send = append(send, wfd)
+	}
+	if req.Stderr != nil {
+		f, wfd, err := readPipe()
+		if err != nil {
+			closeAll()
+			return ExecResult{}, err
+		}
+		errR, outs = f, append(outs, f)
+		r.Stdio[2] = len(send)
+		send = append(send, wfd)
+	}
+
+	c := &call{done: make(chan struct{}), outs: outs}
+	if err := in.register(c); err != nil {
+		closeAll()
+		return ExecResult{}, err
+	}
+	r.ID = c.id
+	if err := in.send(r, send); err != nil {
+		in.unregister(c)
+		closeAll()
+		return ExecResult{}, err
+	}
+	// The init has its own copies now; ours must go, or we would never see EOF.
+	closeFDs(send)
+	send = nil
+	var stdinDone chan struct{}
+	if stdinW != nil {
+		stdinDone = make(chan struct{})
+		go func() {
+			io.Copy(stdinW, req.Stdin)
+			stdinW.Close()
+			close(stdinDone)
+		}()
+	}
+	timer := time.AfterFunc(timeout, func() { in.killCall(c, ReasonTimeout) })
+	stopCancel := context.AfterFunc(ctx, func() { in.killCall(c, ReasonCancelled) })
+
+	o := &outputs{max: req.MaxOutput}
+	switch {
+	case outR != nil && errR != nil:
+		errDone := make(chan struct{})
+		go func() {
+			c.drain(errR, &sink{w: req.Stderr}, o)
+			close(errDone)
+		}()
+		c.drain(outR, &sink{w: req.Stdout}, o)
+		<-errDone
+	case outR != nil:
+		c.drain(outR, &sink{w: req.Stdout}, o)
+	case errR != nil:
+		c.drain(errR, &sink{w: req.Stderr}, o)
+	}
+	<-c.done
+	timer.Stop()
+	stopCancel()
+	closeAll()
+	if stdinDone != nil {
+		// Closing our end stops the copy at its next write; it may still sit in Stdin.Read. As
+		// os/exec does, wait for it (the caller may reuse the reader) but not forever.
+		select {
+		case <-stdinDone:
+		case <-time.After(stdinWait):
+		}
+	}
+
+	c.mu.Lock()
+	rep, cerr, reason := c.rep, c.err, c.reason
+	c.mu.Unlock()
+	if cerr != nil {
+		return ExecResult{}, cerr
+	}
+	res := ExecResult{Pid: rep.Pid, ExitCode: rep.Code, Truncated: o.truncated}
+	if rep.Signal > 0 {
+		res.Signal = signalName(rep.Signal)
+		res.ExitCode = 128 + rep.Signal
+	}
+	killed := rep.Signal == int(unix.SIGKILL) || rep.Signal == 0 && rep.Code == 128+int(unix.SIGKILL)
+	if reason != "" && rep.Signal == int(unix.SIGKILL) {
+		res.Reason = reason
+	} else if killed && in.oomKilled() {
+		// A shell reports its SIGKILLed child as 137, so an OOM kill of a pipeline member counts.
+		res.Reason = ReasonMemoryLimit
+	}
+	res.Duration = time.Since(start)
+	return res, nil
+}
+
+// killCall asks the init to end a command's tree, once.
+func (in *instance) killCall(c *call, reason string) {
+	c.mu.Lock()
+	if c.exited || c.reason != "" {
+		c.mu.Unlock()
+		return
+	}
+	c.reason = reason
+	c.mu.Unlock()
+	in.send(&request{Op: opKill, ID: c.id}, nil)
+}
+
+// oomKilled reports whether the cgroup's OOM-kill counter went up since the last time it was seen.
+// The kernel bumps it just after sending the kill, so one short re-read covers that race.
+func (in *instance) oomKilled() bool {
+	for try := 0; try < 2; try++ {
+		n := in.cg.oomKills()
+		if n < 0 {
+			return false
+		}
+		for {
+			old := in.oomSeen.Load()
+			if n <= old {
+				break
+			}
+			if in.oomSeen.CompareAndSwap(old, n) {
+				return true
+			}
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return false
+}
+
+var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// drain reads one output pipe until EOF. Once the main process exited, complete sets a deadline: if
+// it passes, whatever still holds the pipe is a background process, so drain takes what is already
+// buffered and stops when the pipe stays empty for exitGrace.
+func (c *call) drain(f *os.File, s *sink, o *outputs) {
+	bp := bufPool.Get().(*[]byte)
+	defer bufPool.Put(bp)
+	buf := *bp
+	afterExit, extra := false, 0
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			o.deliver(s, buf[:n])
+			if afterExit {
+				if extra += n; extra > postExitLimit {
+					return
+				}
+			}
+		}
+		if err == nil {
+			continue
+		}
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			return // EOF
+		}
+		c.mu.Lock()
+		failed := c.err != nil
+		c.mu.Unlock()
+		if failed {
+			return
+		}
+		// A deadline read fails even with data buffered; read what is there without waiting.
+		afterExit = true
+		n, eof := readNow(f, buf)
+		if n > 0 {
+			o.deliver(s, buf[:n])
+			extra += n
+		}
+		if n == 0 || eof || extra > postExitLimit {
+			return
+		}
+		f.SetReadDeadline(time.Now().Add(exitGrace))
+	}
+}
+
+// readNow does one non-blocking read, bypassing the deadline.
+func readNow(f *os.File, buf []byte) (n int, eof bool) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0, true
+	}
+	rc.Control(func(fd uintptr) {
+		m, err := unix.Read(int(fd), buf)
+		if m > 0 {
+			n = m
+		} else if err == nil {
+			eof = true
+		}
+	})
+	return n, eof
+}
+
+// outputs applies MaxOutput across stdout and stderr and serializes writes (they may be one writer).
+type outputs struct {
+	mu        sync.Mutex
+	max, n    int64
+	truncated bool
+}
+
+// sink is one destination; after its first write error it only drains.
+type sink struct {
+	w      io.Writer
+	failed bool
+}
+
+func (o *outputs) deliver(s *sink, p []byte) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.max > 0 {
+		room := o.max - o.n
+		if room < int64(len(p)) {
+			o.truncated = true
+			if room <= 0 {
+				return
+			}
+			p = p[:room]
+		}
+	}
+	o.n += int64(len(p))
+	if s.w != nil && !s.failed {
+		if _, err := s.w.Write(p); err != nil {
+			s.failed = true
+		}
+	}
+}
+
+// readPipe returns a pipe whose read end we keep (non-blocking, so reads go through the poller)
+// and whose write end goes to the command. O_NONBLOCK belongs to the open file, and each pipe end
+// is its own, so the command still gets the blocking pipe programs expect.
+func readPipe() (*os.File, int, error) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		return nil, -1, fmt.Errorf("pipe: %w", err)
+	}
+	if err := unix.SetNonblock(p[0], true); err != nil {
+		closeFDs(p[:])
+		return nil, -1, err
+	}
+	return os.NewFile(uintptr(p[0]), "exec-output"), p[1], nil
+}
+
+// writePipe is readPipe the other way round, for stdin.
+func writePipe() (*os.File, int, error) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		return nil, -1, fmt.Errorf("pipe: %w", err)
+	}
+	if err := unix.SetNonblock(p[1], true); err != nil {
+		closeFDs(p[:])
+		return nil, -1, err
+	}
+	return os.NewFile(uintptr(p[1]), "exec-stdin"), p[0], nil
+}
+
+// execArgv checks Command/Argv and returns what the init will run.
+func execArgv(req ExecRequest) ([]string, error) {
+	switch {
+	case req.Command != "" && len(req.Argv) > 0:
+		return nil, fmt.Errorf("%w: set Command or Argv, not both", ErrInvalidRequest)
+	case req.Command != "":
+		if strings.IndexByte(req.Command, 0) >= 0 {
+			return nil, fmt.Errorf("%w: command contains a NUL byte", ErrInvalidRequest)
+		}
+		return []string{"/bin/sh", "-c", req.Command}, nil
+	case len(req.Argv) > 0:
+		if req.Argv[0] == "" {
+			return nil, fmt.Errorf("%w: empty program name", ErrInvalidRequest)
+		}
+		for _, a := range req.Argv {
+			if strings.IndexByte(a, 0) >= 0 {
+				return nil, fmt.Errorf("%w: argument contains a NUL byte", ErrInvalidRequest)
+			}
+		}
+		return req.Argv, nil
+	}
+	return nil, fmt.Errorf("%w: no command", ErrInvalidRequest)
+}
+
+func envOverrides(env map[string]string) ([]string, error) {
+	if len(env) == 0 {
+		return nil, nil
+	}
+	out := make([]string, 0, len(env))
+	for k, v := range env {
+		if !validEnvName(k) {
+			return nil, fmt.Errorf("%w: environment variable name %q", ErrInvalidRequest, k)
+		}
+		if strings.IndexByte(v, 0) >= 0 {
+			return nil, fmt.Errorf("%w: environment variable %s contains a NUL byte", ErrInvalidRequest, k)
+		}
+		out = append(out, k+"="+v)
+	}
+	return out, nil
+}
+
+func parseEnv0(b []byte) map[string]string {
+	env := map[string]string{}
+	for _, kv := range bytes.Split(b, []byte{0}) {
+		if k, v, ok := bytes.Cut(kv, []byte("=")); ok && len(k) > 0 {
+			env[string(k)] = string(v)
+		}
+	}
+	return env
+}
+
+// signalName is the name without "SIG" ("KILL"), or the number for unknown signals.
+func signalName(sig int) string {
+	if name := unix.SignalName(unix.Signal(sig)); name != "" {
+		return strings.TrimPrefix(name, "SIG")
+	}
+	return fmt.Sprint(sig)
+}
+
+// Environment is the snapshot taken at Start; the map is a copy.
+func (in *instance) Environment() map[string]string {
+	out := make(map[string]string, len(in.env))
+	for k, v := range in.env {
+		out[k] = v
+	}
+	return out
+}
+
+// Stop ends every process in the sandbox and waits until they are gone and the cgroups removed.
+func (in *instance) Stop(ctx context.Context) error {
+	in.stopOnce.Do(in.kill)
+	select {
+	case <-in.done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("stop sandbox: %w", ctx.Err())
+	}
+}
+
+// Done is closed when the init has exited and the sandbox is torn down.
+func (in *instance) Done() <-chan struct{} { return in.done }
+
+// headBuffer keeps the first max bytes written (bwrap's and the init's error messages come first).
+type headBuffer struct {
+	mu  sync.Mutex
+	max int
+	b   []byte
+}
+
+func (h *headBuffer) Write(p []byte) (int, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if room := h.max - len(h.b); room > 0 {
+		h.b = append(h.b, p[:min(room, len(p))]...)
+	}
+	return len(p), nil
+}
+
+func (h *headBuffer) String() string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return string(h.b)
+}
+
+// The provider kinds, as Name reports them.
+const (
+	kindNamespace = "namespace"
+	kindDir       = "dir"
+)
+
+// spawner is one goroutine locked to its OS thread for the life of the process. Every init (or
+// bwrap) is started from it because Pdeathsig fires when the *thread* that forked the child exits,
+// not the process: the Go runtime may end an idle thread that a LockOSThread goroutine left behind,
+// and a sandbox started from that thread would be killed for no reason.
+var spawner struct {
+	once sync.Once
+	reqs chan spawnReq
+}
+
+type spawnReq struct {
+	cmd *exec.Cmd
+	err chan error
+}
+
+func spawn(cmd *exec.Cmd) error {
+	spawner.once.Do(func() {
+		spawner.reqs = make(chan spawnReq)
+		go func() {
+			runtime.LockOSThread() // never unlocked: this thread must outlive every sandbox
+			for r := range spawner.reqs {
+				r.err <- r.cmd.Start()
+			}
+		}()
+	})
+	r := spawnReq{cmd: cmd, err: make(chan error, 1)}
+	spawner.reqs <- r
+	return <-r.err
+}

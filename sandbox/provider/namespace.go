@@ -1,0 +1,466 @@
+package provider
+
+import (
+	"context"
+	"debug/elf"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"strconv"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// sbxDir is reserved inside the sandbox for the provider's own files.
+const sbxDir = "/.sbx"
+
+// initFD is where bwrap finds the init binary: the broker opens it and bwrap executes
+// /proc/self/fd/4. bwrap 0.8 resolves every bind source by path as the unprivileged sandbox uid, so a
+// binary in a private directory (a `go test` binary in /tmp/go-build*, mode 0700) could not be
+// bound; executing the inherited fd needs no path at all. The init closes the fd at once, like every
+// other fd it inherits.
+const initFD = 4
+
+// infoFD is bwrap's --info-fd, on which it reports the sandbox's pid (see launchSpec.info).
+const infoFD = 5
+
+// etcFiles is the host /etc the sandbox sees: what dynamic linking, name lookup, TLS and time zones
+// need, and nothing that holds a secret (no shadow, gshadow, sudoers, ssl/private, ssh).
+var etcFiles = []string{
+	"/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/nsswitch.conf",
+	"/etc/alternatives", "/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certificates",
+	"/etc/ca-certificates.conf", "/etc/localtime", "/etc/host.conf", "/etc/hosts", "/etc/os-release",
+}
+
+var (
+	_ Provider = (*Namespace)(nil)
+	_ Provider = (*Dir)(nil)
+	_ Instance = (*instance)(nil)
+)
+
+// Namespace is the bubblewrap provider: each sandbox is one bwrap (pid, ipc, uts, mount, user and,
+// unless the template allows the network, net namespaces) running the resident init as pid 1, with
+// memory, pids and cpu limits from cgroups.
+type Namespace struct {
+	cfg        Config
+	layout     layout
+	bwrap      string
+	asRoot     bool // broker is root: sandboxes run as cfg.UID/GID on the host
+	cg         *cgroupHost
+	hostRoot   []string // bwrap args for the host's /usr, /bin..., /etc
+	hostShell  string
+	initInterp string // the init binary's ELF interpreter, "" when static
+	running    running
+}
+
+// NewNamespace checks what the provider needs on this host (bwrap, a reachable data dir, cgroups)
+// and returns it. Cgroups that are not usable are not an error: sandboxes then run without limits,
+// and LimitsEnforced says why. Preflight also starts a throwaway sandbox; NewNamespace does not.
+func NewNamespace(cfg Config) (*Namespace, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	bwrap, err := exec.LookPath(cfg.BwrapPath)
+	if err != nil {
+		return nil, fmt.Errorf("%w: bwrap not found (%s): install bubblewrap: apt-get install -y bubblewrap", ErrUnavailable, cfg.BwrapPath)
+	}
+	if err := checkExecutable(cfg.InitPath); err != nil {
+		return nil, err
+	}
+	n := &Namespace{
+		cfg:       cfg,
+		layout:    layout{dataDir: cfg.DataDir},
+		bwrap:     bwrap,
+		asRoot:    os.Geteuid() == 0,
+		hostShell: loginShell(""),
+	}
+	if err := n.prepareDataDir(); err != nil {
+		return nil, err
+	}
+	n.cg = detectCgroups(cfg.CgroupParent)
+	n.cg.sweepStale(staleCgroupAge)
+	n.hostRoot = hostRootArgs()
+	n.initInterp = elfInterp(cfg.InitPath)
+	return n, nil
+}
+
+func (n *Namespace) prepareDataDir() error {
+	if err := os.MkdirAll(n.cfg.DataDir, 0o711); err != nil {
+		return fmt.Errorf("%w: data dir: %v", ErrUnavailable, err)
+	}
+	if err := os.Mkdir(n.layout.root(), 0o711); err != nil && !errors.Is(err, fs.ErrExist) {
+		return fmt.Errorf("%w: data dir: %v", ErrUnavailable, err)
+	}
+	uid, gid := os.Geteuid(), os.Getegid()
+	if n.asRoot {
+		uid, gid = n.cfg.UID, n.cfg.GID
+	}
+	if err := searchable(n.layout.root(), uid, gid); err != nil {
+		return fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	return nil
+}
+
+// Name is "namespace".
+func (n *Namespace) Name() string { return kindNamespace }
+
+// LimitsEnforced reports whether memory, pids and cpu limits are enforced, and if not, why.
+func (n *Namespace) LimitsEnforced() (bool, string) { return n.cg.enforced(), n.cg.reason }
+
+// WorkspaceDir is <DataDir>/sandboxes/<id>/workspace, or "" for an invalid id.
+func (n *Namespace) WorkspaceDir(spec Spec) string {
+	if !validID(spec.ID) {
+		return ""
+	}
+	return n.layout.workspaceDir(spec.ID)
+}
+
+// Create makes the workspace (owned by the sandbox uid) and the state dir with the sandbox's
+// /etc/passwd and /etc/group.
+func (n *Namespace) Create(ctx context.Context, spec Spec) error {
+	uid, gid := -1, -1
+	if n.asRoot {
+		uid, gid = n.cfg.UID, n.cfg.GID
+	}
+	if err := n.layout.create(spec.ID, uid, gid); err != nil {
+		return err
+	}
+	return n.writeIdentity(spec)
+}
+
+// writeIdentity writes the passwd and group files bound over /etc/passwd and /etc/group, so that
+// `id`, `whoami` and shells see a named user with the workspace as home.
+func (n *Namespace) writeIdentity(spec Spec) error {
+	shell := n.hostShell
+	if spec.Template.Rootfs != "" {
+		shell = loginShell(spec.Template.Rootfs)
+	}
+	state := n.layout.stateDir(spec.ID)
+	files := map[string]string{
+		"passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n" +
+			fmt.Sprintf("%s:x:%d:%d:sandbox user:%s:%s\n", sandboxUser, sandboxUID, sandboxGID, WorkspacePath, shell) +
+			"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+		"group": "root:x:0:\n" + fmt.Sprintf("%s:x:%d:\n", sandboxUser, sandboxGID) + "nogroup:x:65534:\n",
+	}
+	for name, content := range files {
+		tmp := filepath.Join(state, "."+name+".tmp")
+		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+			return fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+		if err := os.Rename(tmp, filepath.Join(state, name)); err != nil {
+			return fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+		}
+	}
+	return nil
+}
+
+// Destroy removes the sandbox's directories. It refuses invalid ids and running sandboxes.
+func (n *Namespace) Destroy(ctx context.Context, spec Spec) error {
+	if !validID(spec.ID) {
+		return fmt.Errorf("%w: %q", ErrInvalidID, spec.ID)
+	}
+	if n.running.isRunning(spec.ID) {
+		return fmt.Errorf("%w: %s", ErrRunning, spec.ID)
+	}
+	return n.layout.destroy(spec.ID)
+}
+
+// Start starts bwrap with the init, moves it into the sandbox's cgroups and takes the environment
+// snapshot.
+func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
+	if !validID(spec.ID) {
+		return nil, fmt.Errorf("%w: %q", ErrInvalidID, spec.ID)
+	}
+	if err := spec.Template.validateContent(); err != nil {
+		return nil, fmt.Errorf("template %q: %w", spec.Template.Name, err)
+	}
+	if _, err := os.Stat(n.layout.workspaceDir(spec.ID)); err != nil {
+		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
+	}
+	if _, err := os.Stat(filepath.Join(n.layout.stateDir(spec.ID), "passwd")); err != nil {
+		if err := n.writeIdentity(spec); err != nil {
+			return nil, err
+		}
+	}
+	if err := n.running.claim(spec.ID); err != nil {
+		return nil, err
+	}
+	release := func() { n.running.release(spec.ID) }
+	limits := resolveLimits(n.cfg.Defaults, spec.Template.Limits)
+	cg, err := n.cg.create(spec.ID, limits)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	fail := func(err error) (Instance, error) {
+		cg.remove()
+		release()
+		return nil, err
+	}
+	var info, infoW *os.File
+	var pre []string
+	if cg != nil {
+		if info, infoW, err = os.Pipe(); err != nil {
+			return fail(err)
+		}
+		pre = []string{"--info-fd", strconv.Itoa(infoFD)}
+	}
+	cmd, err := n.command(spec, pre, []string{"/proc/self/fd/" + strconv.Itoa(initFD), InitArg})
+	if err == nil {
+		var exe *os.File
+		if exe, err = os.Open(n.cfg.InitPath); err == nil {
+			cmd.ExtraFiles = []*os.File{exe} // fd 4, after the control socket at 3
+			if infoW != nil {
+				cmd.ExtraFiles = append(cmd.ExtraFiles, infoW) // fd 5
+			}
+		}
+	}
+	if err != nil {
+		if info != nil {
+			info.Close()
+			infoW.Close()
+		}
+		return fail(err)
+	}
+	shell := n.hostShell
+	if spec.Template.Rootfs != "" {
+		shell = loginShell(spec.Template.Rootfs)
+	}
+	env := sandboxEnv(WorkspacePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
+	in, err := launch(ctx, launchSpec{
+		kind:    kindNamespace,
+		cmd:     cmd,
+		config:  request{Op: opConfig, Env: env},
+		cg:      cg,
+		limits:  limits,
+		release: release,
+		info:    info,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return in, nil
+}
+
+// command is the bwrap process for a sandbox running argv. The benchmarks use it to compare with a
+// bwrap per command.
+func (n *Namespace) command(spec Spec, pre, argv []string) (*exec.Cmd, error) {
+	args, err := n.bwrapArgs(spec, argv)
+	if err != nil {
+		return nil, err
+	}
+	args = append(pre, args...)
+	attr := &syscall.SysProcAttr{
+		// Belt and braces with --die-with-parent: if the broker dies, so does bwrap, and with it
+		// the whole pid namespace.
+		Pdeathsig: syscall.SIGKILL,
+	}
+	if n.asRoot {
+		// bwrap then runs unprivileged and maps this uid to 1000 inside its user namespace, so
+		// nothing in the sandbox is root on the host, not even through a kernel bug in the mapping.
+		attr.Credential = &syscall.Credential{Uid: uint32(n.cfg.UID), Gid: uint32(n.cfg.GID), Groups: []uint32{}}
+	}
+	return &exec.Cmd{
+		Path:        n.bwrap,
+		Args:        append([]string{"bwrap"}, args...),
+		Dir:         "/",
+		Env:         []string{},
+		SysProcAttr: attr,
+	}, nil
+}
+
+// bwrapArgs is the sandbox's shape. Order matters to bwrap: later mounts go on top of earlier ones,
+// and / is made read-only last.
+func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
+	t := spec.Template
+	a := []string{
+		"--unshare-user", "--uid", strconv.Itoa(sandboxUID), "--gid", strconv.Itoa(sandboxGID),
+		"--unshare-pid", "--unshare-ipc", "--unshare-uts",
+		"--die-with-parent", "--new-session",
+		// The init is pid 1: when it dies the kernel kills everything in the namespace, orphans
+		// come to it, and there is no bwrap reaper process in between.
+		"--as-pid-1",
+		"--hostname", "sandbox",
+	}
+	if !t.Network {
+		a = append(a, "--unshare-net")
+	}
+	bindIdentity := true
+	if t.Rootfs == "" {
+		a = append(a, n.hostRoot...)
+		if t.Network {
+			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
+		}
+	} else {
+		ra, hasEtcFiles, err := n.rootfsArgs(t)
+		if err != nil {
+			return nil, err
+		}
+		a = append(a, ra...)
+		bindIdentity = hasEtcFiles
+	}
+	if bindIdentity {
+		state := n.layout.stateDir(spec.ID)
+		a = append(a,
+			"--ro-bind", filepath.Join(state, "passwd"), "/etc/passwd",
+			"--ro-bind", filepath.Join(state, "group"), "/etc/group")
+	}
+	a = append(a,
+		"--proc", "/proc",
+		"--dev", "/dev",
+		"--tmpfs", "/tmp",
+		"--bind", n.layout.workspaceDir(spec.ID), WorkspacePath)
+	for _, m := range t.Mounts {
+		a = append(a, "--ro-bind", m.Source, path.Clean(m.Target))
+	}
+	a = append(a,
+		// Our root is a tmpfs holding only what is listed above; nothing may be added to it.
+		"--remount-ro", "/",
+		"--chdir", WorkspacePath,
+		"--clearenv",
+		"--")
+	return append(a, argv...), nil
+}
+
+// rootfsArgs binds a template's rootfs entry by entry on bwrap's tmpfs root, rather than the whole
+// rootfs on /: a read-only / would leave no place to create /workspace and the other mount points.
+// It reports whether the rootfs can take our /etc/passwd and /etc/group.
+func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
+	if n.initInterp != "" {
+		if _, err := os.Stat(filepath.Join(t.Rootfs, n.initInterp)); err != nil {
+			return nil, false, fmt.Errorf("template %q: the init binary %s is dynamically linked and the rootfs has no %s: build the broker with CGO_ENABLED=0 or add the host's libc to the rootfs", t.Name, n.cfg.InitPath, n.initInterp)
+		}
+	}
+	entries, err := os.ReadDir(t.Rootfs)
+	if err != nil {
+		return nil, false, fmt.Errorf("template %q: rootfs: %w", t.Name, err)
+	}
+	var a []string
+	hasEtc := false
+	for _, e := range entries {
+		name := e.Name()
+		switch name {
+		case "proc", "dev", "tmp", "sys", "workspace", ".sbx":
+			continue
+		}
+		src, dst := filepath.Join(t.Rootfs, name), "/"+name
+		switch {
+		case e.Type()&fs.ModeSymlink != 0:
+			target, err := os.Readlink(src)
+			if err != nil {
+				return nil, false, fmt.Errorf("template %q: rootfs: %w", t.Name, err)
+			}
+			a = append(a, "--symlink", target, dst)
+		default:
+			a = append(a, "--ro-bind", src, dst)
+			if name == "etc" && e.IsDir() {
+				hasEtc = true
+			}
+		}
+	}
+	if !hasEtc {
+		return append(a, "--perms", "0755", "--dir", "/etc"), true, nil
+	}
+	// Inside a read-only bind we can only mount over files that exist.
+	for _, f := range []string{"passwd", "group"} {
+		if fi, err := os.Stat(filepath.Join(t.Rootfs, "etc", f)); err != nil || !fi.Mode().IsRegular() {
+			return a, false, nil
+		}
+	}
+	if t.Network {
+		if _, err := os.Stat(filepath.Join(t.Rootfs, "etc", "resolv.conf")); err == nil {
+			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
+		}
+	}
+	return a, true, nil
+}
+
+// hostRootArgs replicates the host's /usr and its top-level links (on merged-/usr hosts /bin is a
+// symlink to usr/bin; elsewhere it is a real directory and is bound) and a minimal /etc.
+func hostRootArgs() []string {
+	a := []string{"--ro-bind", "/usr", "/usr"}
+	for _, d := range []string{"/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"} {
+		fi, err := os.Lstat(d)
+		switch {
+		case err != nil:
+		case fi.Mode()&fs.ModeSymlink != 0:
+			if target, err := os.Readlink(d); err == nil {
+				a = append(a, "--symlink", target, d)
+			}
+		case fi.IsDir():
+			a = append(a, "--ro-bind", d, d)
+		}
+	}
+	a = append(a, "--perms", "0755", "--dir", "/etc")
+	for _, f := range etcFiles {
+		a = append(a, "--ro-bind-try", f, f)
+	}
+	return a
+}
+
+// searchable checks that uid/gid may traverse every directory from dir up to /, the way the kernel
+// decides: the owner bits for the owner, the group bits for the group, else the other bits.
+func searchable(dir string, uid, gid int) error {
+	for p := dir; ; p = filepath.Dir(p) {
+		var st unix.Stat_t
+		if err := unix.Stat(p, &st); err != nil {
+			return fmt.Errorf("data dir: %s: %v", p, err)
+		}
+		var ok bool
+		switch {
+		case uid == 0:
+			ok = true
+		case int(st.Uid) == uid:
+			ok = st.Mode&0o100 != 0
+		case int(st.Gid) == gid:
+			ok = st.Mode&0o010 != 0
+		default:
+			ok = st.Mode&0o001 != 0
+		}
+		if !ok {
+			return fmt.Errorf("data dir: %s (mode %04o, owner %d) is not searchable by the sandbox uid %d, and bwrap needs to reach the workspaces as that user: chmod o+x %s, or choose another --data-dir",
+				p, st.Mode&0o7777, st.Uid, uid, p)
+		}
+		if p == "/" || p == "." {
+			return nil
+		}
+	}
+}
+
+func checkExecutable(p string) error {
+	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		return fmt.Errorf("%w: init binary %s: %v", ErrUnavailable, p, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Mode&0o111 == 0 {
+		return fmt.Errorf("%w: init binary %s is not an executable file", ErrUnavailable, p)
+	}
+	return nil
+}
+
+// elfInterp returns the program interpreter (dynamic loader) an ELF binary needs, "" if static.
+func elfInterp(p string) string {
+	f, err := elf.Open(p)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	for _, prog := range f.Progs {
+		if prog.Type == elf.PT_INTERP {
+			b := make([]byte, prog.Filesz)
+			if _, err := prog.ReadAt(b, 0); err == nil {
+				if i := len(b); i > 0 && b[i-1] == 0 {
+					b = b[:i-1]
+				}
+				return string(b)
+			}
+		}
+	}
+	return ""
+}

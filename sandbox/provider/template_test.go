@@ -1,0 +1,144 @@
+package provider
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+func writeFile(t *testing.T, name, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestLoadTemplates(t *testing.T) {
+	kb := t.TempDir()
+	want := Template{
+		Name:    "py",
+		Rootfs:  kb,
+		Mounts:  []Mount{{Source: kb, Target: "/opt/kb"}},
+		Env:     map[string]string{"PYTHONUNBUFFERED": "1"},
+		Network: true,
+		Limits:  Limits{MemoryBytes: 1 << 30, Pids: 256, CPUs: 1.5, ExecTimeout: Duration(30 * time.Second), ExecTimeoutMax: Duration(10 * time.Minute)},
+		Setup:   "pip install -r requirements.txt",
+	}
+	body := `
+  rootfs: ` + kb + `
+  mounts:
+    - source: ` + kb + `
+      target: /opt/kb
+  env:
+    PYTHONUNBUFFERED: "1"
+  network: true
+  limits:
+    memory_bytes: 1073741824
+    pids: 256
+    cpus: 1.5
+    exec_timeout: 30s
+    exec_timeout_max: 10m
+  setup: pip install -r requirements.txt
+`
+	jsonBody, _ := json.Marshal([]Template{want})
+	for name, content := range map[string]string{
+		"list.yaml": "- name: py" + body,
+		"map.yaml":  "py:" + strings.ReplaceAll(body, "\n  ", "\n    ") + "\n",
+		"list.json": string(jsonBody),
+	} {
+		t.Run(name, func(t *testing.T) {
+			got, err := LoadTemplates(writeFile(t, name, content))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got["py"], want) {
+				t.Errorf("got %+v\nwant %+v", got["py"], want)
+			}
+			if _, ok := got[DefaultTemplateName]; !ok || len(got) != 2 {
+				t.Errorf("templates %v: want py and the built-in default", got)
+			}
+		})
+	}
+	t.Run("a file may override default", func(t *testing.T) {
+		got, err := LoadTemplates(writeFile(t, "t.yaml", "default:\n  env:\n    A: b\n"))
+		if err != nil || got["default"].Env["A"] != "b" {
+			t.Fatal(got, err)
+		}
+	})
+	t.Run("empty file", func(t *testing.T) {
+		got, err := LoadTemplates(writeFile(t, "t.yaml", ""))
+		if err != nil || len(got) != 1 {
+			t.Fatal(got, err)
+		}
+	})
+}
+
+func TestLoadTemplatesErrors(t *testing.T) {
+	dir := t.TempDir()
+	file := writeFile(t, "f", "x")
+	for _, tc := range []struct{ content, want string }{
+		{"- name: a\n  bogus: 1\n", `template "a": unknown field "bogus"`},
+		{"a:\n  limits:\n    bogus: 1\n", `template "a": unknown field "bogus"`},
+		{"- env: {}\n", "template #1: name: required"},
+		{"- name: a/b\n", `template "a/b": name "a/b"`},
+		{"- name: a\n  rootfs: /does/not/exist\n", `template "a": rootfs: stat /does/not/exist`},
+		{"- name: a\n  rootfs: relative\n", `template "a": rootfs "relative": must be an absolute path`},
+		{"- name: a\n  rootfs: " + file + "\n", `template "a": rootfs: ` + file + " is not a directory"},
+		{"- name: a\n  mounts: [{source: /does/not/exist, target: /x}]\n", `template "a": mounts[0].source: stat /does/not/exist`},
+		{"- name: a\n  mounts: [{source: " + dir + ", target: relative}]\n", `template "a": mounts[0].target "relative": must be an absolute path`},
+		{"- name: a\n  mounts: [{source: " + dir + ", target: /workspace/kb}]\n", `mounts[0].target "/workspace/kb": must not be under /workspace`},
+		{"- name: a\n  mounts: [{source: " + dir + ", target: /proc}]\n", "must not be under /proc"},
+		{"- name: a\n  mounts: [{source: " + dir + ", target: /dev/x}]\n", "must not be under /dev"},
+		{"- name: a\n  mounts: [{source: " + dir + ", target: /}]\n", "mounts[0].target: cannot be /"},
+		{"- name: a\n  limits: {pids: -1}\n", `template "a": limits: pids must not be negative`},
+		{"- name: a\n  limits: {memory_bytes: -1}\n", "memory_bytes must not be negative"},
+		{"- name: a\n  limits: {exec_timeout: 2h, exec_timeout_max: 1h}\n", "exec_timeout must not exceed exec_timeout_max"},
+		{"- name: a\n  limits: {exec_timeout: 30}\n", `duration must be a string`},
+		{"- name: a\n  limits: {exec_timeout: soon}\n", `duration "soon"`},
+		{"- name: a\n  limits: {pids: many}\n", "field limits.pids"},
+		{"- name: a\n  env: {1BAD: x}\n", `env "1BAD": not a valid variable name`},
+		{"- name: a\n- name: a\n", `template "a" is defined twice`},
+		{"a:\n  name: b\n", `name "b" differs from its key`},
+		{"just a string\n", "want a list of templates or a map"},
+		{"a: 1\na: 2\n", `key "a" already set`},
+	} {
+		_, err := LoadTemplates(writeFile(t, "t.yaml", tc.content))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v, want it to contain %q", tc.content, err, tc.want)
+		}
+	}
+	if _, err := LoadTemplates(filepath.Join(dir, "missing.yaml")); err == nil {
+		t.Error("missing file: no error")
+	}
+}
+
+func TestDurationJSON(t *testing.T) {
+	b, err := json.Marshal(Limits{ExecTimeout: Duration(90 * time.Second)})
+	if err != nil || string(b) != `{"exec_timeout":"1m30s"}` {
+		t.Fatalf("%s %v", b, err)
+	}
+	var l Limits
+	if err := json.Unmarshal([]byte(`{"exec_timeout":"10m","exec_timeout_max":"1h30m"}`), &l); err != nil {
+		t.Fatal(err)
+	}
+	if l.ExecTimeout != Duration(10*time.Minute) || l.ExecTimeoutMax != Duration(90*time.Minute) {
+		t.Errorf("%+v", l)
+	}
+}
+
+func TestResolveLimits(t *testing.T) {
+	got := resolveLimits(Limits{Pids: 100, ExecTimeout: Duration(time.Minute)}, Limits{MemoryBytes: 1 << 20, ExecTimeoutMax: Duration(30 * time.Second)})
+	want := Limits{MemoryBytes: 1 << 20, Pids: 100, CPUs: DefaultCPUs, ExecTimeout: Duration(30 * time.Second), ExecTimeoutMax: Duration(30 * time.Second)}
+	if got != want {
+		t.Errorf("got %+v, want %+v", got, want)
+	}
+	if got := resolveLimits(Limits{}, Limits{}); got != DefaultLimits() {
+		t.Errorf("zero limits: %+v", got)
+	}
+}

@@ -1,0 +1,243 @@
+package workspace
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"io/fs"
+	"path"
+	"regexp"
+	"strings"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+const (
+	binarySniffBytes = 8 << 10 // a NUL in this prefix marks a file as binary
+	maxMatchText     = 2000    // bytes of a matching line returned
+)
+
+// Grep searches the regular text files under a.Path (a file or a directory, default /workspace)
+// for lines matching a.Pattern: a literal string, or an RE2 expression with a.Regex. Matches come
+// in tree order (see GlobContext) and then line order, at most a.MaxCount of them (0 or more than
+// MaxGrepMatches: MaxGrepMatches). It skips binary files (a NUL byte in the first 8 KiB), files
+// larger than MaxGrepFileBytes, FIFOs, sockets and devices, symlinked directories, and symlinked
+// files that lead out of the workspace. ctx is checked between files.
+func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.GrepResult, error) {
+	m, err := newMatcher(a)
+	if err != nil {
+		return protocol.GrepResult{}, err
+	}
+	maxCount := a.MaxCount
+	switch {
+	case maxCount < 0:
+		return protocol.GrepResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "max_count must not be negative")
+	case maxCount == 0 || maxCount > w.opts.MaxGrepMatches:
+		maxCount = w.opts.MaxGrepMatches
+	}
+	var filter *pattern
+	baseOnly := false
+	if a.Glob != "" {
+		if filter, err = compilePattern(a.Glob); err != nil {
+			return protocol.GrepResult{}, err
+		}
+		// A pattern without '/' matches file names at any depth, like "*.go" in ripgrep.
+		baseOnly = !strings.Contains(a.Glob, "/")
+	}
+
+	base := a.Path
+	if base == "" {
+		base = Root
+	}
+	rel, sp, err := resolve(base)
+	if err != nil {
+		return protocol.GrepResult{}, err
+	}
+	fi, err := w.root.Stat(rel)
+	if err != nil {
+		return protocol.GrepResult{}, fsErr(sp, err)
+	}
+	g := &grepper{w: w, ctx: ctx, m: m, max: maxCount, filter: filter, baseOnly: baseOnly,
+		res: protocol.GrepResult{Matches: []protocol.GrepMatch{}}}
+	switch {
+	case fi.Mode().IsRegular():
+		// A single file: the glob, if any, is matched against its name.
+		if filter == nil || filter.accepts(filter.step(filter.start(), path.Base(rel))) {
+			err = g.file(rel, fi)
+		}
+	case fi.IsDir():
+		var infos []fs.FileInfo
+		if infos, err = w.readDir(rel, nil); err != nil {
+			return protocol.GrepResult{}, fsErr(sp, err)
+		}
+		var st states
+		if filter != nil {
+			st = filter.start()
+		}
+		err = g.walk(rel, infos, st, 0)
+	default:
+		return protocol.GrepResult{}, notRegular(sp, fi)
+	}
+	if err != nil && err != errStop {
+		return protocol.GrepResult{}, err
+	}
+	return g.res, nil
+}
+
+// matcher reports whether one line (without its newline) matches.
+type matcher struct {
+	lit []byte         // literal, case-sensitive search
+	re  *regexp.Regexp // everything else
+}
+
+func newMatcher(a protocol.GrepArgs) (*matcher, error) {
+	if a.Pattern == "" {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the search pattern is empty")
+	}
+	if !a.Regex && !a.IgnoreCase {
+		return &matcher{lit: []byte(a.Pattern)}, nil
+	}
+	expr := a.Pattern
+	if !a.Regex {
+		expr = regexp.QuoteMeta(expr)
+	}
+	if a.IgnoreCase {
+		expr = "(?i)" + expr
+	}
+	re, err := regexp.Compile(expr)
+	if err != nil {
+		// The regexp error quotes the pattern, which the caller sent: nothing of ours leaks.
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the regular expression is invalid (RE2 syntax): %v", err)
+	}
+	return &matcher{re: re}, nil
+}
+
+func (m *matcher) match(line []byte) bool {
+	if m.re != nil {
+		return m.re.Match(line)
+	}
+	return bytes.Contains(line, m.lit)
+}
+
+// mayMatch is a cheap whole-file test that rules files out before splitting them into lines.
+func (m *matcher) mayMatch(data []byte) bool {
+	return m.re != nil || bytes.Contains(data, m.lit)
+}
+
+type grepper struct {
+	w        *Workspace
+	ctx      context.Context
+	m        *matcher
+	max      int
+	filter   *pattern // nil: every file
+	baseOnly bool     // filter has one segment and is matched against base names
+	buf      []byte   // reused across files
+	res      protocol.GrepResult
+}
+
+// walk searches the entries of dirRel (already read, sorted); st is the filter's state at dirRel.
+func (g *grepper) walk(dirRel string, infos []fs.FileInfo, st states, depth int) error {
+	for _, fi := range infos {
+		if err := ctxErr(g.ctx); err != nil {
+			return err
+		}
+		rel := join(dirRel, fi.Name())
+		var next states
+		if g.filter != nil && !g.baseOnly {
+			next = g.filter.step(st, fi.Name())
+		}
+		switch mode := fi.Mode(); {
+		case mode.IsDir():
+			if depth >= maxWalkDepth || (g.filter != nil && !g.baseOnly && !g.filter.live(next)) {
+				continue
+			}
+			sub, err := g.w.readDir(rel, fi)
+			if err != nil {
+				continue // vanished, swapped for a link, unreadable: skip it
+			}
+			if err := g.walk(rel, sub, next, depth+1); err != nil {
+				return err
+			}
+		case mode.IsRegular() || mode&fs.ModeSymlink != 0:
+			if !g.wanted(fi.Name(), next) {
+				continue
+			}
+			if mode&fs.ModeSymlink != 0 {
+				// Follow a link to a regular file inside the workspace; the root refuses the rest.
+				target, err := g.w.root.Stat(rel)
+				if err != nil || !target.Mode().IsRegular() {
+					continue
+				}
+				fi = target
+			}
+			if err := g.file(rel, fi); err != nil {
+				return err
+			}
+		}
+		// FIFOs, sockets and devices are never opened.
+	}
+	return nil
+}
+
+func (g *grepper) wanted(name string, next states) bool {
+	switch {
+	case g.filter == nil:
+		return true
+	case g.baseOnly:
+		ok, _ := path.Match(g.filter.segs[0], name)
+		return ok
+	}
+	return g.filter.accepts(next)
+}
+
+// file searches one regular file. Files that vanish, change type or cannot be read are skipped
+// silently: a search reports matches, not the churn of a live tree.
+func (g *grepper) file(rel string, fi fs.FileInfo) error {
+	limit := g.w.opts.MaxGrepFileBytes
+	if fi.Size() > limit {
+		return nil
+	}
+	f, err := g.w.root.OpenFile(rel, openReadFlags, 0)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	fi, err = f.Stat()
+	if err != nil || !fi.Mode().IsRegular() || fi.Size() > limit {
+		return nil
+	}
+	if int64(cap(g.buf)) < fi.Size() {
+		g.buf = make([]byte, fi.Size())
+	}
+	n, err := io.ReadFull(f, g.buf[:fi.Size()])
+	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
+		return nil
+	}
+	data := g.buf[:n]
+	if bytes.IndexByte(data[:min(len(data), binarySniffBytes)], 0) >= 0 || !g.m.mayMatch(data) {
+		return nil
+	}
+	sp := sandboxPath(rel)
+	for lineNo := 1; len(data) > 0; lineNo++ {
+		line := data
+		if i := bytes.IndexByte(data, '\n'); i >= 0 {
+			line, data = data[:i], data[i+1:]
+		} else {
+			data = nil
+		}
+		line = bytes.TrimSuffix(line, []byte{'\r'})
+		if !g.m.match(line) {
+			continue
+		}
+		if len(g.res.Matches) == g.max {
+			g.res.Truncated = true
+			return errStop
+		}
+		if len(line) > maxMatchText {
+			line = trimPartialRune(line[:maxMatchText])
+		}
+		g.res.Matches = append(g.res.Matches, protocol.GrepMatch{Path: sp, Line: lineNo, Text: strings.ToValidUTF8(string(line), "\uFFFD")})
+	}
+	return nil
+}

@@ -1,0 +1,251 @@
+package workspace
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/base64"
+	"errors"
+	"io"
+	"io/fs"
+	"os"
+	"syscall"
+	"unicode/utf8"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// openReadFlags never block: a FIFO opened with O_NONBLOCK for reading returns at once (and is then
+// refused by the fstat check), and O_NOCTTY keeps a terminal from becoming ours.
+const openReadFlags = os.O_RDONLY | syscall.O_NONBLOCK | syscall.O_NOCTTY
+
+// openRegular opens rel for reading if it is a regular file, following symlinks inside the
+// workspace. It checks the type before opening (so a FIFO or device is never opened) and again on
+// the open file (so a swap between the two cannot slip one through).
+func (w *Workspace) openRegular(rel, sp string) (*os.File, fs.FileInfo, error) {
+	fi, err := w.root.Stat(rel)
+	if err != nil {
+		return nil, nil, fsErr(sp, err)
+	}
+	if err := checkRegular(sp, fi); err != nil {
+		return nil, nil, err
+	}
+	f, err := w.root.OpenFile(rel, openReadFlags, 0)
+	if err != nil {
+		return nil, nil, fsErr(sp, err)
+	}
+	fi, err = f.Stat()
+	if err == nil {
+		err = checkRegular(sp, fi)
+	}
+	if err != nil {
+		f.Close()
+		return nil, nil, fsErr(sp, err)
+	}
+	return f, fi, nil
+}
+
+func checkRegular(sp string, fi fs.FileInfo) error {
+	switch {
+	case fi.IsDir():
+		return protocol.Errorf(protocol.CodeIsDirectory, "%s is a directory; list it instead of reading it", sp)
+	case !fi.Mode().IsRegular():
+		return notRegular(sp, fi)
+	}
+	return nil
+}
+
+// Read reads a regular file: the whole file, a byte range or a line window, cut at MaxReadBytes.
+func (w *Workspace) Read(a protocol.ReadArgs) (protocol.ReadResult, error) {
+	if a.Offset < 0 || a.Length < 0 || a.LineOffset < 0 || a.LineLimit < 0 {
+		return protocol.ReadResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "offset, length, line_offset and line_limit must not be negative")
+	}
+	lines := a.LineOffset != 0 || a.LineLimit != 0
+	if lines && (a.Offset != 0 || a.Length != 0) {
+		return protocol.ReadResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "give either a byte range (offset, length) or a line window (line_offset, line_limit), not both")
+	}
+	rel, sp, err := resolve(a.Path)
+	if err != nil {
+		return protocol.ReadResult{}, err
+	}
+	f, fi, err := w.openRegular(rel, sp)
+	if err != nil {
+		return protocol.ReadResult{}, err
+	}
+	defer f.Close()
+
+	res := protocol.ReadResult{Path: sp, Size: fi.Size()}
+	var content []byte
+	if lines {
+		content, res.TotalLines, res.Truncated, err = readLines(f, a.LineOffset, a.LineLimit, w.opts.MaxReadBytes)
+	} else {
+		content, res.Truncated, err = readRange(f, fi.Size(), a.Offset, a.Length, w.opts.MaxReadBytes)
+	}
+	if err != nil {
+		return protocol.ReadResult{}, fsErr(sp, err)
+	}
+	if res.Truncated && !utf8.Valid(content) {
+		// The cap may have split the last character of a text file: drop it rather than turning
+		// the whole answer into base64.
+		if trimmed := trimPartialRune(content); utf8.Valid(trimmed) {
+			content = trimmed
+		}
+	}
+	if utf8.Valid(content) {
+		res.Content, res.Encoding = string(content), protocol.EncodingUTF8
+	} else {
+		res.Content, res.Encoding = base64.StdEncoding.EncodeToString(content), protocol.EncodingBase64
+	}
+	return res, nil
+}
+
+// readRange reads [off, off+length) (length 0: to the end) of a file of the given size, at most
+// capBytes bytes; truncated says the cap cut it.
+func readRange(f *os.File, size, off, length, capBytes int64) (_ []byte, truncated bool, _ error) {
+	if off > size {
+		off = size
+	}
+	n := size - off
+	if length > 0 && length < n {
+		n = length
+	}
+	if n > capBytes {
+		n, truncated = capBytes, true
+	}
+	buf := make([]byte, n)
+	k, err := f.ReadAt(buf, off)
+	if err != nil && !errors.Is(err, io.EOF) { // EOF: the file shrank since fstat; return what is there
+		return nil, false, err
+	}
+	return buf[:k], truncated, nil
+}
+
+// readLines streams the file once: it keeps lines [lineOff, lineOff+limit) (limit 0: all), up to
+// capBytes bytes, and counts every line, so memory stays at the cap whatever the file's size. A
+// final line without a newline counts; an empty file has none.
+func readLines(f *os.File, lineOff, limit int, capBytes int64) (_ []byte, total int, truncated bool, _ error) {
+	br := bufio.NewReaderSize(f, 64<<10)
+	var (
+		out       []byte
+		line      int  // index of the line being read
+		lineStart int  // len(out) where the current line began
+		partial   bool // the current line has bytes but no newline yet
+		full      bool // stopped collecting: the cap was hit
+	)
+	for {
+		chunk, err := br.ReadSlice('\n')
+		if len(chunk) > 0 {
+			inWindow := line >= lineOff && (limit == 0 || line-lineOff < limit)
+			if inWindow && !full {
+				if room := capBytes - int64(len(out)); int64(len(chunk)) <= room {
+					out = append(out, chunk...)
+				} else {
+					full, truncated = true, true
+					if lineStart > 0 {
+						out = out[:lineStart] // cut at the last line boundary
+					} else {
+						// The first line alone is over the cap: cut inside it, on a rune boundary.
+						out = append(out, chunk[:room]...)
+						out = trimPartialRune(out)
+					}
+				}
+			}
+			if chunk[len(chunk)-1] == '\n' {
+				line++
+				partial = false
+				lineStart = len(out)
+			} else {
+				partial = true
+			}
+			if full || (limit != 0 && line-lineOff >= limit) {
+				// Past the window: only the count is left, which needs no line splitting.
+				n, last, seen, err := countLines(br)
+				if err != nil {
+					return nil, 0, false, err
+				}
+				if seen {
+					partial = last != '\n'
+				}
+				line += n
+				if partial {
+					line++
+				}
+				return out, line, truncated, nil
+			}
+		}
+		switch {
+		case err == nil, errors.Is(err, bufio.ErrBufferFull):
+		case errors.Is(err, io.EOF):
+			if partial {
+				line++
+			}
+			return out, line, truncated, nil
+		default:
+			return nil, 0, false, err
+		}
+	}
+}
+
+// countLines counts the newlines left in r and returns the last byte read, if any was.
+func countLines(r io.Reader) (n int, last byte, seen bool, err error) {
+	buf := make([]byte, 64<<10)
+	for {
+		k, err := r.Read(buf)
+		if k > 0 {
+			n += bytes.Count(buf[:k], []byte{'\n'})
+			last, seen = buf[k-1], true
+		}
+		if errors.Is(err, io.EOF) {
+			return n, last, seen, nil
+		}
+		if err != nil {
+			return 0, 0, false, err
+		}
+	}
+}
+
+// trimPartialRune drops an incomplete UTF-8 sequence at the end of b, so that cutting valid text
+// keeps it valid.
+func trimPartialRune(b []byte) []byte {
+	for i := 1; i <= utf8.UTFMax && i <= len(b); i++ {
+		if utf8.RuneStart(b[len(b)-i]) { // the start of the last rune
+			if !utf8.FullRune(b[len(b)-i:]) {
+				return b[:len(b)-i]
+			}
+			return b
+		}
+	}
+	return b
+}
+
+// OpenRead opens a regular file for a streaming download. The reader's errors are protocol errors
+// naming the sandbox path. The FileInfo describes the opened file (a symlink inside the workspace is
+// followed) under the requested path.
+func (w *Workspace) OpenRead(p string) (io.ReadCloser, protocol.FileInfo, error) {
+	rel, sp, err := resolve(p)
+	if err != nil {
+		return nil, protocol.FileInfo{}, err
+	}
+	f, fi, err := w.openRegular(rel, sp)
+	if err != nil {
+		return nil, protocol.FileInfo{}, err
+	}
+	return &fileReader{f: f, sp: sp}, info(sp, fi, ""), nil
+}
+
+// fileReader hides the *os.File, whose Name and errors carry the host path.
+type fileReader struct {
+	f  *os.File
+	sp string
+}
+
+func (r *fileReader) Read(p []byte) (int, error) {
+	n, err := r.f.Read(p)
+	if err != nil && !errors.Is(err, io.EOF) {
+		err = fsErr(r.sp, err)
+	}
+	return n, err
+}
+
+func (r *fileReader) Close() error {
+	return fsErr(r.sp, r.f.Close())
+}

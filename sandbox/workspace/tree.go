@@ -1,0 +1,222 @@
+package workspace
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"path"
+	"slices"
+	"strings"
+	"syscall"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// openDirFlags open a directory only: O_DIRECTORY fails on anything else before it is opened, so a
+// FIFO swapped in cannot block us.
+const openDirFlags = os.O_RDONLY | syscall.O_DIRECTORY | syscall.O_NONBLOCK
+
+// Stat describes one file without following a final symlink (lstat): a symlink is reported as
+// type "symlink" with its target.
+func (w *Workspace) Stat(p string) (protocol.FileInfo, error) {
+	rel, sp, err := resolve(p)
+	if err != nil {
+		return protocol.FileInfo{}, err
+	}
+	fi, err := w.root.Lstat(rel)
+	if err != nil {
+		return protocol.FileInfo{}, fsErr(sp, err)
+	}
+	return w.describe(rel, sp, fi), nil
+}
+
+// List lists a directory (not recursively), sorted by name. Entries are described like Stat
+// describes them. A symlink to a directory inside the workspace is listed as that directory.
+func (w *Workspace) List(p string) ([]protocol.FileInfo, error) {
+	rel, sp, err := resolve(p)
+	if err != nil {
+		return nil, err
+	}
+	infos, err := w.readDir(rel, nil)
+	if err != nil {
+		if errors.Is(err, syscall.ENOTDIR) {
+			if fi, serr := w.root.Stat(rel); serr == nil && !fi.IsDir() {
+				return nil, protocol.Errorf(protocol.CodeNotDirectory, "%s is not a directory; read or stat it instead", sp)
+			}
+		}
+		return nil, fsErr(sp, err)
+	}
+	out := make([]protocol.FileInfo, 0, len(infos))
+	for _, fi := range infos {
+		out = append(out, w.describe(join(rel, fi.Name()), join(sp, fi.Name()), fi))
+	}
+	return out, nil
+}
+
+// readDir lists the directory rel with lstat information, sorted by name. When want is not nil the
+// directory must still be that file: a directory swapped for a symlink since it was listed in its
+// parent is not entered (fs.ErrNotExist).
+func (w *Workspace) readDir(rel string, want fs.FileInfo) ([]fs.FileInfo, error) {
+	f, err := w.root.OpenFile(rel, openDirFlags, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if want != nil {
+		fi, err := f.Stat()
+		if err != nil {
+			return nil, err
+		}
+		if !os.SameFile(fi, want) {
+			return nil, fs.ErrNotExist
+		}
+	}
+	// Readdir on a file opened in a Root stats entries with fstatat on the directory's descriptor,
+	// never by host path.
+	infos, err := f.Readdir(-1)
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(infos, func(a, b fs.FileInfo) int { return strings.Compare(a.Name(), b.Name()) })
+	return infos, nil
+}
+
+// Delete removes a file or a symlink (never its target), an empty directory, or with Recursive a
+// directory tree. The workspace itself cannot be deleted.
+func (w *Workspace) Delete(a protocol.DeleteArgs) error {
+	rel, sp, err := resolve(a.Path)
+	if err != nil {
+		return err
+	}
+	if rel == "." {
+		return protocol.Errorf(protocol.CodeInvalidPath, "%s itself cannot be deleted; delete what is inside it", Root)
+	}
+	fi, err := w.root.Lstat(rel)
+	if err != nil {
+		return fsErr(sp, err)
+	}
+	if fi.IsDir() && a.Recursive {
+		// RemoveAll works on directory descriptors and unlinks symlinks without following them.
+		return fsErr(sp, w.root.RemoveAll(rel))
+	}
+	err = w.root.Remove(rel)
+	if errors.Is(err, syscall.ENOTEMPTY) || (fi.IsDir() && errors.Is(err, syscall.EEXIST)) {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "%s is a directory that is not empty; pass recursive to delete it with its contents", sp)
+	}
+	return fsErr(sp, err)
+}
+
+// Mkdir creates a directory. Without Parents an existing path is file_exists and a missing parent
+// is file_not_found; with Parents missing parents are created and an existing directory is fine.
+func (w *Workspace) Mkdir(a protocol.MkdirArgs) error {
+	rel, sp, err := resolve(a.Path)
+	if err != nil {
+		return err
+	}
+	if a.Parents {
+		err := w.mkdirAll(rel)
+		if errors.Is(err, syscall.ENOTDIR) {
+			if fi, serr := w.root.Lstat(rel); serr == nil && !fi.IsDir() {
+				return protocol.Errorf(protocol.CodeFileExists, "%s already exists and is not a directory", sp)
+			}
+		}
+		return fsErr(sp, err)
+	}
+	err = w.root.Mkdir(rel, dirPerm)
+	switch {
+	case err == nil:
+		return fsErr(sp, w.chownPath(rel))
+	case errors.Is(err, fs.ErrNotExist):
+		return protocol.Errorf(protocol.CodeFileNotFound, "the parent directory of %s does not exist; pass parents to create it too", sp)
+	}
+	return fsErr(sp, err)
+}
+
+// Move renames a file, symlink or directory within the workspace and creates the destination's
+// missing parents. A symlink is moved itself. Without Overwrite an existing destination is
+// file_exists; with it, a file or symlink is replaced but a directory never is.
+func (w *Workspace) Move(a protocol.MoveArgs) error {
+	from, fromSP, err := resolve(a.From)
+	if err != nil {
+		return err
+	}
+	to, toSP, err := resolve(a.To)
+	if err != nil {
+		return err
+	}
+	switch {
+	case from == ".":
+		return protocol.Errorf(protocol.CodeInvalidPath, "%s itself cannot be moved", Root)
+	case to == ".":
+		return protocol.Errorf(protocol.CodeInvalidPath, "%s itself cannot be replaced; move into a path under it", Root)
+	case strings.HasPrefix(to, from+"/"):
+		return protocol.Errorf(protocol.CodeInvalidArgument, "%s cannot be moved into itself (%s)", fromSP, toSP)
+	}
+	src, err := w.root.Lstat(from)
+	if err != nil {
+		return fsErr(fromSP, err)
+	}
+	if from == to {
+		return nil
+	}
+	if dir := path.Dir(to); dir != "." {
+		if err := w.mkdirAll(dir); err != nil {
+			return fsErr(path.Dir(toSP), err)
+		}
+	}
+	dst, err := w.root.Lstat(to)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		dst = nil
+	case err != nil:
+		return fsErr(toSP, err)
+	}
+	if dst != nil && os.SameFile(src, dst) {
+		dst = nil // the same file under another name, e.g. a case change on a case-insensitive disk
+	} else if dst != nil {
+		switch {
+		case !a.Overwrite:
+			return protocol.Errorf(protocol.CodeFileExists, "%s already exists; pass overwrite to replace it", toSP)
+		case dst.IsDir():
+			return protocol.Errorf(protocol.CodeIsDirectory, "%s is a directory and is never replaced; delete it first", toSP)
+		case src.IsDir():
+			return protocol.Errorf(protocol.CodeNotDirectory, "%s is a file; a directory cannot replace it", toSP)
+		}
+		return w.rename(from, to, fromSP, toSP)
+	}
+	if !src.IsDir() && !a.Overwrite {
+		// A hard link fails if the destination appeared since the check, where a rename would
+		// silently replace it. (A directory cannot be linked, but the root's rename never
+		// replaces a directory and the kernel never puts a directory over a file.)
+		switch err := w.root.Link(from, to); {
+		case err == nil:
+			if err := w.root.Remove(from); err != nil {
+				return fsErr(fromSP, err)
+			}
+			return nil
+		case errors.Is(err, fs.ErrExist):
+			return protocol.Errorf(protocol.CodeFileExists, "%s already exists; pass overwrite to replace it", toSP)
+		}
+		// No hard links here (another file system, a FUSE mount...): fall back to the rename.
+	}
+	return w.rename(from, to, fromSP, toSP)
+}
+
+func (w *Workspace) rename(from, to, fromSP, toSP string) error {
+	err := w.root.Rename(from, to)
+	if err == nil {
+		return nil
+	}
+	var le *os.LinkError
+	if errors.As(err, &le) {
+		err = le.Err
+	}
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fsErr(fromSP, err)
+	case errors.Is(err, fs.ErrExist):
+		return protocol.Errorf(protocol.CodeFileExists, "%s already exists; pass overwrite to replace it", toSP)
+	}
+	// Name the destination: most remaining failures (escape, not a directory) are about it.
+	return fsErr(toSP, err)
+}

@@ -1,0 +1,202 @@
+package workspace
+
+import (
+	"fmt"
+	"hash/maphash"
+	"io/fs"
+	"os"
+	"path"
+	"strings"
+	"sync"
+	"unicode/utf8"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// Root is the sandbox path of the workspace directory itself.
+const Root = "/workspace"
+
+// MaxPathBytes is the longest sandbox path Resolve accepts.
+const MaxPathBytes = 4096
+
+// Defaults for the zero values of Options.
+const (
+	DefaultMaxReadBytes     = 8 << 20
+	DefaultMaxEditBytes     = 8 << 20
+	DefaultMaxGlobResults   = 10000
+	DefaultMaxGrepMatches   = 1000
+	DefaultMaxGrepFileBytes = 8 << 20
+)
+
+// Options configures a Workspace. The zero value is usable: no ownership change and the default caps.
+type Options struct {
+	// UID and GID own every file and directory the package creates (the sandbox's host user). Zero
+	// or negative leaves that id as the process created it: the broker runs as root, so root-owned
+	// is what it gets anyway, and a zero-value Options never tries to chown to root on a
+	// developer's machine.
+	UID, GID int
+	// MaxReadBytes caps one Read answer (default 8 MiB).
+	MaxReadBytes int64
+	// MaxEditBytes is the largest file Edit accepts (default 8 MiB).
+	MaxEditBytes int64
+	// MaxGlobResults caps a Glob answer (default 10000).
+	MaxGlobResults int
+	// MaxGrepMatches is the default and the upper bound of GrepArgs.MaxCount (default 1000).
+	MaxGrepMatches int
+	// MaxGrepFileBytes: Grep skips larger files (default 8 MiB).
+	MaxGrepFileBytes int64
+}
+
+func (o Options) withDefaults() Options {
+	if o.MaxReadBytes <= 0 {
+		o.MaxReadBytes = DefaultMaxReadBytes
+	}
+	if o.MaxEditBytes <= 0 {
+		o.MaxEditBytes = DefaultMaxEditBytes
+	}
+	if o.MaxGlobResults <= 0 {
+		o.MaxGlobResults = DefaultMaxGlobResults
+	}
+	if o.MaxGrepMatches <= 0 {
+		o.MaxGrepMatches = DefaultMaxGrepMatches
+	}
+	if o.MaxGrepFileBytes <= 0 {
+		o.MaxGrepFileBytes = DefaultMaxGrepFileBytes
+	}
+	return o
+}
+
+// Workspace serves file operations on one workspace directory. It is safe for concurrent use.
+type Workspace struct {
+	root *os.Root
+	opts Options
+
+	// locks serialize the broker's own read-modify-write cycles (Edit) against each other and
+	// against commits of whole-file writes to the same path, so two agents editing one file never
+	// lose an edit silently. Processes in the sandbox do not take them; they are a courtesy among
+	// broker callers, not a security boundary.
+	locks [64]sync.Mutex
+	seed  maphash.Seed
+}
+
+// Open opens the workspace at hostDir. The directory must exist. Its error names hostDir (the
+// caller's own configuration), unlike the errors of the operations, which never do.
+func Open(hostDir string, opts Options) (*Workspace, error) {
+	r, err := os.OpenRoot(hostDir)
+	if err != nil {
+		return nil, fmt.Errorf("workspace: open %s: %w", hostDir, err)
+	}
+	captureEscapeErr(r)
+	return &Workspace{root: r, opts: opts.withDefaults(), seed: maphash.MakeSeed()}, nil
+}
+
+// Close releases the workspace directory. Operations after Close fail with code unavailable.
+func (w *Workspace) Close() error {
+	return w.root.Close()
+}
+
+// Resolve turns a sandbox path (absolute under /workspace, or relative to it) into the clean path
+// relative to the workspace directory ("." for /workspace itself), or an invalid_path error. It is
+// purely lexical: symlinks are the business of the operation that uses the result, which must go
+// through an os.Root.
+func Resolve(sandboxPath string) (string, error) {
+	switch {
+	case sandboxPath == "":
+		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path is empty; give a path under %s", Root)
+	case len(sandboxPath) > MaxPathBytes:
+		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path is %d bytes long; the limit is %d", len(sandboxPath), MaxPathBytes)
+	case strings.IndexByte(sandboxPath, 0) >= 0:
+		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path %s contains a NUL byte", quote(sandboxPath))
+	case !utf8.ValidString(sandboxPath):
+		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path %s is not valid UTF-8", quote(sandboxPath))
+	}
+	p := path.Clean(sandboxPath)
+	if path.IsAbs(p) {
+		if p == Root {
+			return ".", nil
+		}
+		if rel, ok := strings.CutPrefix(p, Root+"/"); ok {
+			return rel, nil
+		}
+		return "", protocol.Errorf(protocol.CodeInvalidPath, "%s is outside %s; give a path under %s or relative to it", quote(sandboxPath), Root, Root)
+	}
+	if p == ".." || strings.HasPrefix(p, "../") {
+		return "", protocol.Errorf(protocol.CodeInvalidPath, "%s leaves %s; give a path under %s or relative to it", quote(sandboxPath), Root, Root)
+	}
+	return p, nil
+}
+
+// quote shows a caller's raw path in a message: escaped, and cut so that a hostile path cannot make
+// the message huge.
+func quote(s string) string {
+	const shown = 200
+	if len(s) > shown {
+		return fmt.Sprintf("%q...", s[:shown])
+	}
+	return fmt.Sprintf("%q", s)
+}
+
+// sandboxPath is the inverse of Resolve for a clean relative path.
+func sandboxPath(rel string) string {
+	if rel == "." {
+		return Root
+	}
+	return Root + "/" + rel
+}
+
+// join appends a name to a clean relative path.
+func join(dir, name string) string {
+	if dir == "." {
+		return name
+	}
+	return dir + "/" + name
+}
+
+// resolve is Resolve plus the sandbox path the messages name.
+func resolve(p string) (rel, sp string, err error) {
+	rel, err = Resolve(p)
+	if err != nil {
+		return "", "", err
+	}
+	return rel, sandboxPath(rel), nil
+}
+
+// lock takes the stripe lock of one relative path; see Workspace.locks.
+func (w *Workspace) lock(rel string) func() {
+	m := &w.locks[maphash.String(w.seed, rel)%uint64(len(w.locks))]
+	m.Lock()
+	return m.Unlock
+}
+
+// info converts an lstat result to the wire shape. target is the symlink's target, if it is one.
+func info(sp string, fi fs.FileInfo, target string) protocol.FileInfo {
+	out := protocol.FileInfo{
+		Path:    sp,
+		Name:    path.Base(sp),
+		Size:    fi.Size(),
+		Mode:    uint32(fi.Mode().Perm()),
+		ModTime: fi.ModTime(),
+	}
+	switch m := fi.Mode(); {
+	case m.IsRegular():
+		out.Type = protocol.FileTypeFile
+	case m.IsDir():
+		out.Type = protocol.FileTypeDir
+	case m&fs.ModeSymlink != 0:
+		out.Type = protocol.FileTypeSymlink
+		out.Target = target
+	default:
+		out.Type = protocol.FileTypeOther
+	}
+	return out
+}
+
+// describe is the FileInfo of rel itself (lstat), with a symlink's target read through the root.
+func (w *Workspace) describe(rel, sp string, fi fs.FileInfo) protocol.FileInfo {
+	var target string
+	if fi.Mode()&fs.ModeSymlink != 0 {
+		// A link that vanished since the lstat reports an empty target rather than failing a listing.
+		target, _ = w.root.Readlink(rel)
+	}
+	return info(sp, fi, target)
+}

@@ -1,0 +1,572 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Config wires a Manager.
+type Config struct {
+	Store     *store.Store
+	Provider  provider.Provider
+	Templates map[string]provider.Template // must hold "default"
+	// Node names this broker; records say which node hosts each sandbox.
+	Node   string
+	Events events.Sink
+	Log    *slog.Logger
+	// Now is the clock of every lease and deadline computed here.
+	Now        func() time.Time
+	DefaultTTL time.Duration
+	MaxTTL     time.Duration
+	// IndexDir remembers which sandboxes this node hosts (file name = id, content = org), so that a
+	// restarted broker finds them without scanning every org.
+	IndexDir string
+	// Workspace options (the sandbox user that owns created files, caps).
+	Workspace workspace.Options
+}
+
+// Caller is who acts: the org whose sandboxes are in reach, and the actor recorded in events.
+type Caller struct {
+	Org   string
+	Actor string // "key:<id>", "sweeper", "broker"
+}
+
+// Manager runs the lifecycle. It is safe for concurrent use.
+type Manager struct {
+	cfg  Config
+	mu   sync.Mutex
+	host map[string]*hosted // sandbox id -> local runtime state, for sandboxes this node hosts
+	// closing is set by Close: instances ending then are the broker's doing, not a crash.
+	closing bool
+}
+
+// hosted is the local state of one sandbox. mu serializes lifecycle actions on it (start, stop,
+// destroy); exec and file operations do not take it.
+type hosted struct {
+	mu   sync.Mutex
+	org  string
+	inst provider.Instance // nil when not running
+	ws   *workspace.Workspace
+}
+
+// NewManager builds a Manager; call Recover before serving.
+func NewManager(cfg Config) (*Manager, error) {
+	if _, ok := cfg.Templates["default"]; !ok {
+		return nil, errors.New("sandbox: templates must include \"default\"")
+	}
+	if err := os.MkdirAll(cfg.IndexDir, 0o700); err != nil {
+		return nil, fmt.Errorf("sandbox: index dir: %w", err)
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.Events == nil {
+		cfg.Events = events.Discard
+	}
+	return &Manager{cfg: cfg, host: map[string]*hosted{}}, nil
+}
+
+// Provider is the provider in use.
+func (m *Manager) Provider() provider.Provider { return m.cfg.Provider }
+
+// Node is this broker's node name.
+func (m *Manager) Node() string { return m.cfg.Node }
+
+func (m *Manager) now() time.Time { return m.cfg.Now().UTC() }
+
+func (m *Manager) hostedFor(id, org string) *hosted {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	h := m.host[id]
+	if h == nil {
+		h = &hosted{org: org}
+		m.host[id] = h
+	}
+	return h
+}
+
+func (m *Manager) emit(c Caller, rec store.Record, typ string, mut func(*protocol.Event)) {
+	e := protocol.Event{Type: typ, SandboxID: rec.ID, Name: rec.Name, Time: m.now(), Actor: c.Actor, Status: rec.Status}
+	if mut != nil {
+		mut(&e)
+	}
+	m.cfg.Events.Emit(rec.Org, e)
+}
+
+// CreateRequest is a validated-by-Create request to create or reuse a sandbox.
+type CreateRequest struct {
+	Name     string
+	Template string // "" = default
+	TTL      *time.Duration
+	Tags     map[string]string
+	Reuse    bool
+}
+
+// Create creates the named sandbox, or reuses it (resuming it when stopped) when req.Reuse. It returns
+// once the sandbox is running (or failed).
+func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (store.Record, store.Outcome, error) {
+	if err := ValidateName(req.Name); err != nil {
+		return store.Record{}, "", err
+	}
+	if req.Template == "" {
+		req.Template = "default"
+	}
+	tmpl, ok := m.cfg.Templates[req.Template]
+	if !ok {
+		return store.Record{}, "", protocol.Errorf(protocol.CodeUnknownTemplate, "template %q does not exist on this broker", clip(req.Template))
+	}
+	ttl := m.cfg.DefaultTTL
+	if req.TTL != nil {
+		ttl = *req.TTL
+	}
+	if err := ValidateTTL(ttl, m.cfg.MaxTTL); err != nil {
+		return store.Record{}, "", err
+	}
+	if err := ValidateTags(req.Tags); err != nil {
+		return store.Record{}, "", err
+	}
+	now := m.now()
+	rec := store.Record{
+		ID: "sb_" + uuid.NewString(), Org: c.Org, Name: req.Name, Template: req.Template,
+		Provider: m.cfg.Provider.Name(), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
+		Tags: req.Tags, TTL: ttl, CreatedAt: now, CreatedBy: c.Actor, Heartbeat: now,
+	}
+	// The index entry comes first: a crash after the record is written must still leave a trace on
+	// this node for Recover to find.
+	if err := m.index(rec.ID, c.Org); err != nil {
+		return store.Record{}, "", err
+	}
+	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, req.Reuse)
+	if err != nil || got.ID != rec.ID {
+		m.unindex(rec.ID)
+	}
+	if err != nil {
+		return store.Record{}, "", m.mapStoreErr(err, req.Name)
+	}
+	switch outcome {
+	case protocol.OutcomeCreated:
+		got, err = m.provision(ctx, c, got, tmpl, true)
+		if err == nil {
+			m.emit(c, got, protocol.EventCreated, nil)
+		}
+	case protocol.OutcomeResumed:
+		got, err = m.start(ctx, c, got)
+	case protocol.OutcomeReused:
+		got, err = m.waitSettled(ctx, c.Org, got)
+		if err == nil && got.Status == protocol.StatusRunning {
+			// Reuse is an owner call: it renews the lease.
+			if l, lerr := m.cfg.Store.Heartbeat(ctx, c.Org, got.ID, m.now()); lerr == nil {
+				got.ExpiresAt, got.Heartbeat = l.ExpiresAt, m.now()
+			}
+		}
+		if err == nil {
+			m.emit(c, got, protocol.EventReused, nil)
+		}
+	}
+	return got, outcome, err
+}
+
+// provision starts a record that is provisioning on this node: the provider's Create (first time
+// only), Start, the template's setup command (first time only), then running. Failures leave the
+// sandbox failed (first time) or stopped (resume) with the reason recorded.
+func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmpl provider.Template, first bool) (store.Record, error) {
+	h := m.hostedFor(rec.ID, rec.Org)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	spec := provider.Spec{ID: rec.ID, Template: tmpl}
+	// Provisioning must finish even if the client that asked goes away: others wait on it.
+	ctx = context.WithoutCancel(ctx)
+	fail := func(why string, cause error) (store.Record, error) {
+		m.cfg.Log.Error("sandbox provisioning failed", "sandbox_id", rec.ID, "org", rec.Org, "why", why, "err", cause)
+		if h.inst != nil {
+			h.inst.Stop(ctx)
+			h.inst = nil
+		}
+		to, reason := protocol.StatusFailed, why
+		fields := map[string]string{store.FieldFailure: why}
+		if !first {
+			to = protocol.StatusStopped
+			fields[store.FieldStopReason] = protocol.StopRuntimeLost
+		}
+		got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, m.now(), store.Transition{
+			From: []string{protocol.StatusProvisioning}, To: to, Fields: fields})
+		if err != nil {
+			return rec, err
+		}
+		m.emit(c, got, map[bool]string{true: protocol.EventFailed, false: protocol.EventStopped}[first], func(e *protocol.Event) {
+			e.Reason = reason
+		})
+		return got, protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %s could not start: %s", rec.Name, why)
+	}
+	if first {
+		if err := m.cfg.Provider.Create(ctx, spec); err != nil {
+			return fail("the provider could not create it", err)
+		}
+	}
+	inst, err := m.cfg.Provider.Start(ctx, spec)
+	if err != nil {
+		return fail("the provider could not start it: "+err.Error(), err)
+	}
+	h.inst = inst
+	if first && tmpl.Setup != "" {
+		if why := runSetup(ctx, inst, tmpl.Setup); why != "" {
+			return fail(why, nil)
+		}
+	}
+	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, m.now(), store.Transition{
+		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning})
+	if err != nil {
+		// Deleted (or otherwise moved) while we provisioned: the other action wins.
+		inst.Stop(ctx)
+		h.inst = nil
+		return rec, m.mapStoreErr(err, rec.Name)
+	}
+	go m.watch(rec.Org, rec.ID, h, inst)
+	return got, nil
+}
+
+// runSetup runs the template's setup command and returns why it failed, or "".
+func runSetup(ctx context.Context, inst provider.Instance, cmd string) string {
+	var out tailBuffer
+	res, err := inst.Exec(ctx, provider.ExecRequest{Command: cmd, Stdout: &out})
+	if err != nil {
+		return "setup command could not run: " + err.Error()
+	}
+	if res.ExitCode != 0 || res.Reason != "" {
+		why := fmt.Sprintf("setup command exited %d", res.ExitCode)
+		if res.Reason != "" {
+			why += " (" + res.Reason + ")"
+		}
+		return why + ": " + out.String()
+	}
+	return ""
+}
+
+// watch notices an instance that ends without Stop (killed, crashed) and records it.
+func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
+	<-inst.Done()
+	h.mu.Lock()
+	lost := h.inst == inst
+	if lost {
+		h.inst = nil
+	}
+	h.mu.Unlock()
+	m.mu.Lock()
+	closing := m.closing
+	m.mu.Unlock()
+	if !lost || closing {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	rec, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
+		Fields: map[string]string{store.FieldStopReason: protocol.StopRuntimeLost}})
+	if err != nil {
+		return
+	}
+	m.cfg.Log.Warn("sandbox processes ended on their own; sandbox stopped", "sandbox_id", id, "org", org)
+	m.emit(Caller{Org: org, Actor: "broker"}, rec, protocol.EventStopped, func(e *protocol.Event) { e.Reason = protocol.StopRuntimeLost })
+}
+
+// waitSettled waits while a sandbox is provisioning (another caller is starting it).
+func (m *Manager) waitSettled(ctx context.Context, org string, rec store.Record) (store.Record, error) {
+	for delay := time.Millisecond; rec.Status == protocol.StatusProvisioning; delay = min(delay*2, 50*time.Millisecond) {
+		select {
+		case <-ctx.Done():
+			return rec, ctx.Err()
+		case <-time.After(delay):
+		}
+		var err error
+		if rec, err = m.cfg.Store.Get(ctx, org, rec.ID); err != nil {
+			return rec, m.mapStoreErr(err, rec.Name)
+		}
+	}
+	return rec, nil
+}
+
+// Get reads a sandbox by id or name.
+func (m *Manager) Get(ctx context.Context, org, ref string) (store.Record, error) {
+	rec, err := m.cfg.Store.Get(ctx, org, ref)
+	return rec, m.mapStoreErr(err, ref)
+}
+
+// List lists sandboxes.
+func (m *Manager) List(ctx context.Context, org string, f store.Filter, limit int, cursor string) (store.Page, error) {
+	p, err := m.cfg.Store.List(ctx, org, f, limit, cursor)
+	return p, m.mapStoreErr(err, "")
+}
+
+// Stop stops a running sandbox: every process ends, files stay. Stopping a stopped sandbox is a no-op.
+// IfExpiredBy (non-zero) is the sweeper's atomic re-check: the stop happens only if no heartbeat
+// moved the deadline past it.
+func (m *Manager) Stop(ctx context.Context, c Caller, ref, reason string, ifExpiredBy time.Time) (store.Record, error) {
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), store.Transition{
+		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped, IfExpiredBy: ifExpiredBy,
+		Fields: map[string]string{store.FieldStopReason: reason}})
+	var se *store.StateError
+	if errors.As(err, &se) && se.Status == protocol.StatusStopped && ifExpiredBy.IsZero() {
+		return m.Get(ctx, c.Org, ref)
+	}
+	if err != nil {
+		return store.Record{}, m.mapStoreErr(err, ref)
+	}
+	m.stopLocal(ctx, rec)
+	m.emit(c, rec, protocol.EventStopped, func(e *protocol.Event) { e.Reason = reason })
+	return rec, nil
+}
+
+// stopLocal ends the runtime of a sandbox whose record no longer says running, here or on its node.
+func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
+	if rec.Node != m.cfg.Node {
+		m.notify(ctx, rec, cmdStop)
+		return
+	}
+	h := m.hostedFor(rec.ID, rec.Org)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.inst != nil {
+		if err := h.inst.Stop(context.WithoutCancel(ctx)); err != nil {
+			m.cfg.Log.Error("stopping sandbox processes", "sandbox_id", rec.ID, "err", err)
+		}
+		h.inst = nil
+	}
+}
+
+// Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.
+func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), store.Transition{
+		From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
+		Fields: map[string]string{store.FieldStopReason: ""}})
+	var se *store.StateError
+	if errors.As(err, &se) && (se.Status == protocol.StatusRunning || se.Status == protocol.StatusProvisioning) {
+		rec, err = m.Get(ctx, c.Org, ref)
+		if err != nil {
+			return rec, err
+		}
+		return m.waitSettled(ctx, c.Org, rec)
+	}
+	if err != nil {
+		return store.Record{}, m.mapStoreErr(err, ref)
+	}
+	return m.start(ctx, c, rec)
+}
+
+// start brings a record claimed for resuming (provisioning) to running, here or on its node.
+func (m *Manager) start(ctx context.Context, c Caller, rec store.Record) (store.Record, error) {
+	if rec.Node != m.cfg.Node {
+		m.notify(ctx, rec, cmdStart)
+		got, err := m.waitSettled(ctx, rec.Org, rec)
+		if err == nil {
+			m.emit(c, got, protocol.EventResumed, nil)
+		}
+		return got, err
+	}
+	tmpl, ok := m.cfg.Templates[rec.Template]
+	if !ok {
+		tmpl = m.cfg.Templates["default"]
+		m.cfg.Log.Warn("sandbox template no longer exists; resuming with the default", "sandbox_id", rec.ID, "template", rec.Template)
+	}
+	got, err := m.provision(ctx, c, rec, tmpl, false)
+	if err == nil {
+		m.emit(c, got, protocol.EventResumed, nil)
+	}
+	return got, err
+}
+
+// Delete removes a sandbox: its processes, its files and its record. Its name is free at once and
+// every delegation token for it stops working (the token generation is bumped).
+func (m *Manager) Delete(ctx context.Context, c Caller, ref string) (store.Record, error) {
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), store.Transition{
+		From: []string{protocol.StatusProvisioning, protocol.StatusRunning, protocol.StatusStopped, protocol.StatusFailed, protocol.StatusDeleting},
+		To:   protocol.StatusDeleting})
+	if err != nil {
+		return store.Record{}, m.mapStoreErr(err, ref)
+	}
+	if rec.Node != m.cfg.Node {
+		m.notify(ctx, rec, cmdDestroy)
+		m.emit(c, rec, protocol.EventDeleted, nil)
+		return rec, nil
+	}
+	if err := m.destroy(context.WithoutCancel(ctx), rec); err != nil {
+		return rec, err
+	}
+	m.emit(c, rec, protocol.EventDeleted, nil)
+	return rec, nil
+}
+
+// destroy removes a deleting sandbox's runtime, files and record (idempotent, local only).
+func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
+	h := m.hostedFor(rec.ID, rec.Org)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.inst != nil {
+		h.inst.Stop(ctx)
+		h.inst = nil
+	}
+	if h.ws != nil {
+		h.ws.Close()
+		h.ws = nil
+	}
+	tmpl := m.cfg.Templates[rec.Template]
+	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: rec.ID, Template: tmpl}); err != nil {
+		m.cfg.Log.Error("removing sandbox files failed; it stays deleting and is retried at next start", "sandbox_id", rec.ID, "err", err)
+		return fmt.Errorf("sandbox %s: remove files: %w", rec.ID, err)
+	}
+	if err := m.cfg.Store.Purge(ctx, rec); err != nil && !errors.Is(err, store.ErrWrongState) {
+		return err
+	}
+	m.unindex(rec.ID)
+	m.mu.Lock()
+	delete(m.host, rec.ID)
+	m.mu.Unlock()
+	return nil
+}
+
+// DeleteMatching deletes every sandbox carrying all the tags (at least one is required), or only
+// lists them when dryRun.
+func (m *Manager) DeleteMatching(ctx context.Context, c Caller, tags map[string]string, dryRun bool) ([]store.Record, error) {
+	if len(tags) == 0 {
+		return nil, protocol.Errorf(protocol.CodeInvalidTag, "a batch delete needs at least one tag selector (tag=key=value)")
+	}
+	recs, err := m.cfg.Store.ListAll(ctx, c.Org, store.Filter{Tags: tags})
+	if err != nil || dryRun {
+		return recs, m.mapStoreErr(err, "")
+	}
+	var deleted []store.Record
+	var errs []error
+	for _, r := range recs {
+		got, err := m.Delete(ctx, c, r.ID)
+		if err != nil {
+			var pe *protocol.Error
+			if errors.As(err, &pe) && pe.Code == protocol.CodeNotFound {
+				continue // deleted by someone else meanwhile
+			}
+			errs = append(errs, err)
+			continue
+		}
+		deleted = append(deleted, got)
+	}
+	return deleted, errors.Join(errs...)
+}
+
+// Heartbeat renews a running sandbox's lease.
+func (m *Manager) Heartbeat(ctx context.Context, org, ref string) (store.Lease, error) {
+	l, err := m.cfg.Store.Heartbeat(ctx, org, ref, m.now())
+	return l, m.mapStoreErr(err, ref)
+}
+
+// SetTTL changes a sandbox's lease length and, when running, renews it.
+func (m *Manager) SetTTL(ctx context.Context, org, ref string, ttl time.Duration) (store.Lease, error) {
+	if err := ValidateTTL(ttl, m.cfg.MaxTTL); err != nil {
+		return store.Lease{}, err
+	}
+	l, err := m.cfg.Store.SetTTL(ctx, org, ref, ttl, m.now())
+	return l, m.mapStoreErr(err, ref)
+}
+
+// Instance returns the running runtime of a sandbox hosted here.
+func (m *Manager) Instance(rec store.Record) (provider.Instance, error) {
+	if rec.Node != m.cfg.Node {
+		return nil, protocol.Errorf(protocol.CodeWrongNode, "sandbox %s is hosted by another broker (%s)", rec.Name, rec.Node)
+	}
+	h := m.hostedFor(rec.ID, rec.Org)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.inst == nil {
+		return nil, protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: resume it first", rec.Name, rec.Status)
+	}
+	return h.inst, nil
+}
+
+// Workspace returns the file operations of a sandbox hosted here (running or not).
+func (m *Manager) Workspace(rec store.Record) (*workspace.Workspace, error) {
+	if rec.Node != m.cfg.Node {
+		return nil, protocol.Errorf(protocol.CodeWrongNode, "sandbox %s is hosted by another broker (%s)", rec.Name, rec.Node)
+	}
+	h := m.hostedFor(rec.ID, rec.Org)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.ws == nil {
+		dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: rec.ID})
+		ws, err := workspace.Open(dir, m.cfg.Workspace)
+		if err != nil {
+			return nil, fmt.Errorf("sandbox %s: open workspace: %w", rec.ID, err)
+		}
+		h.ws = ws
+	}
+	return h.ws, nil
+}
+
+// Environment is what printenv shows inside a running sandbox.
+func (m *Manager) Environment(rec store.Record) (map[string]string, error) {
+	inst, err := m.Instance(rec)
+	if err != nil {
+		return nil, err
+	}
+	return inst.Environment(), nil
+}
+
+// mapStoreErr turns store sentinels into protocol errors a caller can act on.
+func (m *Manager) mapStoreErr(err error, ref string) error {
+	var se *store.StateError
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, store.ErrNotFound):
+		return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
+	case errors.Is(err, store.ErrNameConflict):
+		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
+	case errors.Is(err, store.ErrTemplateMismatch):
+		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists with another template %s: delete it or pick another name", clip(ref), err.Error()[len(store.ErrTemplateMismatch.Error()):])
+	case errors.Is(err, store.ErrBadCursor):
+		return protocol.Errorf(protocol.CodeInvalidCursor, "the cursor is not one this broker gave out: start again without it")
+	case errors.As(err, &se):
+		switch se.Status {
+		case protocol.StatusFailed:
+			return protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %q failed; see its failure with `sbctl get`, then delete it", clip(ref))
+		case protocol.StatusStopped:
+			return protocol.Errorf(protocol.CodeNotRunning, "sandbox %q is stopped: resume it first", clip(ref))
+		case protocol.StatusDeleting:
+			return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
+		}
+		return protocol.Errorf(protocol.CodeInvalidState, "sandbox %q is %s", clip(ref), se.Status)
+	}
+	return err
+}
+
+func (m *Manager) index(id, org string) error {
+	if err := os.WriteFile(filepath.Join(m.cfg.IndexDir, id), []byte(org), 0o600); err != nil {
+		return fmt.Errorf("sandbox: write index: %w", err)
+	}
+	return nil
+}
+
+func (m *Manager) unindex(id string) { os.Remove(filepath.Join(m.cfg.IndexDir, id)) }
+
+// tailBuffer keeps the last 2 KiB written to it (a failed setup command's output).
+type tailBuffer struct{ b []byte }
+
+func (t *tailBuffer) Write(p []byte) (int, error) {
+	t.b = append(t.b, p...)
+	if len(t.b) > 2048 {
+		t.b = t.b[len(t.b)-2048:]
+	}
+	return len(p), nil
+}
+
+func (t *tailBuffer) String() string { return string(t.b) }

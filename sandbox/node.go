@@ -1,0 +1,195 @@
+package sandbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Sandboxes live on the broker (node) whose disk holds their files. Any broker may change a record;
+// the hosting node makes its runtimes match: at once when told over its Redis channel, and by a
+// periodic reconcile that covers lost messages.
+
+type nodeCmd struct {
+	Cmd string `json:"cmd"`
+	Org string `json:"org"`
+	ID  string `json:"id"`
+}
+
+const (
+	cmdStop    = "stop"
+	cmdStart   = "start"
+	cmdDestroy = "destroy"
+)
+
+func (m *Manager) notify(ctx context.Context, rec store.Record, cmd string) {
+	msg, _ := json.Marshal(nodeCmd{Cmd: cmd, Org: rec.Org, ID: rec.ID})
+	if err := m.cfg.Store.Client().Publish(ctx, store.NodeChannel(rec.Node), msg).Err(); err != nil {
+		m.cfg.Log.Warn("could not notify the hosting broker; its reconcile will catch up", "sandbox_id", rec.ID, "node", rec.Node, "err", err)
+	}
+}
+
+// Run serves commands for this node and reconciles every interval until ctx ends.
+func (m *Manager) Run(ctx context.Context, interval time.Duration) {
+	sub := m.cfg.Store.Client().Subscribe(ctx, store.NodeChannel(m.cfg.Node))
+	defer sub.Close()
+	msgs := sub.Channel()
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case msg := <-msgs:
+			var c nodeCmd
+			if json.Unmarshal([]byte(msg.Payload), &c) == nil {
+				m.reconcileOne(ctx, c.Org, c.ID, c.Cmd == cmdStart)
+			}
+		case <-tick.C:
+			m.reconcileAll(ctx)
+		}
+	}
+}
+
+// Recover makes this node's runtimes match the records after a broker start: running sandboxes come
+// back running with a fresh init on the same files (their processes were lost, and the record says
+// so), half-done deletions finish, and half-done provisioning is marked failed.
+func (m *Manager) Recover(ctx context.Context) error {
+	entries, err := os.ReadDir(m.cfg.IndexDir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		org, err := os.ReadFile(m.cfg.IndexDir + "/" + e.Name())
+		if err != nil {
+			continue
+		}
+		m.recoverOne(ctx, string(org), e.Name())
+	}
+	return nil
+}
+
+func (m *Manager) recoverOne(ctx context.Context, org, id string) {
+	log := m.cfg.Log.With("sandbox_id", id, "org", org)
+	c := Caller{Org: org, Actor: "broker"}
+	rec, err := m.cfg.Store.Get(ctx, org, id)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		// Never made it into Redis (or was purged before the index entry went): drop the leftovers.
+		m.cfg.Provider.Destroy(ctx, provider.Spec{ID: id})
+		m.unindex(id)
+		return
+	case err != nil:
+		log.Error("recover: cannot read record", "err", err)
+		return
+	case rec.Node != m.cfg.Node:
+		return
+	}
+	switch rec.Status {
+	case protocol.StatusDeleting:
+		if m.destroy(ctx, rec) == nil {
+			m.emit(c, rec, protocol.EventDeleted, nil)
+		}
+	case protocol.StatusProvisioning:
+		got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+			From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed,
+			Fields: map[string]string{store.FieldFailure: "the broker restarted while the sandbox was being provisioned; delete it and create it again"}})
+		if err == nil {
+			m.emit(c, got, protocol.EventFailed, func(e *protocol.Event) { e.Reason = "broker_restart" })
+		}
+	case protocol.StatusRunning:
+		got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning,
+			Fields: map[string]string{store.FieldLost: itoa(m.now().UnixMilli())}})
+		if err != nil {
+			return
+		}
+		tmpl, ok := m.cfg.Templates[got.Template]
+		if !ok {
+			tmpl = m.cfg.Templates["default"]
+		}
+		if got, err = m.provision(ctx, c, got, tmpl, false); err == nil {
+			log.Info("sandbox restarted after a broker restart; its processes were lost")
+			m.emit(c, got, protocol.EventResumed, func(e *protocol.Event) { e.Reason = "broker_restart: processes were lost" })
+		}
+	}
+}
+
+// reconcileAll checks every sandbox this node runs against its record.
+func (m *Manager) reconcileAll(ctx context.Context) {
+	m.mu.Lock()
+	type pair struct{ org, id string }
+	var all []pair
+	for id, h := range m.host {
+		all = append(all, pair{h.org, id})
+	}
+	m.mu.Unlock()
+	for _, p := range all {
+		m.reconcileOne(ctx, p.org, p.id, false)
+	}
+}
+
+// reconcileOne makes the local runtime of one sandbox match its record. A provisioning record is
+// started only when another broker asked (startAsked): otherwise it is this node's own create or
+// resume in progress.
+func (m *Manager) reconcileOne(ctx context.Context, org, id string, startAsked bool) {
+	rec, err := m.cfg.Store.Get(ctx, org, id)
+	if errors.Is(err, store.ErrNotFound) {
+		m.destroy(ctx, store.Record{ID: id, Org: org, Status: protocol.StatusDeleting})
+		return
+	}
+	if err != nil || rec.Node != m.cfg.Node {
+		return
+	}
+	switch rec.Status {
+	case protocol.StatusStopped, protocol.StatusFailed:
+		m.stopLocal(ctx, rec)
+	case protocol.StatusDeleting:
+		m.destroy(ctx, rec)
+	case protocol.StatusProvisioning:
+		if !startAsked {
+			return
+		}
+		h := m.hostedFor(id, org)
+		if h.mu.TryLock() {
+			idle := h.inst == nil
+			h.mu.Unlock()
+			if idle {
+				// Claimed for a resume by another broker: start it here.
+				m.start(ctx, Caller{Org: org, Actor: "broker"}, rec)
+			}
+		}
+	}
+}
+
+// Close stops every runtime on this node without touching records: they are "running" still, and a
+// restarted broker brings them back (with their processes lost, as it records).
+func (m *Manager) Close(ctx context.Context) {
+	m.mu.Lock()
+	m.closing = true
+	hs := make([]*hosted, 0, len(m.host))
+	for _, h := range m.host {
+		hs = append(hs, h)
+	}
+	m.mu.Unlock()
+	for _, h := range hs {
+		h.mu.Lock()
+		if h.inst != nil {
+			h.inst.Stop(ctx)
+			h.inst = nil
+		}
+		if h.ws != nil {
+			h.ws.Close()
+			h.ws = nil
+		}
+		h.mu.Unlock()
+	}
+}
+
+func itoa(n int64) string { b, _ := json.Marshal(n); return string(b) }

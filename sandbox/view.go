@@ -1,0 +1,27 @@
+package sandbox
+
+import (
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/store"
+)
+
+// View is a record as the API shows it.
+func View(r store.Record) protocol.Sandbox {
+	return protocol.Sandbox{
+		ID: r.ID, Org: r.Org, Name: r.Name, Template: r.Template, Provider: r.Provider, Status: r.Status,
+		Tags: r.Tags, TTLSeconds: int64(r.TTL / time.Second), CreatedAt: r.CreatedAt,
+		LastHeartbeatAt: r.Heartbeat, ExpiresAt: timePtr(r.ExpiresAt), StopReason: r.StopReason,
+		StoppedAt: timePtr(r.StoppedAt), Failure: r.Failure, CreatedBy: r.CreatedBy,
+		Workspace: provider.WorkspacePath, ProcessesLostAt: timePtr(r.LostAt),
+	}
+}
+
+func timePtr(t time.Time) *time.Time {
+	if t.IsZero() {
+		return nil
+	}
+	return &t
+}

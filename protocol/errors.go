@@ -101,4 +101,7 @@ const (
 	// Server side.
 	CodeInternal    = "internal"
 	CodeUnavailable = "unavailable"
+
+	// Client side (backend): the dataplane could not be reached or the connection broke.
+	CodeUnreachable = "unreachable"
 )

@@ -1,0 +1,177 @@
+package protocol
+
+import (
+	"encoding/binary"
+	"errors"
+	"time"
+)
+
+// The dataplane is a WebSocket at GET /v1/sandboxes/{ref}/dataplane. docs/dataplane.md is the
+// normative spec; these are its types.
+
+// Subprotocol is the dataplane's WebSocket subprotocol; a client must offer it.
+const Subprotocol = "sbx.dataplane.v1"
+
+// BearerSubprotocolPrefix carries a credential for clients that cannot set headers (browsers):
+// Sec-WebSocket-Protocol: sbx.dataplane.v1, sbx.bearer.<credential>. The server never echoes it.
+const BearerSubprotocolPrefix = "sbx.bearer."
+
+// Operations.
+const (
+	OpPing     = "ping"
+	OpCancel   = "cancel"
+	OpEnv      = "env"
+	OpStat     = "stat"
+	OpLs       = "ls"
+	OpRead     = "read"
+	OpWrite    = "write"
+	OpEdit     = "edit"
+	OpDelete   = "delete"
+	OpMkdir    = "mkdir"
+	OpMove     = "move"
+	OpGlob     = "glob"
+	OpGrep     = "grep"
+	OpUpload   = "upload"
+	OpDownload = "download"
+	OpExec     = "exec"
+)
+
+// Request is a client text frame: {"id":7,"op":"read","args":{...}}. A cancel names the request it
+// cancels by its own id: {"id":7,"op":"cancel"}.
+type Request struct {
+	ID   uint32 `json:"id"`
+	Op   string `json:"op"`
+	Args any    `json:"args,omitempty"`
+}
+
+// Response is a server text frame ending request ID with a Result or an Error. The first frame of
+// a connection is instead {"type":"hello","hello":{...}}.
+type Response struct {
+	ID     uint32 `json:"id"`
+	Result any    `json:"result,omitempty"`
+	Error  *Error `json:"error,omitempty"`
+	Type   string `json:"type,omitempty"`
+	Hello  *Hello `json:"hello,omitempty"`
+}
+
+// Hello opens every connection: what this connection may do and its limits.
+type Hello struct {
+	Protocol  string   `json:"protocol"`
+	SandboxID string   `json:"sandbox_id"`
+	Workspace string   `json:"workspace"`
+	Scopes    []string `json:"scopes"`
+	AllowCmd  []string `json:"allow_cmd,omitempty"`
+	// ExpiresAt is when the credential expires and the connection closes (nil for API keys).
+	ExpiresAt *time.Time `json:"expires_at,omitempty"`
+	Limits    Limits     `json:"limits"`
+}
+
+// Limits of one connection.
+type Limits struct {
+	// MaxFrameBytes bounds every frame (text or binary, header included); bigger closes the connection.
+	MaxFrameBytes int `json:"max_frame_bytes"`
+	// MaxInflight bounds concurrent requests; more are answered too_many_requests.
+	MaxInflight int `json:"max_inflight"`
+	// MaxChunkBytes is the payload size of upload and download chunks (binary frames).
+	MaxChunkBytes int `json:"max_chunk_bytes"`
+	// MaxOutputBytes caps exec output a request may ask for.
+	MaxOutputBytes int64 `json:"max_output_bytes"`
+}
+
+// ExecArgs runs a command: Command (a /bin/sh -c string) or Argv (no shell), not both.
+type ExecArgs struct {
+	Command string            `json:"command,omitempty"`
+	Argv    []string          `json:"argv,omitempty"`
+	Cwd     string            `json:"cwd,omitempty"`
+	Env     map[string]string `json:"env,omitempty"`
+	// Stdin is the command's whole standard input (UTF-8 text); empty means none.
+	Stdin string `json:"stdin,omitempty"`
+	// TimeoutMS kills the command's process tree when it passes; 0 = the sandbox's default, and it
+	// is capped at the sandbox's maximum.
+	TimeoutMS int64 `json:"timeout_ms,omitempty"`
+	// Stream sends output as binary frames as it comes (kinds stdout/stderr); otherwise the result
+	// carries it.
+	Stream bool `json:"stream,omitempty"`
+	// Combined merges stderr into stdout, interleaved as written (one stream, kind stdout).
+	Combined bool `json:"combined,omitempty"`
+	// MaxOutput caps output bytes (0 = 1 MiB); past it output is dropped and truncated is set.
+	MaxOutput int64 `json:"max_output,omitempty"`
+	// Background starts the command and answers at once with its pid; it runs until it exits or
+	// the sandbox stops, output discarded.
+	Background bool `json:"background,omitempty"`
+}
+
+// ExecResult is how a command ended.
+type ExecResult struct {
+	ExitCode int `json:"exit_code"`
+	// Signal names the signal that ended it ("KILL"); exit_code is then 128+signal.
+	Signal string `json:"signal,omitempty"`
+	// Reason says why the broker or kernel ended it: timeout, cancelled, memory_limit.
+	Reason     string `json:"reason,omitempty"`
+	Truncated  bool   `json:"truncated,omitempty"`
+	DurationMS int64  `json:"duration_ms"`
+	Pid        int    `json:"pid,omitempty"`
+	// Output (combined) or Stdout and Stderr, when not streamed. Invalid UTF-8 is replaced by U+FFFD;
+	// stream to get exact bytes.
+	Output *string `json:"output,omitempty"`
+	Stdout *string `json:"stdout,omitempty"`
+	Stderr *string `json:"stderr,omitempty"`
+}
+
+// UploadArgs starts an upload: data follows as binary frames of kind FrameData with the request's
+// id, then one frame of kind FrameEnd. The file appears atomically when the upload ends.
+type UploadArgs struct {
+	Path string `json:"path"`
+	Mode string `json:"mode,omitempty"` // "overwrite" (default) or "create"
+}
+
+// DownloadArgs asks for a file's bytes: they come as binary frames of kind FrameData, then the
+// result (DownloadResult).
+type DownloadArgs struct {
+	Path string `json:"path"`
+}
+
+// DownloadResult ends a download.
+type DownloadResult struct {
+	Path string `json:"path"`
+	Size int64  `json:"size"`
+}
+
+// EnvResult is the sandbox's environment snapshot.
+type EnvResult struct {
+	Env map[string]string `json:"env"`
+}
+
+// Binary frames: a 5-byte header (kind, then the request id as big-endian uint32), then payload.
+const (
+	FrameStdout byte = 1 // server -> client: exec output (all output when combined)
+	FrameStderr byte = 2 // server -> client: exec stderr
+	FrameData   byte = 3 // both ways: upload (client -> server) and download (server -> client) bytes
+	FrameEnd    byte = 4 // client -> server: the upload is complete (empty payload)
+
+	FrameHeaderLen = 5
+)
+
+// ErrShortFrame is a binary frame shorter than its header.
+var ErrShortFrame = errors.New("binary frame shorter than its 5-byte header")
+
+// PutFrameHeader writes a binary frame header into b[:5].
+func PutFrameHeader(b []byte, kind byte, id uint32) {
+	b[0] = kind
+	binary.BigEndian.PutUint32(b[1:5], id)
+}
+
+// ParseFrame splits a binary frame into kind, request id and payload.
+func ParseFrame(b []byte) (kind byte, id uint32, payload []byte, err error) {
+	if len(b) < FrameHeaderLen {
+		return 0, 0, nil, ErrShortFrame
+	}
+	return b[0], binary.BigEndian.Uint32(b[1:5]), b[FrameHeaderLen:], nil
+}
+
+// WebSocket close codes the broker uses besides the standard ones (1001 going away on shutdown,
+// 1008 policy, 1009 too big, 1011 internal). The close reason is the error code.
+const (
+	CloseCredentialEnded = 4001 // the token was revoked or expired (reason token_revoked / token_expired)
+	CloseSandboxGone     = 4002 // the sandbox stopped or was deleted (reason sandbox_not_running / not_found)
+)

@@ -1,0 +1,113 @@
+package protocol_test
+
+import (
+	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"os"
+	"reflect"
+	"testing"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+type golden struct {
+	Name       string          `json:"name"`
+	From       string          `json:"from"`
+	Op         string          `json:"op"`
+	Result     string          `json:"result"`
+	Text       json.RawMessage `json:"text"`
+	Binary     string          `json:"binary"`
+	Kind       byte            `json:"kind"`
+	ID         uint32          `json:"id"`
+	PayloadHex string          `json:"payload_hex"`
+}
+
+// argTypes and resultTypes are the Go types each golden frame's args or result decode into.
+var argTypes = map[string]func() any{
+	"stat": func() any { return &protocol.StatArgs{} }, "ls": func() any { return &protocol.LsArgs{} },
+	"read": func() any { return &protocol.ReadArgs{} }, "write": func() any { return &protocol.WriteArgs{} },
+	"edit": func() any { return &protocol.EditArgs{} }, "delete": func() any { return &protocol.DeleteArgs{} },
+	"mkdir": func() any { return &protocol.MkdirArgs{} }, "move": func() any { return &protocol.MoveArgs{} },
+	"glob": func() any { return &protocol.GlobArgs{} }, "grep": func() any { return &protocol.GrepArgs{} },
+	"exec": func() any { return &protocol.ExecArgs{} }, "upload": func() any { return &protocol.UploadArgs{} },
+	"download": func() any { return &protocol.DownloadArgs{} },
+}
+
+var resultTypes = map[string]func() any{
+	"stat": func() any { return &protocol.FileInfo{} }, "ls": func() any { return &protocol.LsResult{} },
+	"read": func() any { return &protocol.ReadResult{} }, "write": func() any { return &protocol.WriteResult{} },
+	"edit": func() any { return &protocol.EditResult{} }, "path": func() any { return &protocol.PathResult{} },
+	"glob": func() any { return &protocol.GlobResult{} }, "grep": func() any { return &protocol.GrepResult{} },
+	"env": func() any { return &protocol.EnvResult{} }, "exec": func() any { return &protocol.ExecResult{} },
+	"download": func() any { return &protocol.DownloadResult{} },
+}
+
+// strict decodes raw into v refusing unknown fields, then encodes v back: the golden frame must
+// survive the trip unchanged.
+func roundTrip(t *testing.T, name string, raw json.RawMessage, v any) {
+	t.Helper()
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		t.Fatalf("%s: does not decode into %T: %v", name, v, err)
+	}
+	back, _ := json.Marshal(v)
+	var want, got any
+	json.Unmarshal(raw, &want)
+	json.Unmarshal(back, &got)
+	if !reflect.DeepEqual(want, got) {
+		t.Fatalf("%s: re-encodes differently\nwant %s\ngot  %s", name, raw, back)
+	}
+}
+
+func TestGoldenFrames(t *testing.T) {
+	raw, err := os.ReadFile("testdata/frames.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var file struct{ Frames []golden }
+	if err := json.Unmarshal(raw, &file); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range file.Frames {
+		switch {
+		case f.Binary != "":
+			b, _ := hex.DecodeString(f.Binary)
+			kind, id, payload, err := protocol.ParseFrame(b)
+			want, _ := hex.DecodeString(f.PayloadHex)
+			if err != nil || kind != f.Kind || id != f.ID || !bytes.Equal(payload, want) {
+				t.Errorf("%s: parsed %d %d %x %v", f.Name, kind, id, payload, err)
+			}
+			again := make([]byte, protocol.FrameHeaderLen)
+			protocol.PutFrameHeader(again, kind, id)
+			if !bytes.Equal(append(again, payload...), b) {
+				t.Errorf("%s: header does not re-encode", f.Name)
+			}
+		case f.From == "client":
+			var env struct {
+				ID   uint32          `json:"id"`
+				Op   string          `json:"op"`
+				Args json.RawMessage `json:"args,omitempty"`
+			}
+			roundTrip(t, f.Name, f.Text, &env)
+			if mk := argTypes[env.Op]; mk != nil {
+				roundTrip(t, f.Name+" args", env.Args, mk())
+			} else if len(env.Args) > 0 {
+				t.Errorf("%s: args for %q, which takes none", f.Name, env.Op)
+			}
+		default:
+			var env struct {
+				ID     uint32          `json:"id"`
+				Type   string          `json:"type,omitempty"`
+				Hello  *protocol.Hello `json:"hello,omitempty"`
+				Result json.RawMessage `json:"result,omitempty"`
+				Error  *protocol.Error `json:"error,omitempty"`
+			}
+			roundTrip(t, f.Name, f.Text, &env)
+			if mk := resultTypes[f.Result]; mk != nil {
+				roundTrip(t, f.Name+" result", env.Result, mk())
+			}
+		}
+	}
+}

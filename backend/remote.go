@@ -1,0 +1,596 @@
+package backend
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// Config says how to reach a sandbox's dataplane.
+type Config struct {
+	// URL is the dataplane URL (ws://host/v1/sandboxes/<id>/dataplane).
+	URL string
+	// Credential is a delegation token or an owner API key. It is sent in the Authorization header.
+	Credential string
+	// SandboxID, when set, must match the sandbox the broker says this connection reaches.
+	SandboxID string
+	// DialTimeout bounds one connection attempt (default 10s).
+	DialTimeout time.Duration
+	// Reconnects is how many times a broken connection is re-dialled, with backoff, before calls fail
+	// with KindUnreachable (default 5).
+	Reconnects int
+}
+
+// Remote is a Backend on a sandbox, through the broker's dataplane. It is safe for concurrent use:
+// calls share one connection, each with its own request id. A broken connection is re-dialled on
+// the next call; calls that are safe to repeat (reads, listings, searches, overwrites) are retried
+// once on a fresh connection, others fail with KindUnreachable.
+type Remote struct {
+	cfg    Config
+	mu     sync.Mutex
+	conn   *conn
+	closed bool
+	// ended is set when the broker closed the connection for good (revoked, expired, stopped).
+	ended *protocol.Error
+	hello protocol.Hello
+}
+
+// Dial connects to a sandbox's dataplane.
+func Dial(ctx context.Context, cfg Config) (*Remote, error) {
+	if cfg.URL == "" || cfg.Credential == "" {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "a dataplane URL and a credential are required")
+	}
+	if !strings.HasPrefix(cfg.URL, "ws://") && !strings.HasPrefix(cfg.URL, "wss://") {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "dataplane_url %q must be a ws:// or wss:// URL", cfg.URL)
+	}
+	if cfg.DialTimeout == 0 {
+		cfg.DialTimeout = 10 * time.Second
+	}
+	if cfg.Reconnects == 0 {
+		cfg.Reconnects = 5
+	}
+	r := &Remote{cfg: cfg}
+	if _, err := r.connection(ctx); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// ID is the sandbox id.
+func (r *Remote) ID() string { return r.hello.SandboxID }
+
+// Hello is what the broker said when the connection opened: scopes, limits, expiry.
+func (r *Remote) Hello() protocol.Hello {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.hello
+}
+
+// Close closes the connection.
+func (r *Remote) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.closed = true
+	if r.conn != nil {
+		r.conn.close(nil)
+	}
+	return nil
+}
+
+// connection returns a live connection, dialling (with backoff) when there is none.
+func (r *Remote) connection(ctx context.Context) (*conn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the backend is closed")
+	}
+	if r.ended != nil {
+		return nil, r.ended
+	}
+	if r.conn != nil && !r.conn.isDead() {
+		return r.conn, nil
+	}
+	if r.conn != nil {
+		if end := r.conn.endedBy(); end != nil {
+			r.ended = end
+			return nil, end
+		}
+	}
+	var last error
+	for attempt := 0; attempt <= r.cfg.Reconnects; attempt++ {
+		if attempt > 0 {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-time.After(min(100*time.Millisecond<<(attempt-1), 5*time.Second)):
+			}
+		}
+		c, hello, err := dial(ctx, r.cfg)
+		if err == nil {
+			r.conn, r.hello = c, hello
+			return c, nil
+		}
+		last = err
+		var pe *protocol.Error
+		if errors.As(err, &pe) && pe.Code != protocol.CodeUnreachable && pe.Code != protocol.CodeUnavailable {
+			return nil, err // refused for a reason that retrying does not change
+		}
+	}
+	return nil, last
+}
+
+func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
+	d := websocket.Dialer{
+		HandshakeTimeout: cfg.DialTimeout,
+		Subprotocols:     []string{protocol.Subprotocol},
+		ReadBufferSize:   64 << 10,
+		// Client frames are masked into this buffer: it must hold a whole chunk, or a 1 MiB upload
+		// frame would go out as many small ones.
+		WriteBufferSize: 1<<20 + 64,
+	}
+	hdr := http.Header{}
+	hdr.Set("Authorization", "Bearer "+cfg.Credential)
+	ws, resp, err := d.DialContext(ctx, cfg.URL, hdr)
+	if err != nil {
+		if resp != nil {
+			defer resp.Body.Close()
+			var eb protocol.ErrorBody
+			if json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&eb) == nil && eb.Error.Code != "" {
+				eb.Error.Status = resp.StatusCode
+				return nil, protocol.Hello{}, &eb.Error
+			}
+			return nil, protocol.Hello{}, unreachable("the dataplane answered %s", resp.Status)
+		}
+		return nil, protocol.Hello{}, unreachable("cannot reach %s: %v", redactURL(cfg.URL), err)
+	}
+	ws.SetReadLimit(2 << 20)
+	var first protocol.Response
+	ws.SetReadDeadline(time.Now().Add(cfg.DialTimeout))
+	if err := ws.ReadJSON(&first); err != nil || first.Type != "hello" || first.Hello == nil {
+		ws.Close()
+		return nil, protocol.Hello{}, unreachable("the dataplane did not greet: %v", err)
+	}
+	ws.SetReadDeadline(time.Time{})
+	if cfg.SandboxID != "" && first.Hello.SandboxID != cfg.SandboxID {
+		ws.Close()
+		return nil, protocol.Hello{}, protocol.Errorf(protocol.CodeTokenSandbox, "the dataplane reached sandbox %s, not %s", first.Hello.SandboxID, cfg.SandboxID)
+	}
+	c := &conn{ws: ws, pending: map[uint32]*call{}, dead: make(chan struct{})}
+	go c.readLoop()
+	return c, *first.Hello, nil
+}
+
+func redactURL(u string) string {
+	if i := strings.Index(u, "?"); i >= 0 {
+		return u[:i]
+	}
+	return u
+}
+
+// conn is one WebSocket connection and its requests in flight.
+type conn struct {
+	ws      *websocket.Conn
+	wmu     sync.Mutex // one writer at a time
+	nextID  atomic.Uint32
+	mu      sync.Mutex
+	pending map[uint32]*call
+	dead    chan struct{}
+	err     error           // why it died
+	end     *protocol.Error // set when the broker ended it for good
+}
+
+// call is one request in flight: its final answer, and sinks for the binary frames it receives.
+type call struct {
+	done    chan struct{}
+	result  json.RawMessage
+	err     *protocol.Error
+	stdout  io.Writer
+	stderr  io.Writer
+	data    io.Writer
+	sinkErr error
+}
+
+func (c *conn) isDead() bool {
+	select {
+	case <-c.dead:
+		return true
+	default:
+		return false
+	}
+}
+
+func (c *conn) endedBy() *protocol.Error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.end
+}
+
+func (c *conn) close(err error) {
+	c.mu.Lock()
+	select {
+	case <-c.dead:
+		c.mu.Unlock()
+		return
+	default:
+	}
+	c.err = err
+	close(c.dead)
+	pending := c.pending
+	c.pending = map[uint32]*call{}
+	c.mu.Unlock()
+	c.ws.Close()
+	for _, cl := range pending {
+		cl.err = c.failure()
+		close(cl.done)
+	}
+}
+
+// failure is the error calls in flight get when the connection dies.
+func (c *conn) failure() *protocol.Error {
+	if c.end != nil {
+		return c.end
+	}
+	return unreachable("the dataplane connection broke: %v", c.err)
+}
+
+type wireResponse struct {
+	ID     uint32          `json:"id"`
+	Result json.RawMessage `json:"result"`
+	Error  *protocol.Error `json:"error"`
+}
+
+func (c *conn) readLoop() {
+	for {
+		mt, data, err := c.ws.ReadMessage()
+		if err != nil {
+			var ce *websocket.CloseError
+			if errors.As(err, &ce) && (ce.Code == protocol.CloseCredentialEnded || ce.Code == protocol.CloseSandboxGone) {
+				c.mu.Lock()
+				c.end = &protocol.Error{Code: ce.Text, Message: closeMessage(ce)}
+				c.mu.Unlock()
+			}
+			c.close(err)
+			return
+		}
+		if mt == websocket.BinaryMessage {
+			kind, id, payload, err := protocol.ParseFrame(data)
+			if err != nil {
+				continue
+			}
+			c.mu.Lock()
+			cl := c.pending[id]
+			c.mu.Unlock()
+			if cl == nil || cl.sinkErr != nil {
+				continue
+			}
+			var w io.Writer
+			switch kind {
+			case protocol.FrameStdout:
+				w = cl.stdout
+			case protocol.FrameStderr:
+				w = cl.stderr
+			case protocol.FrameData:
+				w = cl.data
+			}
+			if w != nil {
+				if _, err := w.Write(payload); err != nil {
+					cl.sinkErr = err
+				}
+			}
+			continue
+		}
+		var resp wireResponse
+		if json.Unmarshal(data, &resp) != nil {
+			continue
+		}
+		c.mu.Lock()
+		cl := c.pending[resp.ID]
+		delete(c.pending, resp.ID)
+		c.mu.Unlock()
+		if cl == nil {
+			continue // an answer to a request nobody waits for (a frame error with id 0, a cancelled call)
+		}
+		cl.result, cl.err = resp.Result, resp.Error
+		close(cl.done)
+	}
+}
+
+func closeMessage(ce *websocket.CloseError) string {
+	switch ce.Text {
+	case protocol.CodeTokenRevoked:
+		return "the sandbox's owner revoked this credential"
+	case protocol.CodeTokenExpired:
+		return "this credential expired; the owner must send a fresh run config"
+	case protocol.CodeNotRunning:
+		return "the sandbox stopped; its owner must resume it"
+	}
+	return "the broker closed the connection: " + ce.Text
+}
+
+// roundTrip sends one request and waits for its answer; frames of kind data/stdout/stderr for it go
+// to the call's sinks. upload, when set, streams its bytes as data frames after the request.
+func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upload io.Reader) error {
+	id := c.nextID.Add(1)
+	if id == 0 {
+		id = c.nextID.Add(1)
+	}
+	cl.done = make(chan struct{})
+	c.mu.Lock()
+	if c.isDead() {
+		c.mu.Unlock()
+		return c.failure()
+	}
+	c.pending[id] = cl
+	c.mu.Unlock()
+	req, err := json.Marshal(protocol.Request{ID: id, Op: op, Args: args})
+	if err != nil {
+		return err
+	}
+	if err := c.write(websocket.TextMessage, req); err != nil {
+		return c.failure()
+	}
+	if upload != nil {
+		if err := c.sendData(ctx, id, upload); err != nil {
+			c.cancel(id)
+			return err
+		}
+	}
+	select {
+	case <-cl.done:
+	case <-ctx.Done():
+		c.cancel(id)
+		return ctx.Err()
+	}
+	if cl.err != nil {
+		return cl.err
+	}
+	return cl.sinkErr
+}
+
+func (c *conn) write(kind int, data []byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.ws.SetWriteDeadline(time.Now().Add(time.Minute))
+	err := c.ws.WriteMessage(kind, data)
+	if err != nil {
+		c.close(err)
+	}
+	return err
+}
+
+// sendData streams r as data frames, then the end frame.
+func (c *conn) sendData(ctx context.Context, id uint32, r io.Reader) error {
+	buf := make([]byte, protocol.FrameHeaderLen+1<<20)
+	for {
+		n, err := io.ReadFull(r, buf[protocol.FrameHeaderLen:])
+		if n > 0 {
+			protocol.PutFrameHeader(buf, protocol.FrameData, id)
+			if werr := c.write(websocket.BinaryMessage, buf[:protocol.FrameHeaderLen+n]); werr != nil {
+				return c.failure()
+			}
+		}
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+	protocol.PutFrameHeader(buf, protocol.FrameEnd, id)
+	if err := c.write(websocket.BinaryMessage, buf[:protocol.FrameHeaderLen]); err != nil {
+		return c.failure()
+	}
+	return nil
+}
+
+// cancel asks the broker to stop request id and stops waiting for it.
+func (c *conn) cancel(id uint32) {
+	c.mu.Lock()
+	delete(c.pending, id)
+	c.mu.Unlock()
+	req, _ := json.Marshal(protocol.Request{ID: id, Op: protocol.OpCancel})
+	c.write(websocket.TextMessage, req)
+}
+
+// validPaths refuses paths that JSON cannot carry: encoding would silently turn invalid UTF-8 into
+// U+FFFD and name another file.
+func validPaths(paths ...string) error {
+	for _, p := range paths {
+		if !utf8.ValidString(p) {
+			return protocol.Errorf(protocol.CodeInvalidPath, "path %q is not valid UTF-8", p)
+		}
+	}
+	return nil
+}
+
+// call runs op and decodes its result into out. Requests safe to repeat are retried once on a new
+// connection when the old one broke under them.
+func (r *Remote) call(ctx context.Context, op string, args, out any, retry bool) error {
+	for attempt := 0; ; attempt++ {
+		c, err := r.connection(ctx)
+		if err != nil {
+			return err
+		}
+		cl := &call{}
+		err = c.roundTrip(ctx, op, args, cl, nil)
+		var pe *protocol.Error
+		if err != nil && retry && attempt == 0 && errors.As(err, &pe) && pe.Code == protocol.CodeUnreachable {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if out != nil && len(cl.result) > 0 {
+			if err := json.Unmarshal(cl.result, out); err != nil {
+				return fmt.Errorf("dataplane answered %s with an unexpected result: %w", op, err)
+			}
+		}
+		return nil
+	}
+}
+
+// Ping measures a round trip.
+func (r *Remote) Ping(ctx context.Context) error { return r.call(ctx, protocol.OpPing, nil, nil, true) }
+
+func (r *Remote) Stat(ctx context.Context, p string) (protocol.FileInfo, error) {
+	var out protocol.FileInfo
+	if err := validPaths(p); err != nil {
+		return out, err
+	}
+	return out, r.call(ctx, protocol.OpStat, protocol.StatArgs{Path: p}, &out, true)
+}
+
+func (r *Remote) Ls(ctx context.Context, p string) ([]protocol.FileInfo, error) {
+	var out protocol.LsResult
+	if err := validPaths(p); err != nil {
+		return nil, err
+	}
+	err := r.call(ctx, protocol.OpLs, protocol.LsArgs{Path: p}, &out, true)
+	return out.Entries, err
+}
+
+func (r *Remote) Read(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
+	var out protocol.ReadResult
+	if err := validPaths(a.Path); err != nil {
+		return out, err
+	}
+	return out, r.call(ctx, protocol.OpRead, a, &out, true)
+}
+
+func (r *Remote) Write(ctx context.Context, a protocol.WriteArgs) (protocol.WriteResult, error) {
+	var out protocol.WriteResult
+	if err := validPaths(a.Path); err != nil {
+		return out, err
+	}
+	// An overwrite of the same bytes is safe to repeat; a create-only write is not.
+	return out, r.call(ctx, protocol.OpWrite, a, &out, a.Mode != protocol.WriteCreate)
+}
+
+func (r *Remote) Edit(ctx context.Context, a protocol.EditArgs) (protocol.EditResult, error) {
+	var out protocol.EditResult
+	if err := validPaths(a.Path); err != nil {
+		return out, err
+	}
+	return out, r.call(ctx, protocol.OpEdit, a, &out, false)
+}
+
+func (r *Remote) Delete(ctx context.Context, a protocol.DeleteArgs) error {
+	if err := validPaths(a.Path); err != nil {
+		return err
+	}
+	return r.call(ctx, protocol.OpDelete, a, nil, false)
+}
+
+func (r *Remote) Mkdir(ctx context.Context, a protocol.MkdirArgs) error {
+	if err := validPaths(a.Path); err != nil {
+		return err
+	}
+	return r.call(ctx, protocol.OpMkdir, a, nil, a.Parents)
+}
+
+func (r *Remote) Move(ctx context.Context, a protocol.MoveArgs) error {
+	if err := validPaths(a.From, a.To); err != nil {
+		return err
+	}
+	return r.call(ctx, protocol.OpMove, a, nil, false)
+}
+
+func (r *Remote) Glob(ctx context.Context, a protocol.GlobArgs) (protocol.GlobResult, error) {
+	var out protocol.GlobResult
+	if err := validPaths(a.Path, a.Pattern); err != nil {
+		return out, err
+	}
+	return out, r.call(ctx, protocol.OpGlob, a, &out, true)
+}
+
+func (r *Remote) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.GrepResult, error) {
+	var out protocol.GrepResult
+	if err := validPaths(a.Path); err != nil {
+		return out, err
+	}
+	return out, r.call(ctx, protocol.OpGrep, a, &out, true)
+}
+
+func (r *Remote) Env(ctx context.Context) (map[string]string, error) {
+	var out protocol.EnvResult
+	return out.Env, r.call(ctx, protocol.OpEnv, nil, &out, true)
+}
+
+// Exec runs a command; it is never retried (a command may not be safe to run twice).
+func (r *Remote) Exec(ctx context.Context, req ExecRequest) (protocol.ExecResult, error) {
+	c, err := r.connection(ctx)
+	if err != nil {
+		return protocol.ExecResult{}, err
+	}
+	a := req.ExecArgs
+	cl := &call{}
+	if req.Stdout != nil {
+		a.Stream = true
+		cl.stdout, cl.stderr = req.Stdout, req.Stderr
+		if req.Stderr == nil {
+			a.Combined = true
+		}
+	}
+	var out protocol.ExecResult
+	if err := c.roundTrip(ctx, protocol.OpExec, a, cl, nil); err != nil {
+		return out, err
+	}
+	if err := json.Unmarshal(cl.result, &out); err != nil {
+		return out, fmt.Errorf("dataplane answered exec with an unexpected result: %w", err)
+	}
+	return out, nil
+}
+
+// Upload streams r into path (atomically replaced when the upload completes).
+func (r *Remote) Upload(ctx context.Context, p string, src io.Reader) (protocol.WriteResult, error) {
+	c, err := r.connection(ctx)
+	if err != nil {
+		return protocol.WriteResult{}, err
+	}
+	cl := &call{}
+	var out protocol.WriteResult
+	if err := c.roundTrip(ctx, protocol.OpUpload, protocol.UploadArgs{Path: p}, cl, src); err != nil {
+		return out, err
+	}
+	return out, json.Unmarshal(cl.result, &out)
+}
+
+// Download streams path's bytes into w.
+func (r *Remote) Download(ctx context.Context, p string, w io.Writer) (int64, error) {
+	c, err := r.connection(ctx)
+	if err != nil {
+		return 0, err
+	}
+	cw := &countingWriter{w: w}
+	cl := &call{data: cw}
+	if err := c.roundTrip(ctx, protocol.OpDownload, protocol.DownloadArgs{Path: p}, cl, nil); err != nil {
+		return cw.n, err
+	}
+	return cw.n, nil
+}
+
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.n += int64(n)
+	return n, err
+}

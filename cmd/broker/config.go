@@ -1,0 +1,201 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+)
+
+// config is the broker's whole configuration, read once at start from flags with SBX_* env fallbacks.
+type config struct {
+	Listen          string
+	RedisURL        string
+	DataDir         string
+	Provider        string
+	ProviderReset   bool
+	AdvertiseURL    string
+	LogFormat       string
+	LogLevel        string
+	Templates       string
+	Node            string
+	DefaultTTL      time.Duration
+	MaxTTL          time.Duration
+	SandboxUID      int
+	ShutdownTimeout time.Duration
+	SigningKeys     string
+	TokenTTL        time.Duration
+	TokenMaxTTL     time.Duration
+}
+
+// envOf maps each flag to its environment fallback.
+var envOf = map[string]string{
+	"listen": "SBX_LISTEN", "redis-url": "SBX_REDIS_URL", "data-dir": "SBX_DATA_DIR", "provider": "SBX_PROVIDER",
+	"advertise-url": "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
+	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
+	"sandbox-uid": "SBX_SANDBOX_UID", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
+	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
+}
+
+// defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
+// unprivileged uid that must be able to reach it, which /root would forbid), else the user's XDG
+// data dir.
+func defaultDataDir() string {
+	if os.Geteuid() == 0 {
+		return "/var/lib/sbx-broker"
+	}
+	if d := os.Getenv("XDG_DATA_HOME"); d != "" {
+		return filepath.Join(d, "sbx-broker")
+	}
+	if home, err := os.UserHomeDir(); err == nil {
+		return filepath.Join(home, ".local", "share", "sbx-broker")
+	}
+	return "sbx-broker-data"
+}
+
+// storageFlags are shared by serve and the admin commands (they reach the same Redis).
+func storageFlags(fs *pflag.FlagSet, c *config) {
+	fs.StringVar(&c.RedisURL, "redis-url", "", "Redis to keep state in: redis://host:port, a comma list (Cluster), redis-cluster://h1,h2 or redis-sentinel://h1,h2/master; empty = an embedded redis-server with its data in --data-dir")
+	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "directory for sandboxes' files, the embedded Redis and signing keys (with the namespace provider it and its parents must be searchable, o+x, by --sandbox-uid)")
+	fs.StringVar(&c.LogFormat, "log-format", "text", "log format: text or json")
+	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error (request logs are debug)")
+	fs.StringVar(&c.SigningKeys, "signing-keys", "", "directory of the Ed25519 keys that sign delegation tokens (default <data-dir>/signing; brokers sharing one Redis must share it)")
+	fs.DurationVar(&c.TokenMaxTTL, "token-max-ttl", 24*time.Hour, "longest lifetime a delegation token may be minted with")
+}
+
+// signingDir is where the token signing keys live.
+func (c *config) signingDir() string {
+	if c.SigningKeys != "" {
+		return c.SigningKeys
+	}
+	return filepath.Join(c.DataDir, "signing")
+}
+
+func serveFlags(fs *pflag.FlagSet, c *config) {
+	fs.StringVar(&c.Listen, "listen", "127.0.0.1:7070", "address to serve the API, dataplane and events on")
+	fs.StringVar(&c.Provider, "provider", "auto", "sandbox provider: auto (namespace where it works, else dir), namespace (bubblewrap isolation) or dir (no isolation)")
+	fs.BoolVar(&c.ProviderReset, "provider-reset", false, "forget the provider this data dir was set up with and choose again")
+	fs.StringVar(&c.AdvertiseURL, "advertise-url", "", "base URL clients and agent servers reach this broker at, used to build dataplane_url (default http://<listen>)")
+	fs.StringVar(&c.Templates, "templates", "", "YAML or JSON file of sandbox templates (a built-in \"default\" always exists)")
+	fs.StringVar(&c.Node, "node", "", "this broker's node name, recorded on the sandboxes it hosts (default: generated once and kept in --data-dir)")
+	fs.DurationVar(&c.DefaultTTL, "default-ttl", 30*time.Minute, "lease of a sandbox created without ttl_seconds: no heartbeat for this long and it is stopped")
+	fs.DurationVar(&c.MaxTTL, "max-ttl", 7*24*time.Hour, "largest lease a client may ask for")
+	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "host uid, and gid, that namespace sandboxes run as when the broker runs as root (inside they are uid 1000)")
+	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
+	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
+}
+
+// applyEnv fills every flag not given on the command line from its SBX_* variable.
+func applyEnv(cmd *cobra.Command) error {
+	var errs []error
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		env, ok := envOf[f.Name]
+		if !ok || f.Changed {
+			return
+		}
+		if v, set := os.LookupEnv(env); set && v != "" {
+			if err := f.Value.Set(v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
+			}
+		}
+	})
+	return errors.Join(errs...)
+}
+
+// validate checks the settings serve uses; each error names the setting and how to fix it.
+func (c *config) validate() error {
+	var errs []error
+	bad := func(flag, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("--%s (%s): %s", flag, envOf[flag], fmt.Sprintf(format, args...)))
+	}
+	if _, port, err := net.SplitHostPort(c.Listen); err != nil || port == "" {
+		bad("listen", "%q is not host:port, e.g. 127.0.0.1:7070", c.Listen)
+	}
+	switch c.Provider {
+	case "auto", "namespace", "dir":
+	default:
+		bad("provider", "%q is not one of auto, namespace, dir", c.Provider)
+	}
+	switch c.LogFormat {
+	case "text", "json":
+	default:
+		bad("log-format", "%q is not text or json", c.LogFormat)
+	}
+	if _, err := parseLevel(c.LogLevel); err != nil {
+		bad("log-level", "%v", err)
+	}
+	if c.AdvertiseURL != "" {
+		u, err := url.Parse(c.AdvertiseURL)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || (u.Path != "" && u.Path != "/") {
+			bad("advertise-url", "%q must be a base URL like http://broker.internal:7070", c.AdvertiseURL)
+		}
+	}
+	if c.DataDir == "" {
+		bad("data-dir", "must not be empty")
+	}
+	if c.MaxTTL < time.Second {
+		bad("max-ttl", "must be at least 1s")
+	}
+	if c.DefaultTTL < time.Second || c.DefaultTTL > c.MaxTTL {
+		bad("default-ttl", "%s must be between 1s and --max-ttl (%s)", c.DefaultTTL, c.MaxTTL)
+	}
+	if c.SandboxUID < 1 || c.SandboxUID > 1<<31 {
+		bad("sandbox-uid", "%d is not a valid non-root uid", c.SandboxUID)
+	}
+	if c.Node != "" && !nodeRE.MatchString(c.Node) {
+		bad("node", "%q must be 1-63 letters, digits, '-' or '_'", c.Node)
+	}
+	if c.TokenMaxTTL < time.Minute {
+		bad("token-max-ttl", "must be at least 1m")
+	}
+	if c.TokenTTL < time.Second || c.TokenTTL > c.TokenMaxTTL {
+		bad("token-ttl", "%s must be between 1s and --token-max-ttl (%s)", c.TokenTTL, c.TokenMaxTTL)
+	}
+	if c.ShutdownTimeout <= 0 {
+		bad("shutdown-timeout", "must be positive")
+	}
+	if c.Templates != "" {
+		if _, err := os.Stat(c.Templates); err != nil {
+			bad("templates", "cannot read %s: %v", c.Templates, errors.Unwrap(err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// advertise is the base URL of this broker as others reach it.
+func (c *config) advertise() string {
+	if c.AdvertiseURL != "" {
+		return strings.TrimRight(c.AdvertiseURL, "/")
+	}
+	host, port, _ := net.SplitHostPort(c.Listen)
+	if host == "" || host == "0.0.0.0" || host == "::" {
+		host = "127.0.0.1"
+	}
+	return "http://" + net.JoinHostPort(host, port)
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	err := l.UnmarshalText([]byte(s))
+	if err != nil {
+		return l, fmt.Errorf("%q is not debug, info, warn or error", s)
+	}
+	return l, nil
+}
+
+func newLogger(c *config) *slog.Logger {
+	level, _ := parseLevel(c.LogLevel)
+	opts := &slog.HandlerOptions{Level: level}
+	if c.LogFormat == "json" {
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts))
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, opts))
+}

@@ -1,0 +1,178 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/store"
+)
+
+// keysCmd administers org API keys directly in Redis (no running broker needed; with the embedded
+// default and a broker running, it uses that broker's Redis).
+func keysCmd(c *config) *cobra.Command {
+	keys := &cobra.Command{
+		Use:   "keys",
+		Short: "Manage org API keys (and the token signing keys)",
+		Long: `API keys authenticate owners (sbctl, clients, agent servers doing introspection). A key is
+shown once when created; the broker keeps only its SHA-256 hash.`,
+	}
+	keys.AddCommand(keysCreateCmd(c), keysListCmd(c), keysRevokeCmd(c), rotateSigningCmd(c))
+	return keys
+}
+
+// withStore opens storage for an admin command, quietly.
+func withStore(cmd *cobra.Command, c *config, fn func(*store.Store) error) error {
+	if err := applyEnv(cmd); err != nil {
+		return err
+	}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	st, err := openStorage(cmd.Context(), c, log, false)
+	if err != nil {
+		return err
+	}
+	defer st.close()
+	return fn(st.store)
+}
+
+func keysCreateCmd(c *config) *cobra.Command {
+	var org, name, output string
+	cmd := &cobra.Command{
+		Use:   "create --org ORG --name NAME",
+		Short: "Create an API key for an org (the org is created if new); the key is printed once",
+		Example: `  broker keys create --org acme --name ci
+  SBX_API_KEY=$(broker keys create --org acme --name laptop -o key) sbctl list`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if org == "" || name == "" {
+				return errors.New("--org and --name are required")
+			}
+			return withStore(cmd, c, func(s *store.Store) error {
+				key, k, err := s.CreateAPIKey(cmd.Context(), org, name, time.Now())
+				if err != nil {
+					return err
+				}
+				switch output {
+				case "key":
+					fmt.Println(key)
+				case "json":
+					return json.NewEncoder(os.Stdout).Encode(map[string]string{"id": k.ID, "org": k.Org, "name": k.Name, "key": key})
+				default:
+					fmt.Printf("API key %s for org %s (%s):\n\n  %s\n\nIt is shown only now: store it (e.g. sbctl's config, or SBX_API_KEY).\n", k.ID, k.Org, k.Name, key)
+				}
+				return nil
+			})
+		},
+	}
+	cmd.Flags().StringVar(&org, "org", "", "org the key belongs to (lowercase letters, digits, '-')")
+	cmd.Flags().StringVar(&name, "name", "", "a label for the key (who or what uses it)")
+	cmd.Flags().StringVarP(&output, "output", "o", "text", "output: text, json, or key (the bare key, for scripts)")
+	return cmd
+}
+
+func keysListCmd(c *config) *cobra.Command {
+	var org, output string
+	cmd := &cobra.Command{
+		Use:   "list [--org ORG]",
+		Short: "List API keys (ids and metadata; keys themselves are never stored)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return withStore(cmd, c, func(s *store.Store) error {
+				keys, err := s.ListAPIKeys(cmd.Context(), org)
+				if err != nil {
+					return err
+				}
+				if output == "json" {
+					type row struct {
+						ID        string     `json:"id"`
+						Org       string     `json:"org"`
+						Name      string     `json:"name"`
+						CreatedAt time.Time  `json:"created_at"`
+						RevokedAt *time.Time `json:"revoked_at,omitempty"`
+					}
+					rows := make([]row, 0, len(keys))
+					for _, k := range keys {
+						r := row{ID: k.ID, Org: k.Org, Name: k.Name, CreatedAt: k.CreatedAt}
+						if !k.RevokedAt.IsZero() {
+							r.RevokedAt = &k.RevokedAt
+						}
+						rows = append(rows, r)
+					}
+					return json.NewEncoder(os.Stdout).Encode(rows)
+				}
+				tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+				fmt.Fprintln(tw, "ID\tORG\tNAME\tCREATED\tSTATE")
+				for _, k := range keys {
+					state := "active"
+					if !k.RevokedAt.IsZero() {
+						state = "revoked " + k.RevokedAt.Format(time.RFC3339)
+					}
+					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", k.ID, k.Org, k.Name, k.CreatedAt.Format(time.RFC3339), state)
+				}
+				return tw.Flush()
+			})
+		},
+	}
+	cmd.Flags().StringVar(&org, "org", "", "only this org's keys")
+	cmd.Flags().StringVarP(&output, "output", "o", "table", "output: table or json")
+	return cmd
+}
+
+func keysRevokeCmd(c *config) *cobra.Command {
+	return &cobra.Command{
+		Use:   "revoke KEY_ID",
+		Short: "Revoke an API key by its id (see `broker keys list`)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return withStore(cmd, c, func(s *store.Store) error {
+				k, err := s.RevokeAPIKey(cmd.Context(), args[0], time.Now())
+				if errors.Is(err, store.ErrNotFound) {
+					return fmt.Errorf("no API key with id %q (see `broker keys list`)", args[0])
+				}
+				if err != nil {
+					return err
+				}
+				fmt.Printf("revoked API key %s (org %s, %s)\n", k.ID, k.Org, k.Name)
+				return nil
+			})
+		},
+	}
+}
+
+func rotateSigningCmd(c *config) *cobra.Command {
+	return &cobra.Command{
+		Use:   "rotate-signing",
+		Short: "Make a new active key for signing delegation tokens; the old one keeps verifying until its tokens expire",
+		Long: `Generates a new Ed25519 signing key and makes it active. The previous key stays in the JWKS and
+keeps verifying the tokens it signed until --token-max-ttl has passed, then it is dropped. A running
+broker picks the new key up within 10 seconds.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := applyEnv(cmd); err != nil {
+				return err
+			}
+			keys, err := delegation.LoadOrCreateKeyring(c.signingDir(), time.Now)
+			if err != nil {
+				return err
+			}
+			old, _ := keys.Signer()
+			// The old key must outlive every token it signed: the longest lifetime, plus clock
+			// leeway and the brokers' reload interval.
+			window := c.TokenMaxTTL + delegation.DefaultLeeway + time.Minute
+			kid, err := keys.Rotate(window)
+			if err != nil {
+				return err
+			}
+			fmt.Printf("new signing key %s is active; %s keeps verifying until %s\n", kid, old, time.Now().Add(window).Format(time.RFC3339))
+			return nil
+		},
+	}
+}

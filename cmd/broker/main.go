@@ -1,0 +1,63 @@
+// Command broker is the sandbox broker daemon: it runs sandboxes on this host, keeps their records in
+// Redis, mints delegation tokens and serves the REST API, the dataplane and the event streams.
+//
+//	broker                       serve, on the embedded defaults (see --help)
+//	broker keys create|list|revoke|rotate-signing
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/sbxbroker/broker/sandbox/provider"
+)
+
+func main() {
+	// The broker binary is also every sandbox's resident init (see sandbox/provider).
+	if len(os.Args) > 1 && os.Args[1] == provider.InitArg {
+		provider.RunInit()
+	}
+	if err := rootCmd().Execute(); err != nil {
+		fmt.Fprintln(os.Stderr, "broker:", err)
+		os.Exit(1)
+	}
+}
+
+func rootCmd() *cobra.Command {
+	c := &config{}
+	root := &cobra.Command{
+		Use:   "broker",
+		Short: "Run the sandbox broker",
+		Long: `The sandbox broker runs sandboxes on this host for AI coding clients, and lends them to agent
+servers through narrow, short-lived delegation tokens.
+
+With no flags it starts on its embedded defaults: an embedded redis-server keeping its data in
+--data-dir, the strongest sandbox provider this machine supports, and the API on 127.0.0.1:7070.
+On the first start it creates the org "default" with an API key and writes sbctl's config file, so
+sbctl works at once.
+
+Every flag has an environment fallback (SBX_LISTEN, SBX_REDIS_URL, SBX_DATA_DIR, SBX_PROVIDER, ...).`,
+		Example: `  broker                                   # embedded defaults
+  broker --provider namespace --log-format json
+  broker --redis-url redis://10.0.0.5:6379 --advertise-url http://broker.internal:7070
+  SBX_REDIS_URL=redis-sentinel://s1:26379,s2:26379/main broker`,
+		Args:          cobra.NoArgs,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := applyEnv(cmd); err != nil {
+				return err
+			}
+			if err := c.validate(); err != nil {
+				return fmt.Errorf("invalid configuration:\n%w", err)
+			}
+			return serve(cmd.Context(), c)
+		},
+	}
+	storageFlags(root.PersistentFlags(), c)
+	serveFlags(root.Flags(), c)
+	root.AddCommand(keysCmd(c))
+	return root
+}

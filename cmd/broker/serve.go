@@ -1,0 +1,227 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/server"
+	"github.com/sbxbroker/broker/store"
+)
+
+// serve runs the broker until SIGINT or SIGTERM, then shuts down gracefully: it stops accepting,
+// lets requests in flight finish, stops sandbox processes (records stay "running": the next start
+// brings them back), flushes events and stops the embedded Redis.
+func serve(parent context.Context, c *config) error {
+	log := newLogger(c)
+	ctx, stop := signal.NotifyContext(parent, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	st, err := openStorage(ctx, c, log, true)
+	if err != nil {
+		return err
+	}
+	defer st.close()
+	node, err := nodeName(c)
+	if err != nil {
+		return err
+	}
+	templates := map[string]provider.Template{"default": provider.DefaultTemplate()}
+	if c.Templates != "" {
+		if templates, err = provider.LoadTemplates(c.Templates); err != nil {
+			return fmt.Errorf("--templates (SBX_TEMPLATES): %w", err)
+		}
+	}
+	prov, report, err := chooseProvider(ctx, c, log)
+	if err != nil {
+		return err
+	}
+
+	evw := events.NewWriter(st.rdb, log)
+	defer evw.Close()
+	uid := -1
+	if prov.Name() == "namespace" && os.Geteuid() == 0 {
+		uid = c.SandboxUID
+	}
+	mgr, err := sandbox.NewManager(sandbox.Config{
+		Store: st.store, Provider: prov, Templates: templates, Node: node, Events: evw, Log: log,
+		DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, IndexDir: filepath.Join(c.DataDir, "hosted"),
+		Workspace: workspace.Options{UID: uid, GID: uid},
+	})
+	if err != nil {
+		return err
+	}
+	if err := mgr.Recover(ctx); err != nil {
+		log.Error("recovering this node's sandboxes", "err", err)
+	}
+	defer mgr.Close(context.Background())
+	go mgr.Run(ctx, 5*time.Second)
+
+	if st.embedded != nil {
+		if err := bootstrap(ctx, c, st, log); err != nil {
+			return err
+		}
+	}
+	if err := st.store.RegisterNode(ctx, node, c.advertise()); err != nil {
+		return err
+	}
+	keys, err := delegation.LoadOrCreateKeyring(c.signingDir(), time.Now)
+	if err != nil {
+		return fmt.Errorf("--signing-keys (SBX_SIGNING_KEYS): %w", err)
+	}
+	go reloadKeys(ctx, keys, log)
+	dlg, err := delegation.NewService(delegation.ServiceConfig{
+		Keys: keys, Store: st.store, Events: evw, Log: log,
+		Token:        delegation.Config{DefaultTTL: c.TokenTTL, MaxTTL: c.TokenMaxTTL},
+		DataplaneURL: dataplaneURL(st.store),
+	})
+	if err != nil {
+		return err
+	}
+
+	srv := server.New(server.Config{
+		Store: st.store, Sandboxes: mgr, Delegation: dlg, Keys: keys, Events: evw, Log: log,
+		Ready: func(ctx context.Context) server.ReadyReport {
+			r := server.ReadyReport{Ready: true, Provider: prov.Name(), Redis: "ok", Node: node, Warnings: warnings(report)}
+			if err := st.rdb.Ping(ctx).Err(); err != nil {
+				r.Ready, r.Redis = false, "unreachable"
+			}
+			return r
+		},
+	})
+	l, err := net.Listen("tcp", c.Listen)
+	if err != nil {
+		return fmt.Errorf("--listen (SBX_LISTEN): %w", err)
+	}
+	log.Info("broker ready", "listen", l.Addr().String(), "advertise", c.advertise(), "node", node,
+		"provider", prov.Name(), "redis", st.where, "data_dir", c.DataDir)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info("shutting down", "timeout", c.ShutdownTimeout)
+	sctx, cancel := context.WithTimeout(context.Background(), c.ShutdownTimeout)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		log.Warn("shutdown", "err", err)
+	}
+	return nil
+}
+
+// chooseProvider runs preflight. The data dir remembers the provider it was set up with, so that a
+// broker never silently changes isolation under existing sandboxes: "auto" keeps the remembered
+// choice (and fails, with guidance, if it stopped working); --provider-reset chooses again.
+func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.Provider, provider.Report, error) {
+	memo := filepath.Join(c.DataDir, "provider")
+	choice := c.Provider
+	if b, err := os.ReadFile(memo); err == nil && choice == "auto" && !c.ProviderReset {
+		choice = strings.TrimSpace(string(b))
+	}
+	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID}
+	prov, report, err := provider.Preflight(ctx, cfg, choice)
+	if err != nil {
+		if choice != c.Provider {
+			return nil, report, fmt.Errorf("--provider (SBX_PROVIDER): this data dir was set up with the %s provider, which no longer works: %w\n"+
+				"fix that, or start once with --provider-reset to choose again", choice, err)
+		}
+		return nil, report, fmt.Errorf("--provider (SBX_PROVIDER): %w", err)
+	}
+	if report.Warning != "" {
+		log.Warn(report.Warning, "provider", prov.Name())
+	}
+	if choice != c.Provider && prov.Name() == "dir" {
+		log.Warn("this data dir was set up with the dir provider and keeps it; once the namespace provider works here, start with --provider-reset to switch", "data_dir", c.DataDir)
+	}
+	log.Info("sandbox provider ready", "provider", prov.Name(), "limits_enforced", report.LimitsEnforced,
+		"cgroups", report.Cgroups, "preflight_ms", report.Took.Milliseconds())
+	if err := os.WriteFile(memo, []byte(prov.Name()+"\n"), 0o600); err != nil {
+		return nil, report, fmt.Errorf("--data-dir: %w", err)
+	}
+	return prov, report, nil
+}
+
+// bootstrap gives a fresh embedded broker an org and a key, and points sbctl at it.
+func bootstrap(ctx context.Context, c *config, st *storage, log *slog.Logger) error {
+	orgs, err := st.store.Orgs(ctx)
+	if err != nil || len(orgs) > 0 {
+		return err
+	}
+	key, k, err := st.store.CreateAPIKey(ctx, "default", "bootstrap", time.Now())
+	if err != nil {
+		return err
+	}
+	cfgPath := client.ConfigPath()
+	existing, _ := client.LoadConfig(cfgPath)
+	if existing.Broker != "" && existing.Broker != c.advertise() {
+		// Never clobber a config that points at another broker.
+		cfgPath = filepath.Join(c.DataDir, "sbctl-config.yaml")
+	}
+	if err := client.WriteConfig(cfgPath, client.Config{Broker: c.advertise(), APIKey: key}); err != nil {
+		return fmt.Errorf("write sbctl config %s: %w", cfgPath, err)
+	}
+	msg := "first start: created org \"default\" with an API key; sbctl is configured to use it"
+	if cfgPath != client.ConfigPath() {
+		msg = "first start: created org \"default\" with an API key; sbctl's usual config points at another broker, so run sbctl with SBCTL_CONFIG=" + cfgPath
+	}
+	log.Info(msg, "key_id", k.ID, "credentials", cfgPath)
+	return nil
+}
+
+// reloadKeys picks up a signing key rotation done by `broker keys rotate-signing` (another process).
+func reloadKeys(ctx context.Context, keys *delegation.Keyring, log *slog.Logger) {
+	t := time.NewTicker(10 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if err := keys.Reload(); err != nil {
+				log.Error("reloading signing keys", "err", err)
+			}
+		}
+	}
+}
+
+// dataplaneURL builds a sandbox's dataplane URL from the base URL of the broker hosting it.
+func dataplaneURL(st *store.Store) func(ctx context.Context, rec store.Record) (string, error) {
+	return func(ctx context.Context, rec store.Record) (string, error) {
+		base, err := st.NodeURL(ctx, rec.Node)
+		if err != nil {
+			return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
+		}
+		return protocolBase(base) + "/v1/sandboxes/" + rec.ID + "/dataplane", nil
+	}
+}
+
+// protocolBase turns http(s)://host into ws(s)://host.
+func protocolBase(base string) string {
+	if rest, ok := strings.CutPrefix(base, "https://"); ok {
+		return "wss://" + rest
+	}
+	return "ws://" + strings.TrimPrefix(base, "http://")
+}
+
+func warnings(r provider.Report) []string {
+	if r.Warning == "" {
+		return nil
+	}
+	return []string{r.Warning}
+}

@@ -1,0 +1,445 @@
+package main
+
+import (
+	"bufio"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// parseTags reads repeated --tag k=v flags.
+func parseTags(flags []string) (map[string]string, error) {
+	if len(flags) == 0 {
+		return nil, nil
+	}
+	tags := map[string]string{}
+	for _, t := range flags {
+		k, v, ok := strings.Cut(t, "=")
+		if !ok || k == "" {
+			return nil, usageErr("--tag %q is not key=value", t)
+		}
+		tags[k] = v
+	}
+	return tags, nil
+}
+
+func createCmd(g *globals) *cobra.Command {
+	var template string
+	var ttl time.Duration
+	var tags []string
+	var noReuse bool
+	cmd := &cobra.Command{
+		Use:   "create [NAME]",
+		Short: "Create a sandbox, or reuse (and resume) the one with this name",
+		Long: `Create a sandbox, or reuse the sandbox with this name: a running one is reused as is (its lease
+renewed), a stopped one is resumed with its files. The answer says which: created, reused or resumed.
+Without NAME a random name is chosen.
+
+The sandbox is stopped (files kept) when nothing heartbeats it for --ttl; keep it alive with
+sbctl attach or sbctl heartbeat.`,
+		Example: `  sbctl create dev
+  sbctl create dev --ttl 2h --tag thread_id=T42 --tag team=infra
+  sbctl create ci-$(date +%s) --no-reuse -o json`,
+		Args: cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			req := protocol.CreateSandboxRequest{Template: template}
+			if len(args) == 1 {
+				req.Name = args[0]
+			} else {
+				b := make([]byte, 4)
+				rand.Read(b)
+				req.Name = "sandbox-" + hex.EncodeToString(b)
+			}
+			if req.Tags, err = parseTags(tags); err != nil {
+				return err
+			}
+			if cmd.Flags().Changed("ttl") {
+				secs := int64(ttl / time.Second)
+				req.TTLSeconds = &secs
+			}
+			if noReuse {
+				f := false
+				req.Reuse = &f
+			}
+			res, err := c.CreateSandbox(cmd.Context(), req)
+			if err != nil {
+				return err
+			}
+			if g.quiet {
+				fmt.Fprintln(g.stdout, res.Sandbox.ID)
+				return nil
+			}
+			return g.print(res, func(w io.Writer) {
+				fmt.Fprintf(w, "%s sandbox %s (%s), %s\n", res.Outcome, res.Sandbox.Name, res.Sandbox.ID, statusLine(res.Sandbox))
+			})
+		},
+	}
+	cmd.Flags().StringVar(&template, "template", "", "template to create from (default: the broker's \"default\")")
+	cmd.Flags().DurationVar(&ttl, "ttl", 0, "lease: stop the sandbox when nothing heartbeats it this long (default: the broker's, 30m)")
+	cmd.Flags().StringArrayVar(&tags, "tag", nil, "tag key=value (repeatable)")
+	cmd.Flags().BoolVar(&noReuse, "no-reuse", false, "fail with a conflict if the name is taken instead of reusing it")
+	return cmd
+}
+
+func listCmd(g *globals) *cobra.Command {
+	var tags, statuses []string
+	var limit int
+	cmd := &cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List sandboxes, optionally filtered by tag and status",
+		Example: `  sbctl list
+  sbctl list --tag thread_id=T42 --status running
+  sbctl list -o json | jq -r '.[].id'`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			o := client.ListOptions{Statuses: statuses}
+			if o.Tags, err = parseTags(tags); err != nil {
+				return err
+			}
+			all, err := c.ListAllSandboxes(cmd.Context(), o)
+			if err != nil {
+				return err
+			}
+			if limit > 0 && len(all) > limit {
+				all = all[:limit]
+			}
+			if all == nil {
+				all = []protocol.Sandbox{}
+			}
+			if g.quiet {
+				for _, s := range all {
+					fmt.Fprintln(g.stdout, s.ID)
+				}
+				return nil
+			}
+			return g.print(all, func(w io.Writer) { sandboxTable(w, all) })
+		},
+	}
+	cmd.Flags().StringArrayVar(&tags, "tag", nil, "only sandboxes with tag key=value (repeatable: all must match)")
+	cmd.Flags().StringArrayVar(&statuses, "status", nil, "only sandboxes in this status: provisioning, running, stopped, failed, deleting (repeatable)")
+	cmd.Flags().IntVar(&limit, "limit", 0, "show at most this many (0 = all)")
+	return cmd
+}
+
+func sandboxTable(w io.Writer, all []protocol.Sandbox) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tID\tSTATUS\tTEMPLATE\tTTL\tEXPIRES\tAGE\tTAGS")
+	for _, s := range all {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", s.Name, s.ID, statusWord(s), s.Template,
+			time.Duration(s.TTLSeconds)*time.Second, expiresIn(s), ago(s.CreatedAt), tagString(s.Tags))
+	}
+	tw.Flush()
+}
+
+func statusWord(s protocol.Sandbox) string {
+	if s.StopReason != "" && s.Status == protocol.StatusStopped {
+		return s.Status + " (" + s.StopReason + ")"
+	}
+	return s.Status
+}
+
+func statusLine(s protocol.Sandbox) string {
+	line := statusWord(s)
+	if s.ExpiresAt != nil {
+		line += ", lease expires " + expiresIn(s)
+	}
+	if s.Failure != "" {
+		line += ": " + s.Failure
+	}
+	return line
+}
+
+func expiresIn(s protocol.Sandbox) string {
+	if s.ExpiresAt == nil {
+		return "-"
+	}
+	d := time.Until(*s.ExpiresAt).Round(time.Second)
+	if d <= 0 {
+		return "now"
+	}
+	return "in " + d.String()
+}
+
+func ago(t time.Time) string {
+	d := time.Since(t)
+	switch {
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm", int(d.Minutes()))
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh", int(d.Hours()))
+	}
+	return fmt.Sprintf("%dd", int(d.Hours()/24))
+}
+
+func tagString(tags map[string]string) string {
+	if len(tags) == 0 {
+		return "-"
+	}
+	parts := make([]string, 0, len(tags))
+	for k, v := range tags {
+		parts = append(parts, k+"="+v)
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, ",")
+}
+
+func getCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:     "get REF",
+		Short:   "Show one sandbox",
+		Example: "  sbctl get dev\n  sbctl get sb_0f9c... -o yaml",
+		Args:    exactArgs(1, "REF (a sandbox id or name)"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			s, err := c.GetSandbox(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			return g.print(s, func(w io.Writer) { describeSandbox(w, s) })
+		},
+	}
+}
+
+func describeSandbox(w io.Writer, s protocol.Sandbox) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	row := func(k, v string) { fmt.Fprintf(tw, "%s:\t%s\n", k, v) }
+	row("Name", s.Name)
+	row("ID", s.ID)
+	row("Status", statusWord(s))
+	row("Template", s.Template)
+	row("Provider", s.Provider)
+	row("Workspace", s.Workspace)
+	row("TTL", (time.Duration(s.TTLSeconds) * time.Second).String())
+	row("Expires", expiresIn(s))
+	row("Last heartbeat", s.LastHeartbeatAt.Format(time.RFC3339))
+	row("Created", s.CreatedAt.Format(time.RFC3339)+" by "+s.CreatedBy)
+	row("Tags", tagString(s.Tags))
+	if s.Failure != "" {
+		row("Failure", s.Failure)
+	}
+	if s.ProcessesLostAt != nil {
+		row("Processes lost", s.ProcessesLostAt.Format(time.RFC3339)+" (broker restart)")
+	}
+	tw.Flush()
+}
+
+// lifecycleCmd builds stop and resume, which differ only in the call.
+func lifecycleCmd(g *globals, use, short, verb string, call func(*client.Client, *cobra.Command, string) (protocol.Sandbox, error)) *cobra.Command {
+	return &cobra.Command{
+		Use:   use + " REF",
+		Short: short,
+		Args:  exactArgs(1, "REF (a sandbox id or name)"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			s, err := call(c, cmd, args[0])
+			if err != nil {
+				return err
+			}
+			if g.quiet {
+				return nil
+			}
+			return g.print(s, func(w io.Writer) { fmt.Fprintf(w, "%s sandbox %s: %s\n", verb, s.Name, statusLine(s)) })
+		},
+	}
+}
+
+func stopCmd(g *globals) *cobra.Command {
+	return lifecycleCmd(g, "stop", "Stop a sandbox: every process ends, files stay", "stopped",
+		func(c *client.Client, cmd *cobra.Command, ref string) (protocol.Sandbox, error) {
+			return c.StopSandbox(cmd.Context(), ref)
+		})
+}
+
+func resumeCmd(g *globals) *cobra.Command {
+	return lifecycleCmd(g, "resume", "Resume a stopped sandbox on the same files (processes start fresh)", "resumed",
+		func(c *client.Client, cmd *cobra.Command, ref string) (protocol.Sandbox, error) {
+			return c.ResumeSandbox(cmd.Context(), ref)
+		})
+}
+
+func deleteCmd(g *globals) *cobra.Command {
+	var tags []string
+	var dryRun, yes bool
+	cmd := &cobra.Command{
+		Use:   "delete (REF | --tag k=v...)",
+		Short: "Delete a sandbox with its files, or every sandbox matching tags",
+		Long: `Delete one sandbox (its processes, files and record), or every sandbox carrying all the given
+tags. A batch delete shows what it would delete and asks for confirmation unless --yes; --dry-run
+only shows. Delegation tokens for a deleted sandbox stop working at once.`,
+		Example: `  sbctl delete dev
+  sbctl delete --tag thread_id=T42 --dry-run
+  sbctl delete --tag ci=true --yes`,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			sel, err := parseTags(tags)
+			if err != nil {
+				return err
+			}
+			switch {
+			case len(args) == 1 && len(sel) == 0:
+				if dryRun {
+					s, err := c.GetSandbox(cmd.Context(), args[0])
+					if err != nil {
+						return err
+					}
+					return g.printDeleted(protocol.DeleteSandboxesResponse{DryRun: true, Deleted: []protocol.Sandbox{s}})
+				}
+				res, err := c.DeleteSandbox(cmd.Context(), args[0])
+				if err != nil {
+					return err
+				}
+				return g.printDeleted(res)
+			case len(args) == 0 && len(sel) > 0:
+			default:
+				return usageErr("give either REF or at least one --tag k=v, not both")
+			}
+			preview, err := c.DeleteSandboxes(cmd.Context(), sel, true)
+			if err != nil {
+				return err
+			}
+			if dryRun || len(preview.Deleted) == 0 {
+				return g.printDeleted(preview)
+			}
+			if !yes {
+				if !g.isTTY {
+					return usageErr("refusing to delete %d sandboxes without --yes (stdin is not a terminal)", len(preview.Deleted))
+				}
+				sandboxTable(g.stderr, preview.Deleted)
+				fmt.Fprintf(g.stderr, "Delete these %d sandboxes and their files? [y/N] ", len(preview.Deleted))
+				answer, _ := bufio.NewReader(g.stdin).ReadString('\n')
+				if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
+					return fmt.Errorf("nothing deleted")
+				}
+			}
+			res, err := c.DeleteSandboxes(cmd.Context(), sel, false)
+			if err != nil {
+				return err
+			}
+			return g.printDeleted(res)
+		},
+	}
+	cmd.Flags().StringArrayVar(&tags, "tag", nil, "delete every sandbox with tag key=value (repeatable: all must match)")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "only show what would be deleted")
+	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
+	return cmd
+}
+
+func (g *globals) printDeleted(res protocol.DeleteSandboxesResponse) error {
+	if g.quiet {
+		for _, s := range res.Deleted {
+			fmt.Fprintln(g.stdout, s.ID)
+		}
+		return nil
+	}
+	return g.print(res, func(w io.Writer) {
+		verb := "deleted"
+		if res.DryRun {
+			verb = "would delete"
+		}
+		if len(res.Deleted) == 0 {
+			fmt.Fprintln(w, "no sandbox matches")
+		}
+		for _, s := range res.Deleted {
+			fmt.Fprintf(w, "%s %s (%s)\n", verb, s.Name, s.ID)
+		}
+	})
+}
+
+func extendCmd(g *globals) *cobra.Command {
+	var ttl time.Duration
+	cmd := &cobra.Command{
+		Use:     "extend REF --ttl D",
+		Short:   "Change a sandbox's lease length; a running sandbox's lease restarts now",
+		Example: "  sbctl extend dev --ttl 4h",
+		Args:    exactArgs(1, "REF (a sandbox id or name)"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if !cmd.Flags().Changed("ttl") {
+				return usageErr("--ttl is required, e.g. --ttl 2h")
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			l, err := c.SetTTL(cmd.Context(), args[0], ttl)
+			if err != nil {
+				return err
+			}
+			return g.printLease(args[0], l)
+		},
+	}
+	cmd.Flags().DurationVar(&ttl, "ttl", 0, "new lease length, e.g. 45m or 4h")
+	return cmd
+}
+
+func heartbeatCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "heartbeat REF",
+		Short: "Renew a running sandbox's lease once (sbctl attach keeps renewing it)",
+		Args:  exactArgs(1, "REF (a sandbox id or name)"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			l, err := c.Heartbeat(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			return g.printLease(args[0], l)
+		},
+	}
+}
+
+func (g *globals) printLease(ref string, l protocol.HeartbeatResponse) error {
+	if g.quiet {
+		return nil
+	}
+	return g.print(l, func(w io.Writer) {
+		if l.ExpiresAt == nil {
+			fmt.Fprintf(w, "%s: %s, ttl %s\n", ref, l.Status, time.Duration(l.TTLSeconds)*time.Second)
+			return
+		}
+		fmt.Fprintf(w, "%s: %s, lease expires in %s (%s)\n", ref, l.Status,
+			time.Until(*l.ExpiresAt).Round(time.Second), l.ExpiresAt.Local().Format(time.TimeOnly))
+	})
+}
+
+// exactArgs is cobra.ExactArgs with a message that names what is missing.
+func exactArgs(n int, what string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) != n {
+			return usageErr("%s takes %s; see sbctl %s --help", cmd.Name(), what, cmd.Name())
+		}
+		return nil
+	}
+}

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Starts the broker on its embedded defaults, ready for sbctl: installs what is missing, builds
+# bin/broker and bin/sbctl, and runs the broker in the foreground (Ctrl-C stops it). Extra arguments
+# go to the broker (see bin/broker --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+mkdir -p bin
+go build -o bin/broker ./cmd/broker
+go build -o bin/sbctl ./cmd/sbctl
+echo "built bin/broker and bin/sbctl; starting the broker (Ctrl-C to stop)" >&2
+exec bin/broker "$@"

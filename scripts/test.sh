@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Runs every test: installs what is missing, then the Go tests (unit, in-process server, end-to-end
+# against the real binaries, real redis-server and real bubblewrap sandboxes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+go vet ./...
+go test -count=1 -timeout 20m ./...

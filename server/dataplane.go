@@ -1,0 +1,905 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/gorilla/websocket"
+	"github.com/labstack/echo/v4"
+
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Dataplane limits (docs/dataplane.md).
+const (
+	dpChunkBytes     = 1 << 20
+	dpMaxFrameBytes  = dpChunkBytes + 64<<10
+	dpMaxInflight    = 64
+	dpMaxOutputBytes = 64 << 20
+	dpDefaultOutput  = 1 << 20
+	dpWriteQueue     = 32
+	dpWriteTimeout   = 30 * time.Second
+	dpPingEvery      = 30 * time.Second
+	dpPongWait       = 75 * time.Second
+	// dpRecheckEvery re-verifies each connection's credential, a backstop for revocation
+	// announcements lost while a broker was disconnected from Redis.
+	dpRecheckEvery = 30 * time.Second
+)
+
+var upgrader = websocket.Upgrader{
+	ReadBufferSize:    64 << 10,
+	WriteBufferSize:   64 << 10,
+	Subprotocols:      []string{protocol.Subprotocol},
+	EnableCompression: false,
+	// Origin is checked before the upgrade (checkOrigin); by then it is acceptable.
+	CheckOrigin: func(*http.Request) bool { return true },
+}
+
+// dataplane authenticates, authorizes and upgrades GET /v1/sandboxes/{ref}/dataplane. Failures
+// before the upgrade are ordinary JSON errors.
+func (s *Server) dataplane(c echo.Context) error {
+	r := c.Request()
+	for _, q := range []string{"token", "access_token", "api_key", "key", "credential"} {
+		if r.URL.Query().Has(q) {
+			return protocol.Errorf(protocol.CodeInvalidArgument, "credentials in the URL are refused (they end up in logs): send Authorization: Bearer, or the %s<credential> subprotocol", protocol.BearerSubprotocolPrefix)
+		}
+	}
+	if err := s.checkOrigin(r); err != nil {
+		return err
+	}
+	if !offers(r, protocol.Subprotocol) {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane needs the WebSocket subprotocol %s", protocol.Subprotocol)
+	}
+	cred := bearer(r)
+	if cred == "" {
+		cred = subprotocolCredential(r)
+	}
+	if cred == "" {
+		return errNoCredentials
+	}
+	conn := &dpConn{s: s}
+	ctx := r.Context()
+	if store.LooksLikeAPIKey(cred) {
+		k, err := s.store.Authenticate(ctx, cred)
+		if errors.Is(err, store.ErrBadKey) {
+			return protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
+		}
+		if err != nil {
+			return err
+		}
+		conn.org, conn.keyID, conn.actor = k.Org, k.ID, "key:"+k.ID
+		conn.scopes = map[string]bool{protocol.ScopeFSRead: true, protocol.ScopeFSWrite: true, protocol.ScopeExec: true}
+	} else {
+		claims, err := s.delegation.Verifier().Verify(ctx, cred)
+		if err != nil {
+			return err
+		}
+		conn.org, conn.claims, conn.actor = claims.Org, claims, "token:"+claims.ID
+		conn.scopes = map[string]bool{}
+		for _, sc := range claims.Scopes() {
+			conn.scopes[sc] = true
+		}
+	}
+	rec, err := s.sandboxes.Get(ctx, conn.org, c.Param("ref"))
+	if err != nil {
+		return err
+	}
+	if conn.claims != nil && conn.claims.Sbx != rec.ID {
+		return protocol.Errorf(protocol.CodeTokenSandbox, "this token is for another sandbox")
+	}
+	c.Set(ctxSandbox, rec)
+	if rec.Status != protocol.StatusRunning {
+		return protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: its owner must resume it", rec.Name, rec.Status)
+	}
+	if conn.inst, err = s.sandboxes.Instance(rec); err != nil {
+		return err
+	}
+	if conn.files, err = s.sandboxes.Workspace(rec); err != nil {
+		return err
+	}
+	conn.rec = rec
+	hdr := http.Header{}
+	hdr.Set(echo.HeaderXRequestID, requestID(c))
+	ws, err := upgrader.Upgrade(c.Response(), r, hdr)
+	if err != nil {
+		return nil // the upgrader answered already
+	}
+	c.Response().Committed = true
+	conn.serve(ws, requestID(c))
+	return nil
+}
+
+func (s *Server) checkOrigin(r *http.Request) error {
+	origin := r.Header.Get("Origin")
+	if origin == "" {
+		return nil // not a browser
+	}
+	for _, o := range s.allowedOrigins {
+		if strings.EqualFold(o, origin) {
+			return nil
+		}
+	}
+	return protocol.Errorf(protocol.CodeForbidden, "origin %q may not open the dataplane (the broker's --allowed-origins)", clipHeader(origin))
+}
+
+func offers(r *http.Request, proto string) bool {
+	for _, p := range websocket.Subprotocols(r) {
+		if p == proto {
+			return true
+		}
+	}
+	return false
+}
+
+func subprotocolCredential(r *http.Request) string {
+	for _, p := range websocket.Subprotocols(r) {
+		if cred, ok := strings.CutPrefix(p, protocol.BearerSubprotocolPrefix); ok {
+			return cred
+		}
+	}
+	return ""
+}
+
+func clipHeader(s string) string {
+	if len(s) > 100 {
+		s = s[:100]
+	}
+	return strings.ToValidUTF8(s, "?")
+}
+
+// dpConn is one dataplane connection: one reader goroutine (this one), one writer goroutine, and a
+// goroutine per request in flight.
+type dpConn struct {
+	s      *Server
+	org    string
+	actor  string
+	keyID  string             // owners
+	claims *delegation.Claims // delegates
+	scopes map[string]bool
+	rec    store.Record
+	inst   provider.Instance
+	files  *workspace.Workspace
+
+	conn   *websocket.Conn
+	out    chan outFrame
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
+	inflight map[uint32]*request
+	closing  bool
+	closeMsg []byte // the close frame to send, set once
+}
+
+// request is one request in flight.
+type request struct {
+	cancel context.CancelFunc
+	upload *workspace.Upload // set for uploads, fed by the reader
+	path   string
+}
+
+// outFrame is a frame for the writer. release, when set, returns a pooled buffer after the write.
+type outFrame struct {
+	kind    int
+	data    []byte
+	release func()
+}
+
+func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
+	c.conn = ws
+	c.out = make(chan outFrame, dpWriteQueue)
+	c.inflight = map[uint32]*request{}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	log := c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
+	ws.SetReadLimit(dpMaxFrameBytes)
+	ws.SetReadDeadline(time.Now().Add(dpPongWait))
+	ws.SetPongHandler(func(string) error { return ws.SetReadDeadline(time.Now().Add(dpPongWait)) })
+
+	unregister := c.s.hub.add(c)
+	writerDone := make(chan struct{})
+	go func() { defer close(writerDone); c.writer() }()
+	go c.watch()
+
+	hello := protocol.Hello{Protocol: protocol.Subprotocol, SandboxID: c.rec.ID, Workspace: workspace.Root,
+		Scopes: c.scopeList(), Limits: protocol.Limits{MaxFrameBytes: dpMaxFrameBytes, MaxInflight: dpMaxInflight,
+			MaxChunkBytes: dpChunkBytes, MaxOutputBytes: dpMaxOutputBytes}}
+	if c.claims != nil {
+		hello.AllowCmd = c.claims.Cmd
+		exp := c.claims.ExpiresAt.Time.UTC()
+		hello.ExpiresAt = &exp
+	}
+	c.send(protocol.Response{Type: "hello", Hello: &hello})
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventConnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
+	log.Info("dataplane connected", "jti", c.jti())
+	c.s.metrics.dpConns.Inc()
+
+	c.readLoop()
+
+	c.shutdown(websocket.CloseNormalClosure, "")
+	unregister()
+	<-writerDone
+	ws.Close()
+	c.s.metrics.dpConns.Dec()
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventDisconnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
+	log.Info("dataplane disconnected", "jti", c.jti())
+}
+
+func (c *dpConn) jti() string {
+	if c.claims != nil {
+		return c.claims.ID
+	}
+	return ""
+}
+
+func (c *dpConn) scopeList() []string {
+	var out []string
+	for _, sc := range protocol.Scopes {
+		if c.scopes[sc] {
+			out = append(out, sc)
+		}
+	}
+	return out
+}
+
+// watch closes the connection when the credential expires or the sandbox's processes end (stop,
+// delete, a crash), and re-verifies the credential periodically.
+func (c *dpConn) watch() {
+	var expiry <-chan time.Time
+	if c.claims != nil {
+		t := time.NewTimer(time.Until(c.claims.ExpiresAt.Time))
+		defer t.Stop()
+		expiry = t.C
+	}
+	recheck := time.NewTicker(dpRecheckEvery)
+	defer recheck.Stop()
+	for {
+		select {
+		case <-c.ctx.Done():
+			return
+		case <-expiry:
+			c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenExpired)
+			return
+		case <-c.inst.Done():
+			c.shutdown(protocol.CloseSandboxGone, protocol.CodeNotRunning)
+			return
+		case <-recheck.C:
+			if code := c.recheck(); code != "" {
+				c.shutdown(protocol.CloseCredentialEnded, code)
+				return
+			}
+		}
+	}
+}
+
+// recheck re-verifies the credential against Redis; it answers the code that ends it, or "".
+func (c *dpConn) recheck() string {
+	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
+	defer cancel()
+	if c.claims != nil {
+		var pe *protocol.Error
+		if err := c.s.delegation.CheckRevocation(ctx, c.claims); errors.As(err, &pe) {
+			return pe.Code
+		}
+		return ""
+	}
+	if k, err := c.s.store.APIKeyByID(ctx, c.keyID); errors.Is(err, store.ErrNotFound) || (err == nil && !k.RevokedAt.IsZero()) {
+		return protocol.CodeUnauthenticated
+	}
+	return ""
+}
+
+// revoked is called by the hub for a revocation announced by any broker.
+func (c *dpConn) revoked(r delegation.Revocation) {
+	if c.claims == nil {
+		return
+	}
+	if (r.JTI != "" && r.JTI == c.claims.ID) || (r.Gen > 0 && c.claims.Gen < r.Gen) {
+		c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenRevoked)
+	}
+}
+
+// shutdown starts closing the connection once: requests in flight are cancelled and the writer sends
+// a close frame with code and reason, then stops.
+func (c *dpConn) shutdown(code int, reason string) {
+	c.mu.Lock()
+	if c.closing {
+		c.mu.Unlock()
+		return
+	}
+	c.closing = true
+	c.closeMsg = websocket.FormatCloseMessage(code, reason)
+	for _, r := range c.inflight {
+		r.cancel()
+		if r.upload != nil {
+			r.upload.Abort()
+		}
+	}
+	c.mu.Unlock()
+	c.cancel()
+	// Unblock the reader if the close came from elsewhere.
+	c.conn.SetReadDeadline(time.Now().Add(time.Second))
+}
+
+// writer is the one goroutine that writes to the socket. A peer that stops reading blocks it; the
+// write deadline then ends the connection, and everything waiting to send sees ctx done.
+func (c *dpConn) writer() {
+	ping := time.NewTicker(dpPingEvery)
+	defer ping.Stop()
+	for {
+		select {
+		case f := <-c.out:
+			c.conn.SetWriteDeadline(time.Now().Add(dpWriteTimeout))
+			err := c.conn.WriteMessage(f.kind, f.data)
+			if f.release != nil {
+				f.release()
+			}
+			if err != nil {
+				c.shutdown(websocket.CloseAbnormalClosure, "")
+				return
+			}
+		case <-ping.C:
+			c.conn.WriteControl(websocket.PingMessage, nil, time.Now().Add(dpWriteTimeout))
+		case <-c.ctx.Done():
+			c.mu.Lock()
+			msg := c.closeMsg
+			c.mu.Unlock()
+			c.conn.WriteControl(websocket.CloseMessage, msg, time.Now().Add(time.Second))
+			return
+		}
+	}
+}
+
+// enqueue hands a frame to the writer, waiting while its queue is full (backpressure from a slow
+// reader reaches the producer: an exec's pipe, a download's file reads).
+func (c *dpConn) enqueue(f outFrame) bool {
+	select {
+	case c.out <- f:
+		return true
+	case <-c.ctx.Done():
+		if f.release != nil {
+			f.release()
+		}
+		return false
+	}
+}
+
+func (c *dpConn) send(r protocol.Response) {
+	b, err := json.Marshal(r)
+	if err != nil {
+		b, _ = json.Marshal(protocol.Response{ID: r.ID, Error: protocol.Errorf(protocol.CodeInternal, "the result could not be encoded")})
+	}
+	c.enqueue(outFrame{kind: websocket.TextMessage, data: b})
+}
+
+func (c *dpConn) fail(id uint32, err error) {
+	var pe *protocol.Error
+	if !errors.As(err, &pe) {
+		switch {
+		case errors.Is(err, context.Canceled):
+			pe = protocol.Errorf(protocol.CodeCancelled, "request %d was cancelled", id)
+		case errors.Is(err, provider.ErrStopped):
+			pe = protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped")
+		case errors.Is(err, provider.ErrInvalidRequest):
+			pe = protocol.Errorf(protocol.CodeInvalidArgument, "%s", strings.TrimPrefix(err.Error(), provider.ErrInvalidRequest.Error()+": "))
+		default:
+			c.s.log.Error("dataplane request failed", "sandbox_id", c.rec.ID, "id", id, "err", err)
+			pe = protocol.Errorf(protocol.CodeInternal, "internal error on request %d; the broker logged it", id)
+		}
+	}
+	c.send(protocol.Response{ID: id, Error: &protocol.Error{Code: pe.Code, Message: pe.Message}})
+}
+
+// wireRequest is a client text frame with its args still raw.
+type wireRequest struct {
+	ID   *uint32         `json:"id"`
+	Op   string          `json:"op"`
+	Args json.RawMessage `json:"args"`
+}
+
+func (c *dpConn) readLoop() {
+	var text bytes.Buffer
+	chunk := make([]byte, dpChunkBytes)
+	header := make([]byte, protocol.FrameHeaderLen)
+	for {
+		mt, r, err := c.conn.NextReader()
+		if err != nil {
+			if errors.Is(err, websocket.ErrReadLimit) {
+				c.shutdown(websocket.CloseMessageTooBig, "frame over max_frame_bytes")
+			}
+			return
+		}
+		if mt == websocket.BinaryMessage {
+			if _, err := io.ReadFull(r, header); err != nil {
+				c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "%v", protocol.ErrShortFrame)})
+				continue
+			}
+			c.binary(header[0], uint32(header[1])<<24|uint32(header[2])<<16|uint32(header[3])<<8|uint32(header[4]), r, chunk)
+			continue
+		}
+		text.Reset()
+		if _, err := text.ReadFrom(r); err != nil {
+			return
+		}
+		// RFC 6455 text frames are UTF-8; decoding would silently turn invalid bytes (in a path, say)
+		// into U+FFFD, so refuse them instead.
+		if !utf8.Valid(text.Bytes()) {
+			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "text frames must be valid UTF-8")})
+			continue
+		}
+		var req wireRequest
+		if err := json.Unmarshal(text.Bytes(), &req); err != nil || req.ID == nil || req.Op == "" {
+			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "a request is a JSON object {\"id\": <uint32>, \"op\": <string>, \"args\": {...}}")})
+			continue
+		}
+		c.dispatch(*req.ID, req.Op, req.Args)
+	}
+}
+
+// binary routes a binary frame: only upload data and upload end go client -> server.
+func (c *dpConn) binary(kind byte, id uint32, payload io.Reader, chunk []byte) {
+	c.mu.Lock()
+	req := c.inflight[id]
+	c.mu.Unlock()
+	if req == nil || req.upload == nil || (kind != protocol.FrameData && kind != protocol.FrameEnd) {
+		io.Copy(io.Discard, payload)
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeInvalidArgument, "binary frame of kind %d for request %d, which is not an upload in progress", kind, id)})
+		return
+	}
+	if kind == protocol.FrameData {
+		for {
+			n, err := io.ReadFull(payload, chunk)
+			if n > 0 {
+				if _, werr := req.upload.Write(chunk[:n]); werr != nil {
+					c.finish(id)
+					req.upload.Abort()
+					c.fail(id, werr)
+					return
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}
+	c.finish(id)
+	res, err := req.upload.Commit()
+	if err != nil {
+		c.fail(id, err)
+		return
+	}
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventFileWritten, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti(), Path: res.Path})
+	c.send(protocol.Response{ID: id, Result: res})
+}
+
+// finish forgets a request in flight.
+func (c *dpConn) finish(id uint32) {
+	c.mu.Lock()
+	if r := c.inflight[id]; r != nil {
+		r.cancel()
+		delete(c.inflight, id)
+	}
+	c.mu.Unlock()
+}
+
+func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
+	if op == protocol.OpCancel {
+		c.mu.Lock()
+		r := c.inflight[id]
+		c.mu.Unlock()
+		if r != nil {
+			r.cancel()
+			if r.upload != nil {
+				c.finish(id)
+				r.upload.Abort()
+				c.fail(id, context.Canceled)
+			}
+		}
+		return
+	}
+	if op == protocol.OpPing {
+		c.send(protocol.Response{ID: id, Result: struct{}{}})
+		return
+	}
+	scope, known := delegation.RequiredScope(op)
+	if !known {
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnknownOp, "unknown operation %q", clipHeader(op))})
+		return
+	}
+	if !c.scopes[scope] {
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeScopeDenied, "%s needs the %s scope, which this credential does not have", op, scope)})
+		return
+	}
+	ctx, cancel := context.WithCancel(c.ctx)
+	req := &request{cancel: cancel}
+	c.mu.Lock()
+	switch {
+	case c.closing:
+		c.mu.Unlock()
+		cancel()
+		return
+	case c.inflight[id] != nil:
+		c.mu.Unlock()
+		cancel()
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id %d is already in flight", id)})
+		return
+	case len(c.inflight) >= dpMaxInflight:
+		c.mu.Unlock()
+		cancel()
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeTooManyRequests, "%d requests are in flight on this connection, the most allowed: wait for answers", dpMaxInflight)})
+		return
+	}
+	c.inflight[id] = req
+	c.mu.Unlock()
+
+	if op == protocol.OpUpload {
+		// Opened here, in the reader, so that the data frames that follow find it.
+		var a protocol.UploadArgs
+		if err := decodeArgs(args, &a); err != nil {
+			c.finish(id)
+			c.fail(id, err)
+			return
+		}
+		up, err := c.files.Create(a.Path, a.Mode)
+		if err != nil {
+			c.finish(id)
+			c.fail(id, err)
+			return
+		}
+		c.mu.Lock()
+		req.upload = up
+		c.mu.Unlock()
+		return
+	}
+	go func() {
+		defer c.finish(id)
+		res, err := c.run(ctx, id, op, args)
+		if err != nil {
+			if ctx.Err() != nil && c.ctx.Err() == nil {
+				err = context.Canceled
+			}
+			c.fail(id, err)
+			return
+		}
+		c.send(protocol.Response{ID: id, Result: res})
+	}()
+}
+
+// decodeArgs reads an op's arguments strictly.
+func decodeArgs(raw json.RawMessage, v any) error {
+	if len(raw) == 0 || string(raw) == "null" {
+		raw = []byte("{}")
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "invalid args: %s", jsonProblem(err))
+	}
+	return nil
+}
+
+// run performs one operation and returns its result.
+func (c *dpConn) run(ctx context.Context, id uint32, op string, raw json.RawMessage) (any, error) {
+	emit := func(typ, path string) {
+		c.s.events.Emit(c.org, protocol.Event{Type: typ, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti(), Path: path})
+	}
+	switch op {
+	case protocol.OpEnv:
+		if err := decodeArgs(raw, &struct{}{}); err != nil {
+			return nil, err
+		}
+		return protocol.EnvResult{Env: c.inst.Environment()}, nil
+	case protocol.OpStat:
+		var a protocol.StatArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		return c.files.Stat(a.Path)
+	case protocol.OpLs:
+		var a protocol.LsArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		entries, err := c.files.List(a.Path)
+		if entries == nil {
+			entries = []protocol.FileInfo{}
+		}
+		return protocol.LsResult{Entries: entries}, err
+	case protocol.OpRead:
+		var a protocol.ReadArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		return c.files.Read(a)
+	case protocol.OpWrite:
+		var a protocol.WriteArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		res, err := c.files.Write(a)
+		if err == nil {
+			emit(protocol.EventFileWritten, res.Path)
+		}
+		return res, err
+	case protocol.OpEdit:
+		var a protocol.EditArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		res, err := c.files.Edit(a)
+		if err == nil {
+			emit(protocol.EventFileWritten, res.Path)
+		}
+		return res, err
+	case protocol.OpDelete:
+		var a protocol.DeleteArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		if err := c.files.Delete(a); err != nil {
+			return nil, err
+		}
+		p := sandboxPath(a.Path)
+		emit(protocol.EventFileDeleted, p)
+		return protocol.PathResult{Path: p}, nil
+	case protocol.OpMkdir:
+		var a protocol.MkdirArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		if err := c.files.Mkdir(a); err != nil {
+			return nil, err
+		}
+		return protocol.PathResult{Path: sandboxPath(a.Path)}, nil
+	case protocol.OpMove:
+		var a protocol.MoveArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		if err := c.files.Move(a); err != nil {
+			return nil, err
+		}
+		emit(protocol.EventFileDeleted, sandboxPath(a.From))
+		emit(protocol.EventFileWritten, sandboxPath(a.To))
+		return protocol.PathResult{Path: sandboxPath(a.To)}, nil
+	case protocol.OpGlob:
+		var a protocol.GlobArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		return c.files.GlobContext(ctx, a)
+	case protocol.OpGrep:
+		var a protocol.GrepArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		return c.files.Grep(ctx, a)
+	case protocol.OpDownload:
+		var a protocol.DownloadArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		return c.download(ctx, id, a)
+	case protocol.OpExec:
+		var a protocol.ExecArgs
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		return c.exec(ctx, id, a)
+	}
+	return nil, protocol.Errorf(protocol.CodeUnknownOp, "unknown operation %q", op)
+}
+
+// sandboxPath names a path the way results do (/workspace/...), for events.
+func sandboxPath(p string) string {
+	rel, err := workspace.Resolve(p)
+	if err != nil || rel == "." {
+		return workspace.Root
+	}
+	return workspace.Root + "/" + rel
+}
+
+// chunkPool holds download buffers: a frame header followed by one chunk.
+var chunkPool = sync.Pool{New: func() any { b := make([]byte, protocol.FrameHeaderLen+dpChunkBytes); return &b }}
+
+func (c *dpConn) download(ctx context.Context, id uint32, a protocol.DownloadArgs) (any, error) {
+	f, info, err := c.files.OpenRead(a.Path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var size int64
+	for {
+		bp := chunkPool.Get().(*[]byte)
+		buf := *bp
+		n, err := io.ReadFull(f, buf[protocol.FrameHeaderLen:])
+		if n > 0 {
+			protocol.PutFrameHeader(buf, protocol.FrameData, id)
+			size += int64(n)
+			if !c.enqueue(outFrame{kind: websocket.BinaryMessage, data: buf[:protocol.FrameHeaderLen+n], release: func() { chunkPool.Put(bp) }}) {
+				return nil, context.Canceled
+			}
+		} else {
+			chunkPool.Put(bp)
+		}
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			return protocol.DownloadResult{Path: info.Path, Size: size}, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+	}
+}
+
+func (c *dpConn) exec(ctx context.Context, id uint32, a protocol.ExecArgs) (any, error) {
+	var allow []string
+	if c.claims != nil {
+		allow = c.claims.Cmd
+	}
+	if err := delegation.CheckCommand(allow, a.Command, a.Argv, a.Env); err != nil {
+		return nil, err
+	}
+	if (a.Command == "") == (len(a.Argv) == 0) {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "exec needs exactly one of command (a shell string) or argv")
+	}
+	if a.Cwd != "" {
+		if _, err := workspace.Resolve(a.Cwd); err != nil {
+			return nil, err
+		}
+	}
+	if a.TimeoutMS < 0 || a.MaxOutput < 0 {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "timeout_ms and max_output must not be negative")
+	}
+	if a.MaxOutput == 0 {
+		a.MaxOutput = dpDefaultOutput
+	}
+	if a.MaxOutput > dpMaxOutputBytes {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "max_output is at most %d bytes", dpMaxOutputBytes)
+	}
+	req := provider.ExecRequest{Command: a.Command, Argv: a.Argv, Cwd: a.Cwd, Env: a.Env,
+		Timeout: time.Duration(a.TimeoutMS) * time.Millisecond, MaxOutput: a.MaxOutput, Background: a.Background}
+	if a.Stdin != "" {
+		req.Stdin = strings.NewReader(a.Stdin)
+	}
+	var stdout, stderr bytes.Buffer
+	switch {
+	case a.Background:
+	case a.Stream:
+		req.Stdout = &streamWriter{c: c, id: id, kind: protocol.FrameStdout}
+		if !a.Combined {
+			req.Stderr = &streamWriter{c: c, id: id, kind: protocol.FrameStderr}
+		}
+	default:
+		req.Stdout = &stdout
+		if !a.Combined {
+			req.Stderr = &stderr
+		}
+	}
+	res, err := c.inst.Exec(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	out := protocol.ExecResult{ExitCode: res.ExitCode, Signal: res.Signal, Reason: res.Reason,
+		Truncated: res.Truncated, DurationMS: res.Duration.Milliseconds()}
+	if a.Background {
+		out.Pid = res.Pid
+	}
+	if !a.Stream && !a.Background {
+		if a.Combined {
+			out.Output = utf8String(stdout.Bytes())
+		} else {
+			out.Stdout, out.Stderr = utf8String(stdout.Bytes()), utf8String(stderr.Bytes())
+		}
+	}
+	if res.Reason == provider.ReasonCancelled {
+		return nil, context.Canceled
+	}
+	cmd := a.Command
+	if cmd == "" {
+		cmd = strings.Join(a.Argv, " ")
+	}
+	if len(cmd) > 1024 {
+		cmd = cmd[:1024] + "..."
+	}
+	exit, dur := res.ExitCode, res.Duration.Milliseconds()
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventExec, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor,
+		JTI: c.jti(), Command: strings.ToValidUTF8(cmd, "?"), ExitCode: &exit, DurationMS: &dur})
+	return out, nil
+}
+
+func utf8String(b []byte) *string {
+	s := string(b)
+	if !utf8.ValidString(s) {
+		s = strings.ToValidUTF8(s, "\uFFFD")
+	}
+	return &s
+}
+
+// streamWriter sends exec output as binary frames as it comes.
+type streamWriter struct {
+	c    *dpConn
+	id   uint32
+	kind byte
+}
+
+func (w *streamWriter) Write(p []byte) (int, error) {
+	for rest := p; len(rest) > 0; {
+		n := min(len(rest), dpChunkBytes)
+		frame := make([]byte, protocol.FrameHeaderLen+n)
+		protocol.PutFrameHeader(frame, w.kind, w.id)
+		copy(frame[protocol.FrameHeaderLen:], rest[:n])
+		if !w.c.enqueue(outFrame{kind: websocket.BinaryMessage, data: frame}) {
+			return 0, context.Canceled
+		}
+		rest = rest[n:]
+	}
+	return len(p), nil
+}
+
+// hub tracks open dataplane connections by sandbox, for revocations announced by any broker and for
+// shutdown.
+type hub struct {
+	mu    sync.Mutex
+	conns map[string]map[*dpConn]struct{} // org/sandbox id -> connections
+}
+
+func newHub() *hub { return &hub{conns: map[string]map[*dpConn]struct{}{}} }
+
+func (h *hub) add(c *dpConn) (remove func()) {
+	key := c.org + "/" + c.rec.ID
+	h.mu.Lock()
+	if h.conns[key] == nil {
+		h.conns[key] = map[*dpConn]struct{}{}
+	}
+	h.conns[key][c] = struct{}{}
+	h.mu.Unlock()
+	return func() {
+		h.mu.Lock()
+		delete(h.conns[key], c)
+		if len(h.conns[key]) == 0 {
+			delete(h.conns, key)
+		}
+		h.mu.Unlock()
+	}
+}
+
+// each calls fn for the connections of one sandbox ("org/id"), or of all sandboxes when key is "".
+func (h *hub) each(key string, fn func(*dpConn)) {
+	h.mu.Lock()
+	var list []*dpConn
+	for k, set := range h.conns {
+		if key == "" || k == key {
+			for c := range set {
+				list = append(list, c)
+			}
+		}
+	}
+	h.mu.Unlock()
+	for _, c := range list {
+		fn(c)
+	}
+}
+
+// revoked applies an announced revocation to the connections it concerns.
+func (h *hub) revoked(r delegation.Revocation) {
+	h.each(r.Org+"/"+r.SandboxID, func(c *dpConn) { c.revoked(r) })
+}
+
+// closeAll closes every connection (broker shutdown).
+func (h *hub) closeAll() {
+	h.each("", func(c *dpConn) { c.shutdown(websocket.CloseGoingAway, "broker shutting down") })
+}

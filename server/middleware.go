@@ -1,0 +1,142 @@
+package server
+
+import (
+	"errors"
+	"log/slog"
+	"net/http"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/labstack/echo/v4"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Context keys. Values are read only through the typed getters below.
+const (
+	ctxRequestID = "sbx.request_id"
+	ctxPrincipal = "sbx.principal"
+	ctxSandbox   = "sbx.sandbox"
+	ctxErrCode   = "sbx.err_code"
+)
+
+// Principal is who is calling.
+type Principal struct {
+	Org string
+	// KeyID is set for owners (an org API key).
+	KeyID string
+}
+
+// Actor names the principal in events and records.
+func (p Principal) Actor() string { return "key:" + p.KeyID }
+
+func requestID(c echo.Context) string { s, _ := c.Get(ctxRequestID).(string); return s }
+
+func principal(c echo.Context) Principal { p, _ := c.Get(ctxPrincipal).(Principal); return p }
+
+func sandboxOf(c echo.Context) store.Record { r, _ := c.Get(ctxSandbox).(store.Record); return r }
+
+var requestIDRE = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
+
+// withRequestID takes a well-formed X-Request-Id from the caller (so ids follow a request across
+// services) or makes one, and echoes it back.
+func withRequestID(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		id := c.Request().Header.Get(echo.HeaderXRequestID)
+		if !requestIDRE.MatchString(id) {
+			id = uuid.NewString()
+		}
+		c.Set(ctxRequestID, id)
+		c.Response().Header().Set(echo.HeaderXRequestID, id)
+		return next(c)
+	}
+}
+
+// withAccessLog logs each request. Successes are debug (the heartbeat route alone does thousands a
+// second); client errors info; server errors were already logged with their cause.
+func (s *Server) withAccessLog(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		start := time.Now()
+		err := next(c)
+		if err != nil {
+			c.Error(err)
+		}
+		status := c.Response().Status
+		level := slog.LevelDebug
+		if status >= 400 && status < 500 {
+			level = slog.LevelInfo
+		}
+		s.metrics.observe(c.Request().Method, c.Path(), status, time.Since(start))
+		if status >= 500 || !s.log.Enabled(c.Request().Context(), level) {
+			return nil
+		}
+		attrs := []any{"request_id", requestID(c), "method", c.Request().Method, "route", c.Path(),
+			"status", status, "duration_ms", float64(time.Since(start).Microseconds()) / 1000}
+		if p := principal(c); p.Org != "" {
+			attrs = append(attrs, "org", p.Org, "key_id", p.KeyID)
+		}
+		if r := sandboxOf(c); r.ID != "" {
+			attrs = append(attrs, "sandbox_id", r.ID)
+		}
+		if code, ok := c.Get(ctxErrCode).(string); ok {
+			attrs = append(attrs, "code", code)
+		}
+		s.log.Log(c.Request().Context(), level, "request", attrs...)
+		return nil
+	}
+}
+
+// bearer extracts the credential of an Authorization: Bearer header.
+func bearer(r *http.Request) string {
+	h := r.Header.Get(echo.HeaderAuthorization)
+	scheme, cred, ok := strings.Cut(h, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return ""
+	}
+	return strings.TrimSpace(cred)
+}
+
+var errNoCredentials = protocol.Errorf(protocol.CodeUnauthenticated,
+	"missing credentials: send Authorization: Bearer <API key> (sbctl reads it from --api-key, SBX_API_KEY or its config file)")
+
+// requireOwner authenticates an org API key.
+func (s *Server) requireOwner(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		cred := bearer(c.Request())
+		if cred == "" {
+			return errNoCredentials
+		}
+		if !store.LooksLikeAPIKey(cred) {
+			// A delegation token is told apart from garbage, so an agent server learns why it is refused.
+			if _, err := s.delegation.Verifier().Verify(c.Request().Context(), cred); err != nil {
+				return err
+			}
+			return protocol.Errorf(protocol.CodeDelegateForbidden,
+				"a delegation token may only use its sandbox's dataplane; this route needs the owner's API key")
+		}
+		k, err := s.store.Authenticate(c.Request().Context(), cred)
+		if errors.Is(err, store.ErrBadKey) {
+			return protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
+		}
+		if err != nil {
+			return err
+		}
+		c.Set(ctxPrincipal, Principal{Org: k.Org, KeyID: k.ID})
+		return next(c)
+	}
+}
+
+// loadSandbox resolves the :ref path parameter (an id or a name) in the caller's org.
+func (s *Server) loadSandbox(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		rec, err := s.sandboxes.Get(c.Request().Context(), principal(c).Org, c.Param("ref"))
+		if err != nil {
+			return err
+		}
+		c.Set(ctxSandbox, rec)
+		return next(c)
+	}
+}

@@ -1,0 +1,269 @@
+package server
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/store"
+)
+
+// decodeJSON reads a JSON body strictly: one object, no unknown fields, bounded size. An empty body
+// is allowed when the route has no required fields (the zero value is used).
+func decodeJSON(c echo.Context, v any) error {
+	body, err := io.ReadAll(http.MaxBytesReader(c.Response(), c.Request().Body, maxBody))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return protocol.Errorf(protocol.CodeTooLarge, "request body is over %d bytes", maxBody)
+		}
+		return protocol.Errorf(protocol.CodeInvalidJSON, "could not read the request body")
+	}
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return protocol.Errorf(protocol.CodeInvalidJSON, "request body is not valid JSON for this route: %s", jsonProblem(err))
+	}
+	if dec.More() {
+		return protocol.Errorf(protocol.CodeInvalidJSON, "request body has data after the JSON object")
+	}
+	return nil
+}
+
+// jsonProblem describes a decode error without echoing the input back.
+func jsonProblem(err error) string {
+	var se *json.SyntaxError
+	var te *json.UnmarshalTypeError
+	switch {
+	case errors.As(err, &se):
+		return fmt.Sprintf("syntax error at byte %d", se.Offset)
+	case errors.As(err, &te):
+		return fmt.Sprintf("field %q must be %s", te.Field, te.Type)
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return "unexpected end of input"
+	}
+	msg := err.Error()
+	if len(msg) > 120 {
+		msg = msg[:120]
+	}
+	return msg
+}
+
+func (s *Server) caller(c echo.Context) sandbox.Caller {
+	p := principal(c)
+	return sandbox.Caller{Org: p.Org, Actor: p.Actor()}
+}
+
+func (s *Server) createSandbox(c echo.Context) error {
+	var req protocol.CreateSandboxRequest
+	if err := decodeJSON(c, &req); err != nil {
+		return err
+	}
+	cr := sandbox.CreateRequest{Name: req.Name, Template: req.Template, Tags: req.Tags, Reuse: req.Reuse == nil || *req.Reuse}
+	if req.TTLSeconds != nil {
+		if *req.TTLSeconds < 0 || *req.TTLSeconds > 1<<40 {
+			return protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds of %d is out of range", *req.TTLSeconds)
+		}
+		ttl := time.Duration(*req.TTLSeconds) * time.Second
+		cr.TTL = &ttl
+	}
+	rec, outcome, err := s.sandboxes.Create(c.Request().Context(), s.caller(c), cr)
+	if err != nil {
+		return err
+	}
+	status := http.StatusOK
+	if outcome == protocol.OutcomeCreated {
+		status = http.StatusCreated
+	}
+	c.Set(ctxSandbox, rec)
+	return c.JSON(status, protocol.CreateSandboxResponse{Outcome: string(outcome), Sandbox: sandbox.View(rec)})
+}
+
+// Listing limits.
+const (
+	defaultListLimit = 50
+	maxListLimit     = 500
+)
+
+func (s *Server) listSandboxes(c echo.Context) error {
+	f, err := filterFromQuery(c)
+	if err != nil {
+		return err
+	}
+	limit := defaultListLimit
+	if l := c.QueryParam("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n < 1 || n > maxListLimit {
+			return protocol.Errorf(protocol.CodeInvalidArgument, "limit must be a number from 1 to %d", maxListLimit)
+		}
+		limit = n
+	}
+	page, err := s.sandboxes.List(c.Request().Context(), principal(c).Org, f, limit, c.QueryParam("cursor"))
+	if err != nil {
+		return err
+	}
+	out := protocol.ListSandboxesResponse{Items: make([]protocol.Sandbox, 0, len(page.Records)), NextCursor: page.Next}
+	for _, r := range page.Records {
+		out.Items = append(out.Items, sandbox.View(r))
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
+// filterFromQuery reads ?tag=k=v (repeatable) and ?status=s (repeatable or comma-separated).
+func filterFromQuery(c echo.Context) (store.Filter, error) {
+	q := c.QueryParams()
+	f := store.Filter{}
+	for _, t := range q["tag"] {
+		k, v, err := sandbox.ParseTag(t)
+		if err != nil {
+			return f, err
+		}
+		if f.Tags == nil {
+			f.Tags = map[string]string{}
+		}
+		f.Tags[k] = v
+	}
+	if len(f.Tags) > sandbox.MaxTags {
+		return f, protocol.Errorf(protocol.CodeInvalidTag, "at most %d tag selectors", sandbox.MaxTags)
+	}
+	for _, st := range q["status"] {
+		for _, one := range splitComma(st) {
+			if err := sandbox.ValidateStatus(one); err != nil {
+				return f, err
+			}
+			f.Statuses = append(f.Statuses, one)
+		}
+	}
+	return f, nil
+}
+
+func (s *Server) getSandbox(c echo.Context) error {
+	return c.JSON(http.StatusOK, sandbox.View(sandboxOf(c)))
+}
+
+func (s *Server) stopSandbox(c echo.Context) error {
+	rec, err := s.sandboxes.Stop(c.Request().Context(), s.caller(c), sandboxOf(c).ID, protocol.StopRequested, time.Time{})
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, sandbox.View(rec))
+}
+
+func (s *Server) resumeSandbox(c echo.Context) error {
+	rec, err := s.sandboxes.Resume(c.Request().Context(), s.caller(c), sandboxOf(c).ID)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, sandbox.View(rec))
+}
+
+func (s *Server) deleteSandbox(c echo.Context) error {
+	rec, err := s.sandboxes.Delete(c.Request().Context(), s.caller(c), sandboxOf(c).ID)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, protocol.DeleteSandboxesResponse{Deleted: []protocol.Sandbox{sandbox.View(rec)}})
+}
+
+// deleteSandboxes deletes every sandbox matching ?tag=k=v selectors (all must match), or with
+// ?dry_run=true lists what would go.
+func (s *Server) deleteSandboxes(c echo.Context) error {
+	f, err := filterFromQuery(c)
+	if err != nil {
+		return err
+	}
+	if len(f.Statuses) > 0 {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "batch delete selects by tag only")
+	}
+	dry, err := boolParam(c, "dry_run")
+	if err != nil {
+		return err
+	}
+	recs, err := s.sandboxes.DeleteMatching(c.Request().Context(), s.caller(c), f.Tags, dry)
+	out := protocol.DeleteSandboxesResponse{DryRun: dry, Deleted: make([]protocol.Sandbox, 0, len(recs))}
+	for _, r := range recs {
+		out.Deleted = append(out.Deleted, sandbox.View(r))
+	}
+	if err != nil {
+		s.log.Error("batch delete partly failed", "request_id", requestID(c), "deleted", len(recs), "err", err)
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
+func (s *Server) heartbeat(c echo.Context) error {
+	l, err := s.sandboxes.Heartbeat(c.Request().Context(), principal(c).Org, c.Param("ref"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, leaseView(l))
+}
+
+func (s *Server) setTTL(c echo.Context) error {
+	var req protocol.TTLRequest
+	if err := decodeJSON(c, &req); err != nil {
+		return err
+	}
+	if req.TTLSeconds == nil {
+		return protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds is required")
+	}
+	if *req.TTLSeconds < 0 || *req.TTLSeconds > 1<<40 {
+		return protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds of %d is out of range", *req.TTLSeconds)
+	}
+	l, err := s.sandboxes.SetTTL(c.Request().Context(), principal(c).Org, sandboxOf(c).ID, time.Duration(*req.TTLSeconds)*time.Second)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, leaseView(l))
+}
+
+func leaseView(l store.Lease) protocol.HeartbeatResponse {
+	out := protocol.HeartbeatResponse{SandboxID: l.ID, Status: l.Status, TTLSeconds: int64(l.TTL / time.Second)}
+	if !l.ExpiresAt.IsZero() {
+		out.ExpiresAt = &l.ExpiresAt
+	}
+	return out
+}
+
+func (s *Server) environment(c echo.Context) error {
+	rec := sandboxOf(c)
+	env, err := s.sandboxes.Environment(rec)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, protocol.EnvironmentResponse{SandboxID: rec.ID, Env: env})
+}
+
+func boolParam(c echo.Context, name string) (bool, error) {
+	v := c.QueryParam(name)
+	if v == "" {
+		return false, nil
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return false, protocol.Errorf(protocol.CodeInvalidArgument, "%s must be true or false", name)
+	}
+	return b, nil
+}
+
+func splitComma(s string) []string {
+	var out []string
+	for _, p := range bytes.Split([]byte(s), []byte(",")) {
+		if t := string(bytes.TrimSpace(p)); t != "" {
+			out = append(out, t)
+		}
+	}
+	return out
+}

@@ -1,0 +1,192 @@
+// Package server is the broker's HTTP face on echo: the REST API, the dataplane WebSocket and the SSE
+// event streams, with authentication, request ids, access logs and the one mapping from errors to
+// answers. Middleware loads and authorizes; handlers act through the domain packages (sandbox,
+// delegation, heartbeat, events). It holds no state of its own beyond open connections.
+package server
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"runtime/debug"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Config wires a Server.
+type Config struct {
+	Store     *store.Store
+	Sandboxes *sandbox.Manager
+	// Delegation mints, lists, revokes and verifies delegation tokens; Keys publishes their JWKS.
+	Delegation *delegation.Service
+	Keys       *delegation.Keyring
+	Events     events.Sink
+	Log        *slog.Logger
+	// AllowedOrigins may open the dataplane from a browser (an Origin header); none by default.
+	AllowedOrigins []string
+	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
+	Ready func(ctx context.Context) ReadyReport
+}
+
+// ReadyReport is the /readyz body.
+type ReadyReport struct {
+	Ready    bool     `json:"ready"`
+	Provider string   `json:"provider"`
+	Redis    string   `json:"redis"`
+	Node     string   `json:"node"`
+	Warnings []string `json:"warnings,omitempty"`
+}
+
+// Server is the HTTP server.
+type Server struct {
+	e          *echo.Echo
+	store      *store.Store
+	sandboxes  *sandbox.Manager
+	delegation *delegation.Service
+	keys       *delegation.Keyring
+	events     events.Sink
+	log        *slog.Logger
+	hub        *hub
+	// allowedOrigins may open the dataplane from a browser.
+	allowedOrigins []string
+	ready          func(ctx context.Context) ReadyReport
+	metrics        *metrics
+	http           *http.Server
+	// stopBackground ends what Serve started besides the HTTP server.
+	stopBackground context.CancelFunc
+}
+
+// maxBody bounds every REST request body.
+const maxBody = 1 << 20
+
+// New builds the server and its routes.
+func New(cfg Config) *Server {
+	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
+		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(), hub: newHub(),
+		allowedOrigins: cfg.AllowedOrigins}
+	if s.events == nil {
+		s.events = events.Discard
+	}
+	e := echo.New()
+	e.HideBanner, e.HidePort = true, true
+	e.HTTPErrorHandler = s.errorHandler
+	e.Use(withRequestID, s.withAccessLog, s.recoverPanics)
+	s.e = e
+
+	e.GET("/healthz", s.healthz)
+	e.GET("/readyz", s.readyz)
+	e.GET("/metrics", s.metrics.handler())
+	e.GET("/.well-known/jwks.json", s.jwks)
+
+	// Middleware is attached per route, not per group: echo's group middleware adds catch-all
+	// routes that would turn 405 into 404.
+	owner := []echo.MiddlewareFunc{s.requireOwner}
+	ownerOne := []echo.MiddlewareFunc{s.requireOwner, s.loadSandbox}
+	e.POST("/v1/sandboxes", s.createSandbox, owner...)
+	e.GET("/v1/sandboxes", s.listSandboxes, owner...)
+	e.DELETE("/v1/sandboxes", s.deleteSandboxes, owner...)
+	// Heartbeats resolve the ref inside their one Redis script: no loader on the hottest route.
+	e.POST("/v1/sandboxes/:ref/heartbeat", s.heartbeat, owner...)
+	e.GET("/v1/sandboxes/:ref", s.getSandbox, ownerOne...)
+	e.DELETE("/v1/sandboxes/:ref", s.deleteSandbox, ownerOne...)
+	e.POST("/v1/sandboxes/:ref/stop", s.stopSandbox, ownerOne...)
+	e.POST("/v1/sandboxes/:ref/resume", s.resumeSandbox, ownerOne...)
+	e.POST("/v1/sandboxes/:ref/ttl", s.setTTL, ownerOne...)
+	e.GET("/v1/sandboxes/:ref/environment", s.environment, ownerOne...)
+	e.POST("/v1/sandboxes/:ref/delegations", s.mintDelegation, ownerOne...)
+	e.GET("/v1/sandboxes/:ref/delegations", s.listDelegations, ownerOne...)
+	e.DELETE("/v1/sandboxes/:ref/delegations", s.revokeAllDelegations, ownerOne...)
+	e.DELETE("/v1/sandboxes/:ref/delegations/:jti", s.revokeDelegation, ownerOne...)
+	e.POST("/v1/tokens/introspect", s.introspect, owner...)
+	// The dataplane authenticates API keys and delegation tokens itself (docs/dataplane.md).
+	e.GET("/v1/sandboxes/:ref/dataplane", s.dataplane)
+	return s
+}
+
+// Routes lists "METHOD /path/{param}" for every route, in OpenAPI path syntax.
+func (s *Server) Routes() []string {
+	var out []string
+	for _, r := range s.e.Routes() {
+		parts := strings.Split(r.Path, "/")
+		for i, p := range parts {
+			if strings.HasPrefix(p, ":") {
+				parts[i] = "{" + p[1:] + "}"
+			}
+		}
+		out = append(out, r.Method+" "+strings.Join(parts, "/"))
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Handler is the server's http.Handler (tests serve it with httptest).
+func (s *Server) Handler() http.Handler { return s.e }
+
+// Serve serves on l until Shutdown. It also follows revocations announced by every broker, to close
+// the dataplane connections they concern.
+func (s *Server) Serve(l net.Listener) error {
+	ctx, cancel := context.WithCancel(context.Background())
+	s.stopBackground = cancel
+	go delegation.Subscribe(ctx, s.store.Client(), s.hub.revoked)
+	s.http = &http.Server{
+		Handler:           s.e,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       120 * time.Second,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+	}
+	err := s.http.Serve(l)
+	if errors.Is(err, http.ErrServerClosed) {
+		return nil
+	}
+	return err
+}
+
+// Shutdown stops accepting, lets in-flight requests finish until ctx ends, then closes the rest.
+func (s *Server) Shutdown(ctx context.Context) error {
+	if s.http == nil {
+		return nil
+	}
+	s.stopBackground()
+	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: close them ourselves.
+	s.hub.closeAll()
+	return s.http.Shutdown(ctx)
+}
+
+func (s *Server) healthz(c echo.Context) error {
+	return c.JSON(http.StatusOK, map[string]string{"status": "ok"})
+}
+
+func (s *Server) readyz(c echo.Context) error {
+	r := s.ready(c.Request().Context())
+	status := http.StatusOK
+	if !r.Ready {
+		status = http.StatusServiceUnavailable
+	}
+	return c.JSON(status, r)
+}
+
+// recoverPanics turns a handler panic into a 500 (logged with its stack) instead of a dead broker.
+func (s *Server) recoverPanics(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) (err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				if r == http.ErrAbortHandler {
+					panic(r)
+				}
+				s.log.Error("handler panic", "request_id", requestID(c), "route", c.Path(), "panic", r, "stack", string(debug.Stack()))
+				err = errors.New("panic")
+			}
+		}()
+		return next(c)
+	}
+}

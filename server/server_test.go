@@ -1,0 +1,402 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server/servertest"
+)
+
+func TestMain(m *testing.M) { servertest.Main(m) }
+
+func code(err error) string {
+	var pe *protocol.Error
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	if err != nil {
+		return "non-protocol: " + err.Error()
+	}
+	return ""
+}
+
+func TestLifecycle(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	c, ctx := b.Client, t.Context()
+	ttl := int64(600)
+	res, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev", TTLSeconds: &ttl, Tags: map[string]string{"thread_id": "t1"}})
+	if err != nil || res.Outcome != "created" || res.Sandbox.Status != "running" || res.Sandbox.ExpiresAt == nil {
+		t.Fatalf("create: %v %+v", err, res)
+	}
+	id := res.Sandbox.ID
+	again, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev"})
+	if err != nil || again.Outcome != "reused" || again.Sandbox.ID != id {
+		t.Fatalf("reuse: %v %+v", err, again)
+	}
+	// A file written into the workspace survives stop and resume.
+	ws := filepath.Join(b.DataDir, "sandboxes", id, "workspace")
+	if err := os.WriteFile(filepath.Join(ws, "keep.txt"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	st, err := c.StopSandbox(ctx, "dev")
+	if err != nil || st.Status != "stopped" || st.StopReason != "requested" || st.ExpiresAt != nil {
+		t.Fatalf("stop: %v %+v", err, st)
+	}
+	if _, err := c.Heartbeat(ctx, "dev"); code(err) != protocol.CodeNotRunning {
+		t.Fatalf("heartbeat of a stopped sandbox: %v", err)
+	}
+	if st, err = c.StopSandbox(ctx, id); err != nil || st.Status != "stopped" {
+		t.Fatalf("second stop must be a no-op: %v", err)
+	}
+	rs, err := c.ResumeSandbox(ctx, "dev")
+	if err != nil || rs.Status != "running" || rs.StopReason != "" {
+		t.Fatalf("resume: %v %+v", err, rs)
+	}
+	if b, _ := os.ReadFile(filepath.Join(ws, "keep.txt")); string(b) != "kept" {
+		t.Fatalf("file lost across stop/resume: %q", b)
+	}
+	c.StopSandbox(ctx, "dev")
+	re, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev"})
+	if err != nil || re.Outcome != "resumed" || re.Sandbox.Status != "running" {
+		t.Fatalf("create of a stopped name must resume it: %v %+v", err, re)
+	}
+	hb, err := c.Heartbeat(ctx, "dev")
+	if err != nil || hb.ExpiresAt == nil || hb.SandboxID != id {
+		t.Fatalf("heartbeat: %v %+v", err, hb)
+	}
+	l, err := c.SetTTL(ctx, "dev", 3600e9)
+	if err != nil || l.TTLSeconds != 3600 {
+		t.Fatalf("ttl: %v %+v", err, l)
+	}
+	env, err := c.Environment(ctx, "dev")
+	if err != nil || env.Env["PATH"] == "" {
+		t.Fatalf("environment: %v %+v", err, env)
+	}
+	list, err := c.ListAllSandboxes(ctx, client.ListOptions{Tags: map[string]string{"thread_id": "t1"}})
+	if err != nil || len(list) != 1 || list[0].ID != id {
+		t.Fatalf("list by tag: %v %+v", err, list)
+	}
+	if _, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev", Reuse: new(bool)}); code(err) != protocol.CodeNameConflict {
+		t.Fatalf("no-reuse create of a taken name: %v", err)
+	}
+	del, err := c.DeleteSandbox(ctx, "dev")
+	if err != nil || len(del.Deleted) != 1 {
+		t.Fatalf("delete: %v", err)
+	}
+	if _, err := os.Stat(ws); !os.IsNotExist(err) {
+		t.Fatalf("workspace still there after delete: %v", err)
+	}
+	if _, err := c.GetSandbox(ctx, id); code(err) != protocol.CodeNotFound {
+		t.Fatalf("get after delete: %v", err)
+	}
+}
+
+func TestDeleteByTag(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	c, ctx := b.Client, t.Context()
+	for i := 0; i < 3; i++ {
+		c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: fmt.Sprintf("ci-%d", i), Tags: map[string]string{"ci": "yes"}})
+	}
+	c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "keep"})
+	dry, err := c.DeleteSandboxes(ctx, map[string]string{"ci": "yes"}, true)
+	if err != nil || !dry.DryRun || len(dry.Deleted) != 3 {
+		t.Fatalf("dry run: %v %+v", err, dry)
+	}
+	if all, _ := c.ListAllSandboxes(ctx, client.ListOptions{}); len(all) != 4 {
+		t.Fatalf("dry run deleted something: %d left", len(all))
+	}
+	res, err := c.DeleteSandboxes(ctx, map[string]string{"ci": "yes"}, false)
+	if err != nil || len(res.Deleted) != 3 {
+		t.Fatalf("delete by tag: %v %+v", err, res)
+	}
+	all, _ := c.ListAllSandboxes(ctx, client.ListOptions{})
+	if len(all) != 1 || all[0].Name != "keep" {
+		t.Fatalf("left: %+v", all)
+	}
+	if _, err := c.DeleteSandboxes(ctx, nil, false); code(err) != protocol.CodeInvalidTag {
+		t.Fatalf("batch delete without selector must refuse: %v", err)
+	}
+}
+
+func TestConcurrentCreatesOfOneName(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	outcomes := map[string]int{}
+	ids := map[string]bool{}
+	for i := 0; i < 50; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := b.Client.CreateSandbox(context.Background(), protocol.CreateSandboxRequest{Name: "shared"})
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				outcomes["error: "+code(err)]++
+				return
+			}
+			outcomes[res.Outcome]++
+			ids[res.Sandbox.ID] = true
+			if res.Sandbox.Status != "running" {
+				outcomes["not running: "+res.Sandbox.Status]++
+			}
+		}()
+	}
+	wg.Wait()
+	if outcomes["created"] != 1 || outcomes["reused"] != 49 || len(ids) != 1 || len(outcomes) != 2 {
+		t.Fatalf("want 1 created + 49 reused, all running, one id; got %v over %d ids", outcomes, len(ids))
+	}
+	all, _ := b.Client.ListAllSandboxes(context.Background(), client.ListOptions{})
+	if len(all) != 1 {
+		t.Fatalf("want one record, got %d", len(all))
+	}
+	dirs, _ := os.ReadDir(filepath.Join(b.DataDir, "sandboxes"))
+	if len(dirs) != 1 {
+		t.Fatalf("want one workspace, got %d", len(dirs))
+	}
+}
+
+// rawRequest sends a request with a raw body and returns status and decoded error.
+func rawRequest(t *testing.T, method, url, key, body string) (int, protocol.ErrorBody, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, strings.NewReader(body))
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	var eb protocol.ErrorBody
+	json.Unmarshal(raw, &eb)
+	return resp.StatusCode, eb, raw
+}
+
+func TestOrgIsolation(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	a, other := b.Client, b.NewClient("org-b")
+	ctx := t.Context()
+	res, err := a.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "private"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := b.RedisSnapshot()
+	for _, ref := range []string{res.Sandbox.ID, "private"} {
+		for _, op := range []struct {
+			method, path string
+		}{
+			{"GET", ""}, {"POST", "/stop"}, {"POST", "/resume"}, {"POST", "/heartbeat"}, {"DELETE", ""},
+			{"POST", "/ttl"}, {"GET", "/environment"}, {"POST", "/delegations"}, {"GET", "/delegations"},
+		} {
+			body := ""
+			if op.path == "/ttl" {
+				body = `{"ttl_seconds":60}`
+			}
+			if op.path == "/delegations" && op.method == "POST" {
+				body = `{"scopes":["exec"]}`
+			}
+			status, eb, raw := rawRequest(t, op.method, b.URL+"/v1/sandboxes/"+ref+op.path, other.APIKey(), body)
+			// The same answer as for a sandbox that does not exist, request id aside.
+			_, missing, _ := rawRequest(t, op.method, b.URL+"/v1/sandboxes/"+strings.Replace(ref, "private", "nosuch", 1)+op.path, other.APIKey(), body)
+			if status != 404 || eb.Error.Code != "not_found" {
+				t.Errorf("org-b %s %s%s: %d %s", op.method, ref, op.path, status, raw)
+			}
+			if strings.Replace(eb.Error.Message, ref, "X", 1) != strings.Replace(missing.Error.Message, strings.Replace(ref, "private", "nosuch", 1), "X", 1) {
+				t.Errorf("org-b %s %s%s: message differs from a missing sandbox's: %q vs %q", op.method, ref, op.path, eb.Error.Message, missing.Error.Message)
+			}
+		}
+	}
+	if list, _ := other.ListAllSandboxes(ctx, client.ListOptions{}); len(list) != 0 {
+		t.Fatalf("org-b lists org-a's sandboxes: %+v", list)
+	}
+	if after := b.RedisSnapshot(); !maps.Equal(before, after) {
+		t.Fatalf("org-b's requests changed Redis")
+	}
+	if s, err := a.GetSandbox(ctx, "private"); err != nil || s.Status != "running" {
+		t.Fatalf("org-a's sandbox changed: %v %+v", err, s)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	key := b.Client.APIKey()
+	b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "exists"})
+	long := strings.Repeat("a", 64)
+	manyTags := map[string]string{}
+	for i := 0; i < 17; i++ {
+		manyTags[fmt.Sprintf("k%d", i)] = "v"
+	}
+	manyJSON, _ := json.Marshal(map[string]any{"name": "x", "tags": manyTags})
+	cases := []struct {
+		name, method, path, key, body string
+		status                        int
+		code                          string
+	}{
+		{"malformed json", "POST", "/v1/sandboxes", key, `{"name":`, 400, "invalid_json"},
+		{"json array", "POST", "/v1/sandboxes", key, `[1,2]`, 400, "invalid_json"},
+		{"unknown field", "POST", "/v1/sandboxes", key, `{"name":"a","ttl":5}`, 400, "invalid_json"},
+		{"wrong type", "POST", "/v1/sandboxes", key, `{"name":5}`, 400, "invalid_json"},
+		{"trailing data", "POST", "/v1/sandboxes", key, `{"name":"a"} {}`, 400, "invalid_json"},
+		{"huge body", "POST", "/v1/sandboxes", key, `{"name":"` + strings.Repeat("a", 2<<20) + `"}`, 413, "payload_too_large"},
+		{"unknown template", "POST", "/v1/sandboxes", key, `{"name":"a","template":"nope"}`, 400, "unknown_template"},
+		{"empty name", "POST", "/v1/sandboxes", key, `{}`, 400, "invalid_name"},
+		{"uppercase name", "POST", "/v1/sandboxes", key, `{"name":"Dev"}`, 400, "invalid_name"},
+		{"overlong name", "POST", "/v1/sandboxes", key, `{"name":"` + long + `"}`, 400, "invalid_name"},
+		{"name with slash", "POST", "/v1/sandboxes", key, `{"name":"a/b"}`, 400, "invalid_name"},
+		{"name looks like an id", "POST", "/v1/sandboxes", key, `{"name":"sb_x"}`, 400, "invalid_name"},
+		{"negative ttl", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":-5}`, 400, "invalid_ttl"},
+		{"zero ttl", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":0}`, 400, "invalid_ttl"},
+		{"absurd ttl", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":99999999999}`, 400, "invalid_ttl"},
+		{"float ttl", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":1.5}`, 400, "invalid_json"},
+		{"bad tag key", "POST", "/v1/sandboxes", key, `{"name":"a","tags":{"bad key":"v"}}`, 400, "invalid_tag"},
+		{"control char in tag", "POST", "/v1/sandboxes", key, `{"name":"a","tags":{"k":"a\u0001b"}}`, 400, "invalid_tag"},
+		{"too many tags", "POST", "/v1/sandboxes", key, string(manyJSON), 400, "invalid_tag"},
+		{"bad tag selector", "GET", "/v1/sandboxes?tag=novalue", key, "", 400, "invalid_tag"},
+		{"bad status", "GET", "/v1/sandboxes?status=sleeping", key, "", 400, "invalid_status"},
+		{"bad limit", "GET", "/v1/sandboxes?limit=0", key, "", 400, "invalid_argument"},
+		{"bad cursor", "GET", "/v1/sandboxes?cursor=zzz", key, "", 400, "invalid_cursor"},
+		{"ttl missing", "POST", "/v1/sandboxes/exists/ttl", key, `{}`, 400, "invalid_ttl"},
+		{"ttl absurd", "POST", "/v1/sandboxes/exists/ttl", key, `{"ttl_seconds":1e12}`, 400, "invalid_json"},
+		{"delete without selector", "DELETE", "/v1/sandboxes", key, "", 400, "invalid_tag"},
+		{"no key", "GET", "/v1/sandboxes", "", "", 401, "unauthenticated"},
+		{"wrong key", "GET", "/v1/sandboxes", "sbk_aaaaaaaaaaaaaaaa_" + strings.Repeat("b", 43), "", 401, "unauthenticated"},
+		{"garbage credential", "POST", "/v1/sandboxes", "garbage", `{"name":"a"}`, 401, "token_malformed"},
+		{"unknown route", "GET", "/v1/nope", key, "", 404, "route_not_found"},
+		{"missing sandbox", "POST", "/v1/sandboxes/nosuch/stop", key, "", 404, "not_found"},
+		{"wrong method", "PUT", "/v1/sandboxes", key, "", 405, "method_not_allowed"},
+	}
+	for _, tc := range cases {
+		before := b.RedisSnapshot()
+		status, eb, raw := rawRequest(t, tc.method, b.URL+tc.path, tc.key, tc.body)
+		if status != tc.status || eb.Error.Code != tc.code || eb.Error.Message == "" || eb.Error.RequestID == "" {
+			t.Errorf("%s: got %d %.200s, want %d %s", tc.name, status, raw, tc.status, tc.code)
+		}
+		if bytes.Contains(raw, []byte(key)) {
+			t.Errorf("%s: the answer echoes the API key", tc.name)
+		}
+		if after := b.RedisSnapshot(); !maps.Equal(before, after) {
+			t.Errorf("%s: a refused request changed Redis", tc.name)
+		}
+	}
+}
+
+func TestDelegationOnOwnerRoutes(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	res, _ := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "lent"})
+	m, err := b.Client.Delegate(ctx, "lent", protocol.MintRequest{Scopes: []string{"fs:read", "fs:write", "exec"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Sandbox.SandboxID != res.Sandbox.ID || m.Sandbox.Credential != m.Token || !strings.HasPrefix(m.Sandbox.DataplaneURL, "ws://") {
+		t.Fatalf("block: %+v", m.Sandbox)
+	}
+	delegate, _ := client.New(b.URL, m.Token)
+	for _, call := range []func() error{
+		func() error { _, err := delegate.GetSandbox(ctx, "lent"); return err },
+		func() error { _, err := delegate.StopSandbox(ctx, "lent"); return err },
+		func() error { _, err := delegate.DeleteSandbox(ctx, "lent"); return err },
+		func() error { _, err := delegate.ListSandboxes(ctx, client.ListOptions{}); return err },
+		func() error {
+			_, err := delegate.Delegate(ctx, "lent", protocol.MintRequest{Scopes: []string{"exec"}})
+			return err
+		},
+		func() error { _, err := delegate.RevokeAll(ctx, "lent"); return err },
+		func() error { _, err := delegate.Introspect(ctx, m.Token); return err },
+	} {
+		if err := call(); code(err) != protocol.CodeDelegateForbidden {
+			t.Errorf("delegate on an owner route: want delegate_forbidden, got %v", err)
+		}
+	}
+	in, err := b.Client.Introspect(ctx, m.Token)
+	if err != nil || !in.Active || in.SandboxID != res.Sandbox.ID || len(in.Scopes) != 3 {
+		t.Fatalf("introspect: %v %+v", err, in)
+	}
+	// Another org's server learns nothing about the token.
+	if in, err := b.NewClient("org-b").Introspect(ctx, m.Token); err != nil || in.Active || in.SandboxID != "" || in.Reason != "" {
+		t.Fatalf("introspect from another org: %v %+v", err, in)
+	}
+	list, err := b.Client.ListDelegations(ctx, "lent")
+	if err != nil || len(list.Items) != 1 || list.Items[0].JTI != m.JTI {
+		t.Fatalf("list: %v %+v", err, list)
+	}
+	raw, _ := json.Marshal(list)
+	if bytes.Contains(raw, []byte(m.Token)) {
+		t.Fatal("listing carries the token")
+	}
+	if _, err := b.Client.Revoke(ctx, "lent", m.JTI); err != nil {
+		t.Fatal(err)
+	}
+	if in, _ := b.Client.Introspect(ctx, m.Token); in.Active || in.Reason != protocol.CodeTokenRevoked {
+		t.Fatalf("revoked token still active: %+v", in)
+	}
+	// Revoke-all by generation, and delete, end every token.
+	m2, _ := b.Client.Delegate(ctx, "lent", protocol.MintRequest{Scopes: []string{"exec"}})
+	b.Client.RevokeAll(ctx, "lent")
+	if in, _ := b.Client.Introspect(ctx, m2.Token); in.Active || in.Reason != protocol.CodeTokenRevoked {
+		t.Fatalf("revoke-all: %+v", in)
+	}
+	m3, _ := b.Client.Delegate(ctx, "lent", protocol.MintRequest{Scopes: []string{"exec"}})
+	if in, _ := b.Client.Introspect(ctx, m3.Token); !in.Active {
+		t.Fatalf("token minted after revoke-all must work: %+v", in)
+	}
+	b.Client.DeleteSandbox(ctx, "lent")
+	if in, _ := b.Client.Introspect(ctx, m3.Token); in.Active {
+		t.Fatalf("token of a deleted sandbox still active: %+v", in)
+	}
+	for _, bad := range []protocol.MintRequest{
+		{Scopes: nil}, {Scopes: []string{"root"}}, {Scopes: []string{"exec"}, AllowCmd: []string{"rm -rf"}},
+		{Scopes: []string{"exec"}, TTLSeconds: new(int64)},
+	} {
+		b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "again"})
+		if _, err := b.Client.Delegate(ctx, "again", bad); err == nil {
+			t.Errorf("mint %+v: want an error", bad)
+		}
+	}
+	jwks, err := http.Get(b.URL + "/.well-known/jwks.json")
+	if err != nil || jwks.StatusCode != 200 {
+		t.Fatalf("jwks: %v", err)
+	}
+	var set struct{ Keys []map[string]string }
+	json.NewDecoder(jwks.Body).Decode(&set)
+	jwks.Body.Close()
+	if len(set.Keys) != 1 || set.Keys[0]["kty"] != "OKP" || set.Keys[0]["d"] != "" {
+		t.Fatalf("jwks: %+v", set)
+	}
+}
+
+// The router and docs/openapi.yaml describe the same routes.
+func TestRoutesMatchOpenAPI(t *testing.T) {
+	spec, err := servertest.LoadSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := servertest.New(t, servertest.Options{})
+	got := strings.Join(b.Server.Routes(), "\n")
+	want := strings.Join(spec.Operations(), "\n")
+	if got != want {
+		t.Fatalf("routes differ from docs/openapi.yaml\nrouter:\n%s\n\nspec:\n%s", got, want)
+	}
+}

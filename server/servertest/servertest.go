@@ -1,0 +1,232 @@
+// Package servertest starts a real broker in-process for tests: a real redis-server (via
+// redistest), a real sandbox provider with its resident init, the real HTTP server on a loopback
+// port, and an org with an API key. It returns SDK clients. Nothing is mocked.
+//
+// A test binary that uses it must let the sandbox init run: its TestMain calls Main.
+package servertest
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/server"
+	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/store/redistest"
+)
+
+// Main is TestMain for packages that start brokers: the test binary doubles as the sandbox init.
+func Main(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == provider.InitArg {
+		provider.RunInit()
+	}
+	os.Exit(m.Run())
+}
+
+// Options change the broker a test gets.
+type Options struct {
+	// Provider is "dir" (default: fast, no isolation) or "namespace" (real bubblewrap).
+	Provider string
+	// Redis reuses a server (two brokers on one Redis); nil starts a new one.
+	Redis *redistest.Server
+	// Now is the broker's clock (nil = time.Now).
+	Now func() time.Time
+	// DataDir reuses a data dir (a broker restart); "" makes a new one.
+	DataDir string
+	// Node names the broker (default "node-test").
+	Node      string
+	Templates map[string]provider.Template
+	// Log receives the broker's logs (default: discarded unless -v).
+	Log *slog.Logger
+}
+
+// Broker is a running in-process broker.
+type Broker struct {
+	URL     string
+	Client  *client.Client // an owner of Org
+	Org     string
+	Redis   *redistest.Server
+	RDB     redis.UniversalClient
+	Store   *store.Store
+	Manager *sandbox.Manager
+	Keys    *delegation.Keyring
+	Server  *server.Server
+	DataDir string
+	t       testing.TB
+	stop    func()
+}
+
+// New starts a broker and stops it when t ends.
+func New(t testing.TB, opts Options) *Broker {
+	t.Helper()
+	if opts.Redis == nil {
+		opts.Redis = redistest.Start(t)
+	}
+	if opts.DataDir == "" {
+		opts.DataDir = DataDir(t)
+	}
+	if opts.Node == "" {
+		opts.Node = "node-test"
+	}
+	if opts.Provider == "" {
+		opts.Provider = "dir"
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.Templates == nil {
+		opts.Templates = map[string]provider.Template{"default": provider.DefaultTemplate()}
+	}
+	log := opts.Log
+	if log == nil {
+		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		if testing.Verbose() {
+			log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		}
+	}
+	rdb := opts.Redis.Client(t)
+	st := store.New(rdb)
+	ctx, cancel := context.WithCancel(context.Background())
+
+	pcfg := provider.Config{DataDir: opts.DataDir}
+	prov, _, err := provider.Preflight(ctx, pcfg, opts.Provider)
+	if err != nil {
+		t.Fatalf("servertest: provider %s: %v", opts.Provider, err)
+	}
+	evw := events.NewWriter(rdb, log)
+	uid := -1
+	if opts.Provider == "namespace" && os.Geteuid() == 0 {
+		uid = provider.DefaultUID
+	}
+	mgr, err := sandbox.NewManager(sandbox.Config{
+		Store: st, Provider: prov, Templates: opts.Templates, Node: opts.Node, Events: evw, Log: log,
+		Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
+		IndexDir: filepath.Join(opts.DataDir, "hosted"), Workspace: workspace.Options{UID: uid, GID: uid},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mgr.Recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "http://" + l.Addr().String()
+	if err := st.RegisterNode(ctx, opts.Node, url); err != nil {
+		t.Fatal(err)
+	}
+	keys, err := delegation.LoadOrCreateKeyring(filepath.Join(opts.DataDir, "signing"), opts.Now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dlg, err := delegation.NewService(delegation.ServiceConfig{
+		Keys: keys, Store: st, Events: evw, Log: log, Token: delegation.Config{Now: opts.Now},
+		DataplaneURL: func(ctx context.Context, rec store.Record) (string, error) {
+			base, err := st.NodeURL(ctx, rec.Node)
+			return "ws" + base[len("http"):] + "/v1/sandboxes/" + rec.ID + "/dataplane", err
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := server.New(server.Config{
+		Store: st, Sandboxes: mgr, Delegation: dlg, Keys: keys, Events: evw, Log: log,
+		Ready: func(context.Context) server.ReadyReport {
+			return server.ReadyReport{Ready: true, Provider: prov.Name(), Redis: "ok", Node: opts.Node}
+		},
+	})
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); srv.Serve(l) }()
+	go func() { defer wg.Done(); mgr.Run(ctx, time.Second) }()
+
+	b := &Broker{URL: url, Redis: opts.Redis, RDB: rdb, Store: st, Manager: mgr, Keys: keys, Server: srv, DataDir: opts.DataDir, t: t}
+	var once sync.Once
+	b.stop = func() {
+		once.Do(func() {
+			sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer scancel()
+			srv.Shutdown(sctx)
+			cancel()
+			wg.Wait()
+			mgr.Close(sctx)
+			evw.Close()
+		})
+	}
+	t.Cleanup(b.stop)
+	b.Org = "test-org"
+	b.Client = b.NewClient(b.Org)
+	return b
+}
+
+// DataDir makes a temp data dir that namespace sandboxes can use: bubblewrap, running as the sandbox
+// uid, must be able to reach it, and t.TempDir() and its parent are 0700.
+func DataDir(t testing.TB) string {
+	d := t.TempDir()
+	for _, p := range []string{filepath.Dir(d), d} {
+		if err := os.Chmod(p, 0o711); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return d
+}
+
+// Stop stops the broker now (a restart test starts another on the same DataDir and Redis).
+func (b *Broker) Stop() { b.stop() }
+
+// NewClient makes an API key for org (created if new) and returns a client using it.
+func (b *Broker) NewClient(org string) *client.Client {
+	b.t.Helper()
+	key, _, err := b.Store.CreateAPIKey(context.Background(), org, "test", time.Now())
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	c, err := client.New(b.URL, key)
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	spec, err := LoadSpec()
+	if err != nil {
+		b.t.Fatalf("servertest: docs/openapi.yaml: %v", err)
+	}
+	// Every answer the SDK gets is checked against docs/openapi.yaml.
+	c.SetHTTPClient(&http.Client{Transport: &checkingTransport{t: b.t, spec: spec, next: http.DefaultTransport}})
+	return c
+}
+
+// RedisSnapshot returns every key with a dump of its value, to assert that a refused request changed
+// nothing. Event streams are left out: they record attempts, not state.
+func (b *Broker) RedisSnapshot() map[string]string {
+	b.t.Helper()
+	ctx := context.Background()
+	keys, err := b.RDB.Keys(ctx, "*").Result()
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	snap := make(map[string]string, len(keys))
+	for _, k := range keys {
+		if typ, _ := b.RDB.Type(ctx, k).Result(); typ == "stream" {
+			continue
+		}
+		v, _ := b.RDB.Dump(ctx, k).Result()
+		snap[k] = v
+	}
+	return snap
+}

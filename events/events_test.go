@@ -1,0 +1,188 @@
+package events_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/store/redistest"
+)
+
+func TestMain(m *testing.M) { servertest.Main(m) }
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// A subscriber that was away while 10 events happened reconnects with Last-Event-ID and gets
+// exactly those 10, in order, once.
+func TestSSEResume(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "pane"})
+
+	// Follow until the first event, remember its id, drop the connection.
+	var last string
+	sctx, cancel := context.WithCancel(ctx)
+	err := b.Client.Events(sctx, client.EventOptions{Ref: "pane", Backlog: 1, Follow: true}, func(e protocol.Event) error {
+		last = e.ID
+		cancel()
+		return nil
+	})
+	if last == "" {
+		t.Fatalf("no first event: %v", err)
+	}
+	var want []string
+	for i := 0; i < 10; i++ {
+		m, err := b.Client.Delegate(ctx, "pane", protocol.MintRequest{Scopes: []string{"exec"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want = append(want, m.JTI)
+	}
+	// Another sandbox's events share the org stream but not this sandbox's.
+	b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "other"})
+	time.Sleep(300 * time.Millisecond) // the event writer batches asynchronously
+
+	var got []protocol.Event
+	rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer rcancel()
+	b.Client.Events(rctx, client.EventOptions{Ref: "pane", After: last, Follow: true}, func(e protocol.Event) error {
+		got = append(got, e)
+		if len(got) == len(want) {
+			rcancel()
+		}
+		return nil
+	})
+	if len(got) != len(want) {
+		t.Fatalf("want %d events after %s, got %d: %+v", len(want), last, len(got), got)
+	}
+	for i, e := range got {
+		if e.Type != protocol.EventTokenMinted || e.JTI != want[i] {
+			t.Fatalf("event %d: want token_minted %s, got %+v", i, want[i], e)
+		}
+	}
+	// Without following, the same resume returns the same ten and ends.
+	var again []protocol.Event
+	b.Client.Events(ctx, client.EventOptions{Ref: "pane", After: last}, func(e protocol.Event) error { again = append(again, e); return nil })
+	if len(again) != len(want) {
+		t.Fatalf("history: got %d", len(again))
+	}
+}
+
+func emit(t *testing.T, rdb redis.UniversalClient, org string, n int) []string {
+	t.Helper()
+	var ids []string
+	pipe := rdb.Pipeline()
+	cmds := make([]*redis.StringCmd, n)
+	for i := 0; i < n; i++ {
+		data, _ := json.Marshal(protocol.Event{Type: "exec", SandboxID: "sb_x", Command: fmt.Sprint(i)})
+		cmds[i] = pipe.XAdd(context.Background(), &redis.XAddArgs{Stream: store.EventsKey(org), MaxLen: events.StreamMaxLen, Approx: true,
+			Values: []any{"sandbox_id", "sb_x", "data", data}})
+	}
+	if _, err := pipe.Exec(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cmds {
+		ids = append(ids, c.Val())
+	}
+	return ids
+}
+
+// A position trimmed from the bounded log gets a reset event first, then what remains, in order.
+func TestResetWhenTrimmed(t *testing.T) {
+	t.Parallel()
+	rdb := redistest.Start(t).Client(t)
+	hub := events.NewHub(rdb, quiet)
+	ids := emit(t, rdb, "acme", events.StreamMaxLen+3000)
+	sub, err := hub.Subscribe(t.Context(), "acme", events.SubscribeOptions{After: ids[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	first := <-sub.C
+	if first.Type != protocol.EventReset || first.ID == "" {
+		t.Fatalf("want a reset first, got %+v", first)
+	}
+	prev := first.ID
+	count := 0
+	for count < events.StreamMaxLen-200 {
+		select {
+		case e := <-sub.C:
+			if !less(prev, e.ID) {
+				t.Fatalf("out of order: %s after %s", e.ID, prev)
+			}
+			prev = e.ID
+			count++
+		case <-time.After(5 * time.Second):
+			t.Fatalf("stalled after %d events", count)
+		}
+	}
+	if prev > ids[len(ids)-1] && len(prev) == len(ids[len(ids)-1]) {
+		t.Fatalf("delivered beyond the end")
+	}
+	// Resuming from a position still in the log gives no reset.
+	sub2, _ := hub.Subscribe(t.Context(), "acme", events.SubscribeOptions{After: ids[len(ids)-2]})
+	defer sub2.Close()
+	if e := <-sub2.C; e.Type == protocol.EventReset || e.ID != ids[len(ids)-1] {
+		t.Fatalf("resume within the log: %+v", e)
+	}
+}
+
+// A burst bigger than a subscriber's buffer, and a subscriber that does not read at all, hold up
+// nobody and lose nothing: a lagging subscription reads from Redis at its own pace, then goes live.
+func TestLaggingSubscriber(t *testing.T) {
+	t.Parallel()
+	rdb := redistest.Start(t).Client(t)
+	hub := events.NewHub(rdb, quiet)
+	ctx := t.Context()
+	slow, err := hub.Subscribe(ctx, "acme", events.SubscribeOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer slow.Close()
+	fast, _ := hub.Subscribe(ctx, "acme", events.SubscribeOptions{})
+	defer fast.Close()
+	time.Sleep(50 * time.Millisecond) // both live
+	ids := emit(t, rdb, "acme", 3000) // one burst, six buffers' worth
+	read := func(name string, sub *events.Subscription) {
+		for i, want := range ids {
+			select {
+			case e := <-sub.C:
+				if e.ID != want {
+					t.Fatalf("%s subscriber: event %d is %s, want %s", name, i, e.ID, want)
+				}
+			case <-sub.Done():
+				t.Fatalf("%s subscriber ended after %d events", name, i)
+			case <-time.After(5 * time.Second):
+				t.Fatalf("%s subscriber stalled after %d events", name, i)
+			}
+		}
+	}
+	read("fast", fast)
+	// The slow one read nothing during the burst; it still gets every event, in order, once.
+	read("slow", slow)
+	more := emit(t, rdb, "acme", 3)
+	for _, want := range more {
+		if e := <-slow.C; e.ID != want {
+			t.Fatalf("after catching up, live: got %s want %s", e.ID, want)
+		}
+	}
+}
+
+func less(a, b string) bool {
+	var am, as, bm, bs uint64
+	fmt.Sscanf(a, "%d-%d", &am, &as)
+	fmt.Sscanf(b, "%d-%d", &bm, &bs)
+	return am < bm || (am == bm && as < bs)
+}

@@ -1,0 +1,442 @@
+package events
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Hub fans the org streams out to subscribers in this broker: one Redis reader per org stream that
+// has subscribers, however many subscribers it has.
+type Hub struct {
+	rdb  redis.UniversalClient
+	log  *slog.Logger
+	mu   sync.Mutex
+	orgs map[string]*orgFeed
+}
+
+// NewHub makes a hub; readers start with the first subscriber of an org and stop with the last.
+func NewHub(rdb redis.UniversalClient, log *slog.Logger) *Hub {
+	return &Hub{rdb: rdb, log: log, orgs: map[string]*orgFeed{}}
+}
+
+// orgFeed is the reader of one org stream and its subscribers.
+type orgFeed struct {
+	cancel context.CancelFunc
+	subs   map[*Subscription]struct{}
+}
+
+// Subscription receives one org's events (or one sandbox's) in stream order, each once.
+type Subscription struct {
+	// C delivers events; it is never closed. Done is closed when the subscription ends: Close,
+	// its context ending, or Redis failing during a catch-up (reconnect with the last event id).
+	C         chan protocol.Event
+	done      chan struct{}
+	sandboxID string
+	hub       *Hub
+	org       string
+	key       string
+	ctx       context.Context
+	mu        sync.Mutex
+	closed    bool
+	// live is set while the subscriber keeps up with the hub. Until the first catch-up is over, and
+	// whenever the subscriber falls a buffer behind, it is unset and the subscription reads from
+	// Redis at the subscriber's own pace instead (catchUp), then goes live again.
+	live bool
+	// last is the id of the last event delivered: anything at or before it is a duplicate.
+	last string
+}
+
+// subscriberBuffer is how far a live subscriber may lag before it reads from Redis instead.
+const subscriberBuffer = 512
+
+// catchUpPage is how many events one catch-up read takes.
+const catchUpPage = 256
+
+// SubscribeOptions choose where a subscription starts.
+type SubscribeOptions struct {
+	// SandboxID limits the subscription to one sandbox ("" = the whole org).
+	SandboxID string
+	// After resumes after this event id (an SSE Last-Event-ID): every later event is delivered,
+	// once, in order. "" starts with new events (after Backlog).
+	After string
+	// Backlog, when After is "", first delivers up to this many recent events.
+	Backlog int
+}
+
+// Subscribe starts a subscription. When opts.After names a position whose successors were trimmed
+// from the stream, the first event is a reset: events were lost before what follows.
+func (h *Hub) Subscribe(ctx context.Context, org string, opts SubscribeOptions) (*Subscription, error) {
+	if opts.After != "" && !validID(opts.After) {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "Last-Event-ID %q is not an event id", clip(opts.After))
+	}
+	key := store.EventsKey(org)
+	s := &Subscription{C: make(chan protocol.Event, subscriberBuffer), done: make(chan struct{}), sandboxID: opts.SandboxID,
+		hub: h, org: org, key: key, ctx: ctx}
+	// Register before reading anything, so nothing that happens meanwhile escapes both the
+	// catch-up and the live feed.
+	if err := h.add(org, s); err != nil {
+		return nil, err
+	}
+	after := opts.After
+	var first []protocol.Event
+	switch {
+	case after != "":
+		reset, from, err := h.trimmedSince(ctx, key, after)
+		if err != nil {
+			s.Close()
+			return nil, err
+		}
+		if reset != nil {
+			first = append(first, *reset)
+		}
+		after = from
+	default:
+		recent, end, err := h.recent(ctx, key, opts.Backlog, opts.SandboxID)
+		if err != nil {
+			s.Close()
+			return nil, err
+		}
+		first, after = recent, end
+	}
+	for _, e := range first {
+		s.C <- e // fits: at most subscriberBuffer-1 events
+	}
+	go s.catchUp(after)
+	return s, nil
+}
+
+// Done is closed when the subscription ends.
+func (s *Subscription) Done() <-chan struct{} { return s.done }
+
+// catchUp delivers the stream from after to its end, page by page at the subscriber's pace, then
+// switches to live events. The switch re-reads under the lock, so events the hub delivered during
+// the catch-up (and that the subscription ignored) are not lost.
+func (s *Subscription) catchUp(after string) {
+	ctx, key := s.ctx, s.key
+	for {
+		msgs, err := s.hub.rdb.XRangeN(ctx, key, "("+after, "+", catchUpPage).Result()
+		if err != nil {
+			s.Close()
+			return
+		}
+		for _, m := range msgs {
+			after = m.ID
+			if !s.sendWait(m) {
+				return
+			}
+		}
+		if len(msgs) < catchUpPage {
+			break
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	msgs, err := s.hub.rdb.XRange(ctx, key, "("+after, "+").Result()
+	if err != nil {
+		s.closeLocked()
+		return
+	}
+	s.last = after
+	s.live = true
+	for _, m := range msgs {
+		if e, ok := decode(m); ok {
+			s.offerLocked(e)
+		}
+	}
+}
+
+// sendWait delivers a catch-up event, waiting for the subscriber to read.
+func (s *Subscription) sendWait(m redis.XMessage) bool {
+	e, ok := decode(m)
+	if !ok || (s.sandboxID != "" && e.SandboxID != s.sandboxID) {
+		return true
+	}
+	select {
+	case s.C <- e:
+		return true
+	case <-s.done:
+		return false
+	case <-s.ctx.Done():
+		s.Close()
+		return false
+	}
+}
+
+// trimmedSince says whether events after `after` may have been trimmed from the bounded log, and
+// returns the reset event and the position to continue from.
+//
+// Trimming drops the oldest entries; Redis 7.0 does not record their ids (max-deleted-entry-id
+// only counts XDEL), so the test is: the position is older than the oldest entry left, and some
+// entries were trimmed. (When the position was exactly the last entry trimmed, nothing was lost and
+// the reset is a false alarm; it says "may".)
+func (h *Hub) trimmedSince(ctx context.Context, key, after string) (*protocol.Event, string, error) {
+	info, err := h.rdb.XInfoStream(ctx, key).Result()
+	if err != nil {
+		if strings.Contains(err.Error(), "no such key") {
+			return nil, after, nil
+		}
+		return nil, "", err
+	}
+	first := info.FirstEntry.ID
+	if first == "" || info.EntriesAdded <= info.Length || !idLess(after, first) {
+		return nil, after, nil
+	}
+	// The reset carries the id just before the oldest entry left: resuming from it starts there
+	// without a second reset.
+	return &protocol.Event{ID: before(first), Type: protocol.EventReset, Time: time.Now().UTC(),
+		Reason: "the log no longer reaches back to " + after + ": events after it may have been lost; what follows is the oldest that remain"}, before(first), nil
+}
+
+// before is the stream id just before id.
+func before(id string) string {
+	ms, seq := splitID(id)
+	if seq > 0 {
+		return strconv.FormatUint(ms, 10) + "-" + strconv.FormatUint(seq-1, 10)
+	}
+	return strconv.FormatUint(ms-1, 10) + "-18446744073709551615"
+}
+
+// recent returns up to n of the latest events (for one sandbox, or all) and the stream's end, from
+// which the subscription continues.
+func (h *Hub) recent(ctx context.Context, key string, n int, sandboxID string) ([]protocol.Event, string, error) {
+	n = min(n, subscriberBuffer-1)
+	// Read more than n when filtering by sandbox: other sandboxes' events share the stream.
+	scan := int64(max(n, 1))
+	if sandboxID != "" {
+		scan = int64(n) * 20
+	}
+	msgs, err := h.rdb.XRevRangeN(ctx, key, "+", "-", scan).Result()
+	if err != nil {
+		return nil, "", err
+	}
+	end := "0-0"
+	if len(msgs) > 0 {
+		end = msgs[0].ID
+	}
+	var out []protocol.Event
+	for _, m := range msgs {
+		if len(out) == n {
+			break
+		}
+		if e, ok := decode(m); ok && (sandboxID == "" || e.SandboxID == sandboxID) {
+			out = append(out, e)
+		}
+	}
+	for i, j := 0, len(out)-1; i < j; i, j = i+1, j-1 {
+		out[i], out[j] = out[j], out[i]
+	}
+	return out, end, nil
+}
+
+func decode(m redis.XMessage) (protocol.Event, bool) {
+	data, _ := m.Values["data"].(string)
+	var e protocol.Event
+	if json.Unmarshal([]byte(data), &e) != nil {
+		return e, false
+	}
+	e.ID = m.ID
+	return e, true
+}
+
+func (h *Hub) add(org string, s *Subscription) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	f := h.orgs[org]
+	if f == nil {
+		// Start the reader at the stream's current end, before the subscriber's catch-up reads:
+		// together they leave no gap.
+		ctx, cancel := context.WithCancel(context.Background())
+		start := "0-0"
+		last, err := h.rdb.XRevRangeN(ctx, store.EventsKey(org), "+", "-", 1).Result()
+		if err != nil {
+			cancel()
+			return err
+		}
+		if len(last) == 1 {
+			start = last[0].ID
+		}
+		f = &orgFeed{cancel: cancel, subs: map[*Subscription]struct{}{}}
+		h.orgs[org] = f
+		go h.read(ctx, org, f, start)
+	}
+	f.subs[s] = struct{}{}
+	return nil
+}
+
+// read tails one org stream and hands each event to the org's subscribers.
+func (h *Hub) read(ctx context.Context, org string, f *orgFeed, from string) {
+	key := store.EventsKey(org)
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		res, err := h.rdb.XRead(ctx, &redis.XReadArgs{Streams: []string{key, from}, Block: 5 * time.Second, Count: 256}).Result()
+		if errors.Is(err, redis.Nil) {
+			continue
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			h.log.Warn("event stream read failed; retrying", "org", org, "err", err)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(backoff*2, 5*time.Second)
+			continue
+		}
+		backoff = 100 * time.Millisecond
+		for _, st := range res {
+			for _, m := range st.Messages {
+				from = m.ID
+				if e, ok := decode(m); ok {
+					h.deliver(org, f, e)
+				}
+			}
+		}
+	}
+}
+
+func (h *Hub) deliver(org string, f *orgFeed, e protocol.Event) {
+	h.mu.Lock()
+	subs := make([]*Subscription, 0, len(f.subs))
+	for s := range f.subs {
+		subs = append(subs, s)
+	}
+	h.mu.Unlock()
+	for _, s := range subs {
+		s.offer(e)
+	}
+}
+
+// offer delivers a live event unless it is filtered out, a duplicate, or the catch-up is still on
+// (which reads it from Redis). A subscriber whose buffer is full is cut off rather than allowed to
+// hold up the others.
+func (s *Subscription) offer(e protocol.Event) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.live {
+		s.offerLocked(e)
+	}
+}
+
+func (s *Subscription) offerLocked(e protocol.Event) {
+	if s.closed || !s.live || (s.last != "" && !idLess(s.last, e.ID)) {
+		return
+	}
+	if s.sandboxID != "" && e.SandboxID != s.sandboxID {
+		s.last = e.ID
+		return
+	}
+	select {
+	case s.C <- e:
+		s.last = e.ID
+	default:
+		// A buffer behind: stop taking live events and read the rest from Redis at the
+		// subscriber's pace. Nobody waits for a slow subscriber, and it loses nothing.
+		s.live = false
+		go s.catchUp(s.last)
+	}
+}
+
+// Close ends the subscription.
+func (s *Subscription) Close() {
+	s.mu.Lock()
+	s.closeLocked()
+	s.mu.Unlock()
+}
+
+func (s *Subscription) closeLocked() {
+	if s.closed {
+		return
+	}
+	s.closed = true
+	close(s.done)
+	h := s.hub
+	go func() {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		f := h.orgs[s.org]
+		if f == nil {
+			return
+		}
+		delete(f.subs, s)
+		if len(f.subs) == 0 {
+			f.cancel()
+			delete(h.orgs, s.org)
+		}
+	}()
+}
+
+// idLess compares stream ids "ms-seq" numerically.
+func idLess(a, b string) bool {
+	am, as := splitID(a)
+	bm, bs := splitID(b)
+	return am < bm || (am == bm && as < bs)
+}
+
+func splitID(id string) (uint64, uint64) {
+	ms, seq, _ := strings.Cut(id, "-")
+	m, _ := strconv.ParseUint(ms, 10, 64)
+	s, _ := strconv.ParseUint(seq, 10, 64)
+	return m, s
+}
+
+func validID(id string) bool {
+	ms, seq, ok := strings.Cut(id, "-")
+	if !ok || len(id) > 42 {
+		return false
+	}
+	_, e1 := strconv.ParseUint(ms, 10, 64)
+	_, e2 := strconv.ParseUint(seq, 10, 64)
+	return e1 == nil && e2 == nil
+}
+
+func clip(s string) string {
+	if len(s) > 60 {
+		s = s[:60]
+	}
+	return strings.ToValidUTF8(s, "?")
+}
+
+// History returns the events after opts.After (or the last opts.Backlog), without following: a
+// one-shot read for clients that do not stream. At most subscriberBuffer-1 events.
+func (h *Hub) History(ctx context.Context, org string, opts SubscribeOptions) ([]protocol.Event, error) {
+	key := store.EventsKey(org)
+	if opts.After == "" {
+		out, _, err := h.recent(ctx, key, max(opts.Backlog, 0), opts.SandboxID)
+		return out, err
+	}
+	if !validID(opts.After) {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "Last-Event-ID %q is not an event id", clip(opts.After))
+	}
+	reset, from, err := h.trimmedSince(ctx, key, opts.After)
+	if err != nil {
+		return nil, err
+	}
+	var out []protocol.Event
+	if reset != nil {
+		out = append(out, *reset)
+	}
+	msgs, err := h.rdb.XRangeN(ctx, key, "("+from, "+", subscriberBuffer-1).Result()
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range msgs {
+		if e, ok := decode(m); ok && (opts.SandboxID == "" || e.SandboxID == opts.SandboxID) {
+			out = append(out, e)
+		}
+	}
+	return out, nil
+}

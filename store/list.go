@@ -170,8 +170,7 @@ func (s *Store) Expired(ctx context.Context, org string, t time.Time, limit int)
 	return s.rangeIDs(ctx, DeadlinesKey(org), "-inf", strconv.FormatInt(ms(t), 10), limit)
 }
 
-// ExpiringBetween returns up to limit ids whose deadline falls in (from, to] and that were not warned
-// about that deadline yet.
+// ExpiringBetween returns up to limit running sandboxes whose deadline falls in (from, to].
 func (s *Store) ExpiringBetween(ctx context.Context, org string, from, to time.Time, limit int) ([]ExpiringSandbox, error) {
 	zs, err := s.rdb.ZRangeArgsWithScores(ctx, redis.ZRangeArgs{
 		Key: DeadlinesKey(org), ByScore: true, Count: int64(limit),

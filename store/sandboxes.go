@@ -329,3 +329,26 @@ func (s *Store) BumpGen(ctx context.Context, org, id string) (int64, error) {
 	}
 	return gen, nil
 }
+
+// warnScript records that a sandbox was warned about its current deadline, once.
+// KEYS: 1 warned, 2 sandbox hash. ARGV: 1 id, 2 deadline (ms).
+// Answers the sandbox's name when this call is the first to warn about this deadline, else nil.
+// Invariant: a heartbeat removes the warned entry (luaLease), so each new deadline warns once.
+var warnScript = redis.NewScript(`
+if redis.call('HGET', KEYS[2], 'expires') ~= ARGV[2] then return false end
+if redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1]) == 0 then return false end
+return redis.call('HGET', KEYS[2], 'name')
+`)
+
+// MarkWarned claims the expiry warning for a sandbox's deadline. It answers the sandbox's name and
+// true for the one caller that should send the warning.
+func (s *Store) MarkWarned(ctx context.Context, org, id string, deadline time.Time) (string, bool, error) {
+	name, err := warnScript.Run(ctx, s.rdb, []string{WarnedKey(org), SandboxKey(org, id)}, id, ms(deadline)).Text()
+	if isNil(err) {
+		return "", false, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("store: mark warned: %w", err)
+	}
+	return name, true, nil
+}

@@ -1,0 +1,209 @@
+package heartbeat
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/store"
+)
+
+// Config wires a Sweeper.
+type Config struct {
+	Store     *store.Store
+	Sandboxes *sandbox.Manager
+	Events    events.Sink
+	Log       *slog.Logger
+	// Now is the clock of every deadline decision.
+	Now func() time.Time
+	// Interval between sweeps (default 2s).
+	Interval time.Duration
+	// Warning is how long before its deadline a sandbox gets an expiring event (default 1m).
+	Warning time.Duration
+	// Retention deletes sandboxes stopped longer than this; 0 keeps them forever.
+	Retention time.Duration
+	// Batch bounds the sandboxes one step takes from an index (default 200).
+	Batch int
+}
+
+// Sweeper stops expired sandboxes. Several brokers may run one; a Redis lock lets one sweep at a
+// time, and since every action is re-checked atomically in Redis, two sweeping at once (a lock lost
+// to a pause) only duplicate work, never harm.
+type Sweeper struct {
+	cfg   Config
+	token string
+}
+
+// NewSweeper builds a sweeper.
+func NewSweeper(cfg Config) *Sweeper {
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.Interval <= 0 {
+		cfg.Interval = 2 * time.Second
+	}
+	if cfg.Warning <= 0 {
+		cfg.Warning = time.Minute
+	}
+	if cfg.Batch <= 0 {
+		cfg.Batch = 200
+	}
+	if cfg.Events == nil {
+		cfg.Events = events.Discard
+	}
+	b := make([]byte, 12)
+	rand.Read(b)
+	return &Sweeper{cfg: cfg, token: hex.EncodeToString(b)}
+}
+
+// Report counts what one sweep did.
+type Report struct {
+	Warned, Stopped, Deleted int
+}
+
+// Run sweeps every Interval while this broker holds the lock, until ctx ends.
+func (s *Sweeper) Run(ctx context.Context) {
+	t := time.NewTicker(s.cfg.Interval)
+	defer t.Stop()
+	defer s.release()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		held, err := s.lock(ctx)
+		if err != nil {
+			s.cfg.Log.Warn("sweeper: cannot reach the lock", "err", err)
+			continue
+		}
+		if !held {
+			continue
+		}
+		if r, err := s.SweepOnce(ctx); err != nil {
+			s.cfg.Log.Error("sweep failed", "err", err)
+		} else if r.Stopped+r.Deleted > 0 {
+			s.cfg.Log.Info("sweep", "stopped", r.Stopped, "deleted", r.Deleted, "warned", r.Warned)
+		}
+	}
+}
+
+// lockScript takes the sweep lock or renews it for its holder.
+// KEYS: 1 lock. ARGV: 1 token, 2 ttl (ms). Answers 1 when the caller holds the lock.
+var lockScript = redis.NewScript(`
+local cur = redis.call('GET', KEYS[1])
+if cur == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+`)
+
+// unlockScript releases the lock only if the caller holds it. KEYS: 1 lock. ARGV: 1 token.
+var unlockScript = redis.NewScript(`
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+`)
+
+func (s *Sweeper) lock(ctx context.Context) (bool, error) {
+	ttl := 3 * s.cfg.Interval
+	n, err := lockScript.Run(ctx, s.cfg.Store.Client(), []string{store.SweepLockKey}, s.token, ttl.Milliseconds()).Int()
+	return n == 1, err
+}
+
+func (s *Sweeper) release() {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	unlockScript.Run(ctx, s.cfg.Store.Client(), []string{store.SweepLockKey}, s.token)
+}
+
+// maxRounds bounds the batches one org gets per sweep, so one huge org cannot starve the others.
+const maxRounds = 50
+
+// SweepOnce does one sweep now, lock or not: expiry warnings, stops of expired sandboxes
+// (reason ttl_expired), and retention deletes.
+func (s *Sweeper) SweepOnce(ctx context.Context) (Report, error) {
+	var r Report
+	orgs, err := s.cfg.Store.Orgs(ctx)
+	if err != nil {
+		return r, err
+	}
+	var errs []error
+	for _, org := range orgs {
+		if err := s.sweepOrg(ctx, org, &r); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return r, errors.Join(errs...)
+}
+
+func (s *Sweeper) sweepOrg(ctx context.Context, org string, r *Report) error {
+	now := s.cfg.Now().UTC()
+	caller := sandbox.Caller{Org: org, Actor: "sweeper"}
+	soon, err := s.cfg.Store.ExpiringBetween(ctx, org, now, now.Add(s.cfg.Warning), s.cfg.Batch)
+	if err != nil {
+		return err
+	}
+	for _, e := range soon {
+		name, first, err := s.cfg.Store.MarkWarned(ctx, org, e.ID, e.ExpiresAt)
+		if err != nil || !first {
+			continue
+		}
+		left := int64(e.ExpiresAt.Sub(now).Round(time.Second) / time.Second)
+		s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: e.ID, Name: name, Time: now,
+			Actor: "sweeper", SecondsLeft: &left, Status: protocol.StatusRunning})
+		r.Warned++
+	}
+	for round := 0; round < maxRounds; round++ {
+		ids, err := s.cfg.Store.Expired(ctx, org, now, s.cfg.Batch)
+		if err != nil {
+			return err
+		}
+		stopped := 0
+		for _, id := range ids {
+			// The stop re-checks the deadline atomically: a heartbeat that landed since wins.
+			_, err := s.cfg.Sandboxes.Stop(ctx, caller, id, protocol.StopTTLExpired, now)
+			switch {
+			case err == nil:
+				stopped++
+			case isState(err):
+			default:
+				s.cfg.Log.Error("sweeper: stop failed", "org", org, "sandbox_id", id, "err", err)
+			}
+		}
+		r.Stopped += stopped
+		if len(ids) < s.cfg.Batch || stopped == 0 {
+			break
+		}
+	}
+	if s.cfg.Retention > 0 {
+		ids, err := s.cfg.Store.StoppedBefore(ctx, org, now.Add(-s.cfg.Retention), s.cfg.Batch)
+		if err != nil {
+			return err
+		}
+		for _, id := range ids {
+			if _, err := s.cfg.Sandboxes.Delete(ctx, caller, id); err == nil {
+				r.Deleted++
+			}
+		}
+	}
+	return nil
+}
+
+// isState reports errors that mean "someone else changed it first" (renewed, stopped, deleted).
+func isState(err error) bool {
+	var pe *protocol.Error
+	return errors.As(err, &pe) && (pe.Code == protocol.CodeInvalidState || pe.Code == protocol.CodeNotFound || pe.Code == protocol.CodeNotRunning)
+}

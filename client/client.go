@@ -60,7 +60,7 @@ func (e *UnreachableError) Unwrap() error { return e.Err }
 // do sends a request and decodes a JSON answer into out (unless nil). Non-2xx answers come back as
 // *protocol.Error carrying the broker's code, message, request id and HTTP status.
 func (c *Client) do(ctx context.Context, method, path string, query url.Values, in, out any) error {
-	resp, err := c.send(ctx, method, path, query, in, "application/json")
+	resp, err := c.send(ctx, c.http, method, path, query, in, "application/json")
 	if err != nil {
 		return err
 	}
@@ -76,7 +76,7 @@ func (c *Client) do(ctx context.Context, method, path string, query url.Values, 
 }
 
 // send performs a request and returns the response when it is 2xx.
-func (c *Client) send(ctx context.Context, method, path string, query url.Values, in any, accept string) (*http.Response, error) {
+func (c *Client) send(ctx context.Context, hc *http.Client, method, path string, query url.Values, in any, accept string) (*http.Response, error) {
 	// path's dynamic segments are escaped by sandboxPath; the rest is literal.
 	target := c.base.String() + path
 	if len(query) > 0 {
@@ -102,7 +102,7 @@ func (c *Client) send(ctx context.Context, method, path string, query url.Values
 	if c.apiKey != "" {
 		req.Header.Set("Authorization", "Bearer "+c.apiKey)
 	}
-	resp, err := c.http.Do(req)
+	resp, err := hc.Do(req)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
@@ -235,4 +235,21 @@ func (c *Client) SetTTL(ctx context.Context, ref string, ttl time.Duration) (pro
 func (c *Client) Environment(ctx context.Context, ref string) (protocol.EnvironmentResponse, error) {
 	var out protocol.EnvironmentResponse
 	return out, c.do(ctx, http.MethodGet, sandboxPath(ref, "environment"), nil, nil, &out)
+}
+
+// Orphans lists sandboxes that look abandoned, with reasons (the sweep's dry run).
+func (c *Client) Orphans(ctx context.Context) (protocol.OrphansResponse, error) {
+	var out protocol.OrphansResponse
+	return out, c.do(ctx, http.MethodGet, "/v1/orphans", nil, nil, &out)
+}
+
+// DataplaneURL is the dataplane URL of a sandbox on this broker (ws:// for http://).
+func (c *Client) DataplaneURL(ref string) string {
+	u := *c.base
+	if u.Scheme == "https" {
+		u.Scheme = "wss"
+	} else {
+		u.Scheme = "ws"
+	}
+	return u.String() + sandboxPath(ref, "dataplane")
 }

@@ -107,3 +107,14 @@ type EnvironmentResponse struct {
 	SandboxID string            `json:"sandbox_id"`
 	Env       map[string]string `json:"env"`
 }
+
+// Orphan is a sandbox that looks abandoned, with every reason why.
+type Orphan struct {
+	Sandbox Sandbox  `json:"sandbox"`
+	Reasons []string `json:"reasons"`
+}
+
+// OrphansResponse is GET /v1/orphans: the sweep's dry run.
+type OrphansResponse struct {
+	Items []Orphan `json:"items"`
+}

@@ -177,6 +177,9 @@ type dpConn struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
+	// lastRenew is when dataplane activity last renewed the lease (with --dataplane-renews-lease).
+	lastRenew time.Time
+
 	mu       sync.Mutex
 	inflight map[uint32]*request
 	closing  bool
@@ -541,7 +544,14 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 		return
 	}
 	c.inflight[id] = req
+	renew := c.s.dpRenews && time.Since(c.lastRenew) > c.rec.TTL/10
+	if renew {
+		c.lastRenew = time.Now()
+	}
 	c.mu.Unlock()
+	if renew {
+		go c.s.sandboxes.Heartbeat(context.WithoutCancel(ctx), c.org, c.rec.ID)
+	}
 
 	if op == protocol.OpUpload {
 		// Opened here, in the reader, so that the data frames that follow find it.

@@ -34,6 +34,11 @@ type Config struct {
 	Log        *slog.Logger
 	// AllowedOrigins may open the dataplane from a browser (an Origin header); none by default.
 	AllowedOrigins []string
+	// Now is the clock for reports (nil = time.Now).
+	Now func() time.Time
+	// DataplaneRenewsLease lets dataplane activity renew a sandbox's lease (off by default: a lease
+	// is the owner's heartbeat, and an agent left running must not keep a sandbox alive).
+	DataplaneRenewsLease bool
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
 }
@@ -64,6 +69,12 @@ type Server struct {
 	http           *http.Server
 	// stopBackground ends what Serve started besides the HTTP server.
 	stopBackground context.CancelFunc
+	// shutdownCh is closed by Shutdown, ending long-lived responses (SSE) that Shutdown would
+	// otherwise wait for.
+	shutdownCh chan struct{}
+	eventsHub  *events.Hub
+	clock      func() time.Time
+	dpRenews   bool
 }
 
 // maxBody bounds every REST request body.
@@ -73,7 +84,8 @@ const maxBody = 1 << 20
 func New(cfg Config) *Server {
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(), hub: newHub(),
-		allowedOrigins: cfg.AllowedOrigins}
+		allowedOrigins: cfg.AllowedOrigins, shutdownCh: make(chan struct{}),
+		eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now, dpRenews: cfg.DataplaneRenewsLease}
 	if s.events == nil {
 		s.events = events.Discard
 	}
@@ -110,6 +122,9 @@ func New(cfg Config) *Server {
 	e.POST("/v1/tokens/introspect", s.introspect, owner...)
 	// The dataplane authenticates API keys and delegation tokens itself (docs/dataplane.md).
 	e.GET("/v1/sandboxes/:ref/dataplane", s.dataplane)
+	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
+	e.GET("/v1/events", s.orgEvents, owner...)
+	e.GET("/v1/orphans", s.orphans, owner...)
 	return s
 }
 
@@ -157,6 +172,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		return nil
 	}
 	s.stopBackground()
+	close(s.shutdownCh)
 	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: close them ourselves.
 	s.hub.closeAll()
 	return s.http.Shutdown(ctx)

@@ -13,6 +13,8 @@ import (
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+
+	"github.com/sbxbroker/broker/client"
 )
 
 // config is the broker's whole configuration, read once at start from flags with SBX_* env fallbacks.
@@ -34,6 +36,11 @@ type config struct {
 	SigningKeys     string
 	TokenTTL        time.Duration
 	TokenMaxTTL     time.Duration
+	SweepInterval   time.Duration
+	ExpiryWarning   time.Duration
+	Retention       time.Duration
+	DataplaneRenews bool
+	AllowedOrigins  []string
 }
 
 // envOf maps each flag to its environment fallback.
@@ -43,6 +50,8 @@ var envOf = map[string]string{
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
 	"sandbox-uid": "SBX_SANDBOX_UID", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
+	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
+	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -90,6 +99,11 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.DurationVar(&c.MaxTTL, "max-ttl", 7*24*time.Hour, "largest lease a client may ask for")
 	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "host uid, and gid, that namespace sandboxes run as when the broker runs as root (inside they are uid 1000)")
 	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
+	fs.DurationVar(&c.SweepInterval, "sweep-interval", 2*time.Second, "how often the sweeper looks for expired leases (one broker sweeps at a time)")
+	fs.DurationVar(&c.ExpiryWarning, "expiry-warning", time.Minute, "send an expiring event this long before a sandbox's lease runs out")
+	fs.Var(client.Duration{D: &c.Retention}, "retention", "delete sandboxes stopped longer than this, e.g. 7d (default 0: keep them until deleted)")
+	fs.BoolVar(&c.DataplaneRenews, "dataplane-renews-lease", false, "let dataplane activity renew a sandbox's lease (off: only the owner's heartbeats and calls do, so an agent left running cannot keep a sandbox alive)")
+	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
 }
 
@@ -158,6 +172,15 @@ func (c *config) validate() error {
 	}
 	if c.TokenTTL < time.Second || c.TokenTTL > c.TokenMaxTTL {
 		bad("token-ttl", "%s must be between 1s and --token-max-ttl (%s)", c.TokenTTL, c.TokenMaxTTL)
+	}
+	if c.SweepInterval < 100*time.Millisecond {
+		bad("sweep-interval", "must be at least 100ms")
+	}
+	if c.ExpiryWarning <= 0 {
+		bad("expiry-warning", "must be positive")
+	}
+	if c.Retention < 0 || (c.Retention > 0 && c.Retention < time.Minute) {
+		bad("retention", "must be 0 (off) or at least 1m")
 	}
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")

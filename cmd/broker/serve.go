@@ -16,6 +16,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/heartbeat"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -95,6 +96,7 @@ func serve(parent context.Context, c *config) error {
 
 	srv := server.New(server.Config{
 		Store: st.store, Sandboxes: mgr, Delegation: dlg, Keys: keys, Events: evw, Log: log,
+		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews,
 		Ready: func(ctx context.Context) server.ReadyReport {
 			r := server.ReadyReport{Ready: true, Provider: prov.Name(), Redis: "ok", Node: node, Warnings: warnings(report)}
 			if err := st.rdb.Ping(ctx).Err(); err != nil {
@@ -103,6 +105,9 @@ func serve(parent context.Context, c *config) error {
 			return r
 		},
 	})
+	sweeper := heartbeat.NewSweeper(heartbeat.Config{Store: st.store, Sandboxes: mgr, Events: evw, Log: log,
+		Interval: c.SweepInterval, Warning: c.ExpiryWarning, Retention: c.Retention})
+	go sweeper.Run(ctx)
 	l, err := net.Listen("tcp", c.Listen)
 	if err != nil {
 		return fmt.Errorf("--listen (SBX_LISTEN): %w", err)

@@ -105,6 +105,7 @@ stopped or failed), 6 broker unreachable; sbctl exec exits with the command's ow
 	root.AddCommand(
 		createCmd(g), listCmd(g), getCmd(g), deleteCmd(g), stopCmd(g), resumeCmd(g), extendCmd(g),
 		heartbeatCmd(g), delegateCmd(g), delegationsCmd(g), revokeCmd(g), runConfigCmd(g), introspectCmd(g),
+		execCmd(g), attachCmd(g), eventsCmd(g), sweepCmd(g),
 	)
 	return root
 }
@@ -208,7 +209,7 @@ func describe(err error) string {
 	return err.Error()
 }
 
-func isTerminal(r io.Reader) bool {
+func isTerminal(r any) bool {
 	f, ok := r.(*os.File)
 	if !ok {
 		return false

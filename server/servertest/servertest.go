@@ -22,6 +22,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/heartbeat"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -66,6 +67,9 @@ type Broker struct {
 	Manager *sandbox.Manager
 	Keys    *delegation.Keyring
 	Server  *server.Server
+	// Sweeper runs on the broker's clock; tests call SweepOnce (it is not started in the background).
+	Sweeper *heartbeat.Sweeper
+	now     func() time.Time
 	DataDir string
 	t       testing.TB
 	stop    func()
@@ -147,7 +151,7 @@ func New(t testing.TB, opts Options) *Broker {
 		t.Fatal(err)
 	}
 	srv := server.New(server.Config{
-		Store: st, Sandboxes: mgr, Delegation: dlg, Keys: keys, Events: evw, Log: log,
+		Store: st, Sandboxes: mgr, Delegation: dlg, Keys: keys, Events: evw, Log: log, Now: opts.Now,
 		Ready: func(context.Context) server.ReadyReport {
 			return server.ReadyReport{Ready: true, Provider: prov.Name(), Redis: "ok", Node: opts.Node}
 		},
@@ -157,7 +161,9 @@ func New(t testing.TB, opts Options) *Broker {
 	go func() { defer wg.Done(); srv.Serve(l) }()
 	go func() { defer wg.Done(); mgr.Run(ctx, time.Second) }()
 
-	b := &Broker{URL: url, Redis: opts.Redis, RDB: rdb, Store: st, Manager: mgr, Keys: keys, Server: srv, DataDir: opts.DataDir, t: t}
+	sweeper := heartbeat.NewSweeper(heartbeat.Config{Store: st, Sandboxes: mgr, Events: evw, Log: log, Now: opts.Now})
+	b := &Broker{URL: url, Redis: opts.Redis, RDB: rdb, Store: st, Manager: mgr, Keys: keys, Server: srv,
+		Sweeper: sweeper, DataDir: opts.DataDir, t: t, now: opts.Now}
 	var once sync.Once
 	b.stop = func() {
 		once.Do(func() {
@@ -229,4 +235,34 @@ func (b *Broker) RedisSnapshot() map[string]string {
 		snap[k] = v
 	}
 	return snap
+}
+
+// Clock is a clock tests move by hand.
+type Clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+// NewClock starts a clock at t.
+func NewClock(t time.Time) *Clock { return &Clock{t: t} }
+
+// Now reads the clock.
+func (c *Clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+// Advance moves the clock forward.
+func (c *Clock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// RetentionSweeper is a sweeper like b.Sweeper that also deletes sandboxes stopped longer than
+// retention.
+func RetentionSweeper(b *Broker, retention time.Duration) *heartbeat.Sweeper {
+	return heartbeat.NewSweeper(heartbeat.Config{Store: b.Store, Sandboxes: b.Manager, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Now: b.now, Retention: retention})
 }

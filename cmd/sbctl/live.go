@@ -1,0 +1,331 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// commandExit carries a command's exit code out of sbctl exec.
+type commandExit struct{ code int }
+
+func (e commandExit) Error() string { return fmt.Sprintf("exit %d", e.code) }
+func (e commandExit) ExitCode() int { return e.code }
+
+func execCmd(g *globals) *cobra.Command {
+	var shell, cwd string
+	var env []string
+	var timeout time.Duration
+	var stdin bool
+	cmd := &cobra.Command{
+		Use:   "exec REF (-- CMD [ARGS...] | -c 'SHELL COMMAND')",
+		Short: "Run a command in a sandbox, streaming its output; sbctl exits with the command's code",
+		Long: `Run a command in a running sandbox through its dataplane, with the owner's API key. Output streams
+as it comes (stdout to stdout, stderr to stderr) and sbctl exits with the command's exit code
+(128+n when signal n ended it). The command runs in /workspace unless --cwd says otherwise.`,
+		Example: `  sbctl exec dev -- ls -la
+  sbctl exec dev -c 'pytest -q && echo green'
+  sbctl exec dev --cwd /workspace/app --env DEBUG=1 -- python3 main.py
+  echo 'print(2+2)' | sbctl exec dev -i -- python3`,
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) < 1 {
+				return usageErr("exec takes REF and a command; see sbctl exec --help")
+			}
+			if (shell == "") == (len(args) == 1) {
+				return usageErr("give the command either after -- (a program and its arguments) or with -c (a shell string), not both")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			a := protocol.ExecArgs{Command: shell, Argv: args[1:], Cwd: cwd, TimeoutMS: timeout.Milliseconds()}
+			if len(env) > 0 {
+				a.Env = map[string]string{}
+				for _, kv := range env {
+					k, v, ok := strings.Cut(kv, "=")
+					if !ok {
+						return usageErr("--env %q is not NAME=value", kv)
+					}
+					a.Env[k] = v
+				}
+			}
+			if stdin {
+				b, err := io.ReadAll(io.LimitReader(g.stdin, 16<<20))
+				if err != nil {
+					return err
+				}
+				a.Stdin = string(b)
+			}
+			r, err := backend.Dial(cmd.Context(), backend.Config{URL: c.DataplaneURL(args[0]), Credential: c.APIKey(), Reconnects: 1})
+			if err != nil {
+				return err
+			}
+			defer r.Close()
+			res, err := r.Exec(cmd.Context(), backend.ExecRequest{ExecArgs: a, Stdout: g.stdout, Stderr: g.stderr})
+			if err != nil {
+				return err
+			}
+			switch res.Reason {
+			case "timeout":
+				fmt.Fprintf(g.stderr, "sbctl: the command timed out and was killed\n")
+			case "memory_limit":
+				fmt.Fprintf(g.stderr, "sbctl: the command was killed by the sandbox's memory limit\n")
+			}
+			if res.Truncated {
+				fmt.Fprintf(g.stderr, "sbctl: output was truncated\n")
+			}
+			if res.ExitCode != 0 {
+				return commandExit{res.ExitCode}
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVarP(&shell, "command", "c", "", "a shell command string, run with /bin/sh -c")
+	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, a sandbox path (default /workspace)")
+	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable NAME=value (repeatable)")
+	cmd.Flags().DurationVar(&timeout, "timeout", 0, "kill the command's process tree after this long (default: the sandbox's, 10m)")
+	cmd.Flags().BoolVarP(&stdin, "stdin", "i", false, "send sbctl's standard input to the command")
+	return cmd
+}
+
+func attachCmd(g *globals) *cobra.Command {
+	var stopOnExit, deleteOnExit bool
+	cmd := &cobra.Command{
+		Use:   "attach REF",
+		Short: "Keep a sandbox's lease alive while this runs (a heartbeat every TTL/3)",
+		Long: `Heartbeat a sandbox every third of its TTL for as long as sbctl attach runs, riding out brief
+broker or network faults, and show the time left. Ctrl-C ends it cleanly; with --stop-on-exit or
+--delete-on-exit the sandbox is stopped or deleted then. If the sandbox stops meanwhile (its lease
+expired during a long outage, or someone stopped it), attach says so and exits with code 5.`,
+		Example: "  sbctl attach dev\n  sbctl attach dev --stop-on-exit",
+		Args:    exactArgs(1, "REF (a sandbox id or name)"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if stopOnExit && deleteOnExit {
+				return usageErr("give at most one of --stop-on-exit and --delete-on-exit")
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			err = attach(cmd.Context(), g, c, args[0])
+			if stopOnExit || deleteOnExit {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				if deleteOnExit {
+					_, derr := c.DeleteSandbox(ctx, args[0])
+					fmt.Fprintf(g.stderr, "deleted %s\n", args[0])
+					return errors.Join(err, derr)
+				}
+				_, serr := c.StopSandbox(ctx, args[0])
+				fmt.Fprintf(g.stderr, "stopped %s\n", args[0])
+				return errors.Join(err, serr)
+			}
+			return err
+		},
+	}
+	cmd.Flags().BoolVar(&stopOnExit, "stop-on-exit", false, "stop the sandbox when attach ends")
+	cmd.Flags().BoolVar(&deleteOnExit, "delete-on-exit", false, "delete the sandbox when attach ends")
+	return cmd
+}
+
+// attach heartbeats until ctx ends. Faults are retried with backoff while the lease has time left.
+func attach(ctx context.Context, g *globals, c *client.Client, ref string) error {
+	var lease protocol.HeartbeatResponse
+	var lastOK time.Time
+	every := 10 * time.Second
+	for failures := 0; ; {
+		l, err := c.Heartbeat(ctx, ref)
+		var pe *protocol.Error
+		switch {
+		case ctx.Err() != nil:
+			fmt.Fprintln(g.stderr)
+			return nil
+		case errors.As(err, &pe) && pe.Status > 0 && pe.Status < 500:
+			fmt.Fprintln(g.stderr)
+			return err // not running, not found, not allowed: retrying will not help
+		case err != nil:
+			failures++
+			left := "unknown"
+			if lease.ExpiresAt != nil {
+				left = time.Until(*lease.ExpiresAt).Round(time.Second).String()
+			}
+			g.status("%s: heartbeat failed (%s); retrying, lease has %s left", ref, describe(err), left)
+			every = min(time.Second<<min(failures, 4), max(every, time.Second))
+		default:
+			failures, lease, lastOK = 0, l, time.Now()
+			ttl := time.Duration(l.TTLSeconds) * time.Second
+			every = max(ttl/3, time.Second)
+			g.status("%s: %s, lease renewed at %s, expires in %s (beat every %s; Ctrl-C to detach)", ref, l.Status,
+				lastOK.Format(time.TimeOnly), time.Until(*l.ExpiresAt).Round(time.Second), every)
+		}
+		select {
+		case <-ctx.Done():
+			fmt.Fprintln(g.stderr)
+			return nil
+		case <-time.After(every):
+		}
+	}
+}
+
+// status prints a status line: rewritten in place on a terminal, one line each otherwise.
+func (g *globals) status(format string, args ...any) {
+	line := fmt.Sprintf(format, args...)
+	if f, ok := g.stderr.(*os.File); ok && isTerminal(f) {
+		fmt.Fprintf(g.stderr, "\r\033[K%s", line)
+		return
+	}
+	fmt.Fprintln(g.stderr, line)
+}
+
+func eventsCmd(g *globals) *cobra.Command {
+	var all, follow bool
+	var backlog int
+	var since string
+	cmd := &cobra.Command{
+		Use:   "events (REF | --all) [-f]",
+		Short: "Show a sandbox's events (or the whole org's); -f follows them live",
+		Long: `Show recent events of a sandbox, or of every sandbox with --all: lifecycle (created, stopped with
+its reason, expiring, deleted...), tokens (minted, revoked, by jti) and dataplane activity
+(connected, file_written, exec with exit code). With -f it follows new events, and after a dropped
+connection resumes exactly where it left off. -o json prints one JSON object per line.`,
+		Example: "  sbctl events dev -f\n  sbctl events --all -f -o json | jq -c 'select(.type==\"exec\")'",
+		Args: func(cmd *cobra.Command, args []string) error {
+			if (len(args) == 1) == all || len(args) > 1 {
+				return usageErr("give either REF or --all")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			o := client.EventOptions{Backlog: backlog, Follow: follow, After: since}
+			if len(args) == 1 {
+				o.Ref = args[0]
+			}
+			o.OnReconnect = func(err error, attempt int) {
+				if attempt == 1 || attempt%10 == 0 {
+					fmt.Fprintf(g.stderr, "sbctl: event stream dropped (%v); reconnecting\n", err)
+				}
+			}
+			enc := json.NewEncoder(g.stdout)
+			tw := tabwriter.NewWriter(g.stdout, 0, 4, 1, ' ', 0)
+			err = c.Events(cmd.Context(), o, func(e protocol.Event) error {
+				if g.output == "json" {
+					return enc.Encode(e)
+				}
+				fmt.Fprintln(tw, eventLine(e, all))
+				return tw.Flush()
+			})
+			if errors.Is(err, context.Canceled) {
+				return nil
+			}
+			return err
+		},
+	}
+	cmd.Flags().BoolVar(&all, "all", false, "events of every sandbox of the org")
+	cmd.Flags().BoolVarP(&follow, "follow", "f", false, "keep following new events")
+	cmd.Flags().IntVar(&backlog, "backlog", 20, "start with this many recent events")
+	cmd.Flags().StringVar(&since, "since", "", "start after this event id (what -o json prints as id)")
+	return cmd
+}
+
+// eventLine is the one-line form for a terminal pane: time, type, subject, details.
+func eventLine(e protocol.Event, withSandbox bool) string {
+	var b strings.Builder
+	b.WriteString(e.Time.Local().Format("15:04:05"))
+	b.WriteString("\t")
+	if withSandbox {
+		b.WriteString(orDash(e.Name))
+		b.WriteString("\t")
+	}
+	b.WriteString(e.Type)
+	b.WriteString("\t")
+	switch e.Type {
+	case protocol.EventExec:
+		code := "?"
+		if e.ExitCode != nil {
+			code = fmt.Sprint(*e.ExitCode)
+		}
+		fmt.Fprintf(&b, "%s  -> exit %s", e.Command, code)
+		if e.DurationMS != nil {
+			fmt.Fprintf(&b, " (%dms)", *e.DurationMS)
+		}
+	case protocol.EventFileWritten, protocol.EventFileDeleted:
+		b.WriteString(e.Path)
+	case protocol.EventExpiring:
+		if e.SecondsLeft != nil {
+			fmt.Fprintf(&b, "stops in %ds unless a heartbeat comes", *e.SecondsLeft)
+		}
+	case protocol.EventConnected, protocol.EventDisconnected, protocol.EventTokenMinted, protocol.EventTokenRevoked:
+		if e.JTI != "" {
+			b.WriteString("jti " + e.JTI)
+		} else {
+			b.WriteString(e.Actor)
+		}
+		if e.Reason != "" {
+			b.WriteString(" " + e.Reason)
+		}
+	default:
+		b.WriteString(e.Reason)
+	}
+	return strings.TrimRight(b.String(), "\t ")
+}
+
+func sweepCmd(g *globals) *cobra.Command {
+	var dryRun bool
+	cmd := &cobra.Command{
+		Use:   "sweep --dry-run",
+		Short: "List sandboxes that look abandoned, with the reasons (clean up with sbctl delete)",
+		Long: `List the org's orphan candidates with every reason: lease deadline passed, no heartbeat for a long
+while, stopped by the sweeper (ttl_expired), stopped for a long time, failed, or created by an API
+key that is now revoked. The broker itself only stops sandboxes whose lease expired (and deletes
+long-stopped ones if it runs with --retention); deleting is yours: sbctl delete REF, or
+sbctl delete --tag k=v for a batch.`,
+		Example: "  sbctl sweep --dry-run\n  sbctl sweep --dry-run -o json",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !dryRun {
+				return usageErr("sweep only reports (--dry-run); the broker stops expired sandboxes itself, and sbctl delete cleans up")
+			}
+			c, err := g.client()
+			if err != nil {
+				return err
+			}
+			res, err := c.Orphans(cmd.Context())
+			if err != nil {
+				return err
+			}
+			return g.print(res.Items, func(w io.Writer) {
+				if len(res.Items) == 0 {
+					fmt.Fprintln(w, "no orphan candidates")
+					return
+				}
+				for _, o := range res.Items {
+					fmt.Fprintf(w, "%s (%s) %s, tags %s\n", o.Sandbox.Name, o.Sandbox.ID, statusWord(o.Sandbox), tagString(o.Sandbox.Tags))
+					for _, r := range o.Reasons {
+						fmt.Fprintf(w, "  - %s\n", r)
+					}
+				}
+			})
+		},
+	}
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "only list (the one mode: deleting is sbctl delete)")
+	return cmd
+}

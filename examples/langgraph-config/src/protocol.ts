@@ -1,0 +1,581 @@
+// The dataplane's wire types (sbx.dataplane.v1). docs/dataplane.md is the normative spec and
+// protocol/*.go the Go side; field names here are exactly the JSON keys. Decoders are strict like
+// the Go golden-frame test (unknown keys and wrong types are refused) and encoders write back
+// exactly the keys that are present, so a decoded frame re-encodes to the same JSON.
+
+/** The dataplane's WebSocket subprotocol; a client must offer it. */
+export const SUBPROTOCOL = "sbx.dataplane.v1";
+/** A credential carried as a second subprotocol, for clients that cannot set headers (browsers). */
+export const BEARER_SUBPROTOCOL_PREFIX = "sbx.bearer.";
+
+/** Binary frame kinds: byte 0 of a binary frame. */
+export const FrameKind = {
+  Stdout: 1, // server -> client: exec output (all of it when combined)
+  Stderr: 2, // server -> client: exec stderr
+  Data: 3, // both ways: upload and download bytes
+  End: 4, // client -> server: the upload is complete (empty payload)
+} as const;
+export type FrameKindValue = (typeof FrameKind)[keyof typeof FrameKind];
+/** A binary frame is [kind u8][request id u32 big-endian], then the payload. */
+export const FRAME_HEADER_LEN = 5;
+
+/** Close codes the broker uses besides the standard ones; the close reason is the error code. */
+export const CloseCode = {
+  CredentialEnded: 4001, // token_revoked / token_expired / unauthenticated: final
+  SandboxGone: 4002, // sandbox_not_running / not_found: final
+  GoingAway: 1001, // broker shutting down
+  TooBig: 1009, // a frame over max_frame_bytes
+} as const;
+
+/** Stable error codes (protocol/errors.go) that the dataplane and its handshake answer with. */
+export const ErrorCode = {
+  InvalidJSON: "invalid_json",
+  InvalidArgument: "invalid_argument",
+  UnknownOp: "unknown_op",
+  ScopeDenied: "scope_denied",
+  CommandNotAllowed: "command_not_allowed",
+  InvalidPath: "invalid_path",
+  FileNotFound: "file_not_found",
+  IsDirectory: "is_directory",
+  NotDirectory: "not_directory",
+  FileExists: "file_exists",
+  PermissionDenied: "permission_denied",
+  NoMatch: "no_match",
+  NotUnique: "not_unique",
+  TooLarge: "payload_too_large",
+  TooManyRequests: "too_many_requests",
+  Cancelled: "cancelled",
+  NotRunning: "sandbox_not_running",
+  Internal: "internal",
+  Unavailable: "unavailable",
+  Unauthenticated: "unauthenticated",
+  Forbidden: "forbidden",
+  NotFound: "not_found",
+  WrongNode: "wrong_node",
+  TokenExpired: "token_expired",
+  TokenRevoked: "token_revoked",
+  TokenWrongSandbox: "token_wrong_sandbox",
+  /** Client side: the dataplane could not be reached or the connection broke. */
+  Unreachable: "unreachable",
+  /** Client side: the run's config.configurable.sandbox block is missing or malformed. */
+  InvalidRunConfig: "invalid_run_config",
+} as const;
+
+// ---- Types (protocol/dataplane.go, protocol/files.go) ----
+
+export interface Limits {
+  max_frame_bytes: number;
+  max_inflight: number;
+  max_chunk_bytes: number;
+  max_output_bytes: number;
+}
+
+export interface Hello {
+  protocol: string;
+  sandbox_id: string;
+  workspace: string;
+  scopes: string[];
+  allow_cmd?: string[];
+  expires_at?: string;
+  limits: Limits;
+}
+
+export interface WireError {
+  code: string;
+  message: string;
+  request_id?: string;
+}
+
+export interface FileInfo {
+  path: string;
+  name: string;
+  type: "file" | "dir" | "symlink" | "other" | string;
+  size: number;
+  mode: number;
+  mod_time: string;
+  target?: string;
+}
+
+export interface PathArgs {
+  path: string;
+}
+export interface ReadArgs {
+  path: string;
+  offset?: number;
+  length?: number;
+  line_offset?: number;
+  line_limit?: number;
+}
+export interface WriteArgs {
+  path: string;
+  content: string;
+  encoding?: "utf-8" | "base64";
+  mode?: "overwrite" | "create";
+}
+export interface EditArgs {
+  path: string;
+  old: string;
+  new: string;
+  replace_all?: boolean;
+}
+export interface DeleteArgs {
+  path: string;
+  recursive?: boolean;
+}
+export interface MkdirArgs {
+  path: string;
+  parents?: boolean;
+}
+export interface MoveArgs {
+  from: string;
+  to: string;
+  overwrite?: boolean;
+}
+export interface GlobArgs {
+  pattern: string;
+  path?: string;
+}
+export interface GrepArgs {
+  pattern: string;
+  path?: string;
+  glob?: string;
+  regex?: boolean;
+  ignore_case?: boolean;
+  max_count?: number;
+}
+export interface UploadArgs {
+  path: string;
+  mode?: "overwrite" | "create";
+}
+export interface ExecArgs {
+  command?: string;
+  argv?: string[];
+  cwd?: string;
+  env?: Record<string, string>;
+  stdin?: string;
+  timeout_ms?: number;
+  stream?: boolean;
+  combined?: boolean;
+  max_output?: number;
+  background?: boolean;
+}
+
+export interface LsResult {
+  entries: FileInfo[] | null;
+}
+export interface ReadResult {
+  path: string;
+  content: string;
+  encoding: "utf-8" | "base64" | string;
+  size: number;
+  total_lines?: number;
+  truncated?: boolean;
+}
+export interface WriteResult {
+  path: string;
+  size: number;
+  created: boolean;
+}
+export interface EditResult {
+  path: string;
+  occurrences: number;
+}
+export interface PathResult {
+  path: string;
+}
+export interface GlobResult {
+  files: FileInfo[] | null;
+  truncated?: boolean;
+}
+export interface GrepMatch {
+  path: string;
+  line: number;
+  text: string;
+}
+export interface GrepResult {
+  matches: GrepMatch[] | null;
+  truncated?: boolean;
+}
+export interface EnvResult {
+  env: Record<string, string>;
+}
+export interface ExecResult {
+  exit_code: number;
+  signal?: string;
+  reason?: string;
+  truncated?: boolean;
+  duration_ms: number;
+  pid?: number;
+  output?: string;
+  stdout?: string;
+  stderr?: string;
+}
+export interface DownloadResult {
+  path: string;
+  size: number;
+}
+export type Empty = Record<string, never>;
+
+/** Each operation's arguments and result. */
+export interface Ops {
+  ping: { args: undefined; result: Empty };
+  env: { args: undefined; result: EnvResult };
+  stat: { args: PathArgs; result: FileInfo };
+  ls: { args: PathArgs; result: LsResult };
+  read: { args: ReadArgs; result: ReadResult };
+  write: { args: WriteArgs; result: WriteResult };
+  edit: { args: EditArgs; result: EditResult };
+  delete: { args: DeleteArgs; result: PathResult };
+  mkdir: { args: MkdirArgs; result: PathResult };
+  move: { args: MoveArgs; result: PathResult };
+  glob: { args: GlobArgs; result: GlobResult };
+  grep: { args: GrepArgs; result: GrepResult };
+  upload: { args: UploadArgs; result: WriteResult };
+  download: { args: PathArgs; result: DownloadResult };
+  exec: { args: ExecArgs; result: ExecResult };
+}
+export type Op = keyof Ops;
+export type ArgsOf<O extends Op> = Ops[O]["args"];
+export type ResultOf<O extends Op> = Ops[O]["result"];
+
+/** A client text frame. A cancel names the request it cancels by that request's own id. */
+export type ClientFrame =
+  | { [O in Op]: { id: number; op: O; args?: ArgsOf<O> } }[Op]
+  | { id: number; op: "cancel" };
+
+/** A server text frame: the hello, or the end of one request (a result or an error). */
+export type ServerFrame =
+  | { id: number; type: "hello"; hello: Hello }
+  | { id: number; result: unknown }
+  | { id: number; error: WireError };
+
+// ---- A small strict codec ----
+
+type Kind =
+  | "string"
+  | "uint32"
+  | "int"
+  | "bool"
+  | "string[]"
+  | "string-map"
+  | "any-object"
+  | { object: Schema }
+  | { array: Schema; nullable?: boolean };
+interface Field {
+  k: Kind;
+  /** The Go side always writes it (no omitempty): decoding requires it. */
+  req?: boolean;
+}
+type Schema = Record<string, Field>;
+
+/** A frame or value that does not match the protocol's types. */
+export class ProtocolError extends Error {
+  override name = "ProtocolError";
+}
+
+const r = (k: Kind): Field => ({ k, req: true });
+const o = (k: Kind): Field => ({ k });
+
+const fileInfo: Schema = {
+  path: r("string"),
+  name: r("string"),
+  type: r("string"),
+  size: r("int"),
+  mode: r("uint32"),
+  mod_time: r("string"),
+  target: o("string"),
+};
+
+/** Argument schemas by op (ping, env and cancel take none). */
+export const argSchemas: Record<Exclude<Op, "ping" | "env">, Schema> = {
+  stat: { path: r("string") },
+  ls: { path: r("string") },
+  download: { path: r("string") },
+  read: { path: r("string"), offset: o("int"), length: o("int"), line_offset: o("int"), line_limit: o("int") },
+  write: { path: r("string"), content: r("string"), encoding: o("string"), mode: o("string") },
+  edit: { path: r("string"), old: r("string"), new: r("string"), replace_all: o("bool") },
+  delete: { path: r("string"), recursive: o("bool") },
+  mkdir: { path: r("string"), parents: o("bool") },
+  move: { from: r("string"), to: r("string"), overwrite: o("bool") },
+  glob: { pattern: r("string"), path: o("string") },
+  grep: {
+    pattern: r("string"),
+    path: o("string"),
+    glob: o("string"),
+    regex: o("bool"),
+    ignore_case: o("bool"),
+    max_count: o("int"),
+  },
+  upload: { path: r("string"), mode: o("string") },
+  exec: {
+    command: o("string"),
+    argv: o("string[]"),
+    cwd: o("string"),
+    env: o("string-map"),
+    stdin: o("string"),
+    timeout_ms: o("int"),
+    stream: o("bool"),
+    combined: o("bool"),
+    max_output: o("int"),
+    background: o("bool"),
+  },
+};
+
+const pathResult: Schema = { path: r("string") };
+const writeResult: Schema = { path: r("string"), size: r("int"), created: r("bool") };
+
+/** Result schemas by result kind; resultKindOf maps an op to its kind. */
+export const resultSchemas = {
+  ping: {} as Schema,
+  stat: fileInfo,
+  ls: { entries: r({ array: fileInfo, nullable: true }) },
+  read: {
+    path: r("string"),
+    content: r("string"),
+    encoding: r("string"),
+    size: r("int"),
+    total_lines: o("int"),
+    truncated: o("bool"),
+  },
+  write: writeResult,
+  edit: { path: r("string"), occurrences: r("int") },
+  path: pathResult,
+  glob: { files: r({ array: fileInfo, nullable: true }), truncated: o("bool") },
+  grep: {
+    matches: r({ array: { path: r("string"), line: r("int"), text: r("string") }, nullable: true }),
+    truncated: o("bool"),
+  },
+  env: { env: r("string-map") },
+  exec: {
+    exit_code: r("int"),
+    signal: o("string"),
+    reason: o("string"),
+    truncated: o("bool"),
+    duration_ms: r("int"),
+    pid: o("int"),
+    output: o("string"),
+    stdout: o("string"),
+    stderr: o("string"),
+  },
+  download: { path: r("string"), size: r("int") },
+} satisfies Record<string, Schema>;
+export type ResultKind = keyof typeof resultSchemas;
+
+/** The result kind an op answers with (delete, mkdir and move answer {path}; upload like write). */
+export function resultKindOf(op: Op): ResultKind {
+  switch (op) {
+    case "delete":
+    case "mkdir":
+    case "move":
+      return "path";
+    case "upload":
+      return "write";
+    default:
+      return op;
+  }
+}
+
+const helloSchema: Schema = {
+  protocol: r("string"),
+  sandbox_id: r("string"),
+  workspace: r("string"),
+  scopes: r("string[]"),
+  allow_cmd: o("string[]"),
+  expires_at: o("string"),
+  limits: r({
+    object: {
+      max_frame_bytes: r("int"),
+      max_inflight: r("int"),
+      max_chunk_bytes: r("int"),
+      max_output_bytes: r("int"),
+    },
+  }),
+};
+const errorSchema: Schema = { code: r("string"), message: r("string"), request_id: o("string") };
+
+function isObject(v: unknown): v is Record<string, unknown> {
+  return typeof v === "object" && v !== null && !Array.isArray(v);
+}
+
+function checkValue(k: Kind, v: unknown, where: string): unknown {
+  const bad = (want: string) => new ProtocolError(`${where}: want ${want}, got ${JSON.stringify(v)}`);
+  if (typeof k === "object") {
+    if ("object" in k) {
+      if (!isObject(v)) throw bad("an object");
+      return decodeWith(k.object, v, where);
+    }
+    if (v === null && k.nullable) return null;
+    if (!Array.isArray(v)) throw bad("an array");
+    return v.map((item, i) => {
+      if (!isObject(item)) throw new ProtocolError(`${where}[${i}]: want an object`);
+      return decodeWith(k.array, item, `${where}[${i}]`);
+    });
+  }
+  switch (k) {
+    case "string":
+      if (typeof v !== "string") throw bad("a string");
+      return v;
+    case "bool":
+      if (typeof v !== "boolean") throw bad("a boolean");
+      return v;
+    case "int":
+      if (typeof v !== "number" || !Number.isSafeInteger(v)) throw bad("an integer");
+      return v;
+    case "uint32":
+      if (typeof v !== "number" || !Number.isInteger(v) || v < 0 || v > 0xffffffff) throw bad("a uint32");
+      return v;
+    case "string[]":
+      if (!Array.isArray(v) || v.some((s) => typeof s !== "string")) throw bad("an array of strings");
+      return [...v];
+    case "string-map":
+      if (!isObject(v) || Object.values(v).some((s) => typeof s !== "string")) throw bad("an object of strings");
+      return { ...v };
+    case "any-object":
+      if (!isObject(v)) throw bad("an object");
+      return v;
+  }
+}
+
+function decodeWith(schema: Schema, v: Record<string, unknown>, where: string): Record<string, unknown> {
+  const out: Record<string, unknown> = {};
+  for (const key of Object.keys(v)) {
+    if (!(key in schema)) throw new ProtocolError(`${where}: unknown field "${key}"`);
+  }
+  for (const [key, f] of Object.entries(schema)) {
+    if (!(key in v) || v[key] === undefined) {
+      if (f.req) throw new ProtocolError(`${where}: missing field "${key}"`);
+      continue;
+    }
+    out[key] = checkValue(f.k, v[key], `${where}.${key}`);
+  }
+  return out;
+}
+
+/** Writes the keys of v that the schema knows and that are set, in the schema's order. */
+function encodeWith(schema: Schema, v: Record<string, unknown>, where: string): Record<string, unknown> {
+  for (const key of Object.keys(v)) {
+    if (!(key in schema) && v[key] !== undefined) throw new ProtocolError(`${where}: unknown field "${key}"`);
+  }
+  const out: Record<string, unknown> = {};
+  for (const [key, f] of Object.entries(schema)) {
+    const x = v[key];
+    if (x === undefined) {
+      if (f.req) throw new ProtocolError(`${where}: missing field "${key}"`);
+      continue;
+    }
+    checkValue(f.k, x, `${where}.${key}`);
+    if (typeof f.k === "object" && "object" in f.k) out[key] = encodeWith(f.k.object, x as Record<string, unknown>, `${where}.${key}`);
+    else if (typeof f.k === "object" && "array" in f.k && Array.isArray(x)) {
+      const sub = f.k.array;
+      out[key] = x.map((item, i) => encodeWith(sub, item as Record<string, unknown>, `${where}.${key}[${i}]`));
+    } else out[key] = x;
+  }
+  return out;
+}
+
+const argless = new Set(["ping", "env", "cancel"]);
+
+function isOp(op: string): op is Op {
+  return op === "ping" || op === "env" || op in argSchemas;
+}
+
+/** Decodes a client text frame (a request or a cancel), strictly. */
+export function decodeClientFrame(text: string): ClientFrame {
+  const v: unknown = JSON.parse(text);
+  if (!isObject(v)) throw new ProtocolError("a request is a JSON object");
+  for (const key of Object.keys(v)) {
+    if (key !== "id" && key !== "op" && key !== "args") throw new ProtocolError(`request: unknown field "${key}"`);
+  }
+  const id = checkValue("uint32", v.id, "request.id") as number;
+  const op = checkValue("string", v.op, "request.op") as string;
+  if (op === "cancel") {
+    if (v.args !== undefined) throw new ProtocolError("cancel takes no args");
+    return { id, op };
+  }
+  if (!isOp(op)) throw new ProtocolError(`unknown op "${op}"`);
+  if (argless.has(op)) {
+    if (v.args !== undefined) throw new ProtocolError(`${op} takes no args`);
+    return { id, op } as ClientFrame;
+  }
+  if (v.args === undefined) return { id, op } as ClientFrame;
+  if (!isObject(v.args)) throw new ProtocolError("request.args: want an object");
+  const schema = argSchemas[op as keyof typeof argSchemas];
+  return { id, op, args: decodeWith(schema, v.args, `${op}.args`) } as ClientFrame;
+}
+
+/** Encodes a client text frame; args are checked against the op's schema (typos never leave). */
+export function encodeClientFrame(f: ClientFrame): string {
+  checkValue("uint32", f.id, "request.id");
+  const out: Record<string, unknown> = { id: f.id, op: f.op };
+  const args = (f as { args?: unknown }).args;
+  if (argless.has(f.op)) {
+    if (args !== undefined) throw new ProtocolError(`${f.op} takes no args`);
+  } else if (args !== undefined) {
+    if (!isOp(f.op)) throw new ProtocolError(`unknown op "${f.op}"`);
+    out.args = encodeWith(argSchemas[f.op as keyof typeof argSchemas], args as Record<string, unknown>, `${f.op}.args`);
+  }
+  return JSON.stringify(out);
+}
+
+/** Decodes a server text frame's envelope. A result stays raw until decodeResult (its op says how). */
+export function decodeServerFrame(text: string): ServerFrame {
+  const v: unknown = JSON.parse(text);
+  if (!isObject(v)) throw new ProtocolError("a server frame is a JSON object");
+  for (const key of Object.keys(v)) {
+    if (!["id", "type", "hello", "result", "error"].includes(key)) throw new ProtocolError(`frame: unknown field "${key}"`);
+  }
+  const id = checkValue("uint32", v.id, "frame.id") as number;
+  if (v.type !== undefined || v.hello !== undefined) {
+    if (v.type !== "hello" || !isObject(v.hello)) throw new ProtocolError(`frame: unknown type ${JSON.stringify(v.type)}`);
+    return { id, type: "hello", hello: decodeWith(helloSchema, v.hello, "hello") as unknown as Hello };
+  }
+  if (v.error !== undefined) {
+    if (v.result !== undefined) throw new ProtocolError("frame: both result and error");
+    if (!isObject(v.error)) throw new ProtocolError("frame.error: want an object");
+    return { id, error: decodeWith(errorSchema, v.error, "error") as unknown as WireError };
+  }
+  if (v.result === undefined) throw new ProtocolError("frame: neither result, error nor hello");
+  return { id, result: v.result };
+}
+
+/** Encodes a server text frame (tests; the broker is the real server). */
+export function encodeServerFrame(f: ServerFrame, kind?: ResultKind): string {
+  if ("hello" in f) return JSON.stringify({ id: f.id, type: "hello", hello: encodeWith(helloSchema, f.hello as never, "hello") });
+  if ("error" in f) return JSON.stringify({ id: f.id, error: encodeWith(errorSchema, f.error as never, "error") });
+  return JSON.stringify({ id: f.id, result: kind ? encodeResult(kind, f.result) : f.result });
+}
+
+/** Decodes and checks a result of the given kind. */
+export function decodeResult<K extends ResultKind>(kind: K, raw: unknown): unknown {
+  if (!isObject(raw)) throw new ProtocolError(`${kind} result: want an object`);
+  return decodeWith(resultSchemas[kind], raw, `${kind} result`);
+}
+
+/** Encodes a result of the given kind. */
+export function encodeResult(kind: ResultKind, v: unknown): Record<string, unknown> {
+  if (!isObject(v)) throw new ProtocolError(`${kind} result: want an object`);
+  return encodeWith(resultSchemas[kind], v, `${kind} result`);
+}
+
+// ---- Binary frames ----
+
+export interface BinaryFrame {
+  kind: number;
+  id: number;
+  payload: Buffer;
+}
+
+/** Builds a binary frame: the 5-byte header, then the payload. */
+export function encodeBinaryFrame(kind: number, id: number, payload?: Uint8Array): Buffer {
+  const b = Buffer.allocUnsafe(FRAME_HEADER_LEN + (payload?.length ?? 0));
+  b[0] = kind;
+  b.writeUInt32BE(id >>> 0, 1);
+  if (payload) b.set(payload, FRAME_HEADER_LEN);
+  return b;
+}
+
+/** Splits a binary frame into kind, request id and payload (a view, not a copy). */
+export function parseBinaryFrame(b: Buffer): BinaryFrame {
+  if (b.length < FRAME_HEADER_LEN) throw new ProtocolError("binary frame shorter than its 5-byte header");
+  return { kind: b[0]!, id: b.readUInt32BE(1), payload: b.subarray(FRAME_HEADER_LEN) };
+}

@@ -214,10 +214,10 @@ func (h *Hub) recent(ctx context.Context, key string, n int, sandboxID string) (
 	// Read more than n when filtering by sandbox: other sandboxes' events share the stream.
 	scan := int64(max(n, 1))
 	if sandboxID != "" {
-		scan = int64(n) * 20
+		scan = int64(max(n*20, 1))
 	}
 	msgs, err := h.rdb.XRevRangeN(ctx, key, "+", "-", scan).Result()
-	if err != nil {
+	if err != nil && !errors.Is(err, redis.Nil) {
 		return nil, "", err
 	}
 	end := "0-0"

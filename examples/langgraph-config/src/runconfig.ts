@@ -48,7 +48,7 @@ export function sandboxBlockOf(configurable: unknown): SandboxBlock {
   const fields = sb as Record<string, unknown>;
   const out: Record<string, string> = {};
   for (const key of ["sandbox_id", "credential", "dataplane_url"] as const) {
-    if (!(key in fields)) throw bad(`configurable.sandbox.${key} is missing`);
+    if (!(key in fields) || fields[key] === undefined) throw bad(`configurable.sandbox.${key} is missing`);
     const v = fields[key];
     if (typeof v !== "string" || v === "") throw bad(`configurable.sandbox.${key} must be a non-empty string`);
     out[key] = v;

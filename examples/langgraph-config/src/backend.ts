@@ -1,0 +1,346 @@
+// A deepagents sandbox backend (SandboxBackendProtocolV2) on the broker's dataplane. Every operation
+// is one native dataplane request (ls -> ls, read_file -> read with a line window, grep -> literal
+// grep, ...), not a process started through execute as deepagents' BaseSandbox does. Failures come
+// back as {error: sentence} values (execute: as its output): a thrown error would abort the run.
+
+import type {
+  DeleteResult,
+  EditResult,
+  ExecuteResponse,
+  FileDownloadResponse,
+  FileInfo,
+  FileOperationError,
+  FileUploadResponse,
+  GlobResult,
+  GrepResult,
+  LsResult,
+  ReadRawResult,
+  ReadResult,
+  SandboxBackendProtocolV2,
+  WriteResult,
+} from "deepagents";
+import { DataplaneClient, type DataplaneOptions } from "./dataplane.js";
+import { asDataplaneError, describeForModel } from "./errors.js";
+import { ErrorCode, type FileInfo as WireFileInfo } from "./protocol.js";
+import type { SandboxBlock } from "./runconfig.js";
+
+/** The sandbox's workspace: file tools work inside it, and commands start in it. */
+export const WORKSPACE = "/workspace";
+
+/** What deepagents' read_file shows for an empty file (its EMPTY_CONTENT_WARNING). */
+export const EMPTY_CONTENT_WARNING = "System reminder: File exists but has empty contents";
+
+// The broker caps grep answers at 1000 matches (its default and maximum).
+const GREP_MAX = 1000;
+// Room for the JSON envelope around a write's content when choosing between write and upload.
+const FRAME_SLACK = 4 << 10;
+const DEFAULT_MAX_FRAME = 1114112;
+
+/** Tuning of the backend's commands. */
+export interface BrokerSandboxOptions {
+  /** Per-command timeout in ms (default: the sandbox's, 10 min; capped by the broker at 1 h). */
+  execTimeoutMs?: number;
+  /** Output cap of a command in bytes (default: the broker's, 1 MiB); past it output is dropped. */
+  maxOutputBytes?: number;
+}
+
+/**
+ * Maps a path a model gives to a sandbox path. deepagents' tools default to "/" and keep their own
+ * files under absolute paths (/large_tool_results/...), so the workspace is the agent's root:
+ * "/" and "" are /workspace, /workspace/... is itself, any other absolute path is taken inside the
+ * workspace (/notes.md -> /workspace/notes.md), and a relative path is left for the broker, which
+ * resolves it against /workspace. Nothing can name a file outside the workspace.
+ */
+export function toSandboxPath(p: string | null | undefined): string {
+  if (p === undefined || p === null || p === "" || p === "/") return WORKSPACE;
+  if (p === WORKSPACE || p.startsWith(`${WORKSPACE}/`)) return p;
+  if (p.startsWith("/")) return `${WORKSPACE}${p}`;
+  return p;
+}
+
+// deepagents decides text or binary by extension (its getMimeType / isTextMimeType, not exported).
+const BINARY_TYPES: Record<string, string> = {
+  ".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp",
+  ".heic": "image/heic", ".heif": "image/heif", ".mp3": "audio/mpeg", ".wav": "audio/wav", ".aiff": "audio/aiff",
+  ".aac": "audio/aac", ".ogg": "audio/ogg", ".flac": "audio/flac", ".mp4": "video/mp4", ".webm": "video/webm",
+  ".mpeg": "video/mpeg", ".mov": "video/quicktime", ".avi": "video/x-msvideo", ".flv": "video/x-flv",
+  ".mpg": "video/mpeg", ".wmv": "video/x-ms-wmv", ".3gpp": "video/3gpp", ".pdf": "application/pdf",
+  ".ppt": "application/vnd.ms-powerpoint",
+  ".pptx": "application/vnd.openxmlformats-officedocument.presentationml.presentation",
+};
+const TEXT_TYPES: Record<string, string> = {
+  ".svg": "image/svg+xml", ".md": "text/markdown", ".markdown": "text/markdown", ".html": "text/html", ".htm": "text/html",
+  ".css": "text/css", ".csv": "text/csv", ".xml": "text/xml", ".json": "application/json", ".js": "application/javascript",
+  ".mjs": "application/javascript", ".cjs": "application/javascript",
+};
+
+/** The MIME type deepagents would give this path. */
+export function mimeTypeOf(path: string): string {
+  const base = path.slice(path.lastIndexOf("/") + 1);
+  const dot = base.lastIndexOf(".");
+  const ext = dot <= 0 ? "" : base.slice(dot).toLowerCase();
+  return BINARY_TYPES[ext] ?? TEXT_TYPES[ext] ?? "text/plain";
+}
+
+/** Whether deepagents treats this MIME type as text. */
+export function isTextMimeType(m: string): boolean {
+  return m.startsWith("text/") || m === "application/json" || m === "application/javascript" || m === "image/svg+xml";
+}
+
+const BASE64 = /^[A-Za-z0-9+/\s]*={0,2}\s*$/;
+
+function toInfo(f: WireFileInfo): FileInfo {
+  const dir = f.type === "dir";
+  return { path: dir ? `${f.path}/` : f.path, is_dir: dir, size: dir ? 0 : f.size, modified_at: f.mod_time };
+}
+
+/** deepagents' per-file error codes are a closed set; each dataplane code goes to the nearest. */
+function fileOperationError(err: unknown): FileOperationError {
+  const code = asDataplaneError(err).code;
+  switch (code) {
+    case ErrorCode.FileNotFound:
+      return "file_not_found";
+    case ErrorCode.IsDirectory:
+      return "is_directory";
+    case ErrorCode.PermissionDenied:
+    case ErrorCode.ScopeDenied:
+    case ErrorCode.TokenRevoked:
+    case ErrorCode.TokenExpired:
+    case ErrorCode.Unauthenticated:
+    case ErrorCode.Forbidden:
+    case ErrorCode.TokenWrongSandbox:
+      return "permission_denied";
+    default:
+      return "invalid_path";
+  }
+}
+
+/**
+ * One sandbox as a deepagents backend. Safe for concurrent calls (deepagents runs parallel tool
+ * calls at once): they share the client's one connection, each with its own request id.
+ */
+export class BrokerSandbox implements SandboxBackendProtocolV2 {
+  /** The sandbox id: deepagents shows the execute tool only when this is a non-empty string. */
+  readonly id: string;
+
+  constructor(
+    readonly client: DataplaneClient,
+    private readonly opts: BrokerSandboxOptions = {},
+  ) {
+    this.id = client.sandboxId || "sbx-sandbox";
+  }
+
+  /** A backend for the sandbox a run-config block names. Connects on first use. */
+  static fromBlock(block: SandboxBlock, opts: BrokerSandboxOptions & Partial<DataplaneOptions> = {}): BrokerSandbox {
+    const client = new DataplaneClient({ ...opts, url: block.dataplane_url, credential: block.credential, sandboxId: block.sandbox_id });
+    return new BrokerSandbox(client, opts);
+  }
+
+  /** Connects now (a bad credential fails here rather than in the first tool call). */
+  static async connect(o: DataplaneOptions & BrokerSandboxOptions): Promise<BrokerSandbox> {
+    const client = new DataplaneClient(o);
+    await client.connect();
+    return new BrokerSandbox(client, o);
+  }
+
+  /** Closes the connection. */
+  close(): void {
+    this.client.close();
+  }
+
+  private describe(err: unknown, path?: string): string {
+    return describeForModel(err, { path, allowCmd: this.client.hello?.allow_cmd });
+  }
+
+  async ls(path: string): Promise<LsResult> {
+    try {
+      const r = await this.client.ls(toSandboxPath(path));
+      return { files: (r.entries ?? []).map(toInfo) };
+    } catch (e) {
+      return { error: this.describe(e, path) };
+    }
+  }
+
+  /** A window of lines (offset 0-based, limit lines), as deepagents' read_file pages through files. */
+  async read(filePath: string, offset = 0, limit = 500): Promise<ReadResult> {
+    const mimeType = mimeTypeOf(filePath);
+    try {
+      const p = toSandboxPath(filePath);
+      if (!isTextMimeType(mimeType)) {
+        return { content: new Uint8Array(await this.client.download(p)), mimeType };
+      }
+      const off = Number.isFinite(offset) ? Math.max(0, Math.floor(offset)) : 0;
+      const lim = Number.isFinite(limit) ? Math.max(0, Math.floor(limit)) : 0;
+      if (lim === 0) return { content: "", mimeType };
+      const r = await this.client.read({ path: p, line_offset: off, line_limit: lim });
+      if (r.size === 0) return { content: EMPTY_CONTENT_WARNING, mimeType };
+      const total = r.total_lines ?? 0;
+      if (off >= total) return { error: `Line offset ${off} exceeds file length (${total} lines)` };
+      // Content that is not valid UTF-8 comes base64-encoded; a text tool shows it lossily.
+      let text = r.encoding === "base64" ? Buffer.from(r.content, "base64").toString("utf8") : r.content;
+      if (text.endsWith("\n")) text = text.slice(0, -1);
+      const n = text === "" ? 1 : text.split("\n").length;
+      const endLine = Math.min(off + n, total);
+      return {
+        content: text,
+        mimeType,
+        totalLines: total,
+        startLine: off + 1,
+        endLine,
+        nextOffset: endLine < total ? endLine : undefined,
+      };
+    } catch (e) {
+      return { error: this.describe(e, filePath) };
+    }
+  }
+
+  async readRaw(filePath: string): Promise<ReadRawResult> {
+    try {
+      const p = toSandboxPath(filePath);
+      const [info, bytes] = await Promise.all([this.client.stat(p), this.client.download(p)]);
+      const mimeType = mimeTypeOf(filePath);
+      return {
+        data: {
+          content: isTextMimeType(mimeType) ? bytes.toString("utf8") : new Uint8Array(bytes),
+          mimeType,
+          created_at: info.mod_time,
+          modified_at: info.mod_time,
+        },
+      };
+    } catch (e) {
+      return { error: this.describe(e, filePath) };
+    }
+  }
+
+  /** Creates or replaces a file. Content for binary types (.png, .pdf, ...) is base64, as in deepagents. */
+  async write(filePath: string, content: string): Promise<WriteResult> {
+    try {
+      const p = toSandboxPath(filePath);
+      const binary = !isTextMimeType(mimeTypeOf(filePath));
+      if (binary && !BASE64.test(content)) {
+        return { error: `Content for ${filePath} must be base64: its type is binary (${mimeTypeOf(filePath)}).` };
+      }
+      const limit = this.client.hello?.limits.max_frame_bytes ?? DEFAULT_MAX_FRAME;
+      const encodedSize = binary ? content.length : Buffer.byteLength(JSON.stringify(content));
+      let written: string;
+      if (encodedSize + FRAME_SLACK > limit) {
+        // Too big for one frame: stream it in chunks instead.
+        const bytes = binary ? Buffer.from(content, "base64") : Buffer.from(content, "utf8");
+        written = (await this.client.upload(p, bytes)).path;
+      } else {
+        written = (await this.client.write({ path: p, content, encoding: binary ? "base64" : undefined })).path;
+      }
+      return { path: written, filesUpdate: null };
+    } catch (e) {
+      return { error: this.describe(e, filePath) };
+    }
+  }
+
+  async edit(filePath: string, oldString: string, newString: string, replaceAll = false): Promise<EditResult> {
+    try {
+      const p = toSandboxPath(filePath);
+      if (oldString === "") {
+        // deepagents' convention: an empty old string sets the content of an empty file.
+        const info = await this.client.stat(p);
+        if (info.size !== 0) return { error: "Error: old_string cannot be empty when the file has content." };
+        if (newString === "") return { path: info.path, filesUpdate: null, occurrences: 0 };
+        const w = await this.client.write({ path: p, content: newString });
+        return { path: w.path, filesUpdate: null, occurrences: 1 };
+      }
+      if (oldString === newString) return { error: "Error: old_string and new_string are identical; nothing to replace." };
+      const r = await this.client.edit({ path: p, old: oldString, new: newString, replace_all: replaceAll || undefined });
+      return { path: r.path, filesUpdate: null, occurrences: r.occurrences };
+    } catch (e) {
+      return { error: this.describe(e, filePath) };
+    }
+  }
+
+  /** Literal search (not a regex), as deepagents' grep tool promises. */
+  async grep(pattern: string, path?: string | null, glob?: string | null, maxCount?: number | null): Promise<GrepResult> {
+    try {
+      const max = maxCount === undefined || maxCount === null ? undefined : Math.min(Math.max(1, Math.floor(maxCount)), GREP_MAX);
+      const r = await this.client.grep({ pattern, path: toSandboxPath(path), glob: glob || undefined, max_count: max });
+      return { matches: r.matches ?? [], truncated: r.truncated || undefined };
+    } catch (e) {
+      return { error: this.describe(e, path ?? undefined) };
+    }
+  }
+
+  async glob(pattern: string, path?: string): Promise<GlobResult> {
+    try {
+      let base = toSandboxPath(path);
+      let pat = pattern;
+      // A pattern given as an absolute path is relative to the root it names.
+      if (pat.startsWith(`${WORKSPACE}/`)) {
+        pat = pat.slice(WORKSPACE.length + 1);
+        base = WORKSPACE;
+      } else if (pat.startsWith("/")) {
+        pat = pat.replace(/^\/+/, "");
+        base = WORKSPACE;
+      }
+      const r = await this.client.glob({ pattern: pat, path: base });
+      return { files: (r.files ?? []).map(toInfo), truncated: r.truncated || undefined };
+    } catch (e) {
+      return { error: this.describe(e, path) };
+    }
+  }
+
+  /** Deletes a file, or a directory with everything in it. */
+  async delete(filePath: string): Promise<DeleteResult> {
+    try {
+      const r = await this.client.delete({ path: toSandboxPath(filePath), recursive: true });
+      return { path: r.path, filesUpdate: null };
+    } catch (e) {
+      return { error: this.describe(e, filePath) };
+    }
+  }
+
+  /** Runs a /bin/sh -c command in the workspace; stdout and stderr are combined as written. */
+  async execute(command: string): Promise<ExecuteResponse> {
+    try {
+      const r = await this.client.exec({
+        command,
+        combined: true,
+        timeout_ms: this.opts.execTimeoutMs,
+        max_output: this.opts.maxOutputBytes,
+      });
+      let output = r.output ?? "";
+      if (r.reason === "timeout") output += "\n[The broker killed the command: it ran past its timeout.]";
+      else if (r.reason === "memory_limit") output += "\n[The command was killed: the sandbox's memory limit was reached.]";
+      else if (r.signal) output += `\n[The command was killed by signal ${r.signal}.]`;
+      return { output, exitCode: r.exit_code, truncated: r.truncated === true };
+    } catch (e) {
+      // Nothing ran (refused, or the broker is out of reach): no exit code.
+      return { output: `Error: ${this.describe(e)}`, exitCode: null, truncated: false };
+    }
+  }
+
+  async uploadFiles(files: Array<[string, Uint8Array]>): Promise<FileUploadResponse[]> {
+    return Promise.all(
+      files.map(async ([path, content]): Promise<FileUploadResponse> => {
+        try {
+          const p = toSandboxPath(path);
+          const limit = this.client.hello?.limits.max_frame_bytes ?? DEFAULT_MAX_FRAME;
+          if (Math.ceil(content.length / 3) * 4 + FRAME_SLACK > limit) await this.client.upload(p, content);
+          else await this.client.write({ path: p, content: Buffer.from(content).toString("base64"), encoding: "base64" });
+          return { path, error: null };
+        } catch (e) {
+          return { path, error: fileOperationError(e) };
+        }
+      }),
+    );
+  }
+
+  async downloadFiles(paths: string[]): Promise<FileDownloadResponse[]> {
+    return Promise.all(
+      paths.map(async (path): Promise<FileDownloadResponse> => {
+        try {
+          return { path, content: new Uint8Array(await this.client.download(toSandboxPath(path))), error: null };
+        } catch (e) {
+          return { path, content: null, error: fileOperationError(e) };
+        }
+      }),
+    );
+  }
+}
+

@@ -1,0 +1,24 @@
+// The example graph that `npm run dev` serves with `langgraph dev`: a deepagents agent whose file
+// and shell tools run in the sandbox named by each run's config.configurable.sandbox block.
+//
+// The model is SBX_AGENT_MODEL when set (a "provider:model" string such as
+// "anthropic:claude-sonnet-4-6"; install the provider package, e.g. @langchain/anthropic, and set
+// its API key), otherwise a scripted model that replays tool calls from the user message, so the
+// graph runs without any API key.
+
+import { createDeepAgent } from "deepagents";
+import { RunConfigSandbox } from "./routing.js";
+import { ScriptedChatModel } from "./scripted-model.js";
+
+/** The backend: each run reaches the sandbox its own block names. */
+export const backend = new RunConfigSandbox();
+
+const SYSTEM_PROMPT = `Your file tools and the execute tool work in a sandbox lent to this run by its owner.
+Its workspace is /workspace: file paths are under it (or relative to it), and commands start in it.
+If a tool answers "Not allowed", do not retry it: the sandbox's owner decides what this run may do.`;
+
+export const graph = createDeepAgent({
+  model: process.env.SBX_AGENT_MODEL || new ScriptedChatModel(),
+  backend,
+  systemPrompt: SYSTEM_PROMPT,
+});

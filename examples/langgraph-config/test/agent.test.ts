@@ -1,0 +1,291 @@
+// Scripted deepagents runs (fakeModel: no network, no API key) whose tools work in the sandbox their
+// run config names, against a real broker: checked on disk, through sbctl and the events stream.
+
+import assert from "node:assert/strict";
+import { existsSync } from "node:fs";
+import { readFile } from "node:fs/promises";
+import { join } from "node:path";
+import { after, before, describe, it } from "node:test";
+import { AIMessage, HumanMessage, ToolMessage, type BaseMessage } from "@langchain/core/messages";
+import { fakeModel } from "@langchain/core/testing";
+import { createDeepAgent } from "deepagents";
+import { RunConfigSandbox, SandboxPool } from "../src/routing.js";
+import type { SandboxBlock } from "../src/runconfig.js";
+import { startBroker, type Broker, type Sandbox } from "./helpers/broker.js";
+import { followEvents, type SandboxEvent } from "./helpers/events.js";
+
+type Call = { name: string; args: Record<string, unknown>; id?: string };
+
+let broker: Broker;
+let pool: SandboxPool;
+
+/** A fake model that makes these rounds of tool calls, then answers "done". */
+function scripted(...rounds: Call[][]) {
+  const model = fakeModel();
+  let n = 0;
+  for (const round of rounds) {
+    model.respond(new AIMessage({ content: "", tool_calls: round.map((c) => ({ ...c, id: c.id ?? `call_${++n}`, type: "tool_call" as const })) }));
+  }
+  return model.respond(new AIMessage("done"));
+}
+
+/** Runs a deepagents agent on our backend with this run config; returns the messages. */
+async function runAgent(model: ReturnType<typeof fakeModel>, configurable: Record<string, unknown>): Promise<BaseMessage[]> {
+  const agent = createDeepAgent({ model, backend: new RunConfigSandbox({ pool }) });
+  const res = await agent.invoke({ messages: [new HumanMessage("go")] }, { configurable });
+  return res.messages as BaseMessage[];
+}
+
+/** The text of the ToolMessage answering tool call id. */
+function toolText(messages: BaseMessage[], id: string): string {
+  const m = messages.find((x) => ToolMessage.isInstance(x) && x.tool_call_id === id) as ToolMessage | undefined;
+  assert.ok(m, `no ToolMessage for ${id}`);
+  return typeof m.content === "string" ? m.content : m.content.map((c) => ("text" in c ? c.text : "")).join("");
+}
+
+function finalText(messages: BaseMessage[]): string {
+  const last = messages.at(-1)!;
+  assert.equal(last.getType(), "ai", "the run did not end with the model's answer");
+  return String(last.content);
+}
+
+before(async () => {
+  broker = await startBroker();
+  pool = new SandboxPool();
+});
+after(async () => {
+  pool?.close();
+  await broker?.stop();
+});
+
+describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
+  let a: Sandbox;
+  let b: Sandbox;
+  let blockA: SandboxBlock;
+  let blockB: SandboxBlock;
+
+  before(async () => {
+    a = await broker.create("agent-a");
+    b = await broker.create("agent-b");
+    blockA = await broker.block("agent-a", "--expires", "10m");
+    blockB = await broker.block("agent-b", "--expires", "10m");
+  });
+
+  it("lands every tool call in the sandbox the run config names", async (t) => {
+    const events = await followEvents(broker.url, broker.apiKey, a.id);
+    const program = ["def main():", "    # TODO: greet", "    print('hello')", "", "main()", "# end"].join("\n") + "\n";
+    const model = scripted(
+      [
+        { id: "w1", name: "write_file", args: { file_path: "/workspace/app/main.py", content: program } },
+        { id: "w2", name: "write_file", args: { file_path: "/notes/todo.md", content: "- TODO: ship\n" } },
+      ],
+      [{ id: "r1", name: "read_file", args: { file_path: "/workspace/app/main.py", offset: 1, limit: 2 } }],
+      [{ id: "e1", name: "edit_file", args: { file_path: "/workspace/app/main.py", old_string: "print('hello')", new_string: "print('hello, sandbox')" } }],
+      [
+        // Parallel calls: deepagents runs them at once on the one backend.
+        { id: "l1", name: "ls", args: { path: "/workspace" } },
+        { id: "g1", name: "glob", args: { pattern: "**/*.md" } },
+        { id: "s1", name: "grep", args: { pattern: "TODO", path: "/workspace" } },
+        { id: "s2", name: "grep", args: { pattern: "print(", glob: "*.py" } }, // literal, not a regex
+      ],
+      [
+        { id: "x1", name: "execute", args: { command: "python3 app/main.py 2>/dev/null || sed -n 3p app/main.py" } },
+        { id: "x2", name: "execute", args: { command: "echo about to fail; ls /nonexistent; exit 3" } },
+      ],
+      [{ id: "d1", name: "delete", args: { file_path: "/workspace/notes" } }],
+    );
+    const messages = await runAgent(model, { sandbox: blockA, thread_id: "t-1" });
+
+    // What the model read.
+    assert.equal(toolText(messages, "w1"), "Successfully wrote to '/workspace/app/main.py'");
+    assert.equal(toolText(messages, "r1"), "@@ lines 2-3 of 6 | next offset 3 @@\n    # TODO: greet\n    print('hello')");
+    assert.equal(toolText(messages, "e1"), "Successfully replaced 1 occurrence(s) in '/workspace/app/main.py'");
+    assert.equal(toolText(messages, "l1"), "/workspace/app/ (directory)\n/workspace/notes/ (directory)");
+    assert.equal(toolText(messages, "g1"), "/workspace/notes/todo.md");
+    assert.equal(toolText(messages, "s1"), "/workspace/app/main.py:\n  2:     # TODO: greet\n/workspace/notes/todo.md:\n  1: - TODO: ship");
+    assert.equal(toolText(messages, "s2"), "/workspace/app/main.py:\n  3:     print('hello, sandbox')");
+    assert.match(toolText(messages, "x1"), /hello, sandbox/);
+    assert.match(toolText(messages, "x1"), /\[Command succeeded with exit code 0\]/);
+    const failed = toolText(messages, "x2");
+    assert.match(failed, /about to fail/);
+    assert.match(failed, /nonexistent/); // stderr is in the output
+    assert.match(failed, /\[Command failed with exit code 3\]/);
+    assert.equal(toolText(messages, "d1"), "Deleted /workspace/notes");
+    assert.equal(finalText(messages), "done"); // the failing command did not abort the run
+
+    // What happened in the sandbox.
+    const ws = broker.workspace(a.id);
+    assert.equal(await readFile(join(ws, "app", "main.py"), "utf8"), program.replace("print('hello')", "print('hello, sandbox')"));
+    assert.equal(existsSync(join(ws, "notes")), false);
+    assert.equal(existsSync(join(broker.workspace(b.id), "app")), false, "nothing landed in the other sandbox");
+    assert.equal(JSON.parse(await broker.sbctl("get", "agent-a", "-o", "json")).status, "running");
+
+    // And in its event stream.
+    if (!events.available) {
+      t.diagnostic(`events stream not checked: ${events.reason}`);
+      t.skip(`events stream not available: ${events.reason}`);
+      return;
+    }
+    try {
+      const seen = await events.waitFor((ev) => {
+        const has = (pred: (e: SandboxEvent) => boolean) => ev.some(pred);
+        return (
+          has((e) => e.type === "file_written" && e.path === "/workspace/app/main.py") &&
+          has((e) => e.type === "file_written" && e.path === "/workspace/notes/todo.md") &&
+          has((e) => e.type === "exec" && e.exit_code === 3) &&
+          has((e) => e.type === "file_deleted" && e.path === "/workspace/notes")
+        );
+      });
+      assert.ok(seen.every((e) => e.sandbox_id === a.id));
+      assert.ok(seen.some((e) => e.type === "connected"));
+      assert.ok(seen.filter((e) => e.type === "exec").some((e) => String(e.command).includes("exit 3")));
+    } finally {
+      events.close();
+    }
+  });
+
+  it("lands a run with another block in the other sandbox, on the same graph", async () => {
+    const agent = createDeepAgent({
+      model: scripted(
+        [{ id: "w", name: "write_file", args: { file_path: "/workspace/which.txt", content: "B\n" } }],
+        [{ id: "x", name: "execute", args: { command: "cat which.txt" } }],
+      ),
+      backend: new RunConfigSandbox({ pool }),
+    });
+    const res = await agent.invoke({ messages: [new HumanMessage("go")] }, { configurable: { sandbox: blockB } });
+    assert.match(toolText(res.messages, "x"), /^B\n/);
+    assert.equal(await readFile(join(broker.workspace(b.id), "which.txt"), "utf8"), "B\n");
+    assert.equal(existsSync(join(broker.workspace(a.id), "which.txt")), false);
+  });
+
+  it("runs a subagent (task) in the same sandbox as its parent", async () => {
+    const model = scripted(
+      [{ id: "t1", name: "task", args: { description: "write sub.txt", subagent_type: "general-purpose" } }],
+      // The subagent's own turns (same model, so the same queue):
+      [{ id: "sw", name: "write_file", args: { file_path: "/workspace/sub.txt", content: "from the subagent\n" } }],
+      [{ id: "sx", name: "execute", args: { command: "echo sub-exec > sub-exec.txt" } }],
+    );
+    // scripted() ends with "done": that is the subagent's answer; the parent needs one more.
+    model.respond(new AIMessage("parent done"));
+    const messages = await runAgent(model, { sandbox: blockB });
+    assert.match(toolText(messages, "t1"), /done/);
+    assert.equal(finalText(messages), "parent done");
+    assert.equal(await readFile(join(broker.workspace(b.id), "sub.txt"), "utf8"), "from the subagent\n");
+    assert.equal(await readFile(join(broker.workspace(b.id), "sub-exec.txt"), "utf8"), "sub-exec\n");
+    assert.equal(existsSync(join(broker.workspace(a.id), "sub.txt")), false);
+  });
+
+  it("shows the model the execute tool, and one connection serves a run's parallel calls", async () => {
+    const seenTools: string[][] = [];
+    const model = scripted(
+      Array.from({ length: 8 }, (_, i) => ({ id: `p${i}`, name: "read_file", args: { file_path: "/workspace/which.txt" } })),
+    );
+    const bind = model.bindTools.bind(model);
+    model.bindTools = (tools) => {
+      seenTools.push(tools.map((t) => ("name" in t ? String(t.name) : "")));
+      return bind(tools);
+    };
+    const before = pool.size;
+    const messages = await runAgent(model, { sandbox: blockB });
+    for (let i = 0; i < 8; i++) assert.match(toolText(messages, `p${i}`), /\nB$/);
+    assert.ok(seenTools.length > 0);
+    for (const name of ["ls", "read_file", "write_file", "edit_file", "delete", "glob", "grep", "execute", "task"]) {
+      assert.ok(seenTools[0]!.includes(name), `the model was not offered ${name}: ${seenTools[0]}`);
+    }
+    assert.equal(pool.size, before, "the block's pooled connection was reused");
+  });
+});
+
+describe("refused runs: the model reads why, the run goes on", { timeout: 120_000 }, () => {
+  const everyTool = (p: string): Call[] => [
+    { id: "w", name: "write_file", args: { file_path: `/workspace/${p}.txt`, content: "x\n" } },
+    { id: "r", name: "read_file", args: { file_path: "/workspace/seed.txt" } },
+    { id: "x", name: "execute", args: { command: "echo hi" } },
+    { id: "l", name: "ls", args: { path: "/workspace" } },
+  ];
+
+  it("a revoked token: every tool answers Not allowed", async () => {
+    const sb = await broker.create("revoked");
+    const block = await broker.block("revoked");
+    // This run connects and works...
+    const first = await runAgent(scripted([{ id: "w0", name: "write_file", args: { file_path: "/workspace/seed.txt", content: "seed\n" } }]), { sandbox: block });
+    assert.match(toolText(first, "w0"), /Successfully wrote/);
+    const neverConnected = await broker.block("revoked");
+    await broker.sbctl("revoke", "revoked", "--all");
+    // ...until the broker closes its connection (4001 token_revoked) within a second.
+    const pooled = pool.get(block);
+    const deadline = Date.now() + 5_000;
+    while (!pooled.client.finished && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+
+    for (const b of [block, neverConnected]) {
+      const messages = await runAgent(scripted(everyTool("after-revoke")), { sandbox: b });
+      for (const id of ["w", "r", "x", "l"]) {
+        assert.match(toolText(messages, id), /Not allowed: the sandbox's owner revoked this credential/, id);
+      }
+      assert.match(toolText(messages, "x"), /^Error: Not allowed/);
+      assert.equal(finalText(messages), "done");
+    }
+    assert.equal(existsSync(join(broker.workspace(sb.id), "after-revoke.txt")), false);
+  });
+
+  it("a read-only token: reads work, writes and commands answer Not allowed", async () => {
+    const sb = await broker.create("read-only");
+    const owner = await broker.block("read-only");
+    await runAgent(scripted([{ id: "w0", name: "write_file", args: { file_path: "/workspace/seed.txt", content: "seed\n" } }]), { sandbox: owner });
+    const ro = await broker.block("read-only", "--scope", "fs:read");
+    const messages = await runAgent(
+      scripted([...everyTool("ro"), { id: "e", name: "edit_file", args: { file_path: "/workspace/seed.txt", old_string: "seed", new_string: "weed" } }]),
+      { sandbox: ro },
+    );
+    assert.match(toolText(messages, "r"), /\nseed$/);
+    assert.match(toolText(messages, "l"), /seed\.txt/);
+    for (const id of ["w", "x", "e"]) {
+      const text = toolText(messages, id);
+      assert.match(text, /Not allowed: /, id);
+      assert.match(text, /do not retry, ask the sandbox's owner for a run config with that scope/, id);
+    }
+    assert.equal(finalText(messages), "done");
+    assert.equal(await readFile(join(broker.workspace(sb.id), "seed.txt"), "utf8"), "seed\n");
+    assert.equal(existsSync(join(broker.workspace(sb.id), "ro.txt")), false);
+  });
+
+  it("a command allowlist: other commands answer Not allowed with the allowed programs", async () => {
+    await broker.create("allowlist");
+    const block = await broker.block("allowlist", "--allow-cmd", "echo,true");
+    const messages = await runAgent(
+      scripted([
+        { id: "ok", name: "execute", args: { command: "echo allowed" } },
+        { id: "no", name: "execute", args: { command: "echo a | cat" } },
+      ]),
+      { sandbox: block },
+    );
+    assert.match(toolText(messages, "ok"), /allowed\n/);
+    assert.match(toolText(messages, "no"), /Not allowed: .*Allowed programs: echo, true/s);
+    assert.equal(finalText(messages), "done");
+  });
+
+  it("a missing or malformed block: every tool names the problem", async () => {
+    const cases: Array<[Record<string, unknown>, RegExp]> = [
+      [{}, /no sandbox block \(configurable\.sandbox\); send one with every run/],
+      [{ sandbox: { sandbox_id: "sb_x", dataplane_url: "ws://127.0.0.1:1/v1/sandboxes/sb_x/dataplane" } }, /configurable\.sandbox\.credential is missing/],
+      [{ sandbox: { sandbox_id: "sb_x", credential: "t", dataplane_url: "https://h/x" } }, /must be a ws:\/\/ or wss:\/\/ URL/],
+    ];
+    for (const [configurable, want] of cases) {
+      const messages = await runAgent(scripted(everyTool("none")), configurable);
+      for (const id of ["w", "r", "x", "l"]) assert.match(toolText(messages, id), want, `${id}: ${JSON.stringify(configurable)}`);
+      assert.equal(finalText(messages), "done");
+    }
+  });
+
+  it("an unreachable broker: try again shortly", async () => {
+    const block = { sandbox_id: "sb_gone", credential: "t", dataplane_url: "ws://127.0.0.1:9/v1/sandboxes/sb_gone/dataplane" };
+    const p = new SandboxPool({ dial: { reconnects: 1 } });
+    try {
+      const agent = createDeepAgent({ model: scripted([{ id: "l", name: "ls", args: {} }]), backend: new RunConfigSandbox({ pool: p }) });
+      const res = await agent.invoke({ messages: [new HumanMessage("go")] }, { configurable: { sandbox: block } });
+      assert.match(toolText(res.messages, "l"), /unreachable right now .* Try again shortly/);
+    } finally {
+      p.close();
+    }
+  });
+});

@@ -1,0 +1,131 @@
+// The golden frames of protocol/testdata/frames.json, shared with the Go implementation: every
+// frame decodes strictly into our types and encodes back to the same JSON (key order aside) or
+// the same bytes.
+
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { describe, it } from "node:test";
+import {
+  decodeClientFrame,
+  decodeResult,
+  decodeServerFrame,
+  encodeBinaryFrame,
+  encodeClientFrame,
+  encodeResult,
+  encodeServerFrame,
+  parseBinaryFrame,
+  ProtocolError,
+  resultKindOf,
+  type ResultKind,
+} from "../src/protocol.js";
+import { sandboxBlockOf } from "../src/runconfig.js";
+import { DataplaneError } from "../src/errors.js";
+import { REPO_DIR } from "./helpers/broker.js";
+
+interface Golden {
+  name: string;
+  from: "client" | "server";
+  op?: string;
+  result?: ResultKind;
+  text?: unknown;
+  binary?: string;
+  kind?: number;
+  id?: number;
+  payload_hex?: string;
+}
+
+const file = JSON.parse(readFileSync(join(REPO_DIR, "protocol", "testdata", "frames.json"), "utf8")) as { frames: Golden[] };
+
+describe("golden frames (protocol/testdata/frames.json)", () => {
+  it("has frames of every kind", () => {
+    assert.ok(file.frames.length >= 40);
+    assert.ok(file.frames.some((f) => f.binary));
+    assert.ok(file.frames.some((f) => f.from === "client" && f.text));
+    assert.ok(file.frames.some((f) => f.from === "server" && f.text));
+  });
+
+  for (const f of file.frames) {
+    it(f.name, () => {
+      if (f.binary !== undefined) {
+        const bytes = Buffer.from(f.binary, "hex");
+        const parsed = parseBinaryFrame(bytes);
+        assert.equal(parsed.kind, f.kind);
+        assert.equal(parsed.id, f.id);
+        assert.equal(parsed.payload.toString("hex"), f.payload_hex);
+        assert.equal(encodeBinaryFrame(parsed.kind, parsed.id, parsed.payload).toString("hex"), f.binary);
+        return;
+      }
+      const text = JSON.stringify(f.text);
+      if (f.from === "client") {
+        const frame = decodeClientFrame(text);
+        if (f.op) assert.equal(frame.op, f.op);
+        assert.deepEqual(JSON.parse(encodeClientFrame(frame)), f.text);
+        return;
+      }
+      const frame = decodeServerFrame(text);
+      let kind: ResultKind | undefined;
+      if ("result" in frame) {
+        kind = f.result ?? "ping";
+        const result = decodeResult(kind, frame.result);
+        assert.deepEqual(encodeResult(kind, result), (f.text as { result: unknown }).result);
+      }
+      assert.deepEqual(JSON.parse(encodeServerFrame(frame, kind)), f.text);
+    });
+  }
+});
+
+describe("strict decoding", () => {
+  it("refuses unknown keys, wrong types and missing fields", () => {
+    assert.throws(() => decodeClientFrame('{"id":1,"op":"read","args":{"path":"a","bogus":1}}'), ProtocolError);
+    assert.throws(() => decodeClientFrame('{"id":-1,"op":"ping"}'), ProtocolError);
+    assert.throws(() => decodeClientFrame('{"id":4294967296,"op":"ping"}'), ProtocolError);
+    assert.throws(() => decodeClientFrame('{"id":1,"op":"nope"}'), ProtocolError);
+    assert.throws(() => decodeServerFrame('{"id":1,"result":{},"error":{"code":"x","message":"y"}}'), ProtocolError);
+    assert.throws(() => decodeResult("read", { path: "/workspace/a", content: "x", size: 1 }), /missing field "encoding"/);
+    assert.throws(() => decodeResult("exec", { exit_code: 0, duration_ms: 1.5 }), ProtocolError);
+    assert.throws(() => encodeClientFrame({ id: 1, op: "write", args: { path: "a", content: "b", mdoe: "create" } as never }), /unknown field "mdoe"/);
+    assert.throws(() => parseBinaryFrame(Buffer.from("0100", "hex")), ProtocolError);
+  });
+
+  it("accepts null listings (a Go nil slice)", () => {
+    assert.deepEqual(decodeResult("ls", { entries: null }), { entries: null });
+    assert.deepEqual(decodeResult("grep", { matches: null }), { matches: null });
+  });
+
+  it("maps ops to result kinds", () => {
+    assert.equal(resultKindOf("delete"), "path");
+    assert.equal(resultKindOf("upload"), "write");
+    assert.equal(resultKindOf("read"), "read");
+  });
+});
+
+describe("run-config block (DESIGN §5.1)", () => {
+  const good = { sandbox_id: "sb_1", credential: "tok", dataplane_url: "ws://127.0.0.1:7070/v1/sandboxes/sb_1/dataplane" };
+  const err = (v: unknown) => {
+    try {
+      sandboxBlockOf(v);
+    } catch (e) {
+      assert.ok(e instanceof DataplaneError);
+      assert.equal(e.code, "invalid_run_config");
+      return e.message;
+    }
+    assert.fail("no error");
+  };
+
+  it("reads exactly the three keys and ignores extra ones", () => {
+    assert.deepEqual(sandboxBlockOf({ sandbox: { ...good, extra: 1 }, thread_id: "t" }), good);
+  });
+
+  it("names what is missing or wrong", () => {
+    assert.match(err(undefined), /no sandbox block \(configurable\.sandbox\); send one with every run/);
+    assert.match(err({ thread_id: "t" }), /no sandbox block/);
+    assert.match(err({ sandbox: "sb_1" }), /configurable\.sandbox must be an object/);
+    assert.match(err({ sandbox: { ...good, credential: undefined } }), /configurable\.sandbox\.credential is missing/);
+    assert.match(err({ sandbox: { sandbox_id: "sb_1", dataplane_url: good.dataplane_url } }), /credential is missing/);
+    assert.match(err({ sandbox: { ...good, sandbox_id: "" } }), /sandbox_id must be a non-empty string/);
+    assert.match(err({ sandbox: { ...good, credential: 42 } }), /credential must be a non-empty string/);
+    assert.match(err({ sandbox: { ...good, dataplane_url: "http://h/x" } }), /must be a ws:\/\/ or wss:\/\/ URL/);
+    assert.match(err([]), /configurable must be a JSON object/);
+  });
+});

@@ -20,6 +20,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
 )
@@ -191,7 +192,7 @@ func TestDataplaneScopes(t *testing.T) {
 					t.Errorf("exec did not run: %v", err)
 				}
 			}
-			assertAlive(t, b, name, m.Token)
+			assertAlive(t, b, m.Sandbox.DataplaneURL, m.Token)
 		})
 	}
 }
@@ -303,7 +304,7 @@ func TestDataplaneCommandAllowlist(t *testing.T) {
 	if got := c.call(999, "exec", map[string]any{"command": "pytest"}); got.Error != nil {
 		t.Errorf("connection unusable after the bypass attempts: %s", got)
 	}
-	assertAlive(t, b, "allow", m.Token)
+	assertAlive(t, b, m.Sandbox.DataplaneURL, m.Token)
 }
 
 // closeWatch reads a connection until it ends and reports the close frame and when it came.
@@ -414,7 +415,7 @@ func TestDataplaneCredentialEndsCloseConnections(t *testing.T) {
 			if status != tc.redialStatus || eb.Error.Code != tc.redialCode {
 				t.Errorf("redial: %d %+v, want %d %s", status, eb, tc.redialStatus, tc.redialCode)
 			}
-			if _, err := b.Client.ListAllSandboxes(t.Context(), clientListAll); err != nil {
+			if _, err := b.Client.ListAllSandboxes(t.Context(), client.ListOptions{}); err != nil {
 				t.Errorf("REST after %s: %v", tc.name, err)
 			}
 		})
@@ -475,11 +476,12 @@ func TestDataplaneTokenExpiry(t *testing.T) {
 			}
 		}
 		ws.Close()
+		t.Logf("try %d: upgraded, then closed", try)
 		if served {
 			t.Fatalf("try %d: an expired token's request was served", try)
 		}
 	}
-	assertAlive(t, b, "expiring", b.Client.APIKey())
+	assertAlive(t, b, b.Client.DataplaneURL("expiring"), b.Client.APIKey())
 }
 
 func TestDataplaneUpgradeChecks(t *testing.T) {
@@ -593,5 +595,5 @@ func TestDataplaneUpgradeChecks(t *testing.T) {
 		t.Errorf("hello: %+v", bc.hello)
 	}
 	bc.ping()
-	assertAlive(t, b, "sbx-a", mA.Token)
+	assertAlive(t, b, urlA, mA.Token)
 }

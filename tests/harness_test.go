@@ -6,6 +6,7 @@ package tests
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -90,8 +91,14 @@ func (b *broker) start() {
 	for {
 		resp, err := http.Get(b.URL + "/readyz")
 		if err == nil {
+			var ready struct{ Provider string }
+			json.NewDecoder(resp.Body).Decode(&ready)
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
+				// These tests are about real sandboxes: never pass on the no-isolation fallback.
+				if ready.Provider != "namespace" {
+					b.t.Fatalf("the broker chose the %q provider, not namespace (bubblewrap): install it with scripts/deps.sh\n%s", ready.Provider, b.log)
+				}
 				return
 			}
 		}

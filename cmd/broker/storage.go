@@ -35,7 +35,14 @@ type storage struct {
 // lock makes sure one broker at a time owns it. Admin commands (serving=false) that find a broker
 // running reach that broker's embedded Redis instead of starting their own.
 func openStorage(ctx context.Context, c *config, log *slog.Logger, serving bool) (*storage, error) {
-	if err := os.MkdirAll(c.DataDir, 0o700); err != nil {
+	// As root, namespace sandboxes run as an unprivileged uid whose bubblewrap must traverse the data
+	// dir to reach the workspaces: search (x) but no read for others. What is secret inside (the
+	// embedded Redis, the signing keys, the index) is 0700 on its own.
+	mode := os.FileMode(0o700)
+	if os.Geteuid() == 0 {
+		mode = 0o711
+	}
+	if err := os.MkdirAll(c.DataDir, mode); err != nil {
 		return nil, fmt.Errorf("--data-dir (SBX_DATA_DIR): cannot create %s: %v", c.DataDir, err)
 	}
 	s := &storage{}

@@ -126,22 +126,28 @@ describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
       t.skip(`events stream not available: ${events.reason}`);
       return;
     }
+    const complete = (ev: SandboxEvent[]) => {
+      const has = (pred: (e: SandboxEvent) => boolean) => ev.some(pred);
+      return (
+        has((e) => e.type === "connected") &&
+        has((e) => e.type === "file_written" && e.path === "/workspace/app/main.py") &&
+        has((e) => e.type === "file_written" && e.path === "/workspace/notes/todo.md") &&
+        has((e) => e.type === "exec" && e.exit_code === 3 && String(e.command).includes("exit 3")) &&
+        has((e) => e.type === "exec" && e.exit_code === 0) &&
+        has((e) => e.type === "file_deleted" && e.path === "/workspace/notes")
+      );
+    };
     try {
-      const seen = await events.waitFor((ev) => {
-        const has = (pred: (e: SandboxEvent) => boolean) => ev.some(pred);
-        return (
-          has((e) => e.type === "file_written" && e.path === "/workspace/app/main.py") &&
-          has((e) => e.type === "file_written" && e.path === "/workspace/notes/todo.md") &&
-          has((e) => e.type === "exec" && e.exit_code === 3) &&
-          has((e) => e.type === "file_deleted" && e.path === "/workspace/notes")
-        );
-      });
+      const seen = await events.waitFor(complete);
       assert.ok(seen.every((e) => e.sandbox_id === a.id));
-      assert.ok(seen.some((e) => e.type === "connected"));
-      assert.ok(seen.filter((e) => e.type === "exec").some((e) => String(e.command).includes("exit 3")));
     } finally {
       events.close();
     }
+    // The same through sbctl events -o json (one JSON object per line).
+    const lines = (await broker.sbctl("events", "agent-a", "-o", "json", "--backlog", "500")).trim().split("\n");
+    const logged = lines.map((l) => JSON.parse(l) as SandboxEvent);
+    assert.ok(complete(logged), `sbctl events: ${lines.join("\n")}`);
+    assert.ok(logged.every((e) => e.sandbox_id === a.id));
   });
 
   it("lands a run with another block in the other sandbox, on the same graph", async () => {
@@ -211,11 +217,13 @@ describe("refused runs: the model reads why, the run goes on", { timeout: 120_00
     const first = await runAgent(scripted([{ id: "w0", name: "write_file", args: { file_path: "/workspace/seed.txt", content: "seed\n" } }]), { sandbox: block });
     assert.match(toolText(first, "w0"), /Successfully wrote/);
     const neverConnected = await broker.block("revoked");
+    const pooled = pool.get(block);
+    assert.ok(pooled.client.hello, "the first run's connection is pooled");
     await broker.sbctl("revoke", "revoked", "--all");
     // ...until the broker closes its connection (4001 token_revoked) within a second.
-    const pooled = pool.get(block);
     const deadline = Date.now() + 5_000;
     while (!pooled.client.finished && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+    assert.equal(pooled.client.ended?.code, "token_revoked");
 
     for (const b of [block, neverConnected]) {
       const messages = await runAgent(scripted(everyTool("after-revoke")), { sandbox: b });

@@ -1,0 +1,503 @@
+// Command bench measures the broker against its budgets (DESIGN.md §8) on this machine and prints
+// each figure beside this run's baselines (bare os/exec, loopback TCP) and the peers' figures
+// measured on this machine type (E2B envd and the Daytona daemon, without isolation).
+//
+//	go run ./tests/bench            # everything (about a minute)
+//	go run ./tests/bench -quick     # fewer samples
+//
+// It builds and starts the real broker binary on its embedded defaults (a managed redis-server, the
+// namespace provider when bubblewrap works) in a temp data dir, talks to it over loopback like an
+// agent server would, and stops everything it started.
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/heartbeat"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/store"
+)
+
+var quick = flag.Bool("quick", false, "fewer samples, shorter runs")
+
+func main() {
+	flag.Parse()
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+// row is one line of the report.
+type row struct{ metric, ours, budget, e2b, daytona, baseline string }
+
+func run() error {
+	raiseFileLimit()
+	n := 3000
+	if *quick {
+		n = 500
+	}
+	var rows []row
+	add := func(r row) { rows = append(rows, r); fmt.Fprintf(os.Stderr, "  %s: %s\n", r.metric, r.ours) }
+
+	fmt.Fprintln(os.Stderr, "baselines...")
+	bare := sample(n/3, func() error { return exec.Command("true").Run() })
+	tcp, err := tcpRoundTrips(n * 3)
+	if err != nil {
+		return err
+	}
+
+	fmt.Fprintln(os.Stderr, "starting the broker (embedded defaults)...")
+	br, err := startBroker()
+	if err != nil {
+		return err
+	}
+	defer br.stop()
+	ctx := context.Background()
+	c, err := client.New(br.url, br.key)
+	if err != nil {
+		return err
+	}
+	created := sample(min(n/30, 50), func() error {
+		name := fmt.Sprintf("ready-%d", time.Now().UnixNano())
+		_, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: name})
+		if err == nil {
+			defer c.DeleteSandbox(ctx, name)
+		}
+		return err
+	})
+	sb, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "bench"})
+	if err != nil {
+		return err
+	}
+	m, err := c.Delegate(ctx, "bench", protocol.MintRequest{Scopes: protocol.Scopes})
+	if err != nil {
+		return err
+	}
+	r, err := backend.Dial(ctx, backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+
+	fmt.Fprintln(os.Stderr, "dataplane...")
+	for i := 0; i < 200; i++ { // warm up
+		r.Ping(ctx)
+	}
+	ping := sample(n*3, func() error { return r.Ping(ctx) })
+	execTrue := sample(n, func() error {
+		res, err := r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Argv: []string{"true"}}})
+		if err == nil && res.ExitCode != 0 {
+			err = fmt.Errorf("true exited %d", res.ExitCode)
+		}
+		return err
+	})
+	content := strings.Repeat("x", 4096)
+	rw := sample(n, func() error {
+		if _, err := r.Write(ctx, protocol.WriteArgs{Path: "bench.txt", Content: content}); err != nil {
+			return err
+		}
+		got, err := r.Read(ctx, protocol.ReadArgs{Path: "bench.txt"})
+		if err == nil && len(got.Content) != 4096 {
+			err = fmt.Errorf("read %d bytes", len(got.Content))
+		}
+		return err
+	})
+	add(row{"dataplane ping", ping.ms(), "p50 < 0.040 ms", "0.049", "0.088", "TCP round trip " + tcp.ms()})
+	add(row{"exec `true` (" + sb.Sandbox.Provider + " sandbox)", execTrue.ms(), "p50 < 1.0 ms", "2.12", "2.20", "os/exec " + bare.ms() + "; bwrap per command ~3.9"})
+	add(row{"4 KiB write+read", rw.ms(), "p50 < 0.2 ms", "0.30", "0.38", ""})
+
+	const size = 100 << 20
+	data := make([]byte, size)
+	rand.Read(data)
+	rssBefore := br.peakRSS()
+	up := time.Now()
+	if _, err := r.Upload(ctx, "big.bin", bytes.NewReader(data)); err != nil {
+		return err
+	}
+	upRate := float64(size) / (1 << 20) / time.Since(up).Seconds()
+	down := time.Now()
+	if got, err := r.Download(ctx, "big.bin", io.Discard); err != nil || got != size {
+		return fmt.Errorf("download: %d bytes, %v", got, err)
+	}
+	downRate := float64(size) / (1 << 20) / time.Since(down).Seconds()
+	rssAfter := br.peakRSS()
+	add(row{"100 MiB upload", fmt.Sprintf("%.0f MiB/s", upRate), "> 2000 MiB/s", "1669", "476",
+		fmt.Sprintf("broker peak RSS %d -> %d MiB", rssBefore>>20, rssAfter>>20)})
+	add(row{"100 MiB download", fmt.Sprintf("%.0f MiB/s", downRate), "> 2500 MiB/s", "2467", "3155", ""})
+
+	fmt.Fprintln(os.Stderr, "1000 concurrent connections...")
+	conns, errs, took := concurrentConnections(ctx, m.Sandbox, 1000)
+	add(row{"concurrent connections", fmt.Sprintf("%d, %d errors, %.2f s", conns, errs, took.Seconds()), "1000, 0 errors", "", "", "each: ping, write, read, stat, ls"})
+
+	fmt.Fprintln(os.Stderr, "heartbeats...")
+	hbDur := 5 * time.Second
+	if *quick {
+		hbDur = 2 * time.Second
+	}
+	rate, hbErrs := heartbeats(br.url, br.key, sb.Sandbox.ID, hbDur)
+	add(row{"heartbeats through the HTTP API", fmt.Sprintf("%.0f/s (%d errors)", rate, hbErrs), "> 20,000/s", "", "", "real redis-server, 64 clients"})
+	add(row{"create to ready (REST)", created.ms(), "p50 < 20 ms", "", "", ""})
+
+	fmt.Fprintln(os.Stderr, "sweep...")
+	sweepTook, stopped, tracked, err := sweep(1000, 100000)
+	if err != nil {
+		return err
+	}
+	add(row{"sweep of expired leases", fmt.Sprintf("%.3f s for %d expired among %d", sweepTook.Seconds(), stopped, tracked), "< 1 s for 1,000 of 100,000", "", "", ""})
+
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "METRIC\tSBX BROKER (p50 / p90)\tBUDGET\tE2B ENVD\tDAYTONA\tBASELINE THIS RUN")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.metric, r.ours, r.budget, r.e2b, r.daytona, r.baseline)
+	}
+	tw.Flush()
+	fmt.Println("\nPeers: measured on this machine type without isolation (issue #5); times in ms unless marked.")
+	return nil
+}
+
+// samples are latencies of repeated calls.
+type samples struct {
+	d    []time.Duration
+	errs int
+}
+
+func sample(n int, fn func() error) samples {
+	s := samples{d: make([]time.Duration, 0, n)}
+	for i := 0; i < n; i++ {
+		t := time.Now()
+		if err := fn(); err != nil {
+			s.errs++
+			if s.errs == 1 {
+				fmt.Fprintln(os.Stderr, "  error:", err)
+			}
+			continue
+		}
+		s.d = append(s.d, time.Since(t))
+	}
+	sort.Slice(s.d, func(i, j int) bool { return s.d[i] < s.d[j] })
+	return s
+}
+
+func (s samples) pct(p float64) time.Duration {
+	if len(s.d) == 0 {
+		return 0
+	}
+	return s.d[int(float64(len(s.d)-1)*p)]
+}
+
+func (s samples) ms() string {
+	out := fmt.Sprintf("%.3f / %.3f ms", s.pct(.5).Seconds()*1000, s.pct(.9).Seconds()*1000)
+	if s.errs > 0 {
+		out += fmt.Sprintf(" (%d errors)", s.errs)
+	}
+	return out
+}
+
+// tcpRoundTrips measures a 1-byte ping-pong over loopback TCP: the floor under any dataplane.
+func tcpRoundTrips(n int) (samples, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return samples{}, err
+	}
+	defer l.Close()
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		b := make([]byte, 1)
+		for {
+			if _, err := c.Read(b); err != nil {
+				return
+			}
+			c.Write(b)
+		}
+	}()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		return samples{}, err
+	}
+	defer c.Close()
+	b := make([]byte, 1)
+	return sample(n, func() error {
+		if _, err := c.Write(b); err != nil {
+			return err
+		}
+		_, err := c.Read(b)
+		return err
+	}), nil
+}
+
+// brokerProc is the broker under test.
+type brokerProc struct {
+	cmd      *exec.Cmd
+	url, key string
+	dir      string
+}
+
+func startBroker() (*brokerProc, error) {
+	root, err := moduleRoot()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "sbx-bench-")
+	if err != nil {
+		return nil, err
+	}
+	os.Chmod(dir, 0o711) // the sandbox uid must reach the data dir
+	for _, name := range []string{"broker"} {
+		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, name), "./cmd/"+name)
+		cmd.Dir, cmd.Stderr = root, os.Stderr
+		if err := cmd.Run(); err != nil {
+			return nil, fmt.Errorf("build %s: %w", name, err)
+		}
+	}
+	l, _ := net.Listen("tcp", "127.0.0.1:0")
+	addr := l.Addr().String()
+	l.Close()
+	b := &brokerProc{url: "http://" + addr, dir: dir}
+	b.cmd = exec.Command(filepath.Join(dir, "broker"), "--listen", addr, "--data-dir", filepath.Join(dir, "data"), "--log-level", "warn")
+	b.cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_CONFIG_HOME=", "SBCTL_CONFIG=")
+	logf, _ := os.Create(filepath.Join(dir, "broker.log"))
+	b.cmd.Stdout, b.cmd.Stderr = logf, logf
+	b.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := b.cmd.Start(); err != nil {
+		return nil, err
+	}
+	for i := 0; ; i++ {
+		resp, err := http.Get(b.url + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				break
+			}
+		}
+		if i == 600 {
+			b.stop()
+			return nil, fmt.Errorf("broker not ready; see %s", filepath.Join(dir, "broker.log"))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	cfg, err := client.LoadConfig(filepath.Join(dir, ".config", "sbctl", "config.yaml"))
+	if err != nil || cfg.APIKey == "" {
+		b.stop()
+		return nil, fmt.Errorf("no bootstrap key: %v", err)
+	}
+	b.key = cfg.APIKey
+	return b, nil
+}
+
+func (b *brokerProc) stop() {
+	b.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { b.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		syscall.Kill(-b.cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+	}
+	os.RemoveAll(b.dir)
+}
+
+// peakRSS is the broker's resident-set high-water mark.
+func (b *brokerProc) peakRSS() int64 {
+	raw, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", b.cmd.Process.Pid))
+	for _, l := range strings.Split(string(raw), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmHWM:"); ok {
+			var kb int64
+			fmt.Sscanf(strings.TrimSpace(v), "%d", &kb)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+func moduleRoot() (string, error) {
+	dir, _ := os.Getwd()
+	for ; dir != "/"; dir = filepath.Dir(dir) {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir, nil
+		}
+	}
+	return "", fmt.Errorf("run bench inside the repository")
+}
+
+// concurrentConnections opens n dataplane connections at once, each doing a round of operations.
+func concurrentConnections(ctx context.Context, blk protocol.SandboxBlock, n int) (int, int64, time.Duration) {
+	var errs atomic.Int64
+	var opened atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	remotes := make([]*backend.Remote, n)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := backend.Dial(ctx, backend.Config{URL: blk.DataplaneURL, Credential: blk.Credential, Reconnects: 3})
+			if err != nil {
+				if errs.Add(1) == 1 {
+					fmt.Fprintln(os.Stderr, "  dial error:", err)
+				}
+				return
+			}
+			opened.Add(1)
+			remotes[i] = r
+			p := fmt.Sprintf("conn/%d.txt", i)
+			steps := []func() error{
+				func() error { return r.Ping(ctx) },
+				func() error { _, err := r.Write(ctx, protocol.WriteArgs{Path: p, Content: "hello"}); return err },
+				func() error { _, err := r.Read(ctx, protocol.ReadArgs{Path: p}); return err },
+				func() error { _, err := r.Stat(ctx, p); return err },
+				func() error { _, err := r.Ls(ctx, "conn"); return err },
+			}
+			for _, step := range steps {
+				if err := step(); err != nil {
+					if errs.Add(1) == 1 {
+						fmt.Fprintln(os.Stderr, "  op error:", err)
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	took := time.Since(start)
+	for _, r := range remotes {
+		if r != nil {
+			r.Close()
+		}
+	}
+	return int(opened.Load()), errs.Load(), took
+}
+
+// heartbeats drives POST .../heartbeat from 64 keep-alive clients for d and returns the rate.
+func heartbeats(base, key, id string, d time.Duration) (float64, int64) {
+	tr := &http.Transport{MaxIdleConnsPerHost: 128, MaxConnsPerHost: 128}
+	hc := &http.Client{Transport: tr}
+	defer tr.CloseIdleConnections()
+	url := base + "/v1/sandboxes/" + id + "/heartbeat"
+	var ok, bad atomic.Int64
+	deadline := time.Now().Add(d)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := 0; i < 64; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				req, _ := http.NewRequest(http.MethodPost, url, nil)
+				req.Header.Set("Authorization", "Bearer "+key)
+				resp, err := hc.Do(req)
+				if err != nil {
+					bad.Add(1)
+					continue
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode == 200 {
+					ok.Add(1)
+				} else {
+					bad.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(ok.Load()) / time.Since(start).Seconds(), bad.Load()
+}
+
+// sweep times one sweep that stops `expired` sandboxes among `total` tracked ones, in-process on a
+// redis-server of its own (records only: the sandboxes have no processes to stop).
+func sweep(expired, total int) (time.Duration, int, int, error) {
+	dir, err := os.MkdirTemp("", "sbx-sweep-")
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	defer os.RemoveAll(dir)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	ctx := context.Background()
+	emb, err := store.StartEmbedded(ctx, dir, log)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	defer emb.Stop()
+	rdb := redis.NewUniversalClient(emb.Options())
+	defer rdb.Close()
+	st := store.New(rdb)
+	if _, _, err := st.CreateAPIKey(ctx, "sweep", "bench", time.Now()); err != nil {
+		return 0, 0, 0, err
+	}
+	now := time.Now()
+	prov, err := provider.NewDir(provider.Config{DataDir: dir})
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	evw := events.NewWriter(rdb, log)
+	defer evw.Close()
+	mgr, err := sandbox.NewManager(sandbox.Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
+		Node: "bench", Events: evw, Log: log, Now: func() time.Time { return now }, DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour,
+		IndexDir: filepath.Join(dir, "hosted")})
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	// Records straight into the store, as many brokers' worth of running sandboxes.
+	for i := 0; i < total; i++ {
+		ttl := time.Hour
+		if i%(total/expired) == 0 {
+			ttl = time.Second
+		}
+		rec := store.Record{ID: "sb_" + uuidish(i), Org: "sweep", Name: fmt.Sprintf("s%d", i), Template: "default", Provider: "dir",
+			Node: "bench", Status: protocol.StatusProvisioning, TTL: ttl, CreatedAt: now, Heartbeat: now}
+		if _, _, err := st.CreateOrReuse(ctx, rec, true); err != nil {
+			return 0, 0, 0, err
+		}
+		if _, err := st.Transition(ctx, "sweep", rec.ID, now, store.Transition{From: []string{"provisioning"}, To: "running"}); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	later := now.Add(time.Minute)
+	sw := heartbeat.NewSweeper(heartbeat.Config{Store: st, Sandboxes: mgr, Events: evw, Log: log, Now: func() time.Time { return later }})
+	start := time.Now()
+	rep, err := sw.SweepOnce(ctx)
+	return time.Since(start), rep.Stopped, total, err
+}
+
+func uuidish(i int) string {
+	return fmt.Sprintf("%08x-0000-4000-8000-%012x", i, i)
+}
+
+// raiseFileLimit lifts the soft fd limit to the hard one: a thousand connections need it.
+func raiseFileLimit() {
+	var l syscall.Rlimit
+	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &l) == nil {
+		l.Cur = l.Max
+		syscall.Setrlimit(syscall.RLIMIT_NOFILE, &l)
+	}
+}

@@ -1,7 +1,9 @@
 package backend
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -155,7 +157,7 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 		}
 		return nil, protocol.Hello{}, unreachable("cannot reach %s: %v", redactURL(cfg.URL), err)
 	}
-	ws.SetReadLimit(2 << 20)
+	ws.SetReadLimit(maxAnswerBytes)
 	var first protocol.Response
 	ws.SetReadDeadline(time.Now().Add(cfg.DialTimeout))
 	if err := ws.ReadJSON(&first); err != nil || first.Type != "hello" || first.Hello == nil {
@@ -171,6 +173,12 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 	go c.readLoop()
 	return c, *first.Hello, nil
 }
+
+// maxAnswerBytes bounds one frame from the broker. max_frame_bytes bounds only what the broker
+// reads: its answers are bigger (a read carries up to 8 MiB, base64-encoded when binary; an exec up
+// to max_output_bytes of output, which JSON escaping of control bytes grows up to sixfold), and a
+// limit below them breaks the connection under every call sharing it.
+const maxAnswerBytes = 512 << 20
 
 func redactURL(u string) string {
 	if i := strings.Index(u, "?"); i >= 0 {
@@ -193,13 +201,26 @@ type conn struct {
 
 // call is one request in flight: its final answer, and sinks for the binary frames it receives.
 type call struct {
-	done    chan struct{}
-	result  json.RawMessage
-	err     *protocol.Error
-	stdout  io.Writer
-	stderr  io.Writer
-	data    io.Writer
-	sinkErr error
+	done   chan struct{}
+	result json.RawMessage
+	err    *protocol.Error
+	stdout io.Writer
+	stderr io.Writer
+	data   io.Writer
+
+	// mu orders the reader's writes into the sinks with the caller giving up on the call: once
+	// detached, nothing more is written into them, since the caller may be using its writer again.
+	mu       sync.Mutex
+	detached bool
+	sinkErr  error
+}
+
+// detach stops writes into the call's sinks (waiting for one in progress) and returns their error.
+func (cl *call) detach() error {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	cl.detached = true
+	return cl.sinkErr
 }
 
 func (c *conn) isDead() bool {
@@ -237,8 +258,10 @@ func (c *conn) close(err error) {
 	}
 }
 
-// failure is the error calls in flight get when the connection dies.
+// failure is the error calls in flight get when the connection dies. Callers must not hold c.mu.
 func (c *conn) failure() *protocol.Error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	if c.end != nil {
 		return c.end
 	}
@@ -252,8 +275,13 @@ type wireResponse struct {
 }
 
 func (c *conn) readLoop() {
+	var text bytes.Buffer
+	// Binary payloads (download chunks, exec output) stream into their sinks through one buffer:
+	// no allocation per frame, one copy.
+	buf := make([]byte, 256<<10)
+	header := make([]byte, protocol.FrameHeaderLen)
 	for {
-		mt, data, err := c.ws.ReadMessage()
+		mt, r, err := c.ws.NextReader()
 		if err != nil {
 			var ce *websocket.CloseError
 			if errors.As(err, &ce) && (ce.Code == protocol.CloseCredentialEnded || ce.Code == protocol.CloseSandboxGone) {
@@ -265,34 +293,44 @@ func (c *conn) readLoop() {
 			return
 		}
 		if mt == websocket.BinaryMessage {
-			kind, id, payload, err := protocol.ParseFrame(data)
-			if err != nil {
+			if _, err := io.ReadFull(r, header); err != nil {
 				continue
 			}
+			kind, id := header[0], binary.BigEndian.Uint32(header[1:])
 			c.mu.Lock()
 			cl := c.pending[id]
 			c.mu.Unlock()
-			if cl == nil || cl.sinkErr != nil {
+			var w io.Writer
+			if cl != nil && cl.sinkErr == nil {
+				switch kind {
+				case protocol.FrameStdout:
+					w = cl.stdout
+				case protocol.FrameStderr:
+					w = cl.stderr
+				case protocol.FrameData:
+					w = cl.data
+				}
+			}
+			if w == nil {
+				io.CopyBuffer(io.Discard, r, buf)
 				continue
 			}
-			var w io.Writer
-			switch kind {
-			case protocol.FrameStdout:
-				w = cl.stdout
-			case protocol.FrameStderr:
-				w = cl.stderr
-			case protocol.FrameData:
-				w = cl.data
-			}
-			if w != nil {
-				if _, err := w.Write(payload); err != nil {
-					cl.sinkErr = err
-				}
+			// A read error means the connection broke (NextReader reports it next); a write error
+			// is the caller's sink refusing bytes, which ends that call only.
+			sw := &sinkWriter{w: w}
+			io.CopyBuffer(sw, r, buf)
+			if sw.err != nil {
+				cl.sinkErr = sw.err
 			}
 			continue
 		}
+		text.Reset()
+		if _, err := text.ReadFrom(r); err != nil {
+			c.close(err)
+			return
+		}
 		var resp wireResponse
-		if json.Unmarshal(data, &resp) != nil {
+		if json.Unmarshal(text.Bytes(), &resp) != nil {
 			continue
 		}
 		c.mu.Lock()
@@ -305,6 +343,21 @@ func (c *conn) readLoop() {
 		cl.result, cl.err = resp.Result, resp.Error
 		close(cl.done)
 	}
+}
+
+// sinkWriter remembers a sink's write error. It also hides the sink's ReadFrom, so io.CopyBuffer
+// uses the shared buffer.
+type sinkWriter struct {
+	w   io.Writer
+	err error
+}
+
+func (s *sinkWriter) Write(p []byte) (int, error) {
+	n, err := s.w.Write(p)
+	if err != nil {
+		s.err = err
+	}
+	return n, err
 }
 
 func closeMessage(ce *websocket.CloseError) string {
@@ -339,11 +392,13 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 		return err
 	}
 	if err := c.write(websocket.TextMessage, req); err != nil {
+		cl.detach()
 		return c.failure()
 	}
 	if upload != nil {
 		if err := c.sendData(ctx, id, upload); err != nil {
 			c.cancel(id)
+			cl.detach()
 			return err
 		}
 	}
@@ -351,12 +406,15 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 	case <-cl.done:
 	case <-ctx.Done():
 		c.cancel(id)
+		cl.detach()
 		return ctx.Err()
 	}
+	// done may have been closed by a connection failure while the reader was writing a sink.
+	sinkErr := cl.detach()
 	if cl.err != nil {
 		return cl.err
 	}
-	return cl.sinkErr
+	return sinkErr
 }
 
 func (c *conn) write(kind int, data []byte) error {
@@ -558,6 +616,9 @@ func (r *Remote) Exec(ctx context.Context, req ExecRequest) (protocol.ExecResult
 
 // Upload streams r into path (atomically replaced when the upload completes).
 func (r *Remote) Upload(ctx context.Context, p string, src io.Reader) (protocol.WriteResult, error) {
+	if err := validPaths(p); err != nil {
+		return protocol.WriteResult{}, err
+	}
 	c, err := r.connection(ctx)
 	if err != nil {
 		return protocol.WriteResult{}, err
@@ -572,6 +633,9 @@ func (r *Remote) Upload(ctx context.Context, p string, src io.Reader) (protocol.
 
 // Download streams path's bytes into w.
 func (r *Remote) Download(ctx context.Context, p string, w io.Writer) (int64, error) {
+	if err := validPaths(p); err != nil {
+		return 0, err
+	}
 	c, err := r.connection(ctx)
 	if err != nil {
 		return 0, err

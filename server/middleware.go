@@ -117,7 +117,7 @@ func (s *Server) requireOwner(next echo.HandlerFunc) echo.HandlerFunc {
 			return protocol.Errorf(protocol.CodeDelegateForbidden,
 				"a delegation token may only use its sandbox's dataplane; this route needs the owner's API key")
 		}
-		k, err := s.store.Authenticate(c.Request().Context(), cred)
+		k, err := s.apiKeys.authenticate(c.Request().Context(), cred)
 		if errors.Is(err, store.ErrBadKey) {
 			return protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
 		}

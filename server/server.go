@@ -75,6 +75,7 @@ type Server struct {
 	eventsHub  *events.Hub
 	clock      func() time.Time
 	dpRenews   bool
+	apiKeys    *keyCache
 }
 
 // maxBody bounds every REST request body.
@@ -85,7 +86,8 @@ func New(cfg Config) *Server {
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(), hub: newHub(),
 		allowedOrigins: cfg.AllowedOrigins, shutdownCh: make(chan struct{}),
-		eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now, dpRenews: cfg.DataplaneRenewsLease}
+		eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now, dpRenews: cfg.DataplaneRenewsLease,
+		apiKeys: newKeyCache(cfg.Store)}
 	if s.events == nil {
 		s.events = events.Discard
 	}
@@ -153,6 +155,7 @@ func (s *Server) Serve(l net.Listener) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	s.stopBackground = cancel
 	go delegation.Subscribe(ctx, s.store.Client(), s.hub.revoked)
+	go s.apiKeys.follow(ctx, s.store.Client())
 	s.http = &http.Server{
 		Handler:           s.e,
 		ReadHeaderTimeout: 10 * time.Second,

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
@@ -398,5 +399,34 @@ func TestRoutesMatchOpenAPI(t *testing.T) {
 	want := strings.Join(spec.Operations(), "\n")
 	if got != want {
 		t.Fatalf("routes differ from docs/openapi.yaml\nrouter:\n%s\n\nspec:\n%s", got, want)
+	}
+}
+
+// Verified API keys are cached briefly; a revocation still takes effect at once.
+func TestRevokedKeyStopsAtOnce(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	key, k, err := b.Store.CreateAPIKey(ctx, b.Org, "short-lived", time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, _ := client.New(b.URL, key)
+	if _, err := c.ListSandboxes(ctx, client.ListOptions{}); err != nil {
+		t.Fatal(err) // now cached
+	}
+	if _, err := b.Store.RevokeAPIKey(ctx, k.ID, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(500 * time.Millisecond)
+	for {
+		_, err := c.ListSandboxes(ctx, client.ListOptions{})
+		if code(err) == protocol.CodeUnauthenticated {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a revoked key still works 500 ms later: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

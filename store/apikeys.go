@@ -91,6 +91,9 @@ func (s *Store) CreateAPIKey(ctx context.Context, org, name string, now time.Tim
 	return key, k, nil
 }
 
+// HashKey is the stored form of a key: a hex SHA-256. Safe to keep in memory and to compare.
+func HashKey(key string) string { return hashKey(key) }
+
 // Authenticate checks a presented key and returns its record. Any failure is ErrBadKey.
 func (s *Store) Authenticate(ctx context.Context, key string) (APIKey, error) {
 	id := KeyID(key)
@@ -166,6 +169,8 @@ func (s *Store) RevokeAPIKey(ctx context.Context, id string, now time.Time) (API
 		if err := s.rdb.HSet(ctx, APIKeyKey(id), "revoked", ms(now)).Err(); err != nil {
 			return APIKey{}, fmt.Errorf("store: revoke API key: %w", err)
 		}
+		// Brokers cache verified keys briefly; tell them now (the cache's short TTL covers a lost message).
+		s.rdb.Publish(ctx, APIKeyRevokedChannel, id)
 		k.RevokedAt = now.UTC().Truncate(time.Millisecond)
 	}
 	return k, nil

@@ -63,3 +63,6 @@ func NodeChannel(node string) string { return "sbx:node:" + node }
 
 // NodesKey is a hash of node name -> the base URL clients reach that broker at.
 const NodesKey = "sbx:nodes"
+
+// APIKeyRevokedChannel announces revoked API key ids, so brokers drop them from their caches at once.
+const APIKeyRevokedChannel = "sbx:apikey-revoked"

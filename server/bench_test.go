@@ -1,0 +1,100 @@
+package server_test
+
+import (
+	"bytes"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server/servertest"
+)
+
+// In-process benchmarks of the dataplane's hot paths (tests/bench measures the real binary over
+// loopback, beside the peers' figures).
+
+func benchRemote(b *testing.B) *backend.Remote {
+	br := servertest.New(b, servertest.Options{})
+	br.Client.CreateSandbox(b.Context(), protocol.CreateSandboxRequest{Name: "bench"})
+	m, err := br.Client.Delegate(b.Context(), "bench", protocol.MintRequest{Scopes: protocol.Scopes})
+	if err != nil {
+		b.Fatal(err)
+	}
+	r, err := backend.Dial(b.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { r.Close() })
+	return r
+}
+
+func BenchmarkDataplanePing(b *testing.B) {
+	r := benchRemote(b)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if err := r.Ping(b.Context()); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkDataplaneWriteRead4KiB(b *testing.B) {
+	r := benchRemote(b)
+	content := strings.Repeat("x", 4096)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if _, err := r.Write(b.Context(), protocol.WriteArgs{Path: "f.txt", Content: content}); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := r.Read(b.Context(), protocol.ReadArgs{Path: "f.txt"}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkHeartbeatHTTP(b *testing.B) {
+	br := servertest.New(b, servertest.Options{})
+	res, err := br.Client.CreateSandbox(b.Context(), protocol.CreateSandboxRequest{Name: "hb"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, _ := client.New(br.URL, br.Client.APIKey()) // no spec-checking transport: measure the server
+	b.SetParallelism(32)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if _, err := c.Heartbeat(b.Context(), res.Sandbox.ID); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+func BenchmarkUpload64MiB(b *testing.B) {
+	r := benchRemote(b)
+	data := make([]byte, 64<<20)
+	b.SetBytes(int64(len(data)))
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if _, err := r.Upload(b.Context(), "big.bin", bytes.NewReader(data)); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkDownload64MiB(b *testing.B) {
+	r := benchRemote(b)
+	data := make([]byte, 64<<20)
+	if _, err := r.Upload(b.Context(), "big.bin", bytes.NewReader(data)); err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(data)))
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if n, err := r.Download(b.Context(), "big.bin", io.Discard); err != nil || n != int64(len(data)) {
+			b.Fatal(n, err)
+		}
+	}
+}

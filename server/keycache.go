@@ -1,0 +1,87 @@
+package server
+
+import (
+	"context"
+	"crypto/subtle"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/sbxbroker/broker/store"
+)
+
+// keyCacheTTL bounds how long a revoked key can still work on a broker that missed the revocation
+// announcement (normally eviction is immediate).
+const keyCacheTTL = 2 * time.Second
+
+// keyCache remembers recently verified API keys, saving a Redis round trip on every owner request
+// (heartbeats above all). It holds only what Redis holds: the key's SHA-256 and its record.
+type keyCache struct {
+	store *store.Store
+	now   func() time.Time
+	mu    sync.Mutex
+	byID  map[string]cachedKey
+}
+
+type cachedKey struct {
+	hash    string
+	key     store.APIKey
+	expires time.Time
+}
+
+func newKeyCache(st *store.Store) *keyCache {
+	return &keyCache{store: st, now: time.Now, byID: map[string]cachedKey{}}
+}
+
+// authenticate is store.Authenticate behind the cache.
+func (k *keyCache) authenticate(ctx context.Context, presented string) (store.APIKey, error) {
+	id := store.KeyID(presented)
+	if id == "" {
+		return store.APIKey{}, store.ErrBadKey
+	}
+	now := k.now()
+	k.mu.Lock()
+	c, ok := k.byID[id]
+	k.mu.Unlock()
+	if ok && now.Before(c.expires) {
+		if subtle.ConstantTimeCompare([]byte(store.HashKey(presented)), []byte(c.hash)) == 1 {
+			return c.key, nil
+		}
+		return store.APIKey{}, store.ErrBadKey
+	}
+	key, err := k.store.Authenticate(ctx, presented)
+	if err != nil {
+		return key, err
+	}
+	k.mu.Lock()
+	if len(k.byID) > 100000 {
+		k.byID = map[string]cachedKey{} // bounded: many distinct keys only cost a few extra lookups
+	}
+	k.byID[id] = cachedKey{hash: store.HashKey(presented), key: key, expires: now.Add(keyCacheTTL)}
+	k.mu.Unlock()
+	return key, nil
+}
+
+func (k *keyCache) evict(id string) {
+	k.mu.Lock()
+	delete(k.byID, id)
+	k.mu.Unlock()
+}
+
+// follow evicts keys revoked on any broker until ctx ends.
+func (k *keyCache) follow(ctx context.Context, rdb redis.UniversalClient) {
+	sub := rdb.Subscribe(ctx, store.APIKeyRevokedChannel)
+	defer sub.Close()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case msg, ok := <-sub.Channel():
+			if !ok {
+				return
+			}
+			k.evict(msg.Payload)
+		}
+	}
+}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 )
 
@@ -428,5 +429,42 @@ func TestRevokedKeyStopsAtOnce(t *testing.T) {
 			t.Fatalf("a revoked key still works 500 ms later: %v", err)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestTemplatesAndSetup(t *testing.T) {
+	t.Parallel()
+	tmpl := map[string]provider.Template{
+		"default": provider.DefaultTemplate(),
+		"py":      {Name: "py", Env: map[string]string{"STACK": "python"}, Setup: "echo ready > .setup-done"},
+		"broken":  {Name: "broken", Setup: "echo boom >&2; exit 7"},
+	}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", Templates: tmpl})
+	ctx := t.Context()
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "ok", Template: "py"})
+	if err != nil || res.Sandbox.Status != "running" || res.Sandbox.Template != "py" {
+		t.Fatalf("create from template: %v %+v", err, res)
+	}
+	done, _ := os.ReadFile(filepath.Join(b.DataDir, "sandboxes", res.Sandbox.ID, "workspace", ".setup-done"))
+	if string(done) != "ready\n" {
+		t.Fatalf("setup did not run in the workspace: %q", done)
+	}
+	if env, err := b.Client.Environment(ctx, "ok"); err != nil || env.Env["STACK"] != "python" || env.Env["HOME"] != "/workspace" {
+		t.Fatalf("template env: %v %+v", err, env.Env)
+	}
+	_, err = b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "bad", Template: "broken"})
+	if code(err) != protocol.CodeSandboxFailed || !strings.Contains(err.Error(), "exited 7") {
+		t.Fatalf("failed setup: %v", err)
+	}
+	got, err := b.Client.GetSandbox(ctx, "bad")
+	if err != nil || got.Status != "failed" || !strings.Contains(got.Failure, "exited 7") || !strings.Contains(got.Failure, "boom") {
+		t.Fatalf("failed sandbox record: %v %+v", err, got)
+	}
+	// A failed name is not silently reused; delete frees it.
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "bad", Template: "broken"}); code(err) != protocol.CodeSandboxFailed {
+		t.Fatalf("reuse of a failed sandbox: %v", err)
+	}
+	if _, err := b.Client.DeleteSandbox(ctx, "bad"); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -19,7 +19,8 @@ import type {
   SandboxBackendProtocolV2,
   WriteResult,
 } from "deepagents";
-import { DataplaneClient, type DataplaneOptions } from "./dataplane.js";
+import { getConfig } from "@langchain/langgraph";
+import { DataplaneClient, type CallOptions, type DataplaneOptions } from "./dataplane.js";
 import { asDataplaneError, describeForModel } from "./errors.js";
 import { ErrorCode, type FileInfo as WireFileInfo } from "./protocol.js";
 import type { SandboxBlock } from "./runconfig.js";
@@ -35,13 +36,33 @@ const GREP_MAX = 1000;
 // Room for the JSON envelope around a write's content when choosing between write and upload.
 const FRAME_SLACK = 4 << 10;
 const DEFAULT_MAX_FRAME = 1114112;
+// A non-streamed exec answer carries all its output in one frame: with JSON escaping (up to six
+// bytes per control byte) 8 MiB stays within the client's 64 MiB frame limit.
+const MAX_EXEC_OUTPUT = 8 << 20;
 
 /** Tuning of the backend's commands. */
 export interface BrokerSandboxOptions {
   /** Per-command timeout in ms (default: the sandbox's, 10 min; capped by the broker at 1 h). */
   execTimeoutMs?: number;
-  /** Output cap of a command in bytes (default: the broker's, 1 MiB); past it output is dropped. */
+  /**
+   * Output cap of a command in bytes (default: the broker's, 1 MiB; at most 8 MiB, since the output
+   * travels in one frame); past it output is dropped and the result says truncated.
+   */
   maxOutputBytes?: number;
+  /**
+   * The signal that cancels a call (default: the current LangGraph run's, getConfig().signal), so
+   * that a cancelled run cancels its requests on the broker: a running command's process tree is
+   * killed, an upload discarded.
+   */
+  signal?: () => AbortSignal | undefined;
+}
+
+function runSignal(): AbortSignal | undefined {
+  try {
+    return getConfig()?.signal;
+  } catch {
+    return undefined; // outside a run
+  }
 }
 
 /**
@@ -148,13 +169,18 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     this.client.close();
   }
 
+  /** Per-call options: the current run's abort signal. */
+  private call(): CallOptions {
+    return { signal: (this.opts.signal ?? runSignal)() };
+  }
+
   private describe(err: unknown, path?: string): string {
     return describeForModel(err, { path, allowCmd: this.client.hello?.allow_cmd });
   }
 
   async ls(path: string): Promise<LsResult> {
     try {
-      const r = await this.client.ls(toSandboxPath(path));
+      const r = await this.client.ls(toSandboxPath(path), this.call());
       return { files: (r.entries ?? []).map(toInfo) };
     } catch (e) {
       return { error: this.describe(e, path) };
@@ -167,12 +193,12 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     try {
       const p = toSandboxPath(filePath);
       if (!isTextMimeType(mimeType)) {
-        return { content: new Uint8Array(await this.client.download(p)), mimeType };
+        return { content: new Uint8Array(await this.client.download(p, this.call())), mimeType };
       }
       const off = Number.isFinite(offset) ? Math.max(0, Math.floor(offset)) : 0;
       const lim = Number.isFinite(limit) ? Math.max(0, Math.floor(limit)) : 0;
       if (lim === 0) return { content: "", mimeType };
-      const r = await this.client.read({ path: p, line_offset: off, line_limit: lim });
+      const r = await this.client.read({ path: p, line_offset: off, line_limit: lim }, this.call());
       if (r.size === 0) return { content: EMPTY_CONTENT_WARNING, mimeType };
       const total = r.total_lines ?? 0;
       if (off >= total) return { error: `Line offset ${off} exceeds file length (${total} lines)` };
@@ -197,7 +223,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   async readRaw(filePath: string): Promise<ReadRawResult> {
     try {
       const p = toSandboxPath(filePath);
-      const [info, bytes] = await Promise.all([this.client.stat(p), this.client.download(p)]);
+      const [info, bytes] = await Promise.all([this.client.stat(p, this.call()), this.client.download(p, this.call())]);
       const mimeType = mimeTypeOf(filePath);
       return {
         data: {
@@ -226,9 +252,9 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       if (encodedSize + FRAME_SLACK > limit) {
         // Too big for one frame: stream it in chunks instead.
         const bytes = binary ? Buffer.from(content, "base64") : Buffer.from(content, "utf8");
-        written = (await this.client.upload(p, bytes)).path;
+        written = (await this.client.upload(p, bytes, this.call())).path;
       } else {
-        written = (await this.client.write({ path: p, content, encoding: binary ? "base64" : undefined })).path;
+        written = (await this.client.write({ path: p, content, encoding: binary ? "base64" : undefined }, this.call())).path;
       }
       return { path: written, filesUpdate: null };
     } catch (e) {
@@ -241,14 +267,14 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       const p = toSandboxPath(filePath);
       if (oldString === "") {
         // deepagents' convention: an empty old string sets the content of an empty file.
-        const info = await this.client.stat(p);
+        const info = await this.client.stat(p, this.call());
         if (info.size !== 0) return { error: "Error: old_string cannot be empty when the file has content." };
         if (newString === "") return { path: info.path, filesUpdate: null, occurrences: 0 };
-        const w = await this.client.write({ path: p, content: newString });
+        const w = await this.client.write({ path: p, content: newString }, this.call());
         return { path: w.path, filesUpdate: null, occurrences: 1 };
       }
       if (oldString === newString) return { error: "Error: old_string and new_string are identical; nothing to replace." };
-      const r = await this.client.edit({ path: p, old: oldString, new: newString, replace_all: replaceAll || undefined });
+      const r = await this.client.edit({ path: p, old: oldString, new: newString, replace_all: replaceAll || undefined }, this.call());
       return { path: r.path, filesUpdate: null, occurrences: r.occurrences };
     } catch (e) {
       return { error: this.describe(e, filePath) };
@@ -259,7 +285,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   async grep(pattern: string, path?: string | null, glob?: string | null, maxCount?: number | null): Promise<GrepResult> {
     try {
       const max = maxCount === undefined || maxCount === null ? undefined : Math.min(Math.max(1, Math.floor(maxCount)), GREP_MAX);
-      const r = await this.client.grep({ pattern, path: toSandboxPath(path), glob: glob || undefined, max_count: max });
+      const r = await this.client.grep({ pattern, path: toSandboxPath(path), glob: glob || undefined, max_count: max }, this.call());
       return { matches: r.matches ?? [], truncated: r.truncated || undefined };
     } catch (e) {
       return { error: this.describe(e, path ?? undefined) };
@@ -278,7 +304,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
         pat = pat.replace(/^\/+/, "");
         base = WORKSPACE;
       }
-      const r = await this.client.glob({ pattern: pat, path: base });
+      const r = await this.client.glob({ pattern: pat, path: base }, this.call());
       return { files: (r.files ?? []).map(toInfo), truncated: r.truncated || undefined };
     } catch (e) {
       return { error: this.describe(e, path) };
@@ -288,7 +314,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   /** Deletes a file, or a directory with everything in it. */
   async delete(filePath: string): Promise<DeleteResult> {
     try {
-      const r = await this.client.delete({ path: toSandboxPath(filePath), recursive: true });
+      const r = await this.client.delete({ path: toSandboxPath(filePath), recursive: true }, this.call());
       return { path: r.path, filesUpdate: null };
     } catch (e) {
       return { error: this.describe(e, filePath) };
@@ -302,8 +328,8 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
         command,
         combined: true,
         timeout_ms: this.opts.execTimeoutMs,
-        max_output: this.opts.maxOutputBytes,
-      });
+        max_output: this.opts.maxOutputBytes === undefined ? undefined : Math.min(this.opts.maxOutputBytes, MAX_EXEC_OUTPUT),
+      }, this.call());
       let output = r.output ?? "";
       if (r.reason === "timeout") output += "\n[The broker killed the command: it ran past its timeout.]";
       else if (r.reason === "memory_limit") output += "\n[The command was killed: the sandbox's memory limit was reached.]";
@@ -321,8 +347,8 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
         try {
           const p = toSandboxPath(path);
           const limit = this.client.hello?.limits.max_frame_bytes ?? DEFAULT_MAX_FRAME;
-          if (Math.ceil(content.length / 3) * 4 + FRAME_SLACK > limit) await this.client.upload(p, content);
-          else await this.client.write({ path: p, content: Buffer.from(content).toString("base64"), encoding: "base64" });
+          if (Math.ceil(content.length / 3) * 4 + FRAME_SLACK > limit) await this.client.upload(p, content, this.call());
+          else await this.client.write({ path: p, content: Buffer.from(content).toString("base64"), encoding: "base64" }, this.call());
           return { path, error: null };
         } catch (e) {
           return { path, error: fileOperationError(e) };
@@ -335,7 +361,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     return Promise.all(
       paths.map(async (path): Promise<FileDownloadResponse> => {
         try {
-          return { path, content: new Uint8Array(await this.client.download(toSandboxPath(path))), error: null };
+          return { path, content: new Uint8Array(await this.client.download(toSandboxPath(path), this.call())), error: null };
         } catch (e) {
           return { path, content: null, error: fileOperationError(e) };
         }

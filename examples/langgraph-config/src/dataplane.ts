@@ -39,8 +39,11 @@ export interface DataplaneOptions {
   /** How many times a broken connection is re-dialled, with backoff, before calls fail (default 5). */
   reconnects?: number;
   /**
-   * Largest frame accepted from the broker (default 16 MiB). The broker's read answers reach
-   * 8 MiB of content (about 11 MiB as base64), beyond the hello's max_frame_bytes.
+   * Largest frame accepted from the broker (default 64 MiB). max_frame_bytes bounds only what the
+   * broker reads: a read answer carries up to 8 MiB of content, which JSON escaping of control
+   * bytes grows up to sixfold, and a non-streamed exec answer carries its whole output (keep
+   * max_output at 8 MiB or less, or stream). A bigger frame closes the connection under every
+   * request on it.
    */
   maxPayloadBytes?: number;
 }
@@ -464,7 +467,7 @@ export class DataplaneClient {
       sandboxId: o.sandboxId ?? "",
       dialTimeoutMs: o.dialTimeoutMs ?? 10_000,
       reconnects: o.reconnects ?? 5,
-      maxPayloadBytes: o.maxPayloadBytes ?? 16 << 20,
+      maxPayloadBytes: o.maxPayloadBytes ?? 64 << 20,
     };
   }
 

@@ -10,8 +10,13 @@ import { createDeepAgent } from "deepagents";
 import { RunConfigSandbox } from "./routing.js";
 import { ScriptedChatModel } from "./scripted-model.js";
 
-/** The backend: each run reaches the sandbox its own block names. */
-export const backend = new RunConfigSandbox();
+/**
+ * The backend: each run reaches the sandbox its own block names. SBX_DATAPLANE_ORIGINS (a comma
+ * list such as "ws://127.0.0.1:7070") limits which brokers the server connects to.
+ */
+export const backend = new RunConfigSandbox({
+  allowedOrigins: process.env.SBX_DATAPLANE_ORIGINS?.split(",").filter(Boolean),
+});
 
 const SYSTEM_PROMPT = `Your file tools and the execute tool work in a sandbox lent to this run by its owner.
 Its workspace is /workspace: file paths are under it (or relative to it), and commands start in it.

@@ -22,6 +22,7 @@ import type {
 import { BrokerSandbox, type BrokerSandboxOptions } from "./backend.js";
 import type { DataplaneOptions } from "./dataplane.js";
 import { DataplaneError, asDataplaneError, describeForModel } from "./errors.js";
+import { ErrorCode } from "./protocol.js";
 import { sandboxBlockOf, type SandboxBlock } from "./runconfig.js";
 
 /** Options of a pool's connections. */
@@ -78,10 +79,14 @@ export class SandboxPool {
       created.close();
     };
     this.entries.set(key, created);
-    while (this.entries.size > this.max) {
-      const [oldestKey, oldest] = this.entries.entries().next().value as [string, BrokerSandbox];
-      this.entries.delete(oldestKey);
-      oldest.close();
+    // Over the cap: close the least recently used connections that have nothing in flight (a
+    // busy pool may stay over the cap until its requests end).
+    for (const [k, sb] of this.entries) {
+      if (this.entries.size <= this.max) break;
+      if (sb !== created && sb.client.inflight === 0) {
+        this.entries.delete(k);
+        sb.close();
+      }
     }
     this.startSweeper();
     return created;
@@ -130,6 +135,12 @@ export interface RunConfigSandboxOptions {
    * Tests and non-LangGraph hosts can pass their own.
    */
   configurable?: () => unknown;
+  /**
+   * Brokers this agent server connects to, as origins ("wss://broker.example.com",
+   * "ws://127.0.0.1:7070"). A block naming any other dataplane is refused before anything is
+   * dialled, so a client cannot point the server's connections elsewhere. Default: any.
+   */
+  allowedOrigins?: string[];
 }
 
 type Resolved = { sandbox: BrokerSandbox } | { error: DataplaneError };
@@ -142,10 +153,12 @@ type Resolved = { sandbox: BrokerSandbox } | { error: DataplaneError };
 export class RunConfigSandbox implements SandboxBackendProtocolV2 {
   private readonly pool: SandboxPool;
   private readonly configurable: () => unknown;
+  private readonly origins?: Set<string>;
 
   constructor(o: RunConfigSandboxOptions = {}) {
     this.pool = o.pool ?? defaultPool;
     this.configurable = o.configurable ?? (() => getConfig()?.configurable);
+    if (o.allowedOrigins?.length) this.origins = new Set(o.allowedOrigins.map((x) => new URL(x.trim()).origin));
   }
 
   /** The current run's sandbox id (read whenever deepagents resolves the backend). */
@@ -163,7 +176,15 @@ export class RunConfigSandbox implements SandboxBackendProtocolV2 {
       configurable = undefined; // outside a run
     }
     try {
-      return { sandbox: this.pool.get(sandboxBlockOf(configurable)) };
+      const block = sandboxBlockOf(configurable);
+      const origin = new URL(block.dataplane_url).origin;
+      if (this.origins && !this.origins.has(origin)) {
+        throw new DataplaneError(
+          ErrorCode.InvalidRunConfig,
+          `dataplane_url ${origin} is not a broker this agent server connects to (allowed: ${[...this.origins].join(", ")})`,
+        );
+      }
+      return { sandbox: this.pool.get(block) };
     } catch (e) {
       return { error: asDataplaneError(e) };
     }

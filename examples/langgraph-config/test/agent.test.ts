@@ -181,6 +181,33 @@ describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
     assert.equal(existsSync(join(broker.workspace(a.id), "sub.txt")), false);
   });
 
+  it("cancels a running command in the sandbox when the run is aborted", async () => {
+    const agent = createDeepAgent({
+      model: scripted([{ id: "s", name: "execute", args: { command: "sleep 30; echo finished > finished.txt" } }]),
+      backend: new RunConfigSandbox({ pool }),
+    });
+    const ac = new AbortController();
+    const run = agent.invoke({ messages: [new HumanMessage("go")] }, { configurable: { sandbox: blockB }, signal: ac.signal });
+    // Abort once the command runs (its exec request is in flight on the pooled connection).
+    const client = pool.get(blockB).client;
+    const deadline = Date.now() + 10_000;
+    while (client.inflight === 0 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    const started = Date.now();
+    ac.abort();
+    await assert.rejects(run, /abort/i);
+    // The broker got the cancel: the command's process tree is gone long before its 30 s.
+    const sleeping = () => client.exec({ command: "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 30' || true", combined: true });
+    let count = "1";
+    while (count !== "0" && Date.now() - started < 10_000) {
+      count = ((await sleeping()).output ?? "").trim();
+      if (count !== "0") await new Promise((r) => setTimeout(r, 100));
+    }
+    assert.equal(count, "0", "sleep 30 still runs in the sandbox");
+    assert.ok(Date.now() - started < 10_000);
+    assert.equal(existsSync(join(broker.workspace(b.id), "finished.txt")), false);
+    // No events check here: the broker emits no exec event for a cancelled command (see the report).
+  });
+
   it("shows the model the execute tool, and one connection serves a run's parallel calls", async () => {
     const seenTools: string[][] = [];
     const model = scripted(
@@ -283,6 +310,21 @@ describe("refused runs: the model reads why, the run goes on", { timeout: 120_00
       for (const id of ["w", "r", "x", "l"]) assert.match(toolText(messages, id), want, `${id}: ${JSON.stringify(configurable)}`);
       assert.equal(finalText(messages), "done");
     }
+  });
+
+  it("a block naming a broker the server does not use: refused before dialling", async () => {
+    await broker.create("origin");
+    const block = await broker.block("origin");
+    const backend = new RunConfigSandbox({ pool, allowedOrigins: ["wss://broker.example.com"] });
+    const agent = createDeepAgent({ model: scripted([{ id: "l", name: "ls", args: {} }]), backend });
+    const res = await agent.invoke({ messages: [new HumanMessage("go")] }, { configurable: { sandbox: block } });
+    assert.match(toolText(res.messages, "l"), /is not a broker this agent server connects to \(allowed: wss:\/\/broker\.example\.com\)/);
+    const allowed = new RunConfigSandbox({ pool, allowedOrigins: [new URL(block.dataplane_url).origin] });
+    const ok = await createDeepAgent({ model: scripted([{ id: "l", name: "ls", args: {} }]), backend: allowed }).invoke(
+      { messages: [new HumanMessage("go")] },
+      { configurable: { sandbox: block } },
+    );
+    assert.match(toolText(ok.messages, "l"), /^No files found in \/$/);
   });
 
   it("an unreachable broker: try again shortly", async () => {

@@ -71,6 +71,19 @@ describe("dataplane client", { timeout: 120_000 }, () => {
     assert.ok((await c.download("bin/blob.dat")).equals(bytes));
   });
 
+  it("takes answers far bigger than max_frame_bytes (a read of 3 MiB of control bytes)", async () => {
+    const c = client();
+    // Valid UTF-8 that JSON escapes sixfold: the answer is one ~18 MiB text frame.
+    await c.upload("ctrl.bin", Buffer.alloc(3 << 20, 1));
+    const pending = c.ping(); // another request sharing the connection
+    const r = await c.read({ path: "ctrl.bin" });
+    assert.equal(r.encoding, "utf-8");
+    assert.equal(r.content.length, 3 << 20);
+    assert.equal(r.content, "\u0001".repeat(3 << 20));
+    await pending;
+    await c.ping();
+  });
+
   it("streams exec output as stdout frames", async () => {
     const c = client();
     const chunks: string[] = [];

@@ -21,7 +21,12 @@ import {
 } from "../src/protocol.js";
 import { sandboxBlockOf } from "../src/runconfig.js";
 import { DataplaneError } from "../src/errors.js";
-import { REPO_DIR } from "./helpers/broker.js";
+import { PKG_DIR, REPO_DIR } from "./helpers/broker.js";
+
+/** Checks a block and returns it unchanged. */
+function sampleBlockLike(b: unknown) {
+  return sandboxBlockOf({ sandbox: b });
+}
 
 interface Golden {
   name: string;
@@ -115,6 +120,21 @@ describe("run-config block (DESIGN §5.1)", () => {
 
   it("reads exactly the three keys and ignores extra ones", () => {
     assert.deepEqual(sandboxBlockOf({ sandbox: { ...good, extra: 1 }, thread_id: "t" }), good);
+  });
+
+  it("samples/ have the exact shape", () => {
+    const sample = (name: string) => JSON.parse(readFileSync(join(PKG_DIR, "samples", name), "utf8"));
+    const keys = ["credential", "dataplane_url", "sandbox_id"];
+    const runConfig = sample("run-config.json");
+    assert.deepEqual(Object.keys(runConfig), ["config"]);
+    assert.deepEqual(Object.keys(runConfig.config), ["configurable"]);
+    assert.deepEqual(Object.keys(runConfig.config.configurable), ["sandbox"]);
+    assert.deepEqual(Object.keys(sandboxBlockOf(runConfig.config.configurable)).sort(), keys);
+    assert.deepEqual(Object.keys(sample("sandbox-block.json")).sort(), keys);
+    const request = sample("run-request.json");
+    assert.equal(request.assistant_id, "agent");
+    assert.deepEqual(request.config, { configurable: { sandbox: sampleBlockLike(request.config.configurable.sandbox) } });
+    assert.ok(JSON.parse(request.input.messages[0].content).steps.length > 0, "the scripted model's message is JSON");
   });
 
   it("names what is missing or wrong", () => {

@@ -301,7 +301,7 @@ func (c *conn) readLoop() {
 			cl := c.pending[id]
 			c.mu.Unlock()
 			var w io.Writer
-			if cl != nil && cl.sinkErr == nil {
+			if cl != nil {
 				switch kind {
 				case protocol.FrameStdout:
 					w = cl.stdout
@@ -317,11 +317,7 @@ func (c *conn) readLoop() {
 			}
 			// A read error means the connection broke (NextReader reports it next); a write error
 			// is the caller's sink refusing bytes, which ends that call only.
-			sw := &sinkWriter{w: w}
-			io.CopyBuffer(sw, r, buf)
-			if sw.err != nil {
-				cl.sinkErr = sw.err
-			}
+			io.CopyBuffer(&sinkWriter{w: w, cl: cl}, r, buf)
 			continue
 		}
 		text.Reset()
@@ -345,17 +341,24 @@ func (c *conn) readLoop() {
 	}
 }
 
-// sinkWriter remembers a sink's write error. It also hides the sink's ReadFrom, so io.CopyBuffer
-// uses the shared buffer.
+// sinkWriter writes payload bytes into one of a call's sinks under the call's lock, and keeps the
+// sink's write error on the call. Once the call is detached (its caller returned and may be using
+// the writer again) or its sink failed, bytes are dropped. It also hides the sink's ReadFrom, so
+// io.CopyBuffer uses the shared buffer.
 type sinkWriter struct {
-	w   io.Writer
-	err error
+	w  io.Writer
+	cl *call
 }
 
 func (s *sinkWriter) Write(p []byte) (int, error) {
+	s.cl.mu.Lock()
+	defer s.cl.mu.Unlock()
+	if s.cl.detached || s.cl.sinkErr != nil {
+		return len(p), nil
+	}
 	n, err := s.w.Write(p)
 	if err != nil {
-		s.err = err
+		s.cl.sinkErr = err
 	}
 	return n, err
 }

@@ -36,6 +36,9 @@ const (
 	// dpRecheckEvery re-verifies each connection's credential, a backstop for revocation
 	// announcements lost while a broker was disconnected from Redis.
 	dpRecheckEvery = 30 * time.Second
+	// dpCloseWait bounds how long shutdown waits for connections to end; each ends within about a
+	// second (the reader's deadline after a close).
+	dpCloseWait = 5 * time.Second
 )
 
 var upgrader = websocket.Upgrader{
@@ -72,7 +75,7 @@ func (s *Server) dataplane(c echo.Context) error {
 	conn := &dpConn{s: s}
 	ctx := r.Context()
 	if store.LooksLikeAPIKey(cred) {
-		k, err := s.store.Authenticate(ctx, cred)
+		k, err := s.apiKeys.authenticate(ctx, cred)
 		if errors.Is(err, store.ErrBadKey) {
 			return protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
 		}
@@ -85,6 +88,12 @@ func (s *Server) dataplane(c echo.Context) error {
 		claims, err := s.delegation.Verifier().Verify(ctx, cred)
 		if err != nil {
 			return err
+		}
+		// The verifier grants clock-skew leeway past exp, but a connection ends at exp (watch, on
+		// this clock): a token already past it would get a connection that closes at once, after
+		// serving whatever the client pipelined behind the handshake.
+		if !time.Now().Before(claims.ExpiresAt.Time) {
+			return protocol.Errorf(protocol.CodeTokenExpired, "the token expired at %s", claims.ExpiresAt.UTC().Format(time.RFC3339))
 		}
 		conn.org, conn.claims, conn.actor = claims.Org, claims, "token:"+claims.ID
 		conn.scopes = map[string]bool{}
@@ -184,6 +193,9 @@ type dpConn struct {
 	inflight map[uint32]*request
 	closing  bool
 	closeMsg []byte // the close frame to send, set once
+
+	// running counts request goroutines, which serve waits for: they may still emit events.
+	running sync.WaitGroup
 }
 
 // request is one request in flight.
@@ -194,10 +206,13 @@ type request struct {
 }
 
 // outFrame is a frame for the writer. release, when set, returns a pooled buffer after the write.
+// taken, when set, runs when the writer takes the frame, before writing it (or when the frame is
+// dropped because the connection is closing).
 type outFrame struct {
 	kind    int
 	data    []byte
 	release func()
+	taken   func()
 }
 
 func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
@@ -231,12 +246,14 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.readLoop()
 
 	c.shutdown(websocket.CloseNormalClosure, "")
-	unregister()
 	<-writerDone
 	ws.Close()
+	c.running.Wait()
 	c.s.metrics.dpConns.Dec()
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventDisconnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
 	log.Info("dataplane disconnected", "jti", c.jti())
+	// Last: broker shutdown waits for this, then closes the event writer.
+	unregister()
 }
 
 func (c *dpConn) jti() string {
@@ -343,6 +360,9 @@ func (c *dpConn) writer() {
 	for {
 		select {
 		case f := <-c.out:
+			if f.taken != nil {
+				f.taken()
+			}
 			c.conn.SetWriteDeadline(time.Now().Add(dpWriteTimeout))
 			err := c.conn.WriteMessage(f.kind, f.data)
 			if f.release != nil {
@@ -371,6 +391,9 @@ func (c *dpConn) enqueue(f outFrame) bool {
 	case c.out <- f:
 		return true
 	case <-c.ctx.Done():
+		if f.taken != nil {
+			f.taken()
+		}
 		if f.release != nil {
 			f.release()
 		}
@@ -378,15 +401,21 @@ func (c *dpConn) enqueue(f outFrame) bool {
 	}
 }
 
-func (c *dpConn) send(r protocol.Response) {
+func (c *dpConn) send(r protocol.Response) { c.sendThen(r, nil) }
+
+// sendThen is send with a hook for when the writer takes the frame (outFrame.taken).
+func (c *dpConn) sendThen(r protocol.Response, taken func()) {
 	b, err := json.Marshal(r)
 	if err != nil {
 		b, _ = json.Marshal(protocol.Response{ID: r.ID, Error: protocol.Errorf(protocol.CodeInternal, "the result could not be encoded")})
 	}
-	c.enqueue(outFrame{kind: websocket.TextMessage, data: b})
+	c.enqueue(outFrame{kind: websocket.TextMessage, data: b, taken: taken})
 }
 
-func (c *dpConn) fail(id uint32, err error) {
+func (c *dpConn) fail(id uint32, err error) { c.send(c.errorResponse(id, err)) }
+
+// errorResponse is the answer that ends request id with err.
+func (c *dpConn) errorResponse(id uint32, err error) protocol.Response {
 	var pe *protocol.Error
 	if !errors.As(err, &pe) {
 		switch {
@@ -401,7 +430,7 @@ func (c *dpConn) fail(id uint32, err error) {
 			pe = protocol.Errorf(protocol.CodeInternal, "internal error on request %d; the broker logged it", id)
 		}
 	}
-	c.send(protocol.Response{ID: id, Error: &protocol.Error{Code: pe.Code, Message: pe.Message}})
+	return protocol.Response{ID: id, Error: &protocol.Error{Code: pe.Code, Message: pe.Message}}
 }
 
 // wireRequest is a client text frame with its args still raw.
@@ -496,6 +525,16 @@ func (c *dpConn) finish(id uint32) {
 	c.mu.Unlock()
 }
 
+// forget is finish for request req only: by the time it runs, its id may name a newer request.
+func (c *dpConn) forget(id uint32, req *request) {
+	req.cancel()
+	c.mu.Lock()
+	if c.inflight[id] == req {
+		delete(c.inflight, id)
+	}
+	c.mu.Unlock()
+}
+
 func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 	if op == protocol.OpCancel {
 		c.mu.Lock()
@@ -569,20 +608,30 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 		}
 		c.mu.Lock()
 		req.upload = up
+		closing := c.closing
 		c.mu.Unlock()
+		if closing {
+			// shutdown ran while the file was being created and could not abort it.
+			up.Abort()
+		}
 		return
 	}
+	c.running.Add(1)
 	go func() {
-		defer c.finish(id)
+		defer c.running.Done()
 		res, err := c.run(ctx, id, op, args)
+		resp := protocol.Response{ID: id, Result: res}
 		if err != nil {
 			if ctx.Err() != nil && c.ctx.Err() == nil {
 				err = context.Canceled
 			}
-			c.fail(id, err)
-			return
+			resp = c.errorResponse(id, err)
 		}
-		c.send(protocol.Response{ID: id, Result: res})
+		// The request stays in flight until the writer takes its answer, not until the answer is
+		// queued: a client may reuse the id (or the slot) the moment it reads the answer, which
+		// can be before this goroutine runs again; and an answer waiting in the queue must still
+		// count against max_inflight, or a client that does not read could queue them unbounded.
+		c.sendThen(resp, func() { c.forget(id, req) })
 	}()
 }
 
@@ -865,6 +914,12 @@ func (w *streamWriter) Write(p []byte) (int, error) {
 type hub struct {
 	mu    sync.Mutex
 	conns map[string]map[*dpConn]struct{} // org/sandbox id -> connections
+	// open counts connections until their serve returns. http.Server.Shutdown does not wait for
+	// hijacked connections, so closeAll does: after it the broker closes its event writer, which
+	// a connection still ending would emit into.
+	open   int
+	closed bool          // closeAll ran: a connection upgraded later is closed at once
+	idle   chan struct{} // closed when open drops to 0 after closeAll
 }
 
 func newHub() *hub { return &hub{conns: map[string]map[*dpConn]struct{}{}} }
@@ -876,12 +931,21 @@ func (h *hub) add(c *dpConn) (remove func()) {
 		h.conns[key] = map[*dpConn]struct{}{}
 	}
 	h.conns[key][c] = struct{}{}
+	h.open++
+	closed := h.closed
 	h.mu.Unlock()
+	if closed {
+		c.shutdown(websocket.CloseGoingAway, "broker shutting down")
+	}
 	return func() {
 		h.mu.Lock()
 		delete(h.conns[key], c)
 		if len(h.conns[key]) == 0 {
 			delete(h.conns, key)
+		}
+		if h.open--; h.open == 0 && h.idle != nil {
+			close(h.idle)
+			h.idle = nil
 		}
 		h.mu.Unlock()
 	}
@@ -909,7 +973,25 @@ func (h *hub) revoked(r delegation.Revocation) {
 	h.each(r.Org+"/"+r.SandboxID, func(c *dpConn) { c.revoked(r) })
 }
 
-// closeAll closes every connection (broker shutdown).
+// closeAll closes every connection (broker shutdown) and waits, up to dpCloseWait, until each has
+// sent its close frame and emitted its last events.
 func (h *hub) closeAll() {
+	h.mu.Lock()
+	h.closed = true
+	idle := h.idle
+	if h.open > 0 && idle == nil {
+		idle = make(chan struct{})
+		h.idle = idle
+	}
+	h.mu.Unlock()
 	h.each("", func(c *dpConn) { c.shutdown(websocket.CloseGoingAway, "broker shutting down") })
+	if idle == nil {
+		return
+	}
+	t := time.NewTimer(dpCloseWait)
+	defer t.Stop()
+	select {
+	case <-idle:
+	case <-t.C:
+	}
 }

@@ -129,9 +129,9 @@ func dialStatus(t testing.TB, url string, hdr http.Header, protos []string) (int
 	return resp.StatusCode, eb
 }
 
-// dialPipelined upgrades and sends one request at once, before reading the hello. It returns the
+// dialPipelined upgrades and sends reqs at once, before reading the hello. It returns the
 // connection, or the refusal.
-func dialPipelined(t testing.TB, url, cred string, id uint32, op string, args any) (*websocket.Conn, int, protocol.ErrorBody) {
+func dialPipelined(t testing.TB, url, cred string, reqs []protocol.Request) (*websocket.Conn, int, protocol.ErrorBody) {
 	t.Helper()
 	d := websocket.Dialer{Subprotocols: []string{protocol.Subprotocol}, HandshakeTimeout: 10 * time.Second}
 	ws, resp, err := d.Dial(url, authHeader(cred))
@@ -143,8 +143,10 @@ func dialPipelined(t testing.TB, url, cred string, id uint32, op string, args an
 		json.NewDecoder(resp.Body).Decode(&eb)
 		return nil, resp.StatusCode, eb
 	}
-	req, _ := json.Marshal(protocol.Request{ID: id, Op: op, Args: args})
-	ws.WriteMessage(websocket.TextMessage, req)
+	for _, r := range reqs {
+		req, _ := json.Marshal(r)
+		ws.WriteMessage(websocket.TextMessage, req)
+	}
 	ws.SetReadDeadline(time.Now().Add(10 * time.Second))
 	return ws, 101, protocol.ErrorBody{}
 }
@@ -352,6 +354,82 @@ func TestDataplaneMalformedFrames(t *testing.T) {
 		}
 		c.ping()
 	}
+	// Edge values: each gets an answer (a result or a refusal, never internal), and the request
+	// goroutine must not panic, which would take the whole broker down.
+	os.WriteFile(filepath.Join(b.DataDir, "sandboxes", c.hello.SandboxID, "workspace", "e.txt"), []byte("a\nb\n"), 0o644)
+	edges := []string{
+		`{"path":"e.txt","offset":9223372036854775807}`,
+		`{"path":"e.txt","offset":9223372036854775807,"length":9223372036854775807}`,
+		`{"path":"e.txt","length":9223372036854775807}`,
+		`{"path":"e.txt","line_offset":9223372036854775807,"line_limit":9223372036854775807}`,
+		`{"path":"e.txt","offset":-1}`,
+		`{"path":"e.txt","line_limit":-5}`,
+		`{"path":"e.txt","offset":1,"line_offset":1}`,
+		`{"path":"/workspace"}`,
+		`{"path":""}`,
+	}
+	var edgeReqs []string
+	for _, a := range edges {
+		edgeReqs = append(edgeReqs, `{"op":"read","args":`+a+`}`)
+	}
+	for _, r := range []string{
+		`{"op":"glob","args":{"pattern":"` + strings.Repeat("*/", 63) + `*"}}`,
+		`{"op":"glob","args":{"pattern":"` + strings.Repeat("**/", 100) + `x"}}`,
+		`{"op":"glob","args":{"pattern":"` + strings.Repeat("a/", 200) + `"}}`,
+		`{"op":"glob","args":{"pattern":"["}}`,
+		`{"op":"glob","args":{"pattern":"[]"}}`,
+		`{"op":"glob","args":{"pattern":"[^"}}`,
+		`{"op":"glob","args":{"pattern":"\\"}}`,
+		`{"op":"glob","args":{"pattern":""}}`,
+		`{"op":"grep","args":{"pattern":""}}`,
+		`{"op":"grep","args":{"pattern":"a","glob":"["}}`,
+		`{"op":"grep","args":{"pattern":"a","max_count":-1}}`,
+		`{"op":"grep","args":{"pattern":"a","max_count":9223372036854775807}}`,
+		`{"op":"grep","args":{"pattern":"(a*)*b","regex":true}}`,
+		`{"op":"grep","args":{"pattern":"` + strings.Repeat("(", 2000) + `","regex":true}}`,
+		`{"op":"grep","args":{"pattern":"a{1000}{1000}","regex":true}}`,
+		`{"op":"edit","args":{"path":"e.txt","old":"","new":"x"}}`,
+		`{"op":"edit","args":{"path":"e.txt","old":"a","new":"a"}}`,
+		`{"op":"write","args":{"path":"w.txt","content":"!!!","encoding":"base64"}}`,
+		`{"op":"write","args":{"path":"w.txt","content":"x","encoding":"utf-16"}}`,
+		`{"op":"write","args":{"path":"w.txt","content":"x","mode":"append"}}`,
+		`{"op":"write","args":{"path":"/workspace","content":"x"}}`,
+		`{"op":"write","args":{"path":"e.txt/x","content":"x"}}`,
+		`{"op":"upload","args":{"path":"u.txt","mode":"sideways"}}`,
+		`{"op":"mkdir","args":{"path":"/workspace"}}`,
+		`{"op":"delete","args":{"path":"/workspace","recursive":true}}`,
+		`{"op":"delete","args":{"path":"."}}`,
+		`{"op":"move","args":{"from":"/workspace","to":"x"}}`,
+		`{"op":"move","args":{"from":"e.txt","to":"/workspace"}}`,
+		`{"op":"move","args":{"from":"e.txt","to":"e.txt"}}`,
+		`{"op":"move","args":{"from":".","to":"sub/inside"}}`,
+		`{"op":"ls","args":{"path":"e.txt"}}`,
+		`{"op":"exec","args":{"argv":[""]}}`,
+		`{"op":"exec","args":{"argv":["true",""]}}`,
+		`{"op":"exec","args":{"command":"true","env":{"A=B":"c"}}}`,
+		`{"op":"exec","args":{"command":"true","env":{"":"c"}}}`,
+		`{"op":"exec","args":{"command":"true","env":{"A":"c\u0000d"}}}`,
+		`{"op":"exec","args":{"command":"echo a\u0000b"}}`,
+		`{"op":"exec","args":{"argv":["echo","a\u0000b"]}}`,
+		`{"op":"exec","args":{"command":"true","timeout_ms":9223372036854775807}}`,
+		`{"op":"exec","args":{"command":"true","max_output":67108864}}`,
+		`{"op":"exec","args":{"command":"true","cwd":""}}`,
+		`{"op":"exec","args":{"command":"true","background":true,"stream":true}}`,
+		`{"op":"env","args":null}`,
+		`{"op":"ping","args":{"anything":1}}`,
+	} {
+		edgeReqs = append(edgeReqs, r)
+	}
+	for i, r := range edgeReqs {
+		id := uint32(500 + i)
+		c.sendText(`{"id":` + strconv.Itoa(int(id)) + `,` + r[1:])
+		got := c.await(id)
+		if got.code() == "internal" {
+			t.Errorf("%.120s: %s", r, got)
+		}
+		c.ping()
+	}
+
 	// Text frames must be UTF-8: invalid bytes are refused, never turned into U+FFFD (which would
 	// name another file).
 	for _, frame := range [][]byte{
@@ -370,8 +448,9 @@ func TestDataplaneMalformedFrames(t *testing.T) {
 	if got := c.answers[30]; len(got) > 0 {
 		t.Errorf("a frame with invalid UTF-8 was executed: %v", got)
 	}
-	if entries, _ := os.ReadDir(filepath.Join(b.DataDir, "sandboxes", c.hello.SandboxID, "workspace")); len(entries) != 0 {
-		t.Errorf("malformed frames created files: %v", entries)
+	// Only the file the test made, unchanged: none of the refused frames wrote anything.
+	if tree := treeSnapshot(t, filepath.Join(b.DataDir, "sandboxes", c.hello.SandboxID, "workspace")); len(tree) != 2 || tree["e.txt"] != "-rw-r--r-- a\nb\n" {
+		t.Errorf("malformed frames changed the workspace: %q", tree)
 	}
 	// Nothing was left unanswered or answered twice.
 	c.ping()
@@ -628,8 +707,8 @@ func TestDataplaneIDReuseRightAfterAnswer(t *testing.T) {
 	}
 }
 
-// pathAttackSetup makes a namespace sandbox with a secret outside its workspace and symlinks to it
-// planted from inside.
+// Path attacks over the raw protocol, with symlinks planted from inside a namespace sandbox: a
+// secret outside the workspace never comes back in any frame, and nothing outside changes.
 func TestDataplanePathAttacks(t *testing.T) {
 	t.Parallel()
 	b := servertest.New(t, servertest.Options{Provider: "namespace"})
@@ -651,80 +730,125 @@ func TestDataplanePathAttacks(t *testing.T) {
 	}
 	c := dialRaw(t, url, key)
 	c.all = &bytes.Buffer{}
-	// Planted from inside the sandbox, as an agent would.
+	// Planted from inside the sandbox, as an agent would; again before each attack that may
+	// change the tree, so that every attack meets the links.
 	plant := strings.Join([]string{
-		"ln -s /etc /workspace/etc",
-		"ln -s ../../.. /workspace/up",
-		"ln -s ../../../secret.txt /workspace/secretlink",
-		"ln -s ../../../hostdir /workspace/hostlink",
-		"mkdir -p /workspace/sub && ln -s ../../../../secret.txt /workspace/sub/deep",
-		"ln -s /workspace/../../../secret.txt /workspace/abslink",
-		"ln -s secretlink /workspace/chain",
-		"ln -s up/hostdir /workspace/viaup",
-		"echo harmless > /workspace/ok.txt",
+		"cd /workspace && rm -rf etc up secretlink hostlink sub abslink chain viaup stolen ok.txt",
+		"ln -s /etc etc",
+		"ln -s ../../.. up",
+		"ln -s ../../../secret.txt secretlink",
+		"ln -s ../../../hostdir hostlink",
+		"mkdir sub && ln -s ../../../../secret.txt sub/deep",
+		"ln -s /workspace/../../../secret.txt abslink",
+		"ln -s secretlink chain",
+		"ln -s up/hostdir viaup",
+		"echo harmless > ok.txt",
 	}, " && ")
-	var er protocol.ExecResult
-	if got := c.call(1, "exec", map[string]any{"command": plant}); got.Error != nil || got.decode(&er) != nil || er.ExitCode != 0 {
-		t.Fatalf("planting links: %s %+v", got, er)
+	planted := 0
+	replant := func() {
+		t.Helper()
+		planted++
+		var er protocol.ExecResult
+		if got := c.call(1, "exec", map[string]any{"command": plant}); got.Error != nil || got.decode(&er) != nil || er.ExitCode != 0 {
+			t.Fatalf("planting links: %s %+v", got, er)
+		}
 	}
+	replant()
 	hostBefore := treeSnapshot(t, hostDir)
 	etcPasswd, _ := os.ReadFile("/etc/passwd")
 	long := "/workspace/" + strings.Repeat("a", 5000)
 
-	type attack struct {
-		op   string
-		args map[string]any
-	}
-	var attacks []attack
-	// Every path-taking op against every hostile path.
-	hostile := []string{
+	// Paths refused whatever the op: they leave the workspace lexically or are malformed...
+	lexical := []string{
 		"../secret.txt", "/workspace/../../../secret.txt", "../../../../../../etc/passwd",
-		"/etc/passwd", "/", "//etc/passwd", secretPath,
+		"/etc/passwd", "/", "//etc/passwd", secretPath, "/workspacex/secret.txt",
 		"a\x00b", "/workspace/ok.txt\x00/etc/passwd", long,
+	}
+	// ... or go through a link that leads out.
+	throughLinks := []string{
 		"etc/passwd", "/workspace/etc/passwd", "etc/shadow",
 		"up/secret.txt", "up/hostdir/inner.txt", "hostlink/inner.txt", "viaup/inner.txt",
-		"secretlink", "sub/deep", "abslink", "chain",
+		"sub/deep/x", "chain/x",
 	}
-	for _, p := range hostile {
+	// Links that lead out, as the last component: an lstat, deleting or renaming the link itself
+	// is fine; following it is invalid_path. Paths are cleaned lexically, so "etc/" and "up/." name
+	// the link too.
+	links := []string{"secretlink", "sub/deep", "abslink", "chain", "hostlink", "etc", "up", "viaup", "etc/", "up/."}
+
+	type attack struct {
+		op    string
+		args  map[string]any
+		codes []string // the acceptable answers; "" is success
+	}
+	invalid := []string{"invalid_path"}
+	var attacks []attack
+	for _, p := range append(lexical, throughLinks...) {
 		attacks = append(attacks,
-			attack{"stat", map[string]any{"path": p}},
-			attack{"ls", map[string]any{"path": p}},
-			attack{"read", map[string]any{"path": p}},
-			attack{"download", map[string]any{"path": p}},
-			attack{"write", map[string]any{"path": p, "content": "pwned"}},
-			attack{"edit", map[string]any{"path": p, "old": "TOP", "new": "pwned"}},
-			attack{"delete", map[string]any{"path": p, "recursive": true}},
-			attack{"mkdir", map[string]any{"path": p, "parents": true}},
-			attack{"move", map[string]any{"from": p, "to": "stolen"}},
-			attack{"move", map[string]any{"from": "ok.txt", "to": p, "overwrite": true}},
-			attack{"upload", map[string]any{"path": p}},
-			attack{"glob", map[string]any{"pattern": "*", "path": p}},
-			attack{"glob", map[string]any{"pattern": p}},
-			attack{"grep", map[string]any{"pattern": "SECRET", "path": p}},
-			attack{"grep", map[string]any{"pattern": "root", "path": p}},
+			attack{"stat", map[string]any{"path": p}, invalid},
+			attack{"ls", map[string]any{"path": p}, invalid},
+			attack{"read", map[string]any{"path": p}, invalid},
+			attack{"download", map[string]any{"path": p}, invalid},
+			attack{"write", map[string]any{"path": p, "content": "pwned"}, invalid},
+			attack{"edit", map[string]any{"path": p, "old": "TOP", "new": "pwned"}, invalid},
+			attack{"delete", map[string]any{"path": p, "recursive": true}, invalid},
+			attack{"mkdir", map[string]any{"path": p, "parents": true}, invalid},
+			attack{"move", map[string]any{"from": p, "to": "stolen"}, invalid},
+			attack{"move", map[string]any{"from": "ok.txt", "to": p, "overwrite": true}, invalid},
+			attack{"upload", map[string]any{"path": p}, invalid},
+			attack{"glob", map[string]any{"pattern": "*", "path": p}, invalid},
+			// A pattern is not a path: a NUL or an overlong one is a bad argument.
+			attack{"glob", map[string]any{"pattern": p}, []string{"invalid_path", "invalid_argument"}},
+			attack{"grep", map[string]any{"pattern": "SECRET", "path": p}, invalid},
+			attack{"grep", map[string]any{"pattern": "root", "path": p}, invalid},
 		)
 	}
-	// Searches from the top must not follow the links out.
+	// An exec's cwd is checked lexically; inside the sandbox it may follow links (they resolve in
+	// the sandbox's own file system, not the host's).
+	for _, p := range lexical {
+		attacks = append(attacks, attack{"exec", map[string]any{"command": "true", "cwd": p}, invalid})
+	}
+	for _, p := range links {
+		attacks = append(attacks,
+			attack{"stat", map[string]any{"path": p}, []string{""}},
+			attack{"ls", map[string]any{"path": p}, invalid},
+			attack{"read", map[string]any{"path": p}, invalid},
+			attack{"download", map[string]any{"path": p}, invalid},
+			attack{"write", map[string]any{"path": p, "content": "pwned"}, invalid},
+			attack{"edit", map[string]any{"path": p, "old": "TOP", "new": "pwned"}, invalid},
+			attack{"delete", map[string]any{"path": p}, []string{""}},
+			attack{"delete", map[string]any{"path": p, "recursive": true}, []string{""}},
+			attack{"mkdir", map[string]any{"path": p}, []string{"invalid_path", "file_exists"}},
+			attack{"mkdir", map[string]any{"path": p, "parents": true}, []string{"invalid_path", "file_exists"}},
+			attack{"move", map[string]any{"from": p, "to": "stolen"}, []string{""}},
+			// Renaming onto a link replaces the link, never its target.
+			attack{"move", map[string]any{"from": "ok.txt", "to": p, "overwrite": true}, []string{"", "invalid_path"}},
+			attack{"upload", map[string]any{"path": p}, invalid},
+			attack{"glob", map[string]any{"pattern": "*", "path": p}, invalid},
+			attack{"glob", map[string]any{"pattern": p}, []string{""}},
+			attack{"grep", map[string]any{"pattern": "SECRET", "path": p}, invalid},
+		)
+	}
+	// Searches from the top do not follow the links out.
+	for _, a := range []map[string]any{
+		{"pattern": "**"}, {"pattern": "**/*.txt"}, {"pattern": "*/*"}, {"pattern": "**/inner.txt"},
+	} {
+		attacks = append(attacks, attack{"glob", a, []string{""}})
+	}
 	attacks = append(attacks,
-		attack{"glob", map[string]any{"pattern": "**"}},
-		attack{"glob", map[string]any{"pattern": "**/*.txt"}},
-		attack{"glob", map[string]any{"pattern": "etc/*"}},
-		attack{"glob", map[string]any{"pattern": "../*"}},
-		attack{"grep", map[string]any{"pattern": "SECRET"}},
-		attack{"grep", map[string]any{"pattern": "root:"}},
-		attack{"grep", map[string]any{"pattern": "SECRET", "glob": "**"}},
-		attack{"exec", map[string]any{"command": "true", "cwd": "../.."}},
-		attack{"read", map[string]any{"path": "/workspace/./../workspace/../secret.txt"}},
-		attack{"read", map[string]any{"path": "/workspacex/secret.txt"}},
-		attack{"read", map[string]any{"path": "~/../secret.txt"}},
-		attack{"read", map[string]any{"path": "\\..\\secret.txt"}},
+		attack{"glob", map[string]any{"pattern": "../*"}, []string{"invalid_path", "invalid_argument"}},
+		attack{"grep", map[string]any{"pattern": "SECRET"}, []string{""}},
+		attack{"grep", map[string]any{"pattern": "root:"}, []string{""}},
+		attack{"grep", map[string]any{"pattern": "SECRET", "glob": "**"}, []string{""}},
+		attack{"grep", map[string]any{"pattern": "S.CRET", "regex": true, "glob": "*.txt"}, []string{""}},
 	)
 
-	// What each answer may be: an invalid_path refusal, or (for what stays inside, e.g. an lstat
-	// of a link or deleting the link itself) a success or a plain file error. Never the secret.
+	mutating := map[string]bool{"write": true, "edit": true, "delete": true, "mkdir": true, "move": true, "upload": true}
 	reqID := uint32(100)
 	for _, a := range attacks {
 		reqID++
+		if mutating[a.op] {
+			replant()
+		}
 		var got answer
 		if a.op == "upload" {
 			c.sendJSON(protocol.Request{ID: reqID, Op: "upload", Args: a.args})
@@ -735,33 +859,30 @@ func TestDataplanePathAttacks(t *testing.T) {
 			if got.Error != nil {
 				for i := 0; i < 2; i++ {
 					if stray := c.await(reqID); stray.code() != "invalid_argument" {
-						t.Errorf("upload %v: stray frame answer %s", a.args, stray)
+						t.Errorf("upload %.80q: stray frame answer %s", a.args, stray)
 					}
 				}
 			}
 		} else {
 			got = c.call(reqID, a.op, a.args)
 		}
-		p, _ := a.args["path"].(string)
-		if p == "" {
-			p, _ = a.args["from"].(string)
+		if !slices.Contains(a.codes, got.code()) {
+			t.Errorf("%s %.100q: want one of %q, got %s", a.op, a.args, a.codes, got)
 		}
-		if to, _ := a.args["to"].(string); to != "stolen" && to != "" {
-			p = to
-		}
-		if got.code() == "internal" {
-			t.Errorf("%s %q: internal error: %s", a.op, a.args, got)
-		}
-		if mustRefuse(p) && got.code() != "invalid_path" {
-			t.Errorf("%s %.80q: want invalid_path, got %s", a.op, a.args, got)
+		if a.op == "stat" && got.Error == nil {
+			var fi protocol.FileInfo
+			if got.decode(&fi) != nil || fi.Type != "symlink" {
+				t.Errorf("stat %q: want the link itself, got %s", a.args["path"], got)
+			}
 		}
 		for _, bin := range got.bin {
 			if bytes.Contains(bin, []byte(secret)) {
 				t.Errorf("%s %q: the secret came in a binary frame", a.op, a.args)
 			}
 		}
-		c.ping()
 	}
+	c.ping()
+	t.Logf("%d attacks, links planted %d times", len(attacks), planted)
 	if bytes.Contains(c.all.Bytes(), []byte(secret)) {
 		t.Errorf("the secret appeared in a frame")
 	}
@@ -775,7 +896,7 @@ func TestDataplanePathAttacks(t *testing.T) {
 	if data, _ := os.ReadFile("/etc/passwd"); !bytes.Equal(data, etcPasswd) {
 		t.Error("/etc/passwd changed")
 	}
-	for _, p := range []string{filepath.Join(b.DataDir, "stolen"), filepath.Join(b.DataDir, "sandboxes", "stolen")} {
+	for _, p := range []string{filepath.Join(b.DataDir, "stolen"), filepath.Join(b.DataDir, "pwned"), filepath.Join(b.DataDir, "sandboxes", "stolen")} {
 		if _, err := os.Lstat(p); err == nil {
 			t.Errorf("%s appeared outside the workspace", p)
 		}
@@ -788,29 +909,6 @@ func TestDataplanePathAttacks(t *testing.T) {
 		return nil
 	})
 	assertAlive(t, b, url, key)
-}
-
-// mustRefuse says which attack paths the spec requires to be invalid_path whatever the op: they
-// leave the workspace lexically, are malformed, or pass through a link that leads out.
-func mustRefuse(p string) bool {
-	switch {
-	case p == "" || p == "ok.txt" || p == "stolen":
-		return false
-	case strings.HasPrefix(p, "/workspace/") && !strings.Contains(p, ".."):
-		// Inside lexically: refused only when it goes through a link that leads out.
-		rest := strings.TrimPrefix(p, "/workspace/")
-		return len(rest) > 4096-len("/workspace/") || strings.HasPrefix(rest, "etc/") || strings.Contains(rest, "\x00")
-	case strings.HasPrefix(p, "/") || strings.HasPrefix(p, "../") || strings.Contains(p, "\x00"):
-		return true
-	}
-	// Relative paths through a link that leads out (the link itself, as the last component, may
-	// be lstat'ed, deleted or moved).
-	for _, dir := range []string{"etc/", "up/", "hostlink/", "viaup/"} {
-		if strings.HasPrefix(p, dir) {
-			return true
-		}
-	}
-	return false
 }
 
 // heapInuse is the broker's (this process's) heap in use, after a GC.
@@ -843,7 +941,7 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 		// Pre-encoded frames, one write each: pings (answered on the reader) and stats (answered
 		// from a goroutine per request, bounded by max_inflight).
 		var frames [2][]byte
-		until := time.Now().Add(6 * time.Second)
+		until := time.Now().Add(4 * time.Second)
 		flood.ws.SetWriteDeadline(until)
 		for i := uint32(1); time.Now().Before(until) && i <= 1_000_000; i++ {
 			frames[0] = []byte(`{"id":` + strconv.FormatUint(uint64(i), 10) + `,"op":"ping"}`)
@@ -860,7 +958,7 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 	// Meanwhile the bystander is served, and the heap stays bounded.
 	var lat []time.Duration
 	var peak uint64
-	for end := time.Now().Add(6 * time.Second); time.Now().Before(end); {
+	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); {
 		start := time.Now()
 		bystander.ping()
 		lat = append(lat, time.Since(start))
@@ -1007,7 +1105,7 @@ func TestDataplaneCancel(t *testing.T) {
 	}
 	before := treeSnapshot(t, ws)
 	c.sendJSON(protocol.Request{ID: 3, Op: "upload", Args: map[string]any{"path": "keep.txt"}})
-	c.sendBinary(dataFrame(protocol.FrameData, 3, bytes.Repeat([]byte("replacement "), 100000)))
+	c.sendBinary(dataFrame(protocol.FrameData, 3, bytes.Repeat([]byte("replacement "), 50000)))
 	c.sendJSON(protocol.Request{ID: 3, Op: "cancel"})
 	if got := c.await(3); got.code() != "cancelled" {
 		t.Errorf("cancelled upload: %s", got)
@@ -1049,6 +1147,29 @@ func TestDataplaneCancel(t *testing.T) {
 	if n := len(c.bins[4]); n > 0 {
 		t.Errorf("%d stream frames after the answer", n)
 	}
+
+	// A client that goes away mid-upload leaves neither targets nor temporary files.
+	before = treeSnapshot(t, ws)
+	conns := dpConnections(t, b)
+	quitter := dialRaw(t, url, key)
+	for i := 0; i < 10; i++ {
+		id := uint32(10 + i)
+		quitter.sendJSON(protocol.Request{ID: id, Op: "upload", Args: map[string]any{"path": fmt.Sprintf("gone/%d.txt", i)}})
+		quitter.sendBinary(dataFrame(protocol.FrameData, id, []byte("partial")))
+	}
+	quitter.ping()
+	quitter.ws.Close()
+	if !waitFor(5*time.Second, func() bool { return dpConnections(t, b) == conns }) {
+		t.Errorf("the quitter's connection is still counted")
+	}
+	after := treeSnapshot(t, ws)
+	for k := range after {
+		if strings.HasPrefix(k, "gone/") {
+			t.Errorf("an abandoned upload left %s", k)
+		}
+	}
+	delete(after, "gone") // the parent directory an upload creates may stay
+	sameTree(t, "abandoned uploads", before, after)
 	assertAlive(t, b, url, key)
 }
 
@@ -1069,7 +1190,9 @@ func TestDataplaneRemoteConcurrency(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			fail := func(format string, args ...any) { errs <- fmt.Errorf("goroutine %d: "+format, append([]any{g}, args...)...) }
+			fail := func(format string, args ...any) {
+				errs <- fmt.Errorf("goroutine %d: "+format, append([]any{g}, args...)...)
+			}
 			name := fmt.Sprintf("g%02d/file.txt", g)
 			for round := 0; round < 4; round++ {
 				content := fmt.Sprintf("goroutine %d round %d\n", g, round)

@@ -89,13 +89,13 @@ var everyOp = []opCall{
 	{"grep", map[string]any{"pattern": "alpha"}},
 	{"download", map[string]any{"path": "a.txt"}},
 	{"env", nil},
+	{"edit", map[string]any{"path": "a.txt", "old": "alpha", "new": "omega"}},
 	{"write", map[string]any{"path": "a.txt", "content": "overwritten"}},
 	{"write", map[string]any{"path": "new.txt", "content": "new"}},
-	{"edit", map[string]any{"path": "a.txt", "old": "alpha", "new": "omega"}},
+	{"move", map[string]any{"from": "new.txt", "to": "moved.txt"}},
 	{"delete", map[string]any{"path": "a.txt"}},
 	{"delete", map[string]any{"path": "dir", "recursive": true}},
 	{"mkdir", map[string]any{"path": "made/deep", "parents": true}},
-	{"move", map[string]any{"from": "a.txt", "to": "moved.txt"}},
 	{"upload", map[string]any{"path": "up.txt"}},
 	{"exec", map[string]any{"command": "echo ran > ran.txt; echo ok"}},
 }
@@ -452,34 +452,31 @@ func TestDataplaneTokenExpiry(t *testing.T) {
 	}
 	// An expired token gets nothing more: not a new connection, and not requests pipelined behind
 	// the handshake of one (the verifier's clock-skew leeway must not extend the token's life here).
-	for try := 0; try < 20; try++ {
-		ws, status, eb := dialPipelined(t, m.Sandbox.DataplaneURL, m.Token, 7, "read", map[string]any{"path": "/workspace"})
+	var reqs []protocol.Request
+	for i := 1; i <= 20; i++ {
+		reqs = append(reqs, protocol.Request{ID: uint32(i), Op: "ls", Args: map[string]any{"path": "/workspace"}})
+	}
+	for try := 0; try < 10; try++ {
+		ws, status, eb := dialPipelined(t, m.Sandbox.DataplaneURL, m.Token, reqs)
 		if ws == nil {
 			if status != 401 || eb.Error.Code != protocol.CodeTokenExpired {
 				t.Fatalf("redial of an expired token: %d %+v, want 401 token_expired", status, eb)
 			}
 			continue
 		}
-		served := false
+		served := 0
 		for {
 			_, data, err := ws.ReadMessage()
 			if err != nil {
-				var ce *websocket.CloseError
-				if !errors.As(err, &ce) || ce.Code != protocol.CloseCredentialEnded || ce.Text != protocol.CodeTokenExpired {
-					t.Errorf("redial: ended by %v, want 4001 token_expired", err)
-				}
 				break
 			}
 			var a answer
-			if json.Unmarshal(data, &a) == nil && a.ID == 7 && a.Error == nil {
-				served = true
+			if json.Unmarshal(data, &a) == nil && a.ID != 0 && a.Error == nil {
+				served++
 			}
 		}
 		ws.Close()
-		t.Logf("try %d: upgraded, then closed", try)
-		if served {
-			t.Fatalf("try %d: an expired token's request was served", try)
-		}
+		t.Errorf("try %d: an expired token was upgraded; %d of its pipelined requests were served", try, served)
 	}
 	assertAlive(t, b, b.Client.DataplaneURL("expiring"), b.Client.APIKey())
 }
@@ -512,12 +509,13 @@ func TestDataplaneUpgradeChecks(t *testing.T) {
 	}
 	urlA, urlB := dataplaneURL(b, a.Sandbox.ID), dataplaneURL(b, bb.Sandbox.ID)
 	other := b.NewClient("org-other")
-	// A signature of the right length with one bit flipped.
+	// A well-formed signature of the right length with one character changed.
 	dot := strings.LastIndexByte(mA.Token, '.')
 	sig := []byte(mA.Token[dot+1:])
-	sig[5] ^= 'A' ^ 'B'
-	if sig[5] == mA.Token[dot+1+5] {
-		sig[5] ^= 1
+	if sig[5] == 'A' {
+		sig[5] = 'B'
+	} else {
+		sig[5] = 'A'
 	}
 	tampered := mA.Token[:dot+1] + string(sig)
 	proto := []string{protocol.Subprotocol}
@@ -596,4 +594,93 @@ func TestDataplaneUpgradeChecks(t *testing.T) {
 	}
 	bc.ping()
 	assertAlive(t, b, urlA, mA.Token)
+}
+
+// A broker shutdown closes every connection with 1001 and waits for them: their last events must
+// not race the event writer's close (a send on a closed channel would crash the broker).
+func TestDataplaneShutdownClosesConnections(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	_, url := newSandbox(t, b, "shutdown")
+	m, err := b.Client.Delegate(t.Context(), "shutdown", protocol.MintRequest{Scopes: []string{"fs:read", "fs:write", "exec"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var watches []<-chan closeInfo
+	for i, cred := range []string{b.Client.APIKey(), m.Token, m.Token} {
+		c := dialRaw(t, url, cred)
+		// Requests in flight: an exec, an upload that never ends, and writes.
+		c.sendJSON(protocol.Request{ID: 1, Op: "exec", Args: map[string]any{"command": "sleep 30"}})
+		c.sendJSON(protocol.Request{ID: 2, Op: "upload", Args: map[string]any{"path": fmt.Sprintf("up-%d.txt", i)}})
+		c.sendBinary(dataFrame(protocol.FrameData, 2, []byte("partial")))
+		for j := 0; j < 20; j++ {
+			c.sendJSON(protocol.Request{ID: uint32(10 + j), Op: "write", Args: map[string]any{"path": fmt.Sprintf("w-%d-%d.txt", i, j), "content": "x"}})
+		}
+		c.ping()
+		watches = append(watches, closeWatch(c))
+	}
+	// And one that never reads, so never answers the close: its reader ends only at its deadline,
+	// after the broker's own shutdown steps.
+	mute := dialRaw(t, url, m.Token)
+	mute.sendJSON(protocol.Request{ID: 1, Op: "exec", Args: map[string]any{"command": "sleep 30"}})
+	start := time.Now()
+	b.Stop()
+	if took := time.Since(start); took > 8*time.Second {
+		t.Errorf("shutdown took %s", took)
+	}
+	for i, w := range watches {
+		select {
+		case got := <-w:
+			if got.code != websocket.CloseGoingAway || got.reason != "broker shutting down" {
+				t.Errorf("connection %d: closed by %d %q (%v), want 1001", i, got.code, got.reason, got.err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Errorf("connection %d still open after shutdown", i)
+		}
+	}
+	entries, _ := os.ReadDir(workspaceDir(b, m.Sandbox.SandboxID))
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), "up-") || strings.Contains(e.Name(), "tmp") {
+			t.Errorf("an upload cut by the shutdown left %s", e.Name())
+		}
+	}
+}
+
+// Two brokers on one Redis: a sandbox's dataplane is only on its own broker (409 wrong_node
+// elsewhere), and a revocation made through the other broker closes its connections within a
+// second.
+func TestDataplaneTwoBrokers(t *testing.T) {
+	t.Parallel()
+	b1 := servertest.New(t, servertest.Options{Provider: "dir"})
+	b2 := servertest.New(t, servertest.Options{Provider: "dir", Redis: b1.Redis, Node: "node-2"})
+	id, url := newSandbox(t, b1, "two")
+	m, err := b1.Client.Delegate(t.Context(), "two", protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// (Only with the owner's key: each servertest broker has a signing keyring of its own, so the
+	// other broker does not know the token's key.)
+	status, eb := dialStatus(t, dataplaneURL(b2, id), authHeader(b2.Client.APIKey()), []string{protocol.Subprotocol})
+	if status != 409 || eb.Error.Code != protocol.CodeWrongNode {
+		t.Errorf("dataplane on the other broker: %d %+v, want 409 wrong_node", status, eb)
+	}
+	c := dialRaw(t, url, m.Token)
+	c.ping()
+	closed := closeWatch(c)
+	start := time.Now()
+	if _, err := b2.Client.Revoke(t.Context(), id, m.JTI); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case got := <-closed:
+		if took := got.at.Sub(start); took > time.Second {
+			t.Errorf("closed %s after a revocation through the other broker", took)
+		}
+		if got.code != protocol.CloseCredentialEnded || got.reason != protocol.CodeTokenRevoked {
+			t.Errorf("close %d %q (%v)", got.code, got.reason, got.err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("still open 5s after a revocation through the other broker")
+	}
+	assertAlive(t, b1, url, b1.Client.APIKey())
 }

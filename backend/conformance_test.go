@@ -161,6 +161,7 @@ func suite(t *testing.T, b backend.Backend) []entry {
 	ex("exec cwd", protocol.ExecArgs{Command: "ls", Cwd: "/workspace/src", Combined: true})
 	ex("exec cwd missing", protocol.ExecArgs{Command: "true", Cwd: "/workspace/nope"})
 	ex("exec cwd escape", protocol.ExecArgs{Command: "true", Cwd: "/etc"})
+	ex("exec cwd is a file", protocol.ExecArgs{Command: "true", Cwd: "/workspace/a.txt"})
 	ex("exec sees file ops", protocol.ExecArgs{Command: "cat a.txt", Combined: true})
 	ex("exec signal", protocol.ExecArgs{Command: "kill -TERM $$", Combined: true})
 	ex("exec not found", protocol.ExecArgs{Command: "no-such-program-here", Combined: true})

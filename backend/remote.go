@@ -169,7 +169,11 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 		ws.Close()
 		return nil, protocol.Hello{}, protocol.Errorf(protocol.CodeTokenSandbox, "the dataplane reached sandbox %s, not %s", first.Hello.SandboxID, cfg.SandboxID)
 	}
-	c := &conn{ws: ws, pending: map[uint32]*call{}, dead: make(chan struct{})}
+	slots := first.Hello.Limits.MaxInflight
+	if slots <= 0 {
+		slots = 64
+	}
+	c := &conn{ws: ws, pending: map[uint32]*call{}, dead: make(chan struct{}), slots: make(chan struct{}, slots)}
 	go c.readLoop()
 	return c, *first.Hello, nil
 }
@@ -195,8 +199,11 @@ type conn struct {
 	mu      sync.Mutex
 	pending map[uint32]*call
 	dead    chan struct{}
-	err     error           // why it died
-	end     *protocol.Error // set when the broker ended it for good
+	// slots holds one token per request in flight, up to the broker's max_inflight: callers beyond
+	// it wait here instead of being refused too_many_requests.
+	slots chan struct{}
+	err   error           // why it died
+	end   *protocol.Error // set when the broker ended it for good
 }
 
 // call is one request in flight: its final answer, and sinks for the binary frames it receives.
@@ -378,6 +385,16 @@ func closeMessage(ce *websocket.CloseError) string {
 // roundTrip sends one request and waits for its answer; frames of kind data/stdout/stderr for it go
 // to the call's sinks. upload, when set, streams its bytes as data frames after the request.
 func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upload io.Reader) error {
+	select {
+	case c.slots <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-c.dead:
+		return c.failure()
+	}
+	// The broker frees a slot when it takes the answer to send; holding ours until the answer (or
+	// our cancel) arrives keeps us within its count.
+	defer func() { <-c.slots }()
 	id := c.nextID.Add(1)
 	if id == 0 {
 		id = c.nextID.Add(1)
@@ -399,7 +416,7 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 		return c.failure()
 	}
 	if upload != nil {
-		if err := c.sendData(ctx, id, upload); err != nil {
+		if err := c.sendData(ctx, id, upload, cl.done); err != nil {
 			c.cancel(id)
 			cl.detach()
 			return err
@@ -431,10 +448,16 @@ func (c *conn) write(kind int, data []byte) error {
 	return err
 }
 
-// sendData streams r as data frames, then the end frame.
-func (c *conn) sendData(ctx context.Context, id uint32, r io.Reader) error {
+// sendData streams r as data frames, then the end frame; it stops early when the upload's answer
+// arrives first (the broker refused it: sending the rest would only be discarded).
+func (c *conn) sendData(ctx context.Context, id uint32, r io.Reader, answered <-chan struct{}) error {
 	buf := make([]byte, protocol.FrameHeaderLen+1<<20)
 	for {
+		select {
+		case <-answered:
+			return nil
+		default:
+		}
 		n, err := io.ReadFull(r, buf[protocol.FrameHeaderLen:])
 		if n > 0 {
 			protocol.PutFrameHeader(buf, protocol.FrameData, id)

@@ -68,13 +68,14 @@ type Hello struct {
 
 // Limits of one connection.
 type Limits struct {
-	// MaxFrameBytes bounds every frame (text or binary, header included); bigger closes the connection.
+	// MaxFrameBytes bounds every frame a client sends (text or binary, header included); a bigger
+	// one closes the connection. Answers may be larger (up to 8 MiB of content, JSON-escaped).
 	MaxFrameBytes int `json:"max_frame_bytes"`
 	// MaxInflight bounds concurrent requests; more are answered too_many_requests.
 	MaxInflight int `json:"max_inflight"`
 	// MaxChunkBytes is the payload size of upload and download chunks (binary frames).
 	MaxChunkBytes int `json:"max_chunk_bytes"`
-	// MaxOutputBytes caps exec output a request may ask for.
+	// MaxOutputBytes caps exec output a streamed request may ask for (non-streamed: 8 MiB).
 	MaxOutputBytes int64 `json:"max_output_bytes"`
 }
 
@@ -94,7 +95,8 @@ type ExecArgs struct {
 	Stream bool `json:"stream,omitempty"`
 	// Combined merges stderr into stdout, interleaved as written (one stream, kind stdout).
 	Combined bool `json:"combined,omitempty"`
-	// MaxOutput caps output bytes (0 = 1 MiB); past it output is dropped and truncated is set.
+	// MaxOutput caps output bytes (0 = 1 MiB; at most 8 MiB, or Limits.MaxOutputBytes with Stream);
+	// past it output is dropped and truncated is set.
 	MaxOutput int64 `json:"max_output,omitempty"`
 	// Background starts the command and answers at once with its pid; it runs until it exits or
 	// the sandbox stops, output discarded.

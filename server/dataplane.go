@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -28,11 +29,24 @@ const (
 	dpMaxFrameBytes  = dpChunkBytes + 64<<10
 	dpMaxInflight    = 64
 	dpMaxOutputBytes = 64 << 20
-	dpDefaultOutput  = 1 << 20
-	dpWriteQueue     = 32
-	dpWriteTimeout   = 30 * time.Second
-	dpPingEvery      = 30 * time.Second
-	dpPongWait       = 75 * time.Second
+	// dpMaxAnswerOutput caps the output a non-streamed exec may ask for: it travels in one JSON
+	// answer. Stream to get more.
+	dpMaxAnswerOutput = 8 << 20
+	// File operations whose answer can be large (read, ls, glob, grep, download) hold a heavy slot
+	// until the writer takes their answer: this many per connection, and dpHeavyPerBroker across
+	// every connection, which bounds the broker's memory however many connections or tokens a
+	// client opens. They are quick, so a slot is never held for long.
+	dpHeavyPerConn   = 2
+	dpHeavyPerBroker = 16
+	// dpExecOutputBudget bounds the output of non-streamed execs held in memory broker-wide (a
+	// command may run for minutes, so it cannot hold a slot). Past it, output is dropped and the
+	// result says truncated.
+	dpExecOutputBudget = 256 << 20
+	dpDefaultOutput    = 1 << 20
+	dpWriteQueue       = 8
+	dpWriteTimeout     = 30 * time.Second
+	dpPingEvery        = 30 * time.Second
+	dpPongWait         = 75 * time.Second
 	// dpRecheckEvery re-verifies each connection's credential, a backstop for revocation
 	// announcements lost while a broker was disconnected from Redis.
 	dpRecheckEvery = 30 * time.Second
@@ -54,10 +68,13 @@ var upgrader = websocket.Upgrader{
 // before the upgrade are ordinary JSON errors.
 func (s *Server) dataplane(c echo.Context) error {
 	r := c.Request()
-	for _, q := range []string{"token", "access_token", "api_key", "key", "credential"} {
-		if r.URL.Query().Has(q) {
-			return protocol.Errorf(protocol.CodeInvalidArgument, "credentials in the URL are refused (they end up in logs): send Authorization: Bearer, or the %s<credential> subprotocol", protocol.BearerSubprotocolPrefix)
-		}
+	// The dataplane takes no query parameters, so refusing all of them refuses every spelling of
+	// a credential in the URL (URLs end up in logs).
+	if r.URL.RawQuery != "" {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane takes no query parameters (and never credentials in the URL): send Authorization: Bearer, or the %s<credential> subprotocol", protocol.BearerSubprotocolPrefix)
+	}
+	if n := s.dpOpen.Load(); n >= int64(s.maxDPConns) {
+		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", n)
 	}
 	if err := s.checkOrigin(r); err != nil {
 		return err
@@ -189,6 +206,9 @@ type dpConn struct {
 	// lastRenew is when dataplane activity last renewed the lease (with --dataplane-renews-lease).
 	lastRenew time.Time
 
+	// heavy holds this connection's slots for operations with large answers (holdHeavy).
+	heavy chan struct{}
+
 	mu       sync.Mutex
 	inflight map[uint32]*request
 	closing  bool
@@ -203,6 +223,37 @@ type request struct {
 	cancel context.CancelFunc
 	upload *workspace.Upload // set for uploads, fed by the reader
 	path   string
+	// release gives back the heavy slot the request holds, once.
+	release func()
+	once    sync.Once
+}
+
+// done ends the request's hold on shared resources.
+func (r *request) done() {
+	r.cancel()
+	r.once.Do(func() {
+		if r.release != nil {
+			r.release()
+		}
+	})
+}
+
+// holdHeavy takes a heavy slot for req, on this connection and then broker-wide, waiting if none is
+// free; it is given back when the request's answer is taken by the writer (request.done).
+func (c *dpConn) holdHeavy(ctx context.Context, req *request) error {
+	select {
+	case c.heavy <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case c.s.dpHeavy <- struct{}{}:
+	case <-ctx.Done():
+		<-c.heavy
+		return ctx.Err()
+	}
+	req.release = func() { <-c.s.dpHeavy; <-c.heavy }
+	return nil
 }
 
 // outFrame is a frame for the writer. release, when set, returns a pooled buffer after the write.
@@ -219,6 +270,9 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.conn = ws
 	c.out = make(chan outFrame, dpWriteQueue)
 	c.inflight = map[uint32]*request{}
+	c.heavy = make(chan struct{}, dpHeavyPerConn)
+	c.s.dpOpen.Add(1)
+	defer c.s.dpOpen.Add(-1)
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	log := c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
 	ws.SetReadLimit(dpMaxFrameBytes)
@@ -278,7 +332,7 @@ func (c *dpConn) scopeList() []string {
 func (c *dpConn) watch() {
 	var expiry <-chan time.Time
 	if c.claims != nil {
-		t := time.NewTimer(time.Until(c.claims.ExpiresAt.Time))
+		t := time.NewTimer(c.claims.ExpiresAt.Time.Sub(c.s.now()))
 		defer t.Stop()
 		expiry = t.C
 	}
@@ -475,6 +529,10 @@ func (c *dpConn) readLoop() {
 			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "a request is a JSON object {\"id\": <uint32>, \"op\": <string>, \"args\": {...}}")})
 			continue
 		}
+		if *req.ID == 0 && req.Op != protocol.OpCancel { // a cancel is never answered, whatever its id
+			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id 0 is reserved for errors not tied to a request; use 1 or more")})
+			continue
+		}
 		c.dispatch(*req.ID, req.Op, req.Args)
 	}
 }
@@ -486,7 +544,8 @@ func (c *dpConn) binary(kind byte, id uint32, payload io.Reader, chunk []byte) {
 	c.mu.Unlock()
 	if req == nil || req.upload == nil || (kind != protocol.FrameData && kind != protocol.FrameEnd) {
 		io.Copy(io.Discard, payload)
-		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeInvalidArgument, "binary frame of kind %d for request %d, which is not an upload in progress", kind, id)})
+		// Answered with id 0: request id may be in flight, and its one answer is still to come.
+		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "binary frame of kind %d for request %d, which is not an upload in progress", kind, id)})
 		return
 	}
 	if kind == protocol.FrameData {
@@ -519,7 +578,7 @@ func (c *dpConn) binary(kind byte, id uint32, payload io.Reader, chunk []byte) {
 func (c *dpConn) finish(id uint32) {
 	c.mu.Lock()
 	if r := c.inflight[id]; r != nil {
-		r.cancel()
+		r.done()
 		delete(c.inflight, id)
 	}
 	c.mu.Unlock()
@@ -527,7 +586,7 @@ func (c *dpConn) finish(id uint32) {
 
 // forget is finish for request req only: by the time it runs, its id may name a newer request.
 func (c *dpConn) forget(id uint32, req *request) {
-	req.cancel()
+	req.done()
 	c.mu.Lock()
 	if c.inflight[id] == req {
 		delete(c.inflight, id)
@@ -574,7 +633,8 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 	case c.inflight[id] != nil:
 		c.mu.Unlock()
 		cancel()
-		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id %d is already in flight", id)})
+		// Answered with id 0: the request already in flight under this id gets its own answer.
+		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id %d is already in flight; this request was ignored", id)})
 		return
 	case len(c.inflight) >= dpMaxInflight:
 		c.mu.Unlock()
@@ -619,7 +679,7 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 	c.running.Add(1)
 	go func() {
 		defer c.running.Done()
-		res, err := c.run(ctx, id, op, args)
+		res, err := c.run(ctx, id, req, op, args)
 		resp := protocol.Response{ID: id, Result: res}
 		if err != nil {
 			if ctx.Err() != nil && c.ctx.Err() == nil {
@@ -649,7 +709,13 @@ func decodeArgs(raw json.RawMessage, v any) error {
 }
 
 // run performs one operation and returns its result.
-func (c *dpConn) run(ctx context.Context, id uint32, op string, raw json.RawMessage) (any, error) {
+func (c *dpConn) run(ctx context.Context, id uint32, req *request, op string, raw json.RawMessage) (any, error) {
+	switch op {
+	case protocol.OpRead, protocol.OpLs, protocol.OpGlob, protocol.OpGrep, protocol.OpDownload:
+		if err := c.holdHeavy(ctx, req); err != nil {
+			return nil, err
+		}
+	}
 	emit := func(typ, path string) {
 		c.s.events.Emit(c.org, protocol.Event{Type: typ, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti(), Path: path})
 	}
@@ -755,7 +821,7 @@ func (c *dpConn) run(ctx context.Context, id uint32, op string, raw json.RawMess
 		if err := decodeArgs(raw, &a); err != nil {
 			return nil, err
 		}
-		return c.exec(ctx, id, a)
+		return c.exec(ctx, id, req, a)
 	}
 	return nil, protocol.Errorf(protocol.CodeUnknownOp, "unknown operation %q", op)
 }
@@ -804,7 +870,7 @@ func (c *dpConn) download(ctx context.Context, id uint32, a protocol.DownloadArg
 	}
 }
 
-func (c *dpConn) exec(ctx context.Context, id uint32, a protocol.ExecArgs) (any, error) {
+func (c *dpConn) exec(ctx context.Context, id uint32, r *request, a protocol.ExecArgs) (any, error) {
 	var allow []string
 	if c.claims != nil {
 		allow = c.claims.Cmd
@@ -826,15 +892,18 @@ func (c *dpConn) exec(ctx context.Context, id uint32, a protocol.ExecArgs) (any,
 	if a.MaxOutput == 0 {
 		a.MaxOutput = dpDefaultOutput
 	}
-	if a.MaxOutput > dpMaxOutputBytes {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "max_output is at most %d bytes", dpMaxOutputBytes)
+	if a.MaxOutput > dpMaxOutputBytes || (!a.Stream && a.MaxOutput > dpMaxAnswerOutput) {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "max_output is at most %d bytes, or %d with stream: true", dpMaxAnswerOutput, dpMaxOutputBytes)
 	}
 	req := provider.ExecRequest{Command: a.Command, Argv: a.Argv, Cwd: a.Cwd, Env: a.Env,
 		Timeout: time.Duration(a.TimeoutMS) * time.Millisecond, MaxOutput: a.MaxOutput, Background: a.Background}
 	if a.Stdin != "" {
 		req.Stdin = strings.NewReader(a.Stdin)
 	}
-	var stdout, stderr bytes.Buffer
+	stdout := &budgetWriter{budget: &c.s.dpExecOutput}
+	stderr := &budgetWriter{budget: &c.s.dpExecOutput}
+	// The buffered output is given back when the writer takes the answer.
+	r.release = func() { stdout.free(); stderr.free() }
 	switch {
 	case a.Background:
 	case a.Stream:
@@ -843,9 +912,9 @@ func (c *dpConn) exec(ctx context.Context, id uint32, a protocol.ExecArgs) (any,
 			req.Stderr = &streamWriter{c: c, id: id, kind: protocol.FrameStderr}
 		}
 	default:
-		req.Stdout = &stdout
+		req.Stdout = stdout
 		if !a.Combined {
-			req.Stderr = &stderr
+			req.Stderr = stderr
 		}
 	}
 	res, err := c.inst.Exec(ctx, req)
@@ -853,7 +922,7 @@ func (c *dpConn) exec(ctx context.Context, id uint32, a protocol.ExecArgs) (any,
 		return nil, err
 	}
 	out := protocol.ExecResult{ExitCode: res.ExitCode, Signal: res.Signal, Reason: res.Reason,
-		Truncated: res.Truncated, DurationMS: res.Duration.Milliseconds()}
+		Truncated: res.Truncated || stdout.dropped || stderr.dropped, DurationMS: res.Duration.Milliseconds()}
 	if a.Background {
 		out.Pid = res.Pid
 	}
@@ -864,9 +933,6 @@ func (c *dpConn) exec(ctx context.Context, id uint32, a protocol.ExecArgs) (any,
 			out.Stdout, out.Stderr = utf8String(stdout.Bytes()), utf8String(stderr.Bytes())
 		}
 	}
-	if res.Reason == provider.ReasonCancelled {
-		return nil, context.Canceled
-	}
 	cmd := a.Command
 	if cmd == "" {
 		cmd = strings.Join(a.Argv, " ")
@@ -874,10 +940,39 @@ func (c *dpConn) exec(ctx context.Context, id uint32, a protocol.ExecArgs) (any,
 	if len(cmd) > 1024 {
 		cmd = cmd[:1024] + "..."
 	}
+	// Every command that ran is in the owner's events, killed ones included (with the reason).
 	exit, dur := res.ExitCode, res.Duration.Milliseconds()
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventExec, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor,
-		JTI: c.jti(), Command: strings.ToValidUTF8(cmd, "?"), ExitCode: &exit, DurationMS: &dur})
+		JTI: c.jti(), Command: strings.ToValidUTF8(cmd, "?"), ExitCode: &exit, DurationMS: &dur, Reason: res.Reason})
+	if res.Reason == provider.ReasonCancelled {
+		return nil, context.Canceled
+	}
 	return out, nil
+}
+
+// budgetWriter buffers a command's output against the broker-wide budget; what the budget cannot
+// hold is dropped (and said so).
+type budgetWriter struct {
+	bytes.Buffer
+	budget  *atomic.Int64
+	held    int64
+	dropped bool
+}
+
+func (w *budgetWriter) Write(p []byte) (int, error) {
+	if w.budget.Add(int64(len(p))) > dpExecOutputBudget {
+		w.budget.Add(-int64(len(p)))
+		w.dropped = true
+		return len(p), nil
+	}
+	w.held += int64(len(p))
+	return w.Buffer.Write(p)
+}
+
+// free gives the held bytes back to the budget (the buffer itself goes with the answer).
+func (w *budgetWriter) free() {
+	w.budget.Add(-w.held)
+	w.held = 0
 }
 
 func utf8String(b []byte) *string {
@@ -966,6 +1061,15 @@ func (h *hub) each(key string, fn func(*dpConn)) {
 	for _, c := range list {
 		fn(c)
 	}
+}
+
+// keyRevoked closes the connections of an owner whose API key was revoked.
+func (h *hub) keyRevoked(keyID string) {
+	h.each("", func(c *dpConn) {
+		if c.keyID == keyID {
+			c.shutdown(protocol.CloseCredentialEnded, protocol.CodeUnauthenticated)
+		}
+	})
 }
 
 // revoked applies an announced revocation to the connections it concerns.

@@ -538,7 +538,8 @@ func TestDataplaneStrayBinaryFrames(t *testing.T) {
 	}
 	for _, kind := range []byte{protocol.FrameStdout, protocol.FrameStderr, protocol.FrameData, protocol.FrameEnd, 0, 9, 255} {
 		c.sendBinary(dataFrame(kind, 77, []byte("payload")))
-		if got := c.await(77); got.code() != "invalid_argument" {
+		// Stray frames are answered on id 0: the id they name may belong to a request in flight.
+		if got := c.await(0); got.code() != "invalid_argument" || !strings.Contains(got.Error.Message, "request 77") {
 			t.Errorf("kind %d for an unknown id: %s", kind, got)
 		}
 	}
@@ -554,11 +555,11 @@ func TestDataplaneStrayBinaryFrames(t *testing.T) {
 		t.Fatalf("upload: %s", got)
 	}
 	c.sendBinary(dataFrame(protocol.FrameData, 5, []byte(" and more")))
-	if got := c.await(5); got.code() != "invalid_argument" {
+	if got := c.await(0); got.code() != "invalid_argument" {
 		t.Errorf("data after the end: %s", got)
 	}
 	c.sendBinary(dataFrame(protocol.FrameEnd, 5, nil))
-	if got := c.await(5); got.code() != "invalid_argument" {
+	if got := c.await(0); got.code() != "invalid_argument" {
 		t.Errorf("a second end: %s", got)
 	}
 	if data, _ := os.ReadFile(filepath.Join(ws, "up.txt")); string(data) != "hello world" {
@@ -569,7 +570,7 @@ func TestDataplaneStrayBinaryFrames(t *testing.T) {
 	c.sendJSON(protocol.Request{ID: 6, Op: "upload", Args: map[string]any{"path": "up2.txt"}})
 	c.sendBinary(dataFrame(protocol.FrameData, 6, []byte("one ")))
 	c.sendBinary(dataFrame(protocol.FrameStdout, 6, []byte("not data")))
-	if got := c.await(6); got.code() != "invalid_argument" {
+	if got := c.await(0); got.code() != "invalid_argument" {
 		t.Errorf("stdout frame for an upload: %s", got)
 	}
 	c.sendBinary(dataFrame(protocol.FrameData, 6, []byte("two")))
@@ -581,12 +582,12 @@ func TestDataplaneStrayBinaryFrames(t *testing.T) {
 		t.Errorf("upload content %q", data)
 	}
 
-	// An end frame for a request that is not an upload is refused and otherwise ignored: the
-	// request still completes with its own result.
+	// An end frame for a request that is not an upload is refused (on id 0) and otherwise ignored:
+	// the request still completes with its one result.
 	c.sendJSON(protocol.Request{ID: 7, Op: "exec", Args: map[string]any{"command": "sleep 0.3; echo done"}})
 	c.sendBinary(dataFrame(protocol.FrameEnd, 7, nil))
 	c.sendBinary(dataFrame(protocol.FrameData, 7, []byte("x")))
-	stray := []answer{c.await(7), c.await(7)}
+	stray := []answer{c.await(0), c.await(0)}
 	for _, got := range stray {
 		if got.code() != "invalid_argument" {
 			t.Errorf("binary frame for an exec in flight: %s", got)
@@ -619,7 +620,8 @@ func TestDataplaneInflightLimits(t *testing.T) {
 	// A duplicate id in flight is refused; the first request is not disturbed.
 	c.sendJSON(protocol.Request{ID: 1, Op: "exec", Args: map[string]any{"command": "sleep 0.3; echo first"}})
 	c.sendJSON(protocol.Request{ID: 1, Op: "exec", Args: map[string]any{"command": "echo second > second.txt"}})
-	if got := c.await(1); got.code() != "invalid_argument" {
+	// Refused on id 0, so that request 1 still has exactly one answer.
+	if got := c.await(0); got.code() != "invalid_argument" || !strings.Contains(got.Error.Message, "id 1 is already in flight") {
 		t.Errorf("duplicate id: %s", got)
 	}
 	var er protocol.ExecResult
@@ -858,7 +860,7 @@ func TestDataplanePathAttacks(t *testing.T) {
 			// A refused upload's data and end frames are answered as strays.
 			if got.Error != nil {
 				for i := 0; i < 2; i++ {
-					if stray := c.await(reqID); stray.code() != "invalid_argument" {
+					if stray := c.await(0); stray.code() != "invalid_argument" {
 						t.Errorf("upload %.80q: stray frame answer %s", a.args, stray)
 					}
 				}
@@ -1114,7 +1116,7 @@ func TestDataplaneCancel(t *testing.T) {
 	c.sendBinary(dataFrame(protocol.FrameData, 3, []byte("late")))
 	c.sendBinary(dataFrame(protocol.FrameEnd, 3, nil))
 	for i := 0; i < 2; i++ {
-		if got := c.await(3); got.code() != "invalid_argument" {
+		if got := c.await(0); got.code() != "invalid_argument" {
 			t.Errorf("frame after the cancel: %s", got)
 		}
 	}

@@ -69,8 +69,8 @@ func (k *keyCache) evict(id string) {
 	k.mu.Unlock()
 }
 
-// follow evicts keys revoked on any broker until ctx ends.
-func (k *keyCache) follow(ctx context.Context, rdb redis.UniversalClient) {
+// follow evicts keys revoked on any broker until ctx ends, and tells revoked(id).
+func (k *keyCache) follow(ctx context.Context, rdb redis.UniversalClient, revoked func(id string)) {
 	sub := rdb.Subscribe(ctx, store.APIKeyRevokedChannel)
 	defer sub.Close()
 	for {
@@ -82,6 +82,7 @@ func (k *keyCache) follow(ctx context.Context, rdb redis.UniversalClient) {
 				return
 			}
 			k.evict(msg.Payload)
+			revoked(msg.Payload)
 		}
 	}
 }

@@ -13,6 +13,8 @@ import (
 	"runtime/debug"
 	"sort"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -39,6 +41,8 @@ type Config struct {
 	// DataplaneRenewsLease lets dataplane activity renew a sandbox's lease (off by default: a lease
 	// is the owner's heartbeat, and an agent left running must not keep a sandbox alive).
 	DataplaneRenewsLease bool
+	// MaxDataplaneConnections bounds open dataplane connections (default 4096).
+	MaxDataplaneConnections int
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
 }
@@ -67,8 +71,10 @@ type Server struct {
 	ready          func(ctx context.Context) ReadyReport
 	metrics        *metrics
 	http           *http.Server
-	// stopBackground ends what Serve started besides the HTTP server.
+	// bgCtx scopes what Serve starts besides the HTTP server; stopBackground ends it.
+	bgCtx          context.Context
 	stopBackground context.CancelFunc
+	shutdownOnce   sync.Once
 	// shutdownCh is closed by Shutdown, ending long-lived responses (SSE) that Shutdown would
 	// otherwise wait for.
 	shutdownCh chan struct{}
@@ -76,6 +82,13 @@ type Server struct {
 	clock      func() time.Time
 	dpRenews   bool
 	apiKeys    *keyCache
+	// dpHeavy bounds operations with large answers broker-wide; dpOpen counts dataplane
+	// connections, at most maxDPConns.
+	dpHeavy chan struct{}
+	// dpExecOutput is the output of non-streamed execs held in memory broker-wide.
+	dpExecOutput atomic.Int64
+	dpOpen       atomic.Int64
+	maxDPConns   int
 }
 
 // maxBody bounds every REST request body.
@@ -87,7 +100,10 @@ func New(cfg Config) *Server {
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(), hub: newHub(),
 		allowedOrigins: cfg.AllowedOrigins, shutdownCh: make(chan struct{}),
 		eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now, dpRenews: cfg.DataplaneRenewsLease,
-		apiKeys: newKeyCache(cfg.Store)}
+		apiKeys: newKeyCache(cfg.Store), dpHeavy: make(chan struct{}, dpHeavyPerBroker), maxDPConns: cfg.MaxDataplaneConnections}
+	if s.maxDPConns <= 0 {
+		s.maxDPConns = 4096
+	}
 	if s.events == nil {
 		s.events = events.Discard
 	}
@@ -96,6 +112,13 @@ func New(cfg Config) *Server {
 	e.HTTPErrorHandler = s.errorHandler
 	e.Use(withRequestID, s.withAccessLog, s.recoverPanics)
 	s.e = e
+	s.bgCtx, s.stopBackground = context.WithCancel(context.Background())
+	s.http = &http.Server{
+		Handler:           e,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       120 * time.Second,
+		ErrorLog:          slog.NewLogLogger(cfg.Log.Handler(), slog.LevelDebug),
+	}
 
 	e.GET("/healthz", s.healthz)
 	e.GET("/readyz", s.readyz)
@@ -150,18 +173,10 @@ func (s *Server) Routes() []string {
 func (s *Server) Handler() http.Handler { return s.e }
 
 // Serve serves on l until Shutdown. It also follows revocations announced by every broker, to close
-// the dataplane connections they concern.
+// the dataplane connections they concern. Call it once.
 func (s *Server) Serve(l net.Listener) error {
-	ctx, cancel := context.WithCancel(context.Background())
-	s.stopBackground = cancel
-	go delegation.Subscribe(ctx, s.store.Client(), s.hub.revoked)
-	go s.apiKeys.follow(ctx, s.store.Client())
-	s.http = &http.Server{
-		Handler:           s.e,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       120 * time.Second,
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
-	}
+	go delegation.Subscribe(s.bgCtx, s.store.Client(), s.hub.revoked)
+	go s.apiKeys.follow(s.bgCtx, s.store.Client(), s.hub.keyRevoked)
 	err := s.http.Serve(l)
 	if errors.Is(err, http.ErrServerClosed) {
 		return nil
@@ -171,11 +186,10 @@ func (s *Server) Serve(l net.Listener) error {
 
 // Shutdown stops accepting, lets in-flight requests finish until ctx ends, then closes the rest.
 func (s *Server) Shutdown(ctx context.Context) error {
-	if s.http == nil {
-		return nil
-	}
-	s.stopBackground()
-	close(s.shutdownCh)
+	s.shutdownOnce.Do(func() {
+		s.stopBackground()
+		close(s.shutdownCh)
+	})
 	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: close them ourselves.
 	s.hub.closeAll()
 	return s.http.Shutdown(ctx)

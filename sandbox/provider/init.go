@@ -263,8 +263,11 @@ func (p *initProc) exec(req *request, fds []int) {
 	}
 	if err != nil {
 		if req.Dir != "" && (errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EACCES)) {
-			if _, serr := os.Stat(req.Dir); serr != nil {
+			if fi, serr := os.Stat(req.Dir); serr != nil {
 				p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindCwd, Err: fmt.Sprintf("cwd %s: %v", req.Dir, unwrapPathErr(serr))})
+				return
+			} else if !fi.IsDir() {
+				p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindCwd, Err: fmt.Sprintf("cwd %s is not a directory", req.Dir)})
 				return
 			}
 		}

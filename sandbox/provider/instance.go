@@ -64,6 +64,9 @@ type call struct {
 	id   uint64
 	done chan struct{} // closed once, when the command ended, failed to start, or the init died
 	outs []*os.File    // our read ends of its output pipes
+	// hostWS is the workspace's host path for the dir provider ("" in a namespace), rewritten to
+	// /workspace in error messages.
+	hostWS string
 
 	mu     sync.Mutex
 	exited bool
@@ -421,7 +424,12 @@ func (c *call) complete(r reply) {
 	c.rep = r
 	if r.Op == opError {
 		if r.Kind == errKindCwd {
-			c.err = fmt.Errorf("%w: %s", ErrInvalidRequest, r.Err)
+			// The dir provider's init names host paths; callers see sandbox paths only.
+			msg := r.Err
+			if c.hostWS != "" {
+				msg = strings.ReplaceAll(msg, c.hostWS, WorkspacePath)
+			}
+			c.err = fmt.Errorf("%w: %s", ErrInvalidRequest, msg)
 		} else {
 			c.err = fmt.Errorf("exec: %s", r.Err)
 		}
@@ -604,7 +612,7 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 		send = append(send, wfd)
 	}
 
-	c := &call{done: make(chan struct{}), outs: outs}
+	c := &call{done: make(chan struct{}), outs: outs, hostWS: in.hostWS}
 	if err := in.register(c); err != nil {
 		closeAll()
 		return ExecResult{}, err

@@ -332,8 +332,12 @@ func (c *conn) readLoop() {
 			c.close(err)
 			return
 		}
+		// The broker writes successful answers in the canonical form: split them without decoding
+		// (the caller decodes the result once); anything else is decoded in full.
 		var resp wireResponse
-		if json.Unmarshal(text.Bytes(), &resp) != nil {
+		if id, result, ok := protocol.SplitResult(text.Bytes()); ok {
+			resp.ID, resp.Result = id, bytes.Clone(result)
+		} else if json.Unmarshal(text.Bytes(), &resp) != nil {
 			continue
 		}
 		c.mu.Lock()
@@ -519,7 +523,7 @@ func (r *Remote) call(ctx context.Context, op string, args, out any, retry bool)
 		if err != nil {
 			return err
 		}
-		if out != nil && len(cl.result) > 0 {
+		if out != nil && len(cl.result) > 0 && !protocol.DecodeFlat(cl.result, out) {
 			if err := json.Unmarshal(cl.result, out); err != nil {
 				return fmt.Errorf("dataplane answered %s with an unexpected result: %w", op, err)
 			}

@@ -262,27 +262,49 @@ func (s *Service) Introspect(ctx context.Context, org, token string) (protocol.I
 		AllowCmd: c.Cmd, JTI: c.ID, Exp: c.ExpiresAt.Unix()}, nil
 }
 
-// Subscribe calls fn for every revocation announced by any broker until ctx ends. Announcements
-// are best effort (Redis pub/sub): a subscriber that was disconnected misses some, so holders of
-// long-lived connections also re-verify them periodically.
-func Subscribe(ctx context.Context, rdb redis.UniversalClient, fn func(Revocation)) {
-	sub := rdb.Subscribe(ctx, store.RevocationsChannel)
-	defer sub.Close()
+// Subscribe calls fn for every revocation announced by any broker until ctx ends. It returns once
+// Redis has confirmed the subscription, so no announcement made after it returns is missed.
+// Announcements are best effort (Redis pub/sub): while disconnected a subscriber misses some, so
+// holders of long-lived connections also re-verify them periodically.
+func Subscribe(ctx context.Context, rdb redis.UniversalClient, fn func(Revocation)) error {
+	return follow(ctx, rdb, store.RevocationsChannel, func(payload string) {
+		var r Revocation
+		if json.Unmarshal([]byte(payload), &r) == nil {
+			fn(r)
+		}
+	})
+}
+
+// follow subscribes to channel, waits for Redis to confirm, and calls fn for each message in a
+// goroutine until ctx ends.
+func follow(ctx context.Context, rdb redis.UniversalClient, channel string, fn func(string)) error {
+	sub := rdb.Subscribe(ctx, channel)
+	if _, err := sub.Receive(ctx); err != nil {
+		sub.Close()
+		return fmt.Errorf("subscribe %s: %w", channel, err)
+	}
 	ch := sub.Channel(redis.WithChannelHealthCheckInterval(5 * time.Second))
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case msg, ok := <-ch:
-			if !ok {
+	go func() {
+		defer sub.Close()
+		for {
+			select {
+			case <-ctx.Done():
 				return
-			}
-			var r Revocation
-			if json.Unmarshal([]byte(msg.Payload), &r) == nil {
-				fn(r)
+			case msg, ok := <-ch:
+				if !ok {
+					return
+				}
+				fn(msg.Payload)
 			}
 		}
-	}
+	}()
+	return nil
+}
+
+// FollowKeyRevocations calls fn with the id of every API key revoked by any broker (or by
+// `broker keys revoke`) until ctx ends; like Subscribe, it returns once subscribed.
+func FollowKeyRevocations(ctx context.Context, rdb redis.UniversalClient, fn func(keyID string)) error {
+	return follow(ctx, rdb, store.APIKeyRevokedChannel, fn)
 }
 
 func clipJTI(s string) string {

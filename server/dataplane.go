@@ -524,16 +524,23 @@ func (c *dpConn) readLoop() {
 			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "text frames must be valid UTF-8")})
 			continue
 		}
-		var req wireRequest
-		if err := json.Unmarshal(text.Bytes(), &req); err != nil || req.ID == nil || req.Op == "" {
-			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "a request is a JSON object {\"id\": <uint32>, \"op\": <string>, \"args\": {...}}")})
-			continue
+		// The canonical form is split without decoding; its args are decoded once, strictly, by the
+		// operation. Any other form goes through the full decoder.
+		id, op, args, ok := protocol.SplitRequest(text.Bytes())
+		args = bytes.Clone(args) // text is reused for the next frame; the request outlives it
+		if !ok {
+			var req wireRequest
+			if err := decodeStrict(text.Bytes(), &req); err != nil || req.ID == nil || req.Op == "" {
+				c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "a request is a JSON object {\"id\": <uint32>, \"op\": <string>, \"args\": {...}} and nothing else")})
+				continue
+			}
+			id, op, args = *req.ID, req.Op, req.Args
 		}
-		if *req.ID == 0 && req.Op != protocol.OpCancel { // a cancel is never answered, whatever its id
+		if id == 0 && op != protocol.OpCancel { // a cancel is never answered, whatever its id
 			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id 0 is reserved for errors not tied to a request; use 1 or more")})
 			continue
 		}
-		c.dispatch(*req.ID, req.Op, req.Args)
+		c.dispatch(id, op, args)
 	}
 }
 
@@ -695,18 +702,34 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 	}()
 }
 
-// decodeArgs reads an op's arguments strictly.
+// decodeArgs reads an op's arguments strictly: one JSON object of known fields, nothing after it.
 func decodeArgs(raw json.RawMessage, v any) error {
 	if len(raw) == 0 || string(raw) == "null" {
 		raw = []byte("{}")
 	}
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
+	if protocol.DecodeFlat(raw, v) { // the hot ops' canonical args, without encoding/json
+		return nil
+	}
+	if err := decodeStrict(raw, v); err != nil {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "invalid args: %s", jsonProblem(err))
 	}
 	return nil
 }
+
+// decodeStrict decodes exactly one JSON value with no unknown fields and nothing but space after it.
+func decodeStrict(b []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if len(bytes.TrimSpace(b[dec.InputOffset():])) != 0 {
+		return errTrailingData
+	}
+	return nil
+}
+
+var errTrailingData = errors.New("data after the JSON value")
 
 // run performs one operation and returns its result.
 func (c *dpConn) run(ctx context.Context, id uint32, req *request, op string, raw json.RawMessage) (any, error) {

@@ -325,7 +325,9 @@ func TestDataplaneMalformedFrames(t *testing.T) {
 		{"fractional id", `{"id":1.5,"op":"ping"}`, 0, "invalid_json"},
 		{"string id", `{"id":"7","op":"ping"}`, 0, "invalid_json"},
 		{"huge id", `{"id":1e400,"op":"ping"}`, 0, "invalid_json"},
-		{"deep nesting", `{"id":9,"op":"stat","args":` + strings.Repeat("[", 10000) + strings.Repeat("]", 10000) + `}`, 0, "invalid_json"},
+		// The envelope is well formed, so request 9 gets its one answer: its args are refused.
+		{"deep nesting", `{"id":9,"op":"stat","args":` + strings.Repeat("[", 10000) + strings.Repeat("]", 10000) + `}`, 9, "invalid_argument"},
+		{"deep nesting, other key order", `{"op":"stat","id":9,"args":` + strings.Repeat("[", 10001) + strings.Repeat("]", 10001) + `}`, 0, "invalid_json"},
 		{"unknown op", `{"id":8,"op":"format_disk"}`, 8, "unknown_op"},
 		{"cancel-like op", `{"id":8,"op":"Cancel"}`, 8, "unknown_op"},
 		{"unknown arg", `{"id":10,"op":"stat","args":{"path":"a","bogus":1}}`, 10, "invalid_argument"},

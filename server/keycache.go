@@ -6,8 +6,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -67,22 +65,4 @@ func (k *keyCache) evict(id string) {
 	k.mu.Lock()
 	delete(k.byID, id)
 	k.mu.Unlock()
-}
-
-// follow evicts keys revoked on any broker until ctx ends, and tells revoked(id).
-func (k *keyCache) follow(ctx context.Context, rdb redis.UniversalClient, revoked func(id string)) {
-	sub := rdb.Subscribe(ctx, store.APIKeyRevokedChannel)
-	defer sub.Close()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case msg, ok := <-sub.Channel():
-			if !ok {
-				return
-			}
-			k.evict(msg.Payload)
-			revoked(msg.Payload)
-		}
-	}
 }

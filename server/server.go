@@ -175,9 +175,19 @@ func (s *Server) Handler() http.Handler { return s.e }
 // Serve serves on l until Shutdown. It also follows revocations announced by every broker, to close
 // the dataplane connections they concern. Call it once.
 func (s *Server) Serve(l net.Listener) error {
-	go delegation.Subscribe(s.bgCtx, s.store.Client(), s.hub.revoked)
-	go s.apiKeys.follow(s.bgCtx, s.store.Client(), s.hub.keyRevoked)
-	err := s.http.Serve(l)
+	// Subscribed before the first request is served, so no revocation can slip past a cache or an
+	// open connection.
+	if err := delegation.Subscribe(s.bgCtx, s.store.Client(), s.hub.revoked); err != nil {
+		return err
+	}
+	err := delegation.FollowKeyRevocations(s.bgCtx, s.store.Client(), func(id string) {
+		s.apiKeys.evict(id)
+		s.hub.keyRevoked(id)
+	})
+	if err != nil {
+		return err
+	}
+	err = s.http.Serve(l)
 	if errors.Is(err, http.ErrServerClosed) {
 		return nil
 	}

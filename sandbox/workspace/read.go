@@ -22,18 +22,23 @@ const openReadFlags = os.O_RDONLY | syscall.O_NONBLOCK | syscall.O_NOCTTY
 // workspace. It checks the type before opening (so a FIFO or device is never opened) and again on
 // the open file (so a swap between the two cannot slip one through).
 func (w *Workspace) openRegular(rel, sp string) (*os.File, fs.FileInfo, error) {
-	fi, err := w.root.Stat(rel)
+	// Fast path: a regular file in the root (fastOpen checks the type before opening, like the
+	// path below); the type is checked again on the open file.
+	f, fast, err := w.fastOpen(rel, openReadFlags, 0)
+	if !fast {
+		var fi fs.FileInfo
+		if fi, err = w.root.Stat(rel); err != nil {
+			return nil, nil, fsErr(sp, err)
+		}
+		if err := checkRegular(sp, fi); err != nil {
+			return nil, nil, err
+		}
+		f, err = w.root.OpenFile(rel, openReadFlags, 0)
+	}
 	if err != nil {
 		return nil, nil, fsErr(sp, err)
 	}
-	if err := checkRegular(sp, fi); err != nil {
-		return nil, nil, err
-	}
-	f, err := w.root.OpenFile(rel, openReadFlags, 0)
-	if err != nil {
-		return nil, nil, fsErr(sp, err)
-	}
-	fi, err = f.Stat()
+	fi, err := f.Stat()
 	if err == nil {
 		err = checkRegular(sp, fi)
 	}

@@ -70,6 +70,9 @@ func (o Options) withDefaults() Options {
 type Workspace struct {
 	root *os.Root
 	opts Options
+	// dir is the root directory itself, for the fast path of fastOpen (Linux).
+	dir     *os.File
+	dirOnce sync.Once
 
 	// locks serialize the broker's own read-modify-write cycles (Edit) against each other and
 	// against commits of whole-file writes to the same path, so two agents editing one file never
@@ -92,6 +95,9 @@ func Open(hostDir string, opts Options) (*Workspace, error) {
 
 // Close releases the workspace directory. Operations after Close fail with code unavailable.
 func (w *Workspace) Close() error {
+	if w.dir != nil {
+		w.dir.Close()
+	}
 	return w.root.Close()
 }
 

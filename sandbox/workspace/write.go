@@ -64,6 +64,8 @@ type Upload struct {
 	target string // the file to replace: the requested path, or where its symlink leads
 	temp   string
 	create bool // mode "create": never replace an existing file
+	// old is what Create found at target (nil: nothing), so Commit need not look again.
+	old fs.FileInfo
 
 	mu   sync.Mutex
 	f    *os.File
@@ -89,6 +91,7 @@ func (w *Workspace) Create(p string, mode string) (*Upload, error) {
 		return nil, err
 	}
 	var target string
+	var old fs.FileInfo
 	if create {
 		// Like O_CREAT|O_EXCL: anything at the path, a symlink too (dangling or not), exists.
 		switch _, err := w.root.Lstat(rel); {
@@ -101,12 +104,11 @@ func (w *Workspace) Create(p string, mode string) (*Upload, error) {
 		}
 		target = rel
 	} else {
-		var fi fs.FileInfo
-		if target, fi, err = w.writeTarget(rel, sp); err != nil {
+		if target, old, err = w.writeTarget(rel, sp); err != nil {
 			return nil, err
 		}
-		if fi != nil {
-			if err := checkWritable(sp, fi); err != nil {
+		if old != nil {
+			if err := checkWritable(sp, old); err != nil {
 				return nil, err
 			}
 		}
@@ -115,7 +117,7 @@ func (w *Workspace) Create(p string, mode string) (*Upload, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Upload{w: w, sp: sp, target: target, temp: temp, create: create, f: f}, nil
+	return &Upload{w: w, sp: sp, target: target, temp: temp, create: create, f: f, old: old}, nil
 }
 
 // checkWritable refuses to replace what a file write must not: a directory, a FIFO, a socket, a
@@ -169,7 +171,7 @@ func (u *Upload) Commit() (protocol.WriteResult, error) {
 	}
 	u.done = true
 	defer u.w.lock(u.target)()
-	created, err := u.w.commitTemp(u.f, u.temp, u.target, u.sp, u.create, nil)
+	created, err := u.w.commitTemp(u.f, u.temp, u.target, u.sp, u.create, u.old)
 	if err != nil {
 		return protocol.WriteResult{}, err
 	}
@@ -197,7 +199,10 @@ func (u *Upload) Abort() error {
 func (w *Workspace) createTemp(dir, sp string) (*os.File, string, error) {
 	for try := 0; ; try++ {
 		temp := join(dir, fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64()))
-		f, err := w.root.OpenFile(temp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		f, fast, err := w.fastOpen(temp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		if !fast {
+			f, err = w.root.OpenFile(temp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		}
 		switch {
 		case err == nil:
 			if err := w.chownFile(f); err != nil {

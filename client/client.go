@@ -224,6 +224,12 @@ func (c *Client) Heartbeat(ctx context.Context, ref string) (protocol.HeartbeatR
 	return out, c.do(ctx, http.MethodPost, sandboxPath(ref, "heartbeat"), nil, nil, &out)
 }
 
+// Heartbeats renews many leases in one request; each ref gets its lease or its own error.
+func (c *Client) Heartbeats(ctx context.Context, refs []string) (protocol.HeartbeatsResponse, error) {
+	var out protocol.HeartbeatsResponse
+	return out, c.do(ctx, http.MethodPost, "/v1/heartbeats", nil, protocol.HeartbeatsRequest{Refs: refs}, &out)
+}
+
 // SetTTL changes a sandbox's lease length (and renews it when running).
 func (c *Client) SetTTL(ctx context.Context, ref string, ttl time.Duration) (protocol.HeartbeatResponse, error) {
 	secs := int64(ttl / time.Second)

@@ -118,3 +118,20 @@ type Orphan struct {
 type OrphansResponse struct {
 	Items []Orphan `json:"items"`
 }
+
+// HeartbeatsRequest is the body of POST /v1/heartbeats: renew many leases in one request.
+type HeartbeatsRequest struct {
+	Refs []string `json:"refs"`
+}
+
+// HeartbeatsResponse answers each ref in order: its lease, or its own error.
+type HeartbeatsResponse struct {
+	Items []HeartbeatItem `json:"items"`
+}
+
+// HeartbeatItem is one ref's answer in a batch.
+type HeartbeatItem struct {
+	Ref   string             `json:"ref"`
+	Lease *HeartbeatResponse `json:"lease,omitempty"`
+	Error *Error             `json:"error,omitempty"`
+}

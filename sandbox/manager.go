@@ -470,6 +470,15 @@ func (m *Manager) Heartbeat(ctx context.Context, org, ref string) (store.Lease, 
 	return l, m.mapStoreErr(err, ref)
 }
 
+// HeartbeatMany renews many leases at once; each ref gets its lease or its own error.
+func (m *Manager) HeartbeatMany(ctx context.Context, org string, refs []string) ([]store.Lease, []error) {
+	leases, errs := m.cfg.Store.HeartbeatMany(ctx, org, refs, m.now())
+	for i, err := range errs {
+		errs[i] = m.mapStoreErr(err, refs[i])
+	}
+	return leases, errs
+}
+
 // SetTTL changes a sandbox's lease length and, when running, renews it.
 func (m *Manager) SetTTL(ctx context.Context, org, ref string, ttl time.Duration) (store.Lease, error) {
 	if err := ValidateTTL(ttl, m.cfg.MaxTTL); err != nil {

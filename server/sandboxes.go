@@ -208,7 +208,66 @@ func (s *Server) heartbeat(c echo.Context) error {
 	if err != nil {
 		return err
 	}
+	// The hottest route answers without echo's JSON encoder, a tenth of its CPU.
+	if b, ok := appendLease(make([]byte, 0, 128), leaseView(l)); ok {
+		return c.Blob(http.StatusOK, echo.MIMEApplicationJSON, b)
+	}
 	return c.JSON(http.StatusOK, leaseView(l))
+}
+
+// maxBatchRefs bounds one POST /v1/heartbeats.
+const maxBatchRefs = 1000
+
+// heartbeats renews many leases in one request, for clients that keep many sandboxes alive: the
+// beats share Redis round trips, and one request replaces hundreds.
+func (s *Server) heartbeats(c echo.Context) error {
+	var req protocol.HeartbeatsRequest
+	if err := decodeJSON(c, &req); err != nil {
+		return err
+	}
+	if len(req.Refs) == 0 || len(req.Refs) > maxBatchRefs {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "refs must list 1 to %d sandbox ids or names", maxBatchRefs)
+	}
+	leases, errs := s.sandboxes.HeartbeatMany(c.Request().Context(), principal(c).Org, req.Refs)
+	out := protocol.HeartbeatsResponse{Items: make([]protocol.HeartbeatItem, len(req.Refs))}
+	for i, ref := range req.Refs {
+		out.Items[i].Ref = ref
+		if errs[i] != nil {
+			_, pe := apiError(errs[i])
+			out.Items[i].Error = pe
+			continue
+		}
+		l := leaseView(leases[i])
+		out.Items[i].Lease = &l
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
+// appendLease encodes a lease exactly as encoding/json does, for ids and statuses of plain ASCII
+// (always, for ours); ok is false otherwise.
+func appendLease(b []byte, l protocol.HeartbeatResponse) ([]byte, bool) {
+	for _, s := range []string{l.SandboxID, l.Status} {
+		for i := 0; i < len(s); i++ {
+			if c := s[i]; !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+				return nil, false
+			}
+		}
+	}
+	b = append(b, `{"sandbox_id":"`...)
+	b = append(b, l.SandboxID...)
+	b = append(b, `","status":"`...)
+	b = append(b, l.Status...)
+	b = append(b, `","ttl_seconds":`...)
+	b = strconv.AppendInt(b, l.TTLSeconds, 10)
+	b = append(b, `,"expires_at":`...)
+	if l.ExpiresAt == nil {
+		b = append(b, "null"...)
+	} else {
+		b = append(b, '"')
+		b = l.ExpiresAt.AppendFormat(b, time.RFC3339Nano)
+		b = append(b, '"')
+	}
+	return append(b, "}\n"...), true
 }
 
 func (s *Server) setTTL(c echo.Context) error {

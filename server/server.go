@@ -134,6 +134,7 @@ func New(cfg Config) *Server {
 	e.DELETE("/v1/sandboxes", s.deleteSandboxes, owner...)
 	// Heartbeats resolve the ref inside their one Redis script: no loader on the hottest route.
 	e.POST("/v1/sandboxes/:ref/heartbeat", s.heartbeat, owner...)
+	e.POST("/v1/heartbeats", s.heartbeats, owner...)
 	e.GET("/v1/sandboxes/:ref", s.getSandbox, ownerOne...)
 	e.DELETE("/v1/sandboxes/:ref", s.deleteSandbox, ownerOne...)
 	e.POST("/v1/sandboxes/:ref/stop", s.stopSandbox, ownerOne...)

@@ -19,6 +19,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 )
 
@@ -466,5 +467,62 @@ func TestTemplatesAndSetup(t *testing.T) {
 	}
 	if _, err := b.Client.DeleteSandbox(ctx, "bad"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestAppendLeaseMatchesEncodingJSON(t *testing.T) {
+	at := time.Date(2026, 11, 21, 22, 0, 0, 123456000, time.UTC)
+	for _, l := range []protocol.HeartbeatResponse{
+		{SandboxID: "sb_6f1c2f9e-2b7d-4c57-9a4e-0d7a1c5e8b21", Status: "running", TTLSeconds: 1800, ExpiresAt: &at},
+		{SandboxID: "sb_x", Status: "stopped", TTLSeconds: 0},
+	} {
+		got, ok := server.AppendLease(nil, l)
+		var want bytes.Buffer
+		json.NewEncoder(&want).Encode(l)
+		if !ok || string(got) != want.String() {
+			t.Errorf("appendLease %q, encoding/json %q", got, want.String())
+		}
+	}
+	if _, ok := server.AppendLease(nil, protocol.HeartbeatResponse{SandboxID: "sb_<x>", Status: "running"}); ok {
+		t.Error("a value that needs escaping must take encoding/json")
+	}
+}
+
+func TestBatchHeartbeats(t *testing.T) {
+	t.Parallel()
+	clock := servertest.NewClock(time.Now())
+	b := servertest.New(t, servertest.Options{Now: clock.Now})
+	ctx := t.Context()
+	var refs []string
+	for i := 0; i < 5; i++ {
+		res, _ := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: fmt.Sprintf("b%d", i)})
+		refs = append(refs, res.Sandbox.ID)
+	}
+	b.Client.StopSandbox(ctx, refs[3])
+	refs = append(refs, "b4", "nosuch")
+	clock.Advance(time.Minute)
+	res, err := b.Client.Heartbeats(ctx, refs)
+	if err != nil || len(res.Items) != len(refs) {
+		t.Fatalf("%v %+v", err, res)
+	}
+	for i, it := range res.Items {
+		switch {
+		case it.Ref != refs[i]:
+			t.Errorf("item %d answers %s, want %s", i, it.Ref, refs[i])
+		case i == 3 && (it.Error == nil || it.Error.Code != protocol.CodeNotRunning):
+			t.Errorf("stopped sandbox: %+v", it)
+		case i == 6 && (it.Error == nil || it.Error.Code != protocol.CodeNotFound):
+			t.Errorf("missing sandbox: %+v", it)
+		case i != 3 && i != 6 && (it.Lease == nil || !it.Lease.ExpiresAt.Equal(clock.Now().Add(30*time.Minute).Truncate(time.Millisecond))):
+			t.Errorf("item %d: %+v", i, it)
+		}
+	}
+	if _, err := b.Client.Heartbeats(ctx, nil); code(err) != protocol.CodeInvalidArgument {
+		t.Fatalf("empty batch: %v", err)
+	}
+	// Another org's sandboxes are simply not found, in a batch too.
+	other, _ := b.NewClient("org-b").Heartbeats(ctx, refs[:1])
+	if other.Items[0].Error == nil || other.Items[0].Error.Code != protocol.CodeNotFound {
+		t.Fatalf("org isolation: %+v", other)
 	}
 }

@@ -12,11 +12,12 @@ import (
 
 // Store is the Redis state. It is safe for concurrent use.
 type Store struct {
-	rdb redis.UniversalClient
+	rdb    redis.UniversalClient
+	leases *leaseBatcher
 }
 
 // New wraps a client. The client may point at one Redis, a Sentinel group or a Cluster.
-func New(rdb redis.UniversalClient) *Store { return &Store{rdb: rdb} }
+func New(rdb redis.UniversalClient) *Store { return &Store{rdb: rdb, leases: newLeaseBatcher(rdb)} }
 
 // Client is the underlying client, for packages that keep their own keys (events, delegation).
 func (s *Store) Client() redis.UniversalClient { return s.rdb }
@@ -40,22 +41,48 @@ local function resolve(ref)
 end
 `
 
-// luaLease (re)computes a running sandbox's deadline: expires = now + ttl, in the deadline set, and
-// forgets any expiry warning sent for the previous deadline. ttl 0 means no lease.
+// luaLease (re)computes a running sandbox's deadline: expires = now + ttl (seconds), in the
+// deadline set, and forgets any expiry warning sent for the previous deadline. ttl 0 means no lease.
 const luaLease = `
-local function lease(key, id, now, deadlines, warned)
-  local ttl = tonumber(redis.call('HGET', key, 'ttl')) or 0
-  redis.call('HSET', key, 'heartbeat', now)
+local function lease(key, id, now, ttl, deadlines, warned)
   redis.call('ZREM', warned, id)
   if ttl > 0 then
     local exp = now + ttl * 1000
-    redis.call('HSET', key, 'expires', exp)
+    redis.call('HSET', key, 'heartbeat', now, 'expires', exp)
     redis.call('ZADD', deadlines, exp, id)
     return exp
   end
-  redis.call('HSET', key, 'expires', 0)
+  redis.call('HSET', key, 'heartbeat', now, 'expires', 0)
   redis.call('ZREM', deadlines, id)
   return 0
+end
+`
+
+// luaRenew renews one ref's lease (a heartbeat), optionally setting a new ttl first, and answers
+// {"ok", id, status, ttl, expires} or {"err", code, detail, "", ""}. Expects KEYS[1] names,
+// KEYS[2] deadlines, KEYS[3] warned, and the sandbox key prefix in the variable prefix.
+// A heartbeat only renews running sandboxes: a stopped one must be resumed explicitly.
+const luaRenew = luaLease + `
+local function renew(ref, now, newttl)
+  local id = ref
+  if string.sub(ref, 1, 3) ~= 'sb_' then
+    id = redis.call('HGET', KEYS[1], ref)
+    if not id then return {'err', 'not_found', '', '', ''} end
+  end
+  local key = prefix .. id
+  local cur = redis.call('HMGET', key, 'status', 'ttl')
+  local status = cur[1]
+  if not status then return {'err', 'not_found', '', '', ''} end
+  local ttl = tonumber(cur[2]) or 0
+  if newttl ~= '' then
+    redis.call('HSET', key, 'ttl', newttl)
+    ttl = tonumber(newttl)
+  end
+  if status ~= 'running' then
+    if newttl ~= '' and status ~= 'deleting' then return {'ok', id, status, tostring(ttl), '0'} end
+    return {'err', 'state', status, '', ''}
+  end
+  return {'ok', id, status, tostring(ttl), tostring(lease(key, id, now, ttl, KEYS[2], KEYS[3]))}
 end
 `
 
@@ -162,7 +189,7 @@ end
 redis.call('HSET', key, 'status', to)
 for i = 7, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 if to == 'running' then
-  lease(key, id, now, KEYS[2], KEYS[4])
+  lease(key, id, now, tonumber(redis.call('HGET', key, 'ttl')) or 0, KEYS[2], KEYS[4])
 else
   redis.call('HSET', key, 'expires', 0)
   redis.call('ZREM', KEYS[2], id)
@@ -223,24 +250,22 @@ func (s *Store) Transition(ctx context.Context, org, ref string, now time.Time, 
 	return parseRecord(v[1:])
 }
 
-// leaseScript renews a running sandbox's lease (a heartbeat), optionally setting a new ttl first.
+// leaseScript renews one lease (see luaRenew).
 // KEYS: 1 names, 2 deadlines, 3 warned. ARGV: 1 ref, 2 sandbox key prefix, 3 now (ms),
-// 4 new ttl in seconds ("" keeps it). Answers {"ok", id, status, ttl, expires} or {"err", code, detail}.
-// A heartbeat only renews running sandboxes: a stopped one must be resumed explicitly.
-var leaseScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + `
-local id = resolve(ARGV[1])
-if not id then return {'err', 'not_found', ''} end
-local key = prefix .. id
-local status = redis.call('HGET', key, 'status')
-if ARGV[4] ~= '' then redis.call('HSET', key, 'ttl', ARGV[4]) end
-if status ~= 'running' then
-  if ARGV[4] ~= '' and status ~= 'deleting' then
-    return {'ok', id, status, redis.call('HGET', key, 'ttl'), '0'}
-  end
-  return {'err', 'state', status}
+// 4 new ttl in seconds ("" keeps it).
+var leaseScript = redis.NewScript(`local prefix = ARGV[2]` + luaRenew + `
+return renew(ARGV[1], tonumber(ARGV[3]), ARGV[4])
+`)
+
+// leaseManyScript renews many leases of one org in one call (see luaRenew).
+// KEYS: 1 names, 2 deadlines, 3 warned. ARGV: 1 sandbox key prefix, 2 now (ms), 3.. refs.
+// Answers the five-element answers of every ref, concatenated in order.
+var leaseManyScript = redis.NewScript(`local prefix = ARGV[1]` + luaRenew + `
+local now, out = tonumber(ARGV[2]), {}
+for i = 3, #ARGV do
+  for _, v in ipairs(renew(ARGV[i], now, '')) do out[#out + 1] = v end
 end
-local exp = lease(key, id, tonumber(ARGV[3]), KEYS[2], KEYS[3])
-return {'ok', id, status, redis.call('HGET', key, 'ttl'), tostring(exp)}
+return out
 `)
 
 // Lease is the state of a sandbox's lease after a heartbeat.
@@ -261,16 +286,48 @@ func (s *Store) SetTTL(ctx context.Context, org, ref string, ttl time.Duration, 
 	return s.lease(ctx, org, ref, now, strconv.FormatInt(int64(ttl/time.Second), 10))
 }
 
-func (s *Store) lease(ctx context.Context, org, ref string, now time.Time, ttl string) (Lease, error) {
-	keys := []string{NamesKey(org), DeadlinesKey(org), WarnedKey(org)}
-	v, err := leaseScript.Run(ctx, s.rdb, keys, ref, sandboxPrefix(org), ms(now), ttl).StringSlice()
-	if err != nil {
-		return Lease{}, fmt.Errorf("store: lease %s: %w", ref, err)
+// HeartbeatMany renews many leases of one org in one Redis call. The answers and errors are in
+// the order of refs.
+func (s *Store) HeartbeatMany(ctx context.Context, org string, refs []string, now time.Time) ([]Lease, []error) {
+	leases, errs := make([]Lease, len(refs)), make([]error, len(refs))
+	args := make([]any, 0, len(refs)+2)
+	args = append(args, sandboxPrefix(org), ms(now))
+	for _, r := range refs {
+		args = append(args, r)
 	}
+	keys := []string{NamesKey(org), DeadlinesKey(org), WarnedKey(org)}
+	v, err := leaseManyScript.Run(ctx, s.rdb, keys, args...).StringSlice()
+	if err == nil && len(v) != 5*len(refs) {
+		err = fmt.Errorf("store: %d answers for %d refs", len(v)/5, len(refs))
+	}
+	for i := range refs {
+		if err != nil {
+			errs[i] = fmt.Errorf("store: lease %s: %w", refs[i], err)
+			continue
+		}
+		leases[i], errs[i] = leaseFrom(v[5*i : 5*i+5])
+	}
+	return leases, errs
+}
+
+// leaseFrom reads one renew answer.
+func leaseFrom(v []string) (Lease, error) {
 	if v[0] == "err" {
 		return Lease{}, scriptErr(v[1], v[2])
 	}
 	return Lease{ID: v[1], Status: v[2], TTL: time.Duration(atoi(v[3])) * time.Second, ExpiresAt: fromMS(v[4])}, nil
+}
+
+func (s *Store) lease(ctx context.Context, org, ref string, now time.Time, ttl string) (Lease, error) {
+	keys := []string{NamesKey(org), DeadlinesKey(org), WarnedKey(org)}
+	v, err := s.leases.do(ctx, keys, []any{ref, sandboxPrefix(org), ms(now), ttl})
+	if err != nil {
+		return Lease{}, fmt.Errorf("store: lease %s: %w", ref, err)
+	}
+	if len(v) != 5 {
+		return Lease{}, fmt.Errorf("store: lease %s: malformed answer", ref)
+	}
+	return leaseFrom(v)
 }
 
 // purgeScript removes a deleting sandbox's record and every index entry. Idempotent.

@@ -41,6 +41,7 @@ type config struct {
 	Retention       time.Duration
 	DataplaneRenews bool
 	AllowedOrigins  []string
+	DebugListen     string
 }
 
 // envOf maps each flag to its environment fallback.
@@ -52,6 +53,7 @@ var envOf = map[string]string{
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
+	"debug-listen": "SBX_DEBUG_LISTEN",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -104,6 +106,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.Var(client.Duration{D: &c.Retention}, "retention", "delete sandboxes stopped longer than this, e.g. 7d (default 0: keep them until deleted)")
 	fs.BoolVar(&c.DataplaneRenews, "dataplane-renews-lease", false, "let dataplane activity renew a sandbox's lease (off: only the owner's heartbeats and calls do, so an agent left running cannot keep a sandbox alive)")
 	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
+	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
 }
 
@@ -181,6 +184,13 @@ func (c *config) validate() error {
 	}
 	if c.Retention < 0 || (c.Retention > 0 && c.Retention < time.Minute) {
 		bad("retention", "must be 0 (off) or at least 1m")
+	}
+	if c.DebugListen != "" {
+		if host, _, err := net.SplitHostPort(c.DebugListen); err != nil {
+			bad("debug-listen", "%q is not host:port", c.DebugListen)
+		} else if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+			bad("debug-listen", "%q must be a loopback address: profiles expose the broker's internals", c.DebugListen)
+		}
 	}
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")

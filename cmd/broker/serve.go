@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -108,6 +110,9 @@ func serve(parent context.Context, c *config) error {
 	sweeper := heartbeat.NewSweeper(heartbeat.Config{Store: st.store, Sandboxes: mgr, Events: evw, Log: log,
 		Interval: c.SweepInterval, Warning: c.ExpiryWarning, Retention: c.Retention})
 	go sweeper.Run(ctx)
+	if c.DebugListen != "" {
+		go serveDebug(c.DebugListen, log)
+	}
 	l, err := net.Listen("tcp", c.Listen)
 	if err != nil {
 		return fmt.Errorf("--listen (SBX_LISTEN): %w", err)
@@ -229,4 +234,18 @@ func warnings(r provider.Report) []string {
 		return nil
 	}
 	return []string{r.Warning}
+}
+
+// serveDebug serves Go's profiler on a separate, loopback-only address.
+func serveDebug(addr string, log *slog.Logger) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	log.Info("profiles served", "debug_listen", addr)
+	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	if err := srv.ListenAndServe(); err != nil {
+		log.Error("debug listener", "err", err)
+	}
 }

@@ -106,15 +106,21 @@ as it comes (stdout to stdout, stderr to stderr) and sbctl exits with the comman
 func attachCmd(g *globals) *cobra.Command {
 	var stopOnExit, deleteOnExit bool
 	cmd := &cobra.Command{
-		Use:   "attach REF",
-		Short: "Keep a sandbox's lease alive while this runs (a heartbeat every TTL/3)",
-		Long: `Heartbeat a sandbox every third of its TTL for as long as sbctl attach runs, riding out brief
-broker or network faults, and show the time left. Ctrl-C ends it cleanly; with --stop-on-exit or
---delete-on-exit the sandbox is stopped or deleted then. If the sandbox stops meanwhile (its lease
-expired during a long outage, or someone stopped it), attach says so and exits with code 5.`,
-		Example: "  sbctl attach dev\n  sbctl attach dev --stop-on-exit",
-		Args:    exactArgs(1, "REF (a sandbox id or name)"),
-		RunE: func(cmd *cobra.Command, args []string) error {
+		Use:   "attach REF...",
+		Short: "Keep sandboxes' leases alive while this runs (a heartbeat every TTL/3)",
+		Long: `Heartbeat one or more sandboxes every third of their (shortest) TTL for as long as sbctl attach
+runs, in one request per beat, riding out brief broker or network faults, and show the time left.
+Ctrl-C ends it cleanly; with --stop-on-exit or --delete-on-exit the sandboxes are stopped or
+deleted then. If a sandbox stops meanwhile (its lease expired during a long outage, or someone
+stopped it), attach says so and exits with code 5.`,
+		Example: "  sbctl attach dev\n  sbctl attach dev --stop-on-exit\n  sbctl attach $(sbctl list --tag thread_id=T42 -q)",
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return usageErr("attach takes one or more REFs (sandbox ids or names)")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, refs []string) error {
 			if stopOnExit && deleteOnExit {
 				return usageErr("give at most one of --stop-on-exit and --delete-on-exit")
 			}
@@ -122,34 +128,38 @@ expired during a long outage, or someone stopped it), attach says so and exits w
 			if err != nil {
 				return err
 			}
-			err = attach(cmd.Context(), g, c, args[0])
-			if stopOnExit || deleteOnExit {
-				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-				defer cancel()
-				if deleteOnExit {
-					_, derr := c.DeleteSandbox(ctx, args[0])
-					fmt.Fprintf(g.stderr, "deleted %s\n", args[0])
-					return errors.Join(err, derr)
-				}
-				_, serr := c.StopSandbox(ctx, args[0])
-				fmt.Fprintf(g.stderr, "stopped %s\n", args[0])
-				return errors.Join(err, serr)
+			err = attach(cmd.Context(), g, c, refs)
+			if !stopOnExit && !deleteOnExit {
+				return err
 			}
-			return err
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			errs := []error{err}
+			for _, ref := range refs {
+				if deleteOnExit {
+					_, derr := c.DeleteSandbox(ctx, ref)
+					errs = append(errs, derr)
+					fmt.Fprintf(g.stderr, "deleted %s\n", ref)
+				} else {
+					_, serr := c.StopSandbox(ctx, ref)
+					errs = append(errs, serr)
+					fmt.Fprintf(g.stderr, "stopped %s\n", ref)
+				}
+			}
+			return errors.Join(errs...)
 		},
 	}
-	cmd.Flags().BoolVar(&stopOnExit, "stop-on-exit", false, "stop the sandbox when attach ends")
-	cmd.Flags().BoolVar(&deleteOnExit, "delete-on-exit", false, "delete the sandbox when attach ends")
+	cmd.Flags().BoolVar(&stopOnExit, "stop-on-exit", false, "stop the sandboxes when attach ends")
+	cmd.Flags().BoolVar(&deleteOnExit, "delete-on-exit", false, "delete the sandboxes when attach ends")
 	return cmd
 }
 
-// attach heartbeats until ctx ends. Faults are retried with backoff while the lease has time left.
-func attach(ctx context.Context, g *globals, c *client.Client, ref string) error {
-	var lease protocol.HeartbeatResponse
-	var lastOK time.Time
+// attach heartbeats refs until ctx ends. Faults are retried with backoff while leases have time left.
+func attach(ctx context.Context, g *globals, c *client.Client, refs []string) error {
+	var earliest time.Time // the first lease to run out, as of the last good beat
 	every := 10 * time.Second
 	for failures := 0; ; {
-		l, err := c.Heartbeat(ctx, ref)
+		res, err := c.Heartbeats(ctx, refs)
 		var pe *protocol.Error
 		switch {
 		case ctx.Err() != nil:
@@ -157,21 +167,38 @@ func attach(ctx context.Context, g *globals, c *client.Client, ref string) error
 			return nil
 		case errors.As(err, &pe) && pe.Status > 0 && pe.Status < 500:
 			fmt.Fprintln(g.stderr)
-			return err // not running, not found, not allowed: retrying will not help
+			return err // not allowed, malformed: retrying will not help
 		case err != nil:
 			failures++
 			left := "unknown"
-			if lease.ExpiresAt != nil {
-				left = time.Until(*lease.ExpiresAt).Round(time.Second).String()
+			if !earliest.IsZero() {
+				left = time.Until(earliest).Round(time.Second).String()
 			}
-			g.status("%s: heartbeat failed (%s); retrying, lease has %s left", ref, describe(err), left)
+			g.status("heartbeat failed (%s); retrying, the first lease runs out in %s", describe(err), left)
 			every = min(time.Second<<min(failures, 4), max(every, time.Second))
 		default:
-			failures, lease, lastOK = 0, l, time.Now()
-			ttl := time.Duration(l.TTLSeconds) * time.Second
-			every = max(ttl/3, time.Second)
-			g.status("%s: %s, lease renewed at %s, expires in %s (beat every %s; Ctrl-C to detach)", ref, l.Status,
-				lastOK.Format(time.TimeOnly), time.Until(*l.ExpiresAt).Round(time.Second), every)
+			failures = 0
+			var parts []string
+			minTTL := time.Duration(0)
+			earliest = time.Time{}
+			for _, it := range res.Items {
+				if it.Error != nil {
+					fmt.Fprintln(g.stderr)
+					return fmt.Errorf("%s: %w", it.Ref, it.Error) // stopped, deleted: the lease is gone
+				}
+				ttl := time.Duration(it.Lease.TTLSeconds) * time.Second
+				if minTTL == 0 || ttl < minTTL {
+					minTTL = ttl
+				}
+				if it.Lease.ExpiresAt != nil {
+					if earliest.IsZero() || it.Lease.ExpiresAt.Before(earliest) {
+						earliest = *it.Lease.ExpiresAt
+					}
+					parts = append(parts, fmt.Sprintf("%s expires in %s", it.Ref, time.Until(*it.Lease.ExpiresAt).Round(time.Second)))
+				}
+			}
+			every = max(minTTL/3, time.Second)
+			g.status("lease renewed at %s: %s (beat every %s; Ctrl-C to detach)", time.Now().Format(time.TimeOnly), strings.Join(parts, ", "), every)
 		}
 		select {
 		case <-ctx.Done():

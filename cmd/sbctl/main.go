@@ -66,7 +66,9 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	if errors.As(err, &ec) {
 		return ec.ExitCode()
 	}
-	fmt.Fprintln(stderr, "sbctl:", describe(err))
+	if _, ok := err.(silent); !ok {
+		fmt.Fprintln(stderr, "sbctl:", describe(err))
+	}
 	return exitCodeOf(err)
 }
 

@@ -403,22 +403,55 @@ func extendCmd(g *globals) *cobra.Command {
 
 func heartbeatCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
-		Use:   "heartbeat REF",
-		Short: "Renew a running sandbox's lease once (sbctl attach keeps renewing it)",
-		Args:  exactArgs(1, "REF (a sandbox id or name)"),
+		Use:   "heartbeat REF...",
+		Short: "Renew running sandboxes' leases once (sbctl attach keeps renewing them)",
+		Example: `  sbctl heartbeat dev
+  sbctl heartbeat $(sbctl list --tag team=infra -q)   # many leases, one request`,
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return usageErr("heartbeat takes one or more REFs (sandbox ids or names)")
+			}
+			return nil
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
 				return err
 			}
-			l, err := c.Heartbeat(cmd.Context(), args[0])
+			if len(args) == 1 {
+				l, err := c.Heartbeat(cmd.Context(), args[0])
+				if err != nil {
+					return err
+				}
+				return g.printLease(args[0], l)
+			}
+			res, err := c.Heartbeats(cmd.Context(), args)
 			if err != nil {
 				return err
 			}
-			return g.printLease(args[0], l)
+			var failed error
+			for _, it := range res.Items {
+				if it.Error != nil {
+					fmt.Fprintf(g.stderr, "sbctl: %s: %s\n", it.Ref, it.Error.Message)
+					failed = it.Error
+					continue
+				}
+				if err := g.printLease(it.Ref, *it.Lease); err != nil {
+					return err
+				}
+			}
+			if failed != nil {
+				return silent{failed}
+			}
+			return nil
 		},
 	}
 }
+
+// silent is an error already reported on stderr: it only sets the exit code.
+type silent struct{ error }
+
+func (s silent) Unwrap() error { return s.error }
 
 func (g *globals) printLease(ref string, l protocol.HeartbeatResponse) error {
 	if g.quiet {

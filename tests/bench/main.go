@@ -148,9 +148,11 @@ func run() error {
 	}
 	downRate := float64(size) / (1 << 20) / time.Since(down).Seconds()
 	rssAfter := br.peakRSS()
+	toFile, fromFile := tcpFileBaselines(br.dir, size)
 	add(row{"100 MiB upload", fmt.Sprintf("%.0f MiB/s", upRate), "> 2000 MiB/s", "1669", "476",
-		fmt.Sprintf("broker peak RSS %d -> %d MiB", rssBefore>>20, rssAfter>>20)})
-	add(row{"100 MiB download", fmt.Sprintf("%.0f MiB/s", downRate), "> 2500 MiB/s", "2467", "3155", ""})
+		fmt.Sprintf("raw TCP into a new file on this disk %.0f MiB/s; broker peak RSS %d -> %d MiB", toFile, rssBefore>>20, rssAfter>>20)})
+	add(row{"100 MiB download", fmt.Sprintf("%.0f MiB/s", downRate), "> 2500 MiB/s", "2467", "3155",
+		fmt.Sprintf("raw file out over TCP %.0f MiB/s", fromFile)})
 
 	fmt.Fprintln(os.Stderr, "1000 concurrent connections...")
 	conns, errs, took := concurrentConnections(ctx, m.Sandbox, 1000)
@@ -262,6 +264,61 @@ func tcpRoundTrips(n int) (samples, error) {
 		_, err := c.Read(b)
 		return err
 	}), nil
+}
+
+// tcpFileBaselines measures the floor under uploads and downloads on this machine: raw loopback TCP
+// into a new file on the data dir's disk, and a file out over raw TCP, with no protocol at all.
+func tcpFileBaselines(dir string, size int) (toFile, fromFile float64) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, 0
+	}
+	defer l.Close()
+	path := filepath.Join(dir, "baseline.bin")
+	defer os.Remove(path)
+	buf := make([]byte, 1<<20)
+	done := make(chan struct{})
+	go func() { // receive into a new file
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		f, _ := os.Create(path)
+		io.CopyBuffer(f, c, make([]byte, 1<<20))
+		f.Close()
+		c.Close()
+		close(done)
+	}()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		return 0, 0
+	}
+	t := time.Now()
+	for sent := 0; sent < size; sent += len(buf) {
+		c.Write(buf)
+	}
+	c.Close()
+	<-done
+	toFile = float64(size) / (1 << 20) / time.Since(t).Seconds()
+	go func() { // send the file
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		f, _ := os.Open(path)
+		io.CopyBuffer(c, struct{ io.Reader }{f}, make([]byte, 1<<20))
+		f.Close()
+		c.Close()
+	}()
+	c, err = net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		return toFile, 0
+	}
+	t = time.Now()
+	io.CopyBuffer(io.Discard, c, buf)
+	fromFile = float64(size) / (1 << 20) / time.Since(t).Seconds()
+	c.Close()
+	return toFile, fromFile
 }
 
 // brokerProc is the broker under test.

@@ -6,7 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 mkdir -p bin
-go build -o bin/broker ./cmd/broker
-go build -o bin/sbctl ./cmd/sbctl
-echo "built bin/broker and bin/sbctl; starting the broker (Ctrl-C to stop)" >&2
+go build -o bin/ ./cmd/broker ./cmd/sbctl ./cmd/sbx-init
+echo "built bin/broker, bin/sbctl and bin/sbx-init; starting the broker (Ctrl-C to stop)" >&2
 exec bin/broker "$@"

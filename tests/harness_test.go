@@ -26,7 +26,7 @@ func TestMain(m *testing.M) {
 	if err != nil {
 		panic(err)
 	}
-	for _, name := range []string{"broker", "sbctl"} {
+	for _, name := range []string{"broker", "sbctl", "sbx-init"} {
 		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, name), "../cmd/"+name)
 		cmd.Stderr = os.Stderr
 		if err := cmd.Run(); err != nil {

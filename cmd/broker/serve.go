@@ -144,7 +144,7 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 	if b, err := os.ReadFile(memo); err == nil && choice == "auto" && !c.ProviderReset {
 		choice = strings.TrimSpace(string(b))
 	}
-	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID}
+	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log)}
 	prov, report, err := provider.Preflight(ctx, cfg, choice)
 	if err != nil {
 		if choice != c.Provider {
@@ -248,4 +248,20 @@ func serveDebug(addr string, log *slog.Logger) {
 	if err := srv.ListenAndServe(); err != nil {
 		log.Error("debug listener", "err", err)
 	}
+}
+
+// initPath picks the program each sandbox runs as its resident init: sbx-init next to this binary
+// when it is there (it starts in about half the time: it links nothing but the init), else this
+// binary itself.
+func initPath(log *slog.Logger) string {
+	self, err := os.Executable()
+	if err != nil {
+		return ""
+	}
+	small := filepath.Join(filepath.Dir(self), "sbx-init")
+	if fi, err := os.Stat(small); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+		return small
+	}
+	log.Info("sbx-init is not installed next to the broker; sandboxes use the broker binary as their init (each start takes ~4 ms longer)", "want", small)
+	return self
 }

@@ -338,7 +338,7 @@ func startBroker() (*brokerProc, error) {
 		return nil, err
 	}
 	os.Chmod(dir, 0o711) // the sandbox uid must reach the data dir
-	for _, name := range []string{"broker"} {
+	for _, name := range []string{"broker", "sbx-init"} {
 		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, name), "./cmd/"+name)
 		cmd.Dir, cmd.Stderr = root, os.Stderr
 		if err := cmd.Run(); err != nil {

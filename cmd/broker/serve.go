@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -16,14 +15,8 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/client"
-	"github.com/sbxbroker/broker/delegation"
-	"github.com/sbxbroker/broker/events"
-	"github.com/sbxbroker/broker/heartbeat"
-	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
-	"github.com/sbxbroker/broker/sandbox/workspace"
 	"github.com/sbxbroker/broker/server"
-	"github.com/sbxbroker/broker/store"
 )
 
 // serve runs the broker until SIGINT or SIGTERM, then shuts down gracefully: it stops accepting,
@@ -53,83 +46,47 @@ func serve(parent context.Context, c *config) error {
 	if err != nil {
 		return err
 	}
-
-	evw := events.NewWriter(st.rdb, log)
-	defer evw.Close()
-	uid := -1
-	if prov.Name() == "namespace" && os.Geteuid() == 0 {
-		uid = c.SandboxUID
-	}
-	mgr, err := sandbox.NewManager(sandbox.Config{
-		Store: st.store, Provider: prov, Templates: templates, Node: node, Events: evw, Log: log,
-		DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, IndexDir: filepath.Join(c.DataDir, "hosted"),
-		Workspace: workspace.Options{UID: uid, GID: uid},
-	})
-	if err != nil {
-		return err
-	}
-	if err := mgr.Recover(ctx); err != nil {
-		log.Error("recovering this node's sandboxes", "err", err)
-	}
-	defer mgr.Close(context.Background())
-	go mgr.Run(ctx, 5*time.Second)
-
 	if st.embedded != nil {
 		if err := bootstrap(ctx, c, st, log); err != nil {
 			return err
 		}
 	}
-	if err := st.store.RegisterNode(ctx, node, c.advertise()); err != nil {
-		return err
+	uid := -1 // files the broker creates belong to the sandbox user when sandboxes run as one
+	if prov.Name() == "namespace" && os.Geteuid() == 0 {
+		uid = c.SandboxUID
 	}
-	keys, err := delegation.LoadOrCreateKeyring(c.signingDir(), time.Now)
-	if err != nil {
-		return fmt.Errorf("--signing-keys (SBX_SIGNING_KEYS): %w", err)
-	}
-	go reloadKeys(ctx, keys, log)
-	dlg, err := delegation.NewService(delegation.ServiceConfig{
-		Keys: keys, Store: st.store, Events: evw, Log: log,
-		Token:        delegation.Config{DefaultTTL: c.TokenTTL, MaxTTL: c.TokenMaxTTL},
-		DataplaneURL: dataplaneURL(st.store),
-	})
-	if err != nil {
-		return err
-	}
-
-	srv := server.New(server.Config{
-		Store: st.store, Sandboxes: mgr, Delegation: dlg, Keys: keys, Events: evw, Log: log,
+	b, err := server.NewBroker(ctx, server.BrokerConfig{
+		Store: st.store, Provider: prov, Templates: templates, ProviderWarnings: warnings(report),
+		Node: node, AdvertiseURL: c.advertise(), DataDir: c.DataDir, SigningKeys: c.signingDir(), WorkspaceUID: uid,
+		Log: log, DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, TokenTTL: c.TokenTTL, TokenMaxTTL: c.TokenMaxTTL,
+		SweepInterval: c.SweepInterval, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention,
 		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews,
-		Ready: func(ctx context.Context) server.ReadyReport {
-			r := server.ReadyReport{Ready: true, Provider: prov.Name(), Redis: "ok", Node: node, Warnings: warnings(report)}
-			if err := st.rdb.Ping(ctx).Err(); err != nil {
-				r.Ready, r.Redis = false, "unreachable"
-			}
-			return r
-		},
 	})
-	sweeper := heartbeat.NewSweeper(heartbeat.Config{Store: st.store, Sandboxes: mgr, Events: evw, Log: log,
-		Interval: c.SweepInterval, Warning: c.ExpiryWarning, Retention: c.Retention})
-	go sweeper.Run(ctx)
+	if err != nil {
+		return err
+	}
 	if c.DebugListen != "" {
 		go serveDebug(c.DebugListen, log)
 	}
 	l, err := net.Listen("tcp", c.Listen)
 	if err != nil {
+		b.Shutdown(context.Background())
 		return fmt.Errorf("--listen (SBX_LISTEN): %w", err)
 	}
 	log.Info("broker ready", "listen", l.Addr().String(), "advertise", c.advertise(), "node", node,
 		"provider", prov.Name(), "redis", st.where, "data_dir", c.DataDir)
 	served := make(chan error, 1)
-	go func() { served <- srv.Serve(l) }()
+	go func() { served <- b.Serve(l) }()
 	select {
 	case err := <-served:
+		b.Shutdown(context.Background())
 		return err
 	case <-ctx.Done():
 	}
 	log.Info("shutting down", "timeout", c.ShutdownTimeout)
 	sctx, cancel := context.WithTimeout(context.Background(), c.ShutdownTimeout)
 	defer cancel()
-	if err := srv.Shutdown(sctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+	if err := b.Shutdown(sctx); err != nil {
 		log.Warn("shutdown", "err", err)
 	}
 	return nil
@@ -192,41 +149,6 @@ func bootstrap(ctx context.Context, c *config, st *storage, log *slog.Logger) er
 	}
 	log.Info(msg, "key_id", k.ID, "credentials", cfgPath)
 	return nil
-}
-
-// reloadKeys picks up a signing key rotation done by `broker keys rotate-signing` (another process).
-func reloadKeys(ctx context.Context, keys *delegation.Keyring, log *slog.Logger) {
-	t := time.NewTicker(10 * time.Second)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if err := keys.Reload(); err != nil {
-				log.Error("reloading signing keys", "err", err)
-			}
-		}
-	}
-}
-
-// dataplaneURL builds a sandbox's dataplane URL from the base URL of the broker hosting it.
-func dataplaneURL(st *store.Store) func(ctx context.Context, rec store.Record) (string, error) {
-	return func(ctx context.Context, rec store.Record) (string, error) {
-		base, err := st.NodeURL(ctx, rec.Node)
-		if err != nil {
-			return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
-		}
-		return protocolBase(base) + "/v1/sandboxes/" + rec.ID + "/dataplane", nil
-	}
-}
-
-// protocolBase turns http(s)://host into ws(s)://host.
-func protocolBase(base string) string {
-	if rest, ok := strings.CutPrefix(base, "https://"); ok {
-		return "wss://" + rest
-	}
-	return "ws://" + strings.TrimPrefix(base, "http://")
 }
 
 func warnings(r provider.Report) []string {

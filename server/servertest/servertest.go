@@ -21,11 +21,9 @@ import (
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/delegation"
-	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/heartbeat"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
-	"github.com/sbxbroker/broker/sandbox/workspace"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/store/redistest"
@@ -105,75 +103,40 @@ func New(t testing.TB, opts Options) *Broker {
 	}
 	rdb := opts.Redis.Client(t)
 	st := store.New(rdb)
-	ctx, cancel := context.WithCancel(context.Background())
-
-	pcfg := provider.Config{DataDir: opts.DataDir}
-	prov, _, err := provider.Preflight(ctx, pcfg, opts.Provider)
+	prov, _, err := provider.Preflight(context.Background(), provider.Config{DataDir: opts.DataDir}, opts.Provider)
 	if err != nil {
 		t.Fatalf("servertest: provider %s: %v", opts.Provider, err)
 	}
-	evw := events.NewWriter(rdb, log)
 	uid := -1
 	if opts.Provider == "namespace" && os.Geteuid() == 0 {
 		uid = provider.DefaultUID
-	}
-	mgr, err := sandbox.NewManager(sandbox.Config{
-		Store: st, Provider: prov, Templates: opts.Templates, Node: opts.Node, Events: evw, Log: log,
-		Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
-		IndexDir: filepath.Join(opts.DataDir, "hosted"), Workspace: workspace.Options{UID: uid, GID: uid},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := mgr.Recover(ctx); err != nil {
-		t.Fatal(err)
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	url := "http://" + l.Addr().String()
-	if err := st.RegisterNode(ctx, opts.Node, url); err != nil {
-		t.Fatal(err)
-	}
-	keys, err := delegation.LoadOrCreateKeyring(filepath.Join(opts.DataDir, "signing"), opts.Now)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dlg, err := delegation.NewService(delegation.ServiceConfig{
-		Keys: keys, Store: st, Events: evw, Log: log, Token: delegation.Config{Now: opts.Now},
-		DataplaneURL: func(ctx context.Context, rec store.Record) (string, error) {
-			base, err := st.NodeURL(ctx, rec.Node)
-			return "ws" + base[len("http"):] + "/v1/sandboxes/" + rec.ID + "/dataplane", err
-		},
+	// The same wiring as cmd/broker; the sweeper is left to the test (SweepOnce on its clock).
+	br, err := server.NewBroker(context.Background(), server.BrokerConfig{
+		Store: st, Provider: prov, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
+		DataDir: opts.DataDir, SigningKeys: filepath.Join(opts.DataDir, "signing"), WorkspaceUID: uid,
+		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := server.New(server.Config{
-		Store: st, Sandboxes: mgr, Delegation: dlg, Keys: keys, Events: evw, Log: log, Now: opts.Now,
-		Ready: func(context.Context) server.ReadyReport {
-			return server.ReadyReport{Ready: true, Provider: prov.Name(), Redis: "ok", Node: opts.Node}
-		},
-	})
-	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() { defer wg.Done(); srv.Serve(l) }()
-	go func() { defer wg.Done(); mgr.Run(ctx, time.Second) }()
+	served := make(chan struct{})
+	go func() { defer close(served); br.Serve(l) }()
 
-	sweeper := heartbeat.NewSweeper(heartbeat.Config{Store: st, Sandboxes: mgr, Events: evw, Log: log, Now: opts.Now})
-	b := &Broker{URL: url, Redis: opts.Redis, RDB: rdb, Store: st, Manager: mgr, Keys: keys, Server: srv,
-		Sweeper: sweeper, DataDir: opts.DataDir, t: t, now: opts.Now}
+	b := &Broker{URL: url, Redis: opts.Redis, RDB: rdb, Store: st, Manager: br.Sandboxes, Keys: br.Keys, Server: br.Server,
+		Sweeper: br.Sweeper, DataDir: opts.DataDir, t: t, now: opts.Now}
 	var once sync.Once
 	b.stop = func() {
 		once.Do(func() {
-			sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer scancel()
-			srv.Shutdown(sctx)
-			cancel()
-			wg.Wait()
-			mgr.Close(sctx)
-			evw.Close()
+			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			br.Shutdown(sctx)
+			<-served
 		})
 	}
 	t.Cleanup(b.stop)

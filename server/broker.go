@@ -1,0 +1,177 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/events"
+	"github.com/sbxbroker/broker/heartbeat"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/store"
+)
+
+// BrokerConfig is what a broker is made of, given its storage and its sandbox provider.
+type BrokerConfig struct {
+	Store     *store.Store
+	Provider  provider.Provider
+	Templates map[string]provider.Template
+	// ProviderWarnings are shown on /readyz (e.g. limits not enforced).
+	ProviderWarnings []string
+	// Node names this broker; AdvertiseURL is how clients reach it (dataplane URLs are built from it).
+	Node         string
+	AdvertiseURL string
+	// DataDir holds the index of hosted sandboxes; SigningKeys the token keys.
+	DataDir     string
+	SigningKeys string
+	// WorkspaceUID owns the files the broker creates in workspaces (-1: leave ownership alone).
+	WorkspaceUID int
+	Log          *slog.Logger
+	// Now is the clock of every lease, deadline and token (nil: time.Now).
+	Now                                       func() time.Time
+	DefaultTTL, MaxTTL, TokenTTL, TokenMaxTTL time.Duration
+	// SweepInterval runs the sweeper in the background; 0 leaves it to the caller (tests call
+	// Sweeper.SweepOnce).
+	SweepInterval, ExpiryWarning, Retention time.Duration
+	AllowedOrigins                          []string
+	DataplaneRenewsLease                    bool
+}
+
+// Broker is one running broker: its lifecycle manager, delegation, sweeper, event writer and HTTP
+// server, wired together once, here, for cmd/broker and for servertest alike.
+type Broker struct {
+	Server     *Server
+	Sandboxes  *sandbox.Manager
+	Delegation *delegation.Service
+	Keys       *delegation.Keyring
+	Sweeper    *heartbeat.Sweeper
+	events     *events.Writer
+	stop       context.CancelFunc
+	loops      sync.WaitGroup
+}
+
+// NewBroker wires a broker, recovers the sandboxes this node hosts, registers the node, and starts
+// its background loops (node commands and reconcile, signing key reloads, the sweeper).
+func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	b := &Broker{events: events.NewWriter(cfg.Store.Client(), cfg.Log)}
+	fail := func(err error) (*Broker, error) {
+		b.events.Close()
+		return nil, err
+	}
+	var err error
+	b.Sandboxes, err = sandbox.NewManager(sandbox.Config{
+		Store: cfg.Store, Provider: cfg.Provider, Templates: cfg.Templates, Node: cfg.Node, Events: b.events,
+		Log: cfg.Log, Now: cfg.Now, DefaultTTL: cfg.DefaultTTL, MaxTTL: cfg.MaxTTL,
+		IndexDir: filepath.Join(cfg.DataDir, "hosted"), Workspace: workspace.Options{UID: cfg.WorkspaceUID, GID: cfg.WorkspaceUID},
+	})
+	if err != nil {
+		return fail(err)
+	}
+	if err := b.Sandboxes.Recover(ctx); err != nil {
+		cfg.Log.Error("recovering this node's sandboxes", "err", err)
+	}
+	if err := cfg.Store.RegisterNode(ctx, cfg.Node, cfg.AdvertiseURL); err != nil {
+		return fail(err)
+	}
+	if b.Keys, err = delegation.LoadOrCreateKeyring(cfg.SigningKeys, cfg.Now); err != nil {
+		return fail(fmt.Errorf("signing keys: %w", err))
+	}
+	b.Delegation, err = delegation.NewService(delegation.ServiceConfig{
+		Keys: b.Keys, Store: cfg.Store, Events: b.events, Log: cfg.Log,
+		Token:        delegation.Config{DefaultTTL: cfg.TokenTTL, MaxTTL: cfg.TokenMaxTTL, Now: cfg.Now},
+		DataplaneURL: dataplaneURL(cfg.Store),
+	})
+	if err != nil {
+		return fail(err)
+	}
+	rdb := cfg.Store.Client()
+	b.Server = New(Config{
+		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
+		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
+		Ready: func(ctx context.Context) ReadyReport {
+			r := ReadyReport{Ready: true, Provider: cfg.Provider.Name(), Redis: "ok", Node: cfg.Node, Warnings: cfg.ProviderWarnings}
+			if err := rdb.Ping(ctx).Err(); err != nil {
+				r.Ready, r.Redis = false, "unreachable"
+			}
+			return r
+		},
+	})
+	b.Sweeper = heartbeat.NewSweeper(heartbeat.Config{Store: cfg.Store, Sandboxes: b.Sandboxes, Events: b.events, Log: cfg.Log,
+		Now: cfg.Now, Interval: cfg.SweepInterval, Warning: cfg.ExpiryWarning, Retention: cfg.Retention})
+
+	loopCtx, stop := context.WithCancel(context.Background())
+	b.stop = stop
+	b.loop(func() { b.Sandboxes.Run(loopCtx, 5*time.Second) })
+	b.loop(func() { reloadKeys(loopCtx, b.Keys, cfg.Log) })
+	if cfg.SweepInterval > 0 {
+		b.loop(func() { b.Sweeper.Run(loopCtx) })
+	}
+	return b, nil
+}
+
+func (b *Broker) loop(fn func()) {
+	b.loops.Add(1)
+	go func() { defer b.loops.Done(); fn() }()
+}
+
+// Serve serves the API, dataplane and events on l until Shutdown.
+func (b *Broker) Serve(l net.Listener) error { return b.Server.Serve(l) }
+
+// Shutdown stops accepting, lets requests in flight finish until ctx ends, closes dataplane and
+// event streams, stops the background loops and every sandbox's processes (their records stay
+// running: the next start brings them back) and flushes the event log.
+func (b *Broker) Shutdown(ctx context.Context) error {
+	err := b.Server.Shutdown(ctx)
+	b.stop()
+	b.loops.Wait()
+	b.Sandboxes.Close(context.WithoutCancel(ctx))
+	b.events.Close()
+	if errors.Is(err, context.DeadlineExceeded) {
+		return nil // the remaining connections were closed
+	}
+	return err
+}
+
+// reloadKeys picks up a signing key rotation done by `broker keys rotate-signing` (another process).
+func reloadKeys(ctx context.Context, keys *delegation.Keyring, log *slog.Logger) {
+	t := time.NewTicker(10 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if err := keys.Reload(); err != nil {
+				log.Error("reloading signing keys", "err", err)
+			}
+		}
+	}
+}
+
+// dataplaneURL builds a sandbox's dataplane URL from the base URL of the broker hosting it.
+func dataplaneURL(st *store.Store) func(ctx context.Context, rec store.Record) (string, error) {
+	return func(ctx context.Context, rec store.Record) (string, error) {
+		base, err := st.NodeURL(ctx, rec.Node)
+		if err != nil {
+			return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
+		}
+		if rest, ok := strings.CutPrefix(base, "https://"); ok {
+			base = "wss://" + rest
+		} else {
+			base = "ws://" + strings.TrimPrefix(base, "http://")
+		}
+		return base + "/v1/sandboxes/" + rec.ID + "/dataplane", nil
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -106,7 +107,7 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 	case protocol.StatusRunning:
 		got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
 			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning,
-			Fields: map[string]string{store.FieldLost: itoa(m.now().UnixMilli())}})
+			Fields: map[string]string{store.FieldLost: strconv.FormatInt(m.now().UnixMilli(), 10)}})
 		if err != nil {
 			return
 		}
@@ -191,5 +192,3 @@ func (m *Manager) Close(ctx context.Context) {
 		h.mu.Unlock()
 	}
 }
-
-func itoa(n int64) string { b, _ := json.Marshal(n); return string(b) }

@@ -77,10 +77,17 @@ func serve(parent context.Context, c *config) error {
 		"provider", prov.Name(), "redis", st.where, "data_dir", c.DataDir)
 	served := make(chan error, 1)
 	go func() { served <- b.Serve(l) }()
+	var redisExited <-chan struct{} // nil (never ready) unless the embedded Redis is ours
+	if st.embedded != nil {
+		redisExited = st.embedded.Exited()
+	}
 	select {
 	case err := <-served:
 		b.Shutdown(context.Background())
 		return err
+	case <-redisExited:
+		b.Shutdown(context.Background())
+		return fmt.Errorf("the embedded redis-server exited; see %s", filepath.Join(st.embedded.Dir, "redis.log"))
 	case <-ctx.Done():
 	}
 	log.Info("shutting down", "timeout", c.ShutdownTimeout)

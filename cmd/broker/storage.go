@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -148,5 +147,3 @@ func redactURL(u string) string {
 	}
 	return u
 }
-
-var errUsage = errors.New("usage")

@@ -63,6 +63,18 @@ type hosted struct {
 	ws   *workspace.Workspace
 }
 
+// release stops the sandbox's processes and closes its workspace; the caller holds h.mu.
+func (h *hosted) release(ctx context.Context) {
+	if h.inst != nil {
+		h.inst.Stop(ctx)
+		h.inst = nil
+	}
+	if h.ws != nil {
+		h.ws.Close()
+		h.ws = nil
+	}
+}
+
 // NewManager builds a Manager; call Recover before serving.
 func NewManager(cfg Config) (*Manager, error) {
 	if _, ok := cfg.Templates["default"]; !ok {
@@ -414,14 +426,7 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.inst != nil {
-		h.inst.Stop(ctx)
-		h.inst = nil
-	}
-	if h.ws != nil {
-		h.ws.Close()
-		h.ws = nil
-	}
+	h.release(ctx)
 	tmpl := m.cfg.Templates[rec.Template]
 	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: rec.ID, Template: tmpl}); err != nil {
 		m.cfg.Log.Error("removing sandbox files failed; it stays deleting and is retried at next start", "sandbox_id", rec.ID, "err", err)

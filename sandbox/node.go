@@ -181,14 +181,7 @@ func (m *Manager) Close(ctx context.Context) {
 	m.mu.Unlock()
 	for _, h := range hs {
 		h.mu.Lock()
-		if h.inst != nil {
-			h.inst.Stop(ctx)
-			h.inst = nil
-		}
-		if h.ws != nil {
-			h.ws.Close()
-			h.ws = nil
-		}
+		h.release(ctx)
 		h.mu.Unlock()
 	}
 }

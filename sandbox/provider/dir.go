@@ -61,13 +61,7 @@ func (d *Dir) Create(ctx context.Context, spec Spec) error {
 
 // Destroy removes the sandbox's directories. It refuses invalid ids and running sandboxes.
 func (d *Dir) Destroy(ctx context.Context, spec Spec) error {
-	if !validID(spec.ID) {
-		return fmt.Errorf("%w: %q", ErrInvalidID, spec.ID)
-	}
-	if d.running.isRunning(spec.ID) {
-		return fmt.Errorf("%w: %s", ErrRunning, spec.ID)
-	}
-	return d.layout.destroy(spec.ID)
+	return d.layout.destroy(spec.ID, &d.running)
 }
 
 // Start runs the init on the host, in its own session, in the workspace directory.

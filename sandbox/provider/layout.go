@@ -86,11 +86,14 @@ func (l layout) create(id string, uid, gid int) error {
 	return nil
 }
 
-// destroy removes everything of the sandbox. The id is checked first: a hostile id never reaches a
-// path.
-func (l layout) destroy(id string) error {
+// destroy removes everything of the sandbox unless it is running. The id is checked first: a
+// hostile id never reaches a path.
+func (l layout) destroy(id string, r *running) error {
 	if !validID(id) {
 		return fmt.Errorf("%w: %q", ErrInvalidID, id)
+	}
+	if r.isRunning(id) {
+		return fmt.Errorf("%w: %s", ErrRunning, id)
 	}
 	dir := l.sandboxDir(id)
 	err := os.RemoveAll(dir)

@@ -162,13 +162,7 @@ func (n *Namespace) writeIdentity(spec Spec) error {
 
 // Destroy removes the sandbox's directories. It refuses invalid ids and running sandboxes.
 func (n *Namespace) Destroy(ctx context.Context, spec Spec) error {
-	if !validID(spec.ID) {
-		return fmt.Errorf("%w: %q", ErrInvalidID, spec.ID)
-	}
-	if n.running.isRunning(spec.ID) {
-		return fmt.Errorf("%w: %s", ErrRunning, spec.ID)
-	}
-	return n.layout.destroy(spec.ID)
+	return n.layout.destroy(spec.ID, &n.running)
 }
 
 // Start starts bwrap with the init, moves it into the sandbox's cgroups and takes the environment

@@ -189,13 +189,20 @@ func (s *Sweeper) sweepOrg(ctx context.Context, org string, r *Report) error {
 		}
 	}
 	if s.cfg.Retention > 0 {
-		ids, err := s.cfg.Store.StoppedBefore(ctx, org, now.Add(-s.cfg.Retention), s.cfg.Batch)
+		cutoff := now.Add(-s.cfg.Retention)
+		ids, err := s.cfg.Store.StoppedBefore(ctx, org, cutoff, s.cfg.Batch)
 		if err != nil {
 			return err
 		}
 		for _, id := range ids {
-			if _, err := s.cfg.Sandboxes.Delete(ctx, caller, id); err == nil {
+			// The delete re-checks atomically: a sandbox resumed since the read is kept.
+			_, err := s.cfg.Sandboxes.DeleteStopped(ctx, caller, id, cutoff)
+			switch {
+			case err == nil:
 				r.Deleted++
+			case isState(err):
+			default:
+				s.cfg.Log.Error("sweeper: retention delete failed", "org", org, "sandbox_id", id, "err", err)
 			}
 		}
 	}

@@ -403,9 +403,20 @@ func (m *Manager) start(ctx context.Context, c Caller, rec store.Record) (store.
 // Delete removes a sandbox: its processes, its files and its record. Its name is free at once and
 // every delegation token for it stops working (the token generation is bumped).
 func (m *Manager) Delete(ctx context.Context, c Caller, ref string) (store.Record, error) {
-	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), store.Transition{
+	return m.delete(ctx, c, ref, store.Transition{
 		From: []string{protocol.StatusProvisioning, protocol.StatusRunning, protocol.StatusStopped, protocol.StatusFailed, protocol.StatusDeleting},
 		To:   protocol.StatusDeleting})
+}
+
+// DeleteStopped deletes a sandbox only if it has been stopped since stoppedBy or earlier, checked
+// atomically: retention's delete, which a resume that lands first wins.
+func (m *Manager) DeleteStopped(ctx context.Context, c Caller, ref string, stoppedBy time.Time) (store.Record, error) {
+	return m.delete(ctx, c, ref, store.Transition{
+		From: []string{protocol.StatusStopped}, To: protocol.StatusDeleting, IfStoppedBy: stoppedBy})
+}
+
+func (m *Manager) delete(ctx context.Context, c Caller, ref string, t store.Transition) (store.Record, error) {
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), t)
 	if err != nil {
 		return store.Record{}, m.mapStoreErr(err, ref)
 	}

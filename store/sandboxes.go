@@ -170,7 +170,8 @@ func (s *Store) Get(ctx context.Context, org, ref string) (Record, error) {
 // KEYS: 1 names, 2 deadlines, 3 stopped, 4 warned.
 // ARGV: 1 ref, 2 sandbox key prefix, 3 allowed current statuses ("a,b"), 4 new status, 5 now (ms),
 // 6 only-if-expired-by (ms; 0 = unconditional: the sweeper passes now, so a heartbeat that moved the
-// deadline first wins), 7.. extra field/value pairs to set.
+// deadline first wins), 7 only-if-stopped-by (ms; 0 = unconditional: retention passes its cutoff, so
+// a resume that lands first wins), 8.. extra field/value pairs to set.
 // Answers {"ok", HGETALL...} or {"err", code, detail}.
 // Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped.
 var transitionScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + `
@@ -181,13 +182,17 @@ local status = redis.call('HGET', key, 'status')
 local allowed = false
 for s in string.gmatch(ARGV[3], '[^,]+') do if s == status then allowed = true end end
 if not allowed then return {'err', 'state', status} end
-local now, to, ifexp = tonumber(ARGV[5]), ARGV[4], tonumber(ARGV[6])
+local now, to, ifexp, ifstop = tonumber(ARGV[5]), ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7])
 if ifexp > 0 then
   local exp = tonumber(redis.call('HGET', key, 'expires')) or 0
   if exp == 0 or exp > ifexp then return {'err', 'state', 'renewed'} end
 end
+if ifstop > 0 then
+  local stopped = tonumber(redis.call('HGET', key, 'stopped')) or 0
+  if status ~= 'stopped' or stopped == 0 or stopped > ifstop then return {'err', 'state', status} end
+end
 redis.call('HSET', key, 'status', to)
-for i = 7, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 if to == 'running' then
   lease(key, id, now, tonumber(redis.call('HGET', key, 'ttl')) or 0, KEYS[2], KEYS[4])
 else
@@ -220,6 +225,9 @@ type Transition struct {
 	// IfExpiredBy makes the change conditional on the sandbox's deadline being at or before this time:
 	// the sweeper's re-check, so that a heartbeat that lands first wins.
 	IfExpiredBy time.Time
+	// IfStoppedBy makes the change conditional on the sandbox being stopped since this time or
+	// earlier: retention's re-check, so that a resume that lands first wins.
+	IfStoppedBy time.Time
 }
 
 // Field names callers may set through Transition.Fields.
@@ -235,7 +243,7 @@ const (
 // running starts a lease (expires = now + ttl); moving to deleting frees the name and bumps the token
 // generation, which revokes every delegation token of the sandbox.
 func (s *Store) Transition(ctx context.Context, org, ref string, now time.Time, t Transition) (Record, error) {
-	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, ms(now), ms(t.IfExpiredBy)}
+	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, ms(now), ms(t.IfExpiredBy), ms(t.IfStoppedBy)}
 	for k, v := range t.Fields {
 		args = append(args, k, v)
 	}

@@ -209,6 +209,13 @@ func testLease(t *testing.T, s *store.Store) {
 	if ids, _ := s.StoppedBefore(ctx, "lease", later, 10); len(ids) != 1 {
 		t.Fatalf("stopped index: %v", ids)
 	}
+	// Retention saw it stopped before its cutoff, but it was stopped again after the cutoff (a
+	// resume and a stop in between): the delete is refused, and so it is for a running sandbox.
+	cutoff := later.Add(-time.Second)
+	if _, err := s.Transition(ctx, "lease", rec.ID, later, store.Transition{
+		From: []string{"stopped"}, To: "deleting", IfStoppedBy: cutoff}); !errors.Is(err, store.ErrWrongState) {
+		t.Fatalf("retention delete of a sandbox stopped after the cutoff: want refused, got %v", err)
+	}
 	// SetTTL 0 on a running sandbox removes its deadline.
 	s.Transition(ctx, "lease", rec.ID, later, store.Transition{From: []string{"stopped"}, To: "running"})
 	if l, err := s.SetTTL(ctx, "lease", rec.ID, 0, later); err != nil || !l.ExpiresAt.IsZero() {

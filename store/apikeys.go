@@ -79,12 +79,17 @@ func (s *Store) CreateAPIKey(ctx context.Context, org, name string, now time.Tim
 	id := strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(idb))
 	key := apiKeyPrefix + id + "_" + base64.RawURLEncoding.EncodeToString(secret)
 	k := APIKey{ID: id, Org: org, Name: name, CreatedAt: now.UTC().Truncate(time.Millisecond)}
-	_, err := s.rdb.TxPipelined(ctx, func(p redis.Pipeliner) error {
-		p.HSet(ctx, APIKeyKey(id), "org", org, "name", name, "hash", hashKey(key), "created", ms(now), "revoked", 0)
+	// The three keys live in different Cluster slots, so no MULTI: the indexes go first and the key
+	// itself last, which is all Authenticate reads. A failure between them leaves an index entry
+	// without a key, which listing skips.
+	_, err := s.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 		p.SAdd(ctx, OrgsKey, org)
 		p.SAdd(ctx, OrgAPIKeysKey(org), id)
 		return nil
 	})
+	if err == nil {
+		err = s.rdb.HSet(ctx, APIKeyKey(id), "org", org, "name", name, "hash", hashKey(key), "created", ms(now), "revoked", 0).Err()
+	}
 	if err != nil {
 		return "", APIKey{}, fmt.Errorf("store: create API key: %w", err)
 	}

@@ -187,7 +187,9 @@ func freeLoopbackPort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-// CheckServer verifies that the Redis behind rdb is new enough for our scripts (6.2: ZRANGE BYSCORE).
+// CheckServer verifies that the Redis behind rdb is new enough: 7.0, for XINFO STREAM's
+// entries-added, which tells an event resume whether trimming lost events (6.2 reports 0, and a
+// resume would skip them silently). The scripts need only 6.2 (ZRANGE BYSCORE).
 func CheckServer(ctx context.Context, rdb redis.UniversalClient) error {
 	info, err := rdb.Info(ctx, "server").Result()
 	if err != nil {
@@ -195,14 +197,9 @@ func CheckServer(ctx context.Context, rdb redis.UniversalClient) error {
 	}
 	for _, line := range strings.Split(info, "\n") {
 		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "redis_version:"); ok {
-			parts := strings.SplitN(v, ".", 3)
-			major, _ := strconv.Atoi(parts[0])
-			minor := 0
-			if len(parts) > 1 {
-				minor, _ = strconv.Atoi(parts[1])
-			}
-			if major < 6 || (major == 6 && minor < 2) {
-				return fmt.Errorf("Redis %s is too old: the broker needs 6.2 or newer", v)
+			major, _ := strconv.Atoi(strings.SplitN(v, ".", 2)[0])
+			if major < 7 {
+				return fmt.Errorf("Redis %s is too old: the broker needs 7.0 or newer", v)
 			}
 			return nil
 		}

@@ -2,8 +2,10 @@ package store
 
 import (
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net/url"
+	"strconv"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
@@ -39,6 +41,13 @@ func ParseRedisURL(raw string) (*redis.UniversalOptions, error) {
 			if o.MasterName == "" {
 				return nil, bad("a sentinel URL needs the master name as its path")
 			}
+			if db := u.Query().Get("db"); db != "" {
+				n, err := strconv.Atoi(db)
+				if err != nil || n < 0 {
+					return nil, bad("db must be a database number")
+				}
+				o.DB = n
+			}
 		}
 		if len(o.Addrs) == 0 {
 			return nil, bad("no hosts")
@@ -49,14 +58,14 @@ func ParseRedisURL(raw string) (*redis.UniversalOptions, error) {
 		return o, nil
 	case strings.Contains(raw, ","):
 		o := &redis.UniversalOptions{}
-		for _, part := range strings.Split(raw, ",") {
+		for i, part := range strings.Split(raw, ",") {
 			part = strings.TrimSpace(part)
 			if !strings.Contains(part, "://") {
 				part = "redis://" + part
 			}
 			one, err := redis.ParseURL(part)
 			if err != nil {
-				return nil, bad(fmt.Sprintf("node %q: %v", part, err))
+				return nil, bad(fmt.Sprintf("node %d: %s", i+1, parseProblem(err)))
 			}
 			o.Addrs = append(o.Addrs, one.Addr)
 			o.Username, o.Password, o.TLSConfig = one.Username, one.Password, one.TLSConfig
@@ -68,10 +77,20 @@ func ParseRedisURL(raw string) (*redis.UniversalOptions, error) {
 	}
 	one, err := redis.ParseURL(raw)
 	if err != nil {
-		return nil, bad(err.Error())
+		return nil, bad(parseProblem(err))
 	}
 	return &redis.UniversalOptions{Addrs: []string{one.Addr}, Username: one.Username, Password: one.Password,
 		DB: one.DB, TLSConfig: cloneTLS(one.TLSConfig)}, nil
+}
+
+// parseProblem says what is wrong with a URL without quoting it: a *url.Error carries the whole
+// URL, password included, and the broker prints this error at start.
+func parseProblem(err error) string {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		return ue.Err.Error()
+	}
+	return err.Error()
 }
 
 func splitHosts(h string) []string {

@@ -23,7 +23,11 @@ func TestParseRedisURL(t *testing.T) {
 		{in: "redis-cluster://x:1,y:2", addrs: "x:1,y:2"},
 		{in: "redis-cluster://one:7000", addrs: "one:7000", cluster: true},
 		{in: "redis-sentinel://:pw@s1:26379,s2:26379/mymaster", addrs: "s1:26379,s2:26379", master: "mymaster", pass: "pw"},
+		{in: "redis-sentinel://s1:26379/m?db=3", addrs: "s1:26379", master: "m", db: 3},
 		{in: "redis-sentinel://s1:26379", fail: true},
+		{in: "redis-sentinel://s1:26379/m?db=x", fail: true},
+		{in: "redis://:s3cret@h:notaport", fail: true},
+		{in: "a:1,redis://:s3cret@h:notaport", fail: true},
 		{in: "", fail: true},
 		{in: "redis://h:notaport", fail: true},
 	} {
@@ -31,6 +35,9 @@ func TestParseRedisURL(t *testing.T) {
 		if tc.fail {
 			if err == nil || !strings.Contains(err.Error(), "--redis-url") {
 				t.Errorf("%q: want an error naming --redis-url, got %v", tc.in, err)
+			}
+			if err != nil && strings.Contains(err.Error(), "s3cret") {
+				t.Errorf("%q: the error shows the password: %v", tc.in, err)
 			}
 			continue
 		}

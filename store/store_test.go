@@ -18,10 +18,12 @@ import (
 	"github.com/sbxbroker/broker/store/redistest"
 )
 
-// backends runs each store test against a plain redis-server and against the embedded default.
+// backends runs each store test against a plain redis-server, a three-node Cluster and the embedded
+// default.
 func backends(t *testing.T) map[string]func(t *testing.T) redis.UniversalClient {
 	return map[string]func(t *testing.T) redis.UniversalClient{
 		"redis-server": func(t *testing.T) redis.UniversalClient { return redistest.Start(t).Client(t) },
+		"cluster":      func(t *testing.T) redis.UniversalClient { return redistest.StartCluster(t) },
 		"embedded": func(t *testing.T) redis.UniversalClient {
 			e, err := store.StartEmbedded(t.Context(), t.TempDir(), slog.New(slog.NewTextHandler(io.Discard, nil)))
 			if err != nil {

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -30,6 +31,11 @@ type Server struct {
 // (and its data gone) when t ends.
 func Start(t testing.TB) *Server {
 	t.Helper()
+	return start(t)
+}
+
+func start(t testing.TB, extra ...string) *Server {
+	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		t.Fatalf("redis-server not found on PATH: these tests use a real Redis. Install it with " +
@@ -48,6 +54,7 @@ func Start(t testing.TB) *Server {
 			"--bind", "127.0.0.1", "--port", strconv.Itoa(port),
 			"--save", "", "--appendonly", "no", "--dir", dir,
 			"--logfile", filepath.Join(dir, "redis.log"))
+		s.cmd.Args = append(s.cmd.Args, extra...)
 		if err := s.cmd.Start(); err != nil {
 			t.Fatalf("redistest: start redis-server: %v", err)
 		}
@@ -104,4 +111,52 @@ func freePort() (int, error) {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// StartCluster starts a Redis Cluster of three masters (no replicas) and returns a cluster client
+// for it, closed when t ends. Multi-key commands and scripts whose keys span slots fail on it as on
+// any Cluster, which is what the tests that use it check.
+func StartCluster(t testing.TB) redis.UniversalClient {
+	t.Helper()
+	nodes := make([]*Server, 3)
+	for i := range nodes {
+		dir := t.TempDir()
+		nodes[i] = start(t, "--cluster-enabled", "yes", "--cluster-config-file", filepath.Join(dir, "nodes.conf"))
+	}
+	ctx := context.Background()
+	const slots = 16384
+	addrs := make([]string, len(nodes))
+	for i, n := range nodes {
+		addrs[i] = n.Addr
+		c := redis.NewClient(&redis.Options{Addr: n.Addr})
+		from, to := i*slots/len(nodes), (i+1)*slots/len(nodes)-1
+		err := c.Do(ctx, "CLUSTER", "ADDSLOTSRANGE", from, to).Err()
+		if err == nil && i > 0 {
+			host, port, _ := net.SplitHostPort(nodes[0].Addr)
+			err = c.ClusterMeet(ctx, host, port).Err()
+		}
+		c.Close()
+		if err != nil {
+			t.Fatalf("redistest: form the cluster at %s: %v", n.Addr, err)
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for _, n := range nodes {
+		c := redis.NewClient(&redis.Options{Addr: n.Addr})
+		for {
+			info, err := c.ClusterInfo(ctx).Result()
+			if err == nil && strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:3") {
+				break
+			}
+			if time.Now().After(deadline) {
+				c.Close()
+				t.Fatalf("redistest: cluster at %s not ready after 10s: %v %s", n.Addr, err, info)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		c.Close()
+	}
+	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: addrs, IsClusterMode: true})
+	t.Cleanup(func() { c.Close() })
+	return c
 }

@@ -3,7 +3,6 @@ package store
 import (
 	"context"
 	"errors"
-	"strings"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -69,24 +68,27 @@ func (b *leaseBatcher) run() {
 }
 
 func (b *leaseBatcher) send(batch []*leaseCall) {
-	exec := func(useSha bool) []*redis.Cmd {
-		pipe := b.rdb.Pipeline()
-		cmds := make([]*redis.Cmd, len(batch))
-		for i, c := range batch {
-			if useSha {
-				cmds[i] = leaseScript.EvalSha(context.Background(), pipe, c.keys, c.args...)
-			} else {
-				cmds[i] = leaseScript.Eval(context.Background(), pipe, c.keys, c.args...)
-			}
-		}
-		pipe.Exec(context.Background())
-		return cmds
+	ctx := context.Background()
+	pipe := b.rdb.Pipeline()
+	cmds := make([]*redis.Cmd, len(batch))
+	for i, c := range batch {
+		cmds[i] = leaseScript.EvalSha(ctx, pipe, c.keys, c.args...)
 	}
-	cmds := exec(true)
-	// A Redis that lost its script cache (restarted, SCRIPT FLUSH) answers NOSCRIPT: send the
-	// script itself, which caches it again.
-	if err := cmds[0].Err(); err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT") {
-		cmds = exec(false)
+	pipe.Exec(ctx)
+	// A Redis that lost its script cache (restarted, failed over, SCRIPT FLUSH) answers NOSCRIPT,
+	// on a Cluster for the calls of one node only: send those again with the script itself, which
+	// caches it again.
+	var again redis.Pipeliner
+	for i, c := range batch {
+		if redis.HasErrorPrefix(cmds[i].Err(), "NOSCRIPT") {
+			if again == nil {
+				again = b.rdb.Pipeline()
+			}
+			cmds[i] = leaseScript.Eval(ctx, again, c.keys, c.args...)
+		}
+	}
+	if again != nil {
+		again.Exec(ctx)
 	}
 	for i, c := range batch {
 		c.res, c.err = cmds[i].StringSlice()

@@ -393,3 +393,44 @@ func TestEmbeddedSurvivesRestart(t *testing.T) {
 		t.Fatalf("after restart: %v %+v", err, got)
 	}
 }
+
+// A Redis that lost its script cache (restart, failover, SCRIPT FLUSH) still renews leases: the
+// pipelined heartbeats resend the script itself to every node that answered NOSCRIPT.
+func TestHeartbeatAfterScriptFlush(t *testing.T) {
+	t.Parallel()
+	rdb := redistest.StartCluster(t)
+	s := store.New(rdb)
+	ctx := t.Context()
+	var names []string
+	for i := 0; i < 8; i++ { // orgs spread over the cluster's nodes
+		org := fmt.Sprintf("flush-%d", i)
+		rec := newRecord(org, "dev", nil)
+		if _, _, err := s.CreateOrReuse(ctx, rec, false); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Transition(ctx, org, "dev", t0, store.Transition{From: []string{"provisioning"}, To: "running"}); err != nil {
+			t.Fatal(err)
+		}
+		names = append(names, org)
+	}
+	beat := func() {
+		t.Helper()
+		var wg sync.WaitGroup
+		for _, org := range names {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if l, err := s.Heartbeat(ctx, org, "dev", t0.Add(time.Second)); err != nil || !l.ExpiresAt.Equal(t0.Add(31*time.Second)) {
+					t.Errorf("heartbeat %s: %v %+v", org, err, l)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	beat()
+	cc := rdb.(*redis.ClusterClient)
+	if err := cc.ForEachShard(ctx, func(ctx context.Context, c *redis.Client) error { return c.ScriptFlush(ctx).Err() }); err != nil {
+		t.Fatal(err)
+	}
+	beat()
+}

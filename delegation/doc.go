@@ -6,7 +6,9 @@
 // returns is a *protocol.Error whose code names the check that failed (see protocol/errors.go). The
 // only other error it returns wraps ErrRevocationState, for a failure of the revocation State itself.
 //
-// It must not touch HTTP, Redis or logging: revocation state (the jti deny-list and each sandbox's
-// token generation) is consulted through the State interface, which the server implements on Redis.
+// The keyring, minting, verification and policy touch no HTTP, Redis or logging: revocation state
+// (the jti deny-list and each sandbox's token generation) is consulted through the State interface.
+// Service (service.go) is the one part on Redis: it implements State, records what was minted,
+// revokes, and announces revocations to every broker.
 // Nothing in this package ever puts a token or a key into an error message.
 package delegation

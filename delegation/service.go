@@ -99,8 +99,18 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 		return protocol.MintResponse{}, err
 	}
 	meta, _ := json.Marshal(metadata{Scopes: c.Scopes(), AllowCmd: c.Cmd, Iat: c.IssuedAt.Unix(), Exp: c.ExpiresAt.Unix(), Sub: actor, Gen: c.Gen})
-	if err := s.rdb.HSet(ctx, store.DelegationsKey(rec.Org, rec.ID), c.ID, meta).Err(); err != nil {
+	key := store.DelegationsKey(rec.Org, rec.ID)
+	pipe := s.rdb.Pipeline()
+	pipe.HSet(ctx, key, c.ID, meta)
+	size := pipe.HLen(ctx, key)
+	if _, err := pipe.Exec(ctx); err != nil {
 		return protocol.MintResponse{}, fmt.Errorf("delegation: record token: %w", err)
+	}
+	// A sandbox minted for on every run, and never listed, would keep every expired entry.
+	if size.Val() > pruneAbove {
+		if all, err := s.rdb.HGetAll(ctx, key).Result(); err == nil {
+			s.pruneExpired(ctx, key, all)
+		}
 	}
 	s.events.Emit(rec.Org, protocol.Event{Type: protocol.EventTokenMinted, SandboxID: rec.ID, Name: rec.Name,
 		Time: s.now().UTC(), Actor: actor, JTI: c.ID})
@@ -117,44 +127,50 @@ func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delega
 	if err != nil {
 		return nil, fmt.Errorf("delegation: list: %w", err)
 	}
-	now := s.now()
-	out := []protocol.Delegation{}
-	var expired []string
-	jtis := make([]string, 0, len(all))
-	for jti := range all {
-		jtis = append(jtis, jti)
+	live := s.pruneExpired(ctx, key, all)
+	pipe := s.rdb.Pipeline()
+	denied := make(map[string]*redis.IntCmd, len(live))
+	for jti := range live {
+		denied[jti] = pipe.Exists(ctx, store.RevokedKey(rec.Org, jti))
 	}
-	denied := map[string]bool{}
-	if len(jtis) > 0 {
-		pipe := s.rdb.Pipeline()
-		cmds := make([]*redis.IntCmd, len(jtis))
-		for i, jti := range jtis {
-			cmds[i] = pipe.Exists(ctx, store.RevokedKey(rec.Org, jti))
-		}
+	if len(live) > 0 {
 		if _, err := pipe.Exec(ctx); err != nil {
 			return nil, fmt.Errorf("delegation: list: %w", err)
 		}
-		for i, c := range cmds {
-			denied[jtis[i]] = c.Val() == 1
-		}
 	}
-	for _, jti := range jtis {
-		var m metadata
-		if json.Unmarshal([]byte(all[jti]), &m) != nil || time.Unix(m.Exp, 0).Before(now) {
-			expired = append(expired, jti)
-			continue
-		}
+	out := []protocol.Delegation{}
+	for jti, m := range live {
 		out = append(out, protocol.Delegation{
 			JTI: jti, SandboxID: rec.ID, Scopes: m.Scopes, AllowCmd: m.AllowCmd, IssuedBy: m.Sub,
 			IssuedAt: time.Unix(m.Iat, 0).UTC(), ExpiresAt: time.Unix(m.Exp, 0).UTC(),
-			Revoked: denied[jti] || m.Gen < rec.Gen,
+			Revoked: denied[jti].Val() == 1 || m.Gen < rec.Gen,
 		})
-	}
-	if len(expired) > 0 {
-		s.rdb.HDel(ctx, key, expired...)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].IssuedAt.After(out[j].IssuedAt) })
 	return out, nil
+}
+
+// pruneAbove is the size of a sandbox's token record beyond which Mint removes expired entries.
+const pruneAbove = 100
+
+// pruneExpired removes the entries of expired (or unreadable) tokens from a sandbox's token record
+// all, and returns the others.
+func (s *Service) pruneExpired(ctx context.Context, key string, all map[string]string) map[string]metadata {
+	now := s.now()
+	live := make(map[string]metadata, len(all))
+	var gone []string
+	for jti, raw := range all {
+		var m metadata
+		if json.Unmarshal([]byte(raw), &m) != nil || time.Unix(m.Exp, 0).Before(now) {
+			gone = append(gone, jti)
+			continue
+		}
+		live[jti] = m
+	}
+	if len(gone) > 0 {
+		s.rdb.HDel(ctx, key, gone...)
+	}
+	return live
 }
 
 // Revoke denies one token by jti until it would have expired anyway, and tells every broker.
@@ -166,9 +182,12 @@ func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti strin
 	if err != nil {
 		return fmt.Errorf("delegation: revoke: %w", err)
 	}
+	// Deny it until it would have expired; if its record is unreadable, for as long as any token lives.
+	ttl := s.issuer.cfg.MaxTTL + s.issuer.cfg.Leeway
 	var m metadata
-	json.Unmarshal([]byte(raw), &m)
-	ttl := time.Until(time.Unix(m.Exp, 0)) + s.issuer.cfg.Leeway
+	if json.Unmarshal([]byte(raw), &m) == nil {
+		ttl = time.Unix(m.Exp, 0).Sub(s.now()) + s.issuer.cfg.Leeway
+	}
 	if ttl <= 0 {
 		return nil // already expired: nothing to deny
 	}
@@ -212,12 +231,6 @@ func (s *Service) announce(ctx context.Context, r Revocation) {
 	}
 }
 
-// Announce tells every broker that a sandbox's tokens stopped working for another reason (deleted,
-// stopped), so open dataplane connections close.
-func (s *Service) Announce(ctx context.Context, org, sandboxID string) {
-	s.announce(ctx, Revocation{Org: org, SandboxID: sandboxID, Gen: 1 << 62})
-}
-
 // CheckRevocation implements State: one round trip reads the deny-list entry and the sandbox's
 // current generation and status.
 func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
@@ -245,18 +258,19 @@ func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
 }
 
 // Introspect says whether a token is usable now, for an agent server of org checking a block it was
-// handed. A token of another org is simply inactive, with no reason: nothing about it leaks.
+// handed. A token of another org is simply inactive, with no reason: nothing about it, its sandbox
+// or its revocation leaks.
 func (s *Service) Introspect(ctx context.Context, org, token string) (protocol.IntrospectResponse, error) {
-	c, err := s.verifier.Verify(ctx, token)
+	c, err := s.verifier.VerifyBound(ctx, token, org, "")
 	if err != nil {
 		var pe *protocol.Error
+		if errors.As(err, &pe) && pe.Code == protocol.CodeTokenSandbox {
+			return protocol.IntrospectResponse{Active: false}, nil
+		}
 		if errors.As(err, &pe) {
 			return protocol.IntrospectResponse{Active: false, Reason: pe.Code}, nil
 		}
 		return protocol.IntrospectResponse{}, err
-	}
-	if c.Org != org {
-		return protocol.IntrospectResponse{Active: false}, nil
 	}
 	return protocol.IntrospectResponse{Active: true, SandboxID: c.Sbx, Org: c.Org, Scopes: c.Scopes(),
 		AllowCmd: c.Cmd, JTI: c.ID, Exp: c.ExpiresAt.Unix()}, nil

@@ -78,9 +78,10 @@ func (v *Verifier) Verify(ctx context.Context, token string) (*Claims, error) {
 	return v.verify(ctx, token, "", "", false)
 }
 
-// VerifyForSandbox is Verify for a request about one sandbox: a token of any other org or sandbox is
-// refused with token_wrong_sandbox (before revocation state is consulted).
-func (v *Verifier) VerifyForSandbox(ctx context.Context, token, org, sandboxID string) (*Claims, error) {
+// VerifyBound is Verify for a request of one org and, unless sandboxID is empty, about one of its
+// sandboxes: a token of any other org or sandbox is refused with token_wrong_sandbox before the
+// revocation state is consulted, so that state never leaks across orgs.
+func (v *Verifier) VerifyBound(ctx context.Context, token, org, sandboxID string) (*Claims, error) {
 	return v.verify(ctx, token, org, sandboxID, true)
 }
 
@@ -89,7 +90,7 @@ func (v *Verifier) verify(ctx context.Context, token, org, sandboxID string, bou
 	if perr != nil {
 		return nil, perr
 	}
-	if bound && (c.Org != org || c.Sbx != sandboxID) {
+	if bound && (c.Org != org || (sandboxID != "" && c.Sbx != sandboxID)) {
 		return nil, protocol.Errorf(protocol.CodeTokenSandbox, "the token was issued for another sandbox")
 	}
 	if v.state == nil {

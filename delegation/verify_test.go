@@ -202,7 +202,7 @@ func TestVerifyHostileTokens(t *testing.T) {
 	}
 }
 
-func TestVerifyForSandbox(t *testing.T) {
+func TestVerifyBound(t *testing.T) {
 	t.Parallel()
 	clk := newClock()
 	k := newKeyring(t, clk)
@@ -218,11 +218,13 @@ func TestVerifyForSandbox(t *testing.T) {
 		name, org, sbx, want string
 	}{
 		{"same sandbox", "org_1", "sb_1", ""},
+		{"same org, any sandbox", "org_1", "", ""},
+		{"another org, any sandbox", "org_2", "", protocol.CodeTokenSandbox},
 		{"another sandbox", "org_1", "sb_2", protocol.CodeTokenSandbox},
 		{"another org", "org_2", "sb_1", protocol.CodeTokenSandbox},
 		{"empty", "", "", protocol.CodeTokenSandbox},
 	} {
-		_, err := v.VerifyForSandbox(t.Context(), tok, tc.org, tc.sbx)
+		_, err := v.VerifyBound(t.Context(), tok, tc.org, tc.sbx)
 		if got := code(t, err); got != tc.want {
 			t.Errorf("%s: code = %q, want %q", tc.name, got, tc.want)
 		}
@@ -230,7 +232,7 @@ func TestVerifyForSandbox(t *testing.T) {
 	}
 	// The sandbox binding is checked before the revocation state: a wrong sandbox costs no lookup.
 	st.err = errRedisDown
-	if _, err := v.VerifyForSandbox(t.Context(), tok, "org_1", "sb_2"); code(t, err) != protocol.CodeTokenSandbox {
+	if _, err := v.VerifyBound(t.Context(), tok, "org_1", "sb_2"); code(t, err) != protocol.CodeTokenSandbox {
 		t.Fatalf("wrong sandbox with the state down: %v", err)
 	}
 }

@@ -69,9 +69,6 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 	}
 }
 
-// Dropped is the number of events dropped because the queue was full.
-func (w *Writer) Dropped() int64 { return w.dropped.Load() }
-
 // Close writes what is queued and stops the writer.
 func (w *Writer) Close() {
 	close(w.queue)
@@ -102,23 +99,33 @@ func (w *Writer) run() {
 func (w *Writer) write(batch []queued) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	pending := batch
 	for attempt := 0; ; attempt++ {
-		_, err := w.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for _, q := range batch {
-				data, _ := json.Marshal(q.e)
-				p.XAdd(ctx, &redis.XAddArgs{
-					Stream: store.EventsKey(q.org), MaxLen: StreamMaxLen, Approx: true,
-					Values: []any{"sandbox_id", q.e.SandboxID, "data", data},
-				})
-			}
-			return nil
-		})
+		pipe := w.rdb.Pipeline()
+		cmds := make([]*redis.StringCmd, len(pending))
+		for i, q := range pending {
+			data, _ := json.Marshal(q.e)
+			cmds[i] = pipe.XAdd(ctx, &redis.XAddArgs{
+				Stream: store.EventsKey(q.org), MaxLen: StreamMaxLen, Approx: true, Values: []any{"data", data}})
+		}
+		_, err := pipe.Exec(ctx)
 		if err == nil {
 			return
 		}
+		// Retry only the events that were not appended: the others would be appended twice.
+		failed := pending[:0:0]
+		for i, c := range cmds {
+			if c.Err() != nil {
+				failed = append(failed, pending[i])
+			}
+		}
+		pending = failed
+		if len(pending) == 0 {
+			return
+		}
 		if attempt == 2 || ctx.Err() != nil {
-			w.log.Error("event log write failed: events lost", "events", len(batch), "err", err)
-			w.dropped.Add(int64(len(batch)))
+			w.log.Error("event log write failed: events lost", "events", len(pending), "err", err)
+			w.dropped.Add(int64(len(pending)))
 			return
 		}
 		time.Sleep(100 * time.Millisecond << attempt)

@@ -272,6 +272,10 @@ func TestBadInput(t *testing.T) {
 		{"zero ttl", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":0}`, 400, "invalid_ttl"},
 		{"absurd ttl", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":99999999999}`, 400, "invalid_ttl"},
 		{"float ttl", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":1.5}`, 400, "invalid_json"},
+		// ttl_seconds*time.Second would wrap: to 4.29 s, and to a negative lease.
+		{"ttl that wraps to seconds", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":18446744078}`, 400, "invalid_ttl"},
+		{"ttl that wraps negative", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":1099511627776}`, 400, "invalid_ttl"},
+		{"ttl over max", "POST", "/v1/sandboxes", key, `{"name":"a","ttl_seconds":604801}`, 400, "invalid_ttl"},
 		{"bad tag key", "POST", "/v1/sandboxes", key, `{"name":"a","tags":{"bad key":"v"}}`, 400, "invalid_tag"},
 		{"control char in tag", "POST", "/v1/sandboxes", key, `{"name":"a","tags":{"k":"a\u0001b"}}`, 400, "invalid_tag"},
 		{"too many tags", "POST", "/v1/sandboxes", key, string(manyJSON), 400, "invalid_tag"},
@@ -281,6 +285,8 @@ func TestBadInput(t *testing.T) {
 		{"bad cursor", "GET", "/v1/sandboxes?cursor=zzz", key, "", 400, "invalid_cursor"},
 		{"ttl missing", "POST", "/v1/sandboxes/exists/ttl", key, `{}`, 400, "invalid_ttl"},
 		{"ttl absurd", "POST", "/v1/sandboxes/exists/ttl", key, `{"ttl_seconds":1e12}`, 400, "invalid_json"},
+		{"ttl zero", "POST", "/v1/sandboxes/exists/ttl", key, `{"ttl_seconds":0}`, 400, "invalid_ttl"},
+		{"ttl that wraps", "POST", "/v1/sandboxes/exists/ttl", key, `{"ttl_seconds":18446744078}`, 400, "invalid_ttl"},
 		{"delete without selector", "DELETE", "/v1/sandboxes", key, "", 400, "invalid_tag"},
 		{"no key", "GET", "/v1/sandboxes", "", "", 401, "unauthenticated"},
 		{"wrong key", "GET", "/v1/sandboxes", "sbk_aaaaaaaaaaaaaaaa_" + strings.Repeat("b", 43), "", 401, "unauthenticated"},
@@ -300,6 +306,15 @@ func TestBadInput(t *testing.T) {
 		}
 		if after := b.RedisSnapshot(); !maps.Equal(before, after) {
 			t.Errorf("%s: a refused request changed Redis", tc.name)
+		}
+	}
+	// A lease out of range is refused with the range allowed (servertest's --max-ttl is 7 days).
+	for path, body := range map[string]string{
+		"/v1/sandboxes":            `{"name":"a","ttl_seconds":18446744078}`,
+		"/v1/sandboxes/exists/ttl": `{"ttl_seconds":18446744078}`,
+	} {
+		if _, eb, _ := rawRequest(t, "POST", b.URL+path, key, body); !strings.Contains(eb.Error.Message, "1 to 604800") {
+			t.Errorf("%s: %q does not say the range allowed", path, eb.Error.Message)
 		}
 	}
 }
@@ -354,6 +369,9 @@ func TestDelegationOnOwnerRoutes(t *testing.T) {
 	}
 	if in, _ := b.Client.Introspect(ctx, m.Token); in.Active || in.Reason != protocol.CodeTokenRevoked {
 		t.Fatalf("revoked token still active: %+v", in)
+	}
+	if in, err := b.NewClient("org-b").Introspect(ctx, m.Token); err != nil || in.Active || in.Reason != "" {
+		t.Fatalf("another org learns that the token was revoked: %v %+v", err, in)
 	}
 	// Revoke-all by generation, and delete, end every token.
 	m2, _ := b.Client.Delegate(ctx, "lent", protocol.MintRequest{Scopes: []string{"exec"}})

@@ -235,8 +235,6 @@ const (
 	FieldStopReason = fStopReason
 	FieldFailure    = fFailure
 	FieldLost       = fLost
-	FieldNode       = fNode
-	FieldProvider   = fProvider
 )
 
 // Transition applies t to the sandbox ref at time now and returns the updated record. Moving to

@@ -21,12 +21,18 @@ import type {
 } from "deepagents";
 import { getConfig } from "@langchain/langgraph";
 import { DataplaneClient, type CallOptions, type DataplaneOptions } from "./dataplane.js";
-import { asDataplaneError, describeForModel } from "./errors.js";
-import { ErrorCode, type FileInfo as WireFileInfo } from "./protocol.js";
+import { asDataplaneError, describeForModel, isCredentialRefusal, type DataplaneError } from "./errors.js";
+import { ErrorCode, type FileInfo as WireFileInfo, type WriteResult as WireWriteResult } from "./protocol.js";
 import type { SandboxBlock } from "./runconfig.js";
 
 /** The sandbox's workspace: file tools work inside it, and commands start in it. */
 export const WORKSPACE = "/workspace";
+
+/**
+ * The id shown while the sandbox id is unknown (no valid block in reach, or not yet connected):
+ * non-empty, so deepagents keeps the execute tool.
+ */
+export const UNCONFIGURED_ID = "sbx-broker";
 
 /** What deepagents' read_file shows for an empty file (its EMPTY_CONTENT_WARNING). */
 export const EMPTY_CONTENT_WARNING = "System reminder: File exists but has empty contents";
@@ -117,19 +123,18 @@ function toInfo(f: WireFileInfo): FileInfo {
 
 /** deepagents' per-file error codes are a closed set; each dataplane code goes to the nearest. */
 function fileOperationError(err: unknown): FileOperationError {
-  const code = asDataplaneError(err).code;
-  switch (code) {
+  const e = asDataplaneError(err);
+  if (isCredentialRefusal(e)) return "permission_denied";
+  switch (e.code) {
     case ErrorCode.FileNotFound:
       return "file_not_found";
     case ErrorCode.IsDirectory:
       return "is_directory";
     case ErrorCode.PermissionDenied:
     case ErrorCode.ScopeDenied:
-    case ErrorCode.TokenRevoked:
-    case ErrorCode.TokenExpired:
     case ErrorCode.Unauthenticated:
     case ErrorCode.Forbidden:
-    case ErrorCode.TokenWrongSandbox:
+    case ErrorCode.InvalidRunConfig:
       return "permission_denied";
     default:
       return "invalid_path";
@@ -141,14 +146,19 @@ function fileOperationError(err: unknown): FileOperationError {
  * calls at once): they share the client's one connection, each with its own request id.
  */
 export class BrokerSandbox implements SandboxBackendProtocolV2 {
-  /** The sandbox id: deepagents shows the execute tool only when this is a non-empty string. */
-  readonly id: string;
-
   constructor(
     readonly client: DataplaneClient,
     private readonly opts: BrokerSandboxOptions = {},
-  ) {
-    this.id = client.sandboxId || "sbx-sandbox";
+  ) {}
+
+  /** The sandbox id (the hello's once connected): deepagents shows the execute tool only when this is non-empty. */
+  get id(): string {
+    return this.client.sandboxId || UNCONFIGURED_ID;
+  }
+
+  /** A backend whose every call answers with err, in each operation's usual failure shape. */
+  static failing(err: DataplaneError): BrokerSandbox {
+    return new BrokerSandbox(DataplaneClient.failing(err));
   }
 
   /** A backend for the sandbox a run-config block names. Connects on first use. */
@@ -178,6 +188,19 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     return describeForModel(err, { path, allowCmd: this.client.hello?.allow_cmd });
   }
 
+  /**
+   * Replaces a file with text (a string) or bytes: one write request when it fits in a frame (bytes
+   * travel base64), else an upload streamed in chunks.
+   */
+  private put(path: string, data: string | Uint8Array): Promise<WireWriteResult> {
+    const text = typeof data === "string";
+    const encodedSize = text ? Buffer.byteLength(JSON.stringify(data)) : Math.ceil(data.length / 3) * 4;
+    const limit = this.client.hello?.limits.max_frame_bytes ?? DEFAULT_MAX_FRAME;
+    if (encodedSize + FRAME_SLACK > limit) return this.client.upload(path, text ? Buffer.from(data, "utf8") : data, this.call());
+    const args = text ? { path, content: data } : { path, content: Buffer.from(data).toString("base64"), encoding: "base64" as const };
+    return this.client.write(args, this.call());
+  }
+
   async ls(path: string): Promise<LsResult> {
     try {
       const r = await this.client.ls(toSandboxPath(path), this.call());
@@ -204,17 +227,17 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       if (off >= total) return { error: `Line offset ${off} exceeds file length (${total} lines)` };
       // Content that is not valid UTF-8 comes base64-encoded; a text tool shows it lossily.
       let text = r.encoding === "base64" ? Buffer.from(r.content, "base64").toString("utf8") : r.content;
+      // Cut at the broker's size cap: a partial last line is left for the next page, unless it is
+      // the only line (longer than the cap), whose start is all there is to show.
+      const midLine = r.truncated === true && !text.includes("\n");
+      if (r.truncated && !midLine) text = text.slice(0, text.lastIndexOf("\n") + 1);
       if (text.endsWith("\n")) text = text.slice(0, -1);
       const n = text === "" ? 1 : text.split("\n").length;
       const endLine = Math.min(off + n, total);
-      return {
-        content: text,
-        mimeType,
-        totalLines: total,
-        startLine: off + 1,
-        endLine,
-        nextOffset: endLine < total ? endLine : undefined,
-      };
+      const next = endLine < total ? endLine : undefined;
+      if (midLine) text += `\n[Line ${endLine} is longer than the broker's read limit and was cut; use execute (e.g. head -c) to see the rest of it.]`;
+      else if (r.truncated) text += `\n[The broker cut this read at its size limit; read on from offset ${endLine}.]`;
+      return { content: text, mimeType, totalLines: total, startLine: off + 1, endLine, nextOffset: next };
     } catch (e) {
       return { error: this.describe(e, filePath) };
     }
@@ -246,17 +269,8 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       if (binary && !BASE64.test(content)) {
         return { error: `Content for ${filePath} must be base64: its type is binary (${mimeTypeOf(filePath)}).` };
       }
-      const limit = this.client.hello?.limits.max_frame_bytes ?? DEFAULT_MAX_FRAME;
-      const encodedSize = binary ? content.length : Buffer.byteLength(JSON.stringify(content));
-      let written: string;
-      if (encodedSize + FRAME_SLACK > limit) {
-        // Too big for one frame: stream it in chunks instead.
-        const bytes = binary ? Buffer.from(content, "base64") : Buffer.from(content, "utf8");
-        written = (await this.client.upload(p, bytes, this.call())).path;
-      } else {
-        written = (await this.client.write({ path: p, content, encoding: binary ? "base64" : undefined }, this.call())).path;
-      }
-      return { path: written, filesUpdate: null };
+      const w = await this.put(p, binary ? Buffer.from(content, "base64") : content);
+      return { path: w.path, filesUpdate: null };
     } catch (e) {
       return { error: this.describe(e, filePath) };
     }
@@ -270,7 +284,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
         const info = await this.client.stat(p, this.call());
         if (info.size !== 0) return { error: "Error: old_string cannot be empty when the file has content." };
         if (newString === "") return { path: info.path, filesUpdate: null, occurrences: 0 };
-        const w = await this.client.write({ path: p, content: newString }, this.call());
+        const w = await this.put(p, newString);
         return { path: w.path, filesUpdate: null, occurrences: 1 };
       }
       if (oldString === newString) return { error: "Error: old_string and new_string are identical; nothing to replace." };
@@ -345,10 +359,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     return Promise.all(
       files.map(async ([path, content]): Promise<FileUploadResponse> => {
         try {
-          const p = toSandboxPath(path);
-          const limit = this.client.hello?.limits.max_frame_bytes ?? DEFAULT_MAX_FRAME;
-          if (Math.ceil(content.length / 3) * 4 + FRAME_SLACK > limit) await this.client.upload(p, content, this.call());
-          else await this.client.write({ path: p, content: Buffer.from(content).toString("base64"), encoding: "base64" }, this.call());
+          await this.put(toSandboxPath(path), content);
           return { path, error: null };
         } catch (e) {
           return { path, error: fileOperationError(e) };

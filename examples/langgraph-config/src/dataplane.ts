@@ -25,6 +25,7 @@ import {
   type Op,
   type ResultOf,
 } from "./protocol.js";
+import { dataplaneURLProblem } from "./runconfig.js";
 
 /** How to reach one sandbox's dataplane. */
 export interface DataplaneOptions {
@@ -70,9 +71,18 @@ function cancelled(): DataplaneError {
   return new DataplaneError(ErrorCode.Cancelled, "the request was cancelled");
 }
 
+/** A URL fit for messages and logs: its origin and path, never a query, fragment or user info. */
 function redactURL(u: string): string {
-  const i = u.indexOf("?");
-  return i >= 0 ? u.slice(0, i) : u;
+  try {
+    const url = new URL(u);
+    return url.origin + url.pathname;
+  } catch {
+    return "the dataplane URL";
+  }
+}
+
+function clientClosed(): DataplaneError {
+  return unreachable("the dataplane client is closed");
 }
 
 /** Counts requests in flight against the hello's max_inflight, so that none is refused for it. */
@@ -437,7 +447,7 @@ interface Call extends CallOptions {
 /**
  * A sandbox's dataplane: one connection shared by every call, each with its own request id. Safe
  * for concurrent use. A broken connection is re-dialled on the next call; calls that are safe to
- * repeat (reads, listings, searches, overwrites) are retried once on a fresh connection; others
+ * repeat (reads, listings, searches, overwrites and overwriting uploads) are retried once on a fresh connection; others
  * fail with code unreachable. Close codes 4001 / 4002 end the client for good (`ended`).
  */
 export class DataplaneClient {
@@ -451,16 +461,17 @@ export class DataplaneClient {
   hello?: Hello;
   /** Called once when the client ends for good. */
   onEnded?: (err: DataplaneError) => void;
-  /** When the client was last used (for pools). */
+  /** When a call last started or ended (for pools). */
   lastUsed = Date.now();
+  /** Calls under way, from their start (dialling included) to their answer. */
+  private busy = 0;
 
   constructor(o: DataplaneOptions) {
     if (!o.url || !o.credential) {
       throw new DataplaneError(ErrorCode.InvalidArgument, "a dataplane URL and a credential are required");
     }
-    if (!/^wss?:\/\//.test(o.url)) {
-      throw new DataplaneError(ErrorCode.InvalidArgument, `dataplane_url ${JSON.stringify(redactURL(o.url))} must be a ws:// or wss:// URL`);
-    }
+    const problem = dataplaneURLProblem(o.url);
+    if (problem) throw new DataplaneError(ErrorCode.InvalidArgument, `the dataplane URL ${problem}`);
     this.o = {
       url: o.url,
       credential: o.credential,
@@ -471,9 +482,16 @@ export class DataplaneClient {
     };
   }
 
+  /** A client whose every call fails with err: never dialled, ended from the start. */
+  static failing(err: DataplaneError): DataplaneClient {
+    const c = new DataplaneClient({ url: "ws://failing.invalid/", credential: "-" });
+    c.ended = err;
+    return c;
+  }
+
   /** Connects now (otherwise the first call does) and returns the hello. */
-  async connect(signal?: AbortSignal): Promise<Hello> {
-    return (await this.connection(signal)).hello;
+  connect(signal?: AbortSignal): Promise<Hello> {
+    return this.track(async () => (await this.connection(signal)).hello);
   }
 
   /** The sandbox id: the configured one, else the hello's once connected. */
@@ -488,9 +506,21 @@ export class DataplaneClient {
     this.conn = undefined;
   }
 
-  /** Requests in flight on the current connection. */
+  /** Calls under way, from their start (dialling included): a pool must not close a busy client. */
   get inflight(): number {
-    return this.conn && !this.conn.dead ? this.conn.inflight : 0;
+    return this.busy;
+  }
+
+  /** Runs one call, counted in inflight and lastUsed from its start to its end. */
+  private async track<T>(f: () => Promise<T>): Promise<T> {
+    this.busy++;
+    this.lastUsed = Date.now();
+    try {
+      return await f();
+    } finally {
+      this.busy--;
+      this.lastUsed = Date.now();
+    }
   }
 
   /** True when the client can never work again (closed, or ended by the broker). */
@@ -508,8 +538,7 @@ export class DataplaneClient {
 
   /** A live connection, dialling (with backoff, shared by concurrent callers) when there is none. */
   private async connection(signal?: AbortSignal): Promise<Connection> {
-    this.lastUsed = Date.now();
-    if (this.closed) throw new DataplaneError(ErrorCode.InvalidArgument, "the dataplane client is closed");
+    if (this.closed) throw clientClosed();
     if (this.ended) throw this.ended;
     const c = this.conn;
     if (c && !c.dead) return c;
@@ -528,12 +557,12 @@ export class DataplaneClient {
     let last: unknown;
     for (let attempt = 0; attempt <= this.o.reconnects; attempt++) {
       if (attempt > 0) await new Promise((r) => setTimeout(r, Math.min(100 * 2 ** (attempt - 1), 5_000)));
-      if (this.closed) throw new DataplaneError(ErrorCode.InvalidArgument, "the dataplane client is closed");
+      if (this.closed) throw clientClosed();
       try {
         const c = await Connection.dial(this.o);
         if (this.closed) {
           c.close();
-          throw new DataplaneError(ErrorCode.InvalidArgument, "the dataplane client is closed");
+          throw clientClosed();
         }
         c.onGone = () => {
           if (c.end) this.end(c.end);
@@ -550,19 +579,26 @@ export class DataplaneClient {
     throw last;
   }
 
-  private async call<O extends Op>(op: O, args: ArgsOf<O>, c: Call, extra: { onData?: (b: Buffer) => void; reset?: () => void } = {}): Promise<ResultOf<O>> {
-    for (let attempt = 0; ; attempt++) {
-      const conn = await this.connection(c.signal);
-      try {
-        return await conn.request(op, args, { signal: c.signal, onData: extra.onData });
-      } catch (e) {
-        if (c.retry && attempt === 0 && e instanceof DataplaneError && e.code === ErrorCode.Unreachable) {
-          extra.reset?.();
-          continue;
+  private call<O extends Op>(
+    op: O,
+    args: ArgsOf<O>,
+    c: Call,
+    extra: { onData?: (b: Buffer) => void; reset?: () => void; upload?: Uint8Array } = {},
+  ): Promise<ResultOf<O>> {
+    return this.track(async () => {
+      for (let attempt = 0; ; attempt++) {
+        const conn = await this.connection(c.signal);
+        try {
+          return await conn.request(op, args, { signal: c.signal, onData: extra.onData, upload: extra.upload });
+        } catch (e) {
+          if (c.retry && attempt === 0 && e instanceof DataplaneError && e.code === ErrorCode.Unreachable) {
+            extra.reset?.();
+            continue;
+          }
+          throw e;
         }
-        throw e;
       }
-    }
+    });
   }
 
   /** Measures a round trip. */
@@ -626,22 +662,26 @@ export class DataplaneClient {
   }
 
   /** Runs a command. Never retried: a command may not be safe to run twice. With sinks, output streams. */
-  async exec(args: ExecArgs, o: ExecStreamOptions = {}): Promise<ExecResult> {
-    const conn = await this.connection(o.signal);
+  exec(args: ExecArgs, o: ExecStreamOptions = {}): Promise<ExecResult> {
     const a: ExecArgs = { ...args };
     if (o.onStdout) {
       a.stream = true;
       if (!o.onStderr) a.combined = true;
     }
-    return conn.request("exec", a, { signal: o.signal, onStdout: o.onStdout, onStderr: o.onStderr });
+    return this.track(async () => {
+      const conn = await this.connection(o.signal);
+      return conn.request("exec", a, { signal: o.signal, onStdout: o.onStdout, onStderr: o.onStderr });
+    });
   }
 
-  /** Streams bytes into path as data frames (atomically replaced when the end frame arrives). */
-  async upload(path: string, bytes: Uint8Array, o: CallOptions & { mode?: "overwrite" | "create" } = {}) {
+  /**
+   * Streams bytes into path as data frames (atomically replaced when the end frame arrives). Like a
+   * write, an overwrite is retried once on a fresh connection; a create is not.
+   */
+  upload(path: string, bytes: Uint8Array, o: CallOptions & { mode?: "overwrite" | "create" } = {}) {
     validPaths(path);
-    const conn = await this.connection(o.signal);
     const args: ArgsOf<"upload"> = o.mode ? { path, mode: o.mode } : { path };
-    return conn.request("upload", args, { signal: o.signal, upload: bytes });
+    return this.call("upload", args, { signal: o.signal, retry: o.mode !== "create" }, { upload: bytes });
   }
 
   /** A file's bytes, from data frames. Retried once like a read (the buffer starts over). */

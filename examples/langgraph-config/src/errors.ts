@@ -28,6 +28,15 @@ export function asDataplaneError(err: unknown): DataplaneError {
   return new DataplaneError(ErrorCode.Internal, err instanceof Error ? err.message : String(err));
 }
 
+/**
+ * The broker refused the credential itself (a 401 at the handshake, or any token_* code:
+ * token_malformed, token_bad_signature, token_not_yet_valid, ...): retrying cannot help, the
+ * sandbox's owner must mint a new delegation.
+ */
+export function isCredentialRefusal(e: DataplaneError): boolean {
+  return e.status === 401 || e.code.startsWith("token_");
+}
+
 const period = (s: string) => (/[.!?]$/.test(s) ? s : `${s}.`);
 
 /**
@@ -61,10 +70,11 @@ export function describeForModel(err: unknown, context?: { path?: string; allowC
       return "The sandbox is not running (its owner stopped it or its lease expired). Retrying will not help until its owner resumes it.";
     case ErrorCode.NotFound:
       return `The sandbox does not exist any more (${period(msg)}) Retrying will not help.`;
+    case ErrorCode.WrongNode:
+      return `The sandbox is hosted by another broker than the one this run config names (${period(msg)}) Retrying will not help; the sandbox's owner must send a new run config.`;
     // Transient: worth another try.
     case ErrorCode.Unreachable:
     case ErrorCode.Unavailable:
-    case ErrorCode.WrongNode:
       return `The sandbox broker is unreachable right now (${period(msg)}) Try again shortly.`;
     case ErrorCode.TooManyRequests:
       return "The sandbox is busy (too many requests in flight); nothing was started. Try again shortly.";
@@ -92,6 +102,9 @@ export function describeForModel(err: unknown, context?: { path?: string; allowC
     case ErrorCode.TooLarge:
       return `Too large: ${period(msg)}`;
     default:
+      if (isCredentialRefusal(e)) {
+        return `Not allowed: the broker refused this sandbox credential (${e.code}: ${period(msg)}) Retrying will not help; the sandbox's owner must mint a new delegation (a new run config).`;
+      }
       return `The sandbox refused the request (${e.code}: ${period(msg)})`;
   }
 }

@@ -7,7 +7,7 @@
 // graph runs without any API key.
 
 import { createDeepAgent } from "deepagents";
-import { RunConfigSandbox } from "./routing.js";
+import { RunConfigSandbox, parseOrigins } from "./routing.js";
 import { ScriptedChatModel } from "./scripted-model.js";
 
 /**
@@ -15,7 +15,7 @@ import { ScriptedChatModel } from "./scripted-model.js";
  * list such as "ws://127.0.0.1:7070") limits which brokers the server connects to.
  */
 export const backend = new RunConfigSandbox({
-  allowedOrigins: process.env.SBX_DATAPLANE_ORIGINS?.split(",").filter(Boolean),
+  allowedOrigins: parseOrigins(process.env.SBX_DATAPLANE_ORIGINS?.split(",") ?? [], "SBX_DATAPLANE_ORIGINS"),
 });
 
 const SYSTEM_PROMPT = `Your file tools and the execute tool work in a sandbox lent to this run by its owner.

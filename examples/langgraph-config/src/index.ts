@@ -8,7 +8,7 @@
 
 export { BrokerSandbox, WORKSPACE, EMPTY_CONTENT_WARNING, toSandboxPath, mimeTypeOf, isTextMimeType } from "./backend.js";
 export type { BrokerSandboxOptions } from "./backend.js";
-export { RunConfigSandbox, SandboxPool, defaultPool, UNCONFIGURED_ID } from "./routing.js";
+export { RunConfigSandbox, SandboxPool, defaultPool, parseOrigins, UNCONFIGURED_ID } from "./routing.js";
 export type { RunConfigSandboxOptions, SandboxPoolOptions } from "./routing.js";
 export { DataplaneClient, Connection } from "./dataplane.js";
 export type { DataplaneOptions, CallOptions, ExecStreamOptions } from "./dataplane.js";

@@ -1,12 +1,12 @@
 // The dataplane's wire types (sbx.dataplane.v1). docs/dataplane.md is the normative spec and
-// protocol/*.go the Go side; field names here are exactly the JSON keys. Decoders are strict like
-// the Go golden-frame test (unknown keys and wrong types are refused) and encoders write back
-// exactly the keys that are present, so a decoded frame re-encodes to the same JSON.
+// protocol/*.go the Go side; field names here are exactly the JSON keys. Decoders refuse wrong types
+// and missing fields. Unknown keys are refused in client frames and in strict mode (the golden-frame
+// tests); frames from the broker are read leniently (unknown keys dropped), so a broker that adds a
+// field does not break its clients. Encoders write back exactly the keys that are present, so a
+// frame decoded strictly re-encodes to the same JSON.
 
 /** The dataplane's WebSocket subprotocol; a client must offer it. */
 export const SUBPROTOCOL = "sbx.dataplane.v1";
-/** A credential carried as a second subprotocol, for clients that cannot set headers (browsers). */
-export const BEARER_SUBPROTOCOL_PREFIX = "sbx.bearer.";
 
 /** Binary frame kinds: byte 0 of a binary frame. */
 export const FrameKind = {
@@ -23,8 +23,6 @@ export const FRAME_HEADER_LEN = 5;
 export const CloseCode = {
   CredentialEnded: 4001, // token_revoked / token_expired / unauthenticated: final
   SandboxGone: 4002, // sandbox_not_running / not_found: final
-  GoingAway: 1001, // broker shutting down
-  TooBig: 1009, // a frame over max_frame_bytes
 } as const;
 
 /** Stable error codes (protocol/errors.go) that the dataplane and its handshake answer with. */
@@ -258,7 +256,6 @@ type Kind =
   | "bool"
   | "string[]"
   | "string-map"
-  | "any-object"
   | { object: Schema }
   | { array: Schema; nullable?: boolean };
 interface Field {
@@ -397,18 +394,18 @@ function isObject(v: unknown): v is Record<string, unknown> {
   return typeof v === "object" && v !== null && !Array.isArray(v);
 }
 
-function checkValue(k: Kind, v: unknown, where: string): unknown {
+function checkValue(k: Kind, v: unknown, where: string, strict = true): unknown {
   const bad = (want: string) => new ProtocolError(`${where}: want ${want}, got ${JSON.stringify(v)}`);
   if (typeof k === "object") {
     if ("object" in k) {
       if (!isObject(v)) throw bad("an object");
-      return decodeWith(k.object, v, where);
+      return decodeWith(k.object, v, where, strict);
     }
     if (v === null && k.nullable) return null;
     if (!Array.isArray(v)) throw bad("an array");
     return v.map((item, i) => {
       if (!isObject(item)) throw new ProtocolError(`${where}[${i}]: want an object`);
-      return decodeWith(k.array, item, `${where}[${i}]`);
+      return decodeWith(k.array, item, `${where}[${i}]`, strict);
     });
   }
   switch (k) {
@@ -430,23 +427,23 @@ function checkValue(k: Kind, v: unknown, where: string): unknown {
     case "string-map":
       if (!isObject(v) || Object.values(v).some((s) => typeof s !== "string")) throw bad("an object of strings");
       return { ...v };
-    case "any-object":
-      if (!isObject(v)) throw bad("an object");
-      return v;
   }
 }
 
-function decodeWith(schema: Schema, v: Record<string, unknown>, where: string): Record<string, unknown> {
+/** Keeps the schema's keys of v, checked; unknown keys are refused when strict, else dropped. */
+function decodeWith(schema: Schema, v: Record<string, unknown>, where: string, strict: boolean): Record<string, unknown> {
   const out: Record<string, unknown> = {};
-  for (const key of Object.keys(v)) {
-    if (!(key in schema)) throw new ProtocolError(`${where}: unknown field "${key}"`);
+  if (strict) {
+    for (const key of Object.keys(v)) {
+      if (!(key in schema)) throw new ProtocolError(`${where}: unknown field "${key}"`);
+    }
   }
   for (const [key, f] of Object.entries(schema)) {
     if (!(key in v) || v[key] === undefined) {
       if (f.req) throw new ProtocolError(`${where}: missing field "${key}"`);
       continue;
     }
-    out[key] = checkValue(f.k, v[key], `${where}.${key}`);
+    out[key] = checkValue(f.k, v[key], `${where}.${key}`, strict);
   }
   return out;
 }
@@ -500,7 +497,7 @@ export function decodeClientFrame(text: string): ClientFrame {
   if (v.args === undefined) return { id, op } as ClientFrame;
   if (!isObject(v.args)) throw new ProtocolError("request.args: want an object");
   const schema = argSchemas[op as keyof typeof argSchemas];
-  return { id, op, args: decodeWith(schema, v.args, `${op}.args`) } as ClientFrame;
+  return { id, op, args: decodeWith(schema, v.args, `${op}.args`, true) } as ClientFrame;
 }
 
 /** Encodes a client text frame; args are checked against the op's schema (typos never leave). */
@@ -517,22 +514,27 @@ export function encodeClientFrame(f: ClientFrame): string {
   return JSON.stringify(out);
 }
 
-/** Decodes a server text frame's envelope. A result stays raw until decodeResult (its op says how). */
-export function decodeServerFrame(text: string): ServerFrame {
+/**
+ * Decodes a server text frame's envelope. A result stays raw until decodeResult (its op says how).
+ * Unknown keys are dropped unless strict (the golden-frame tests).
+ */
+export function decodeServerFrame(text: string, strict = false): ServerFrame {
   const v: unknown = JSON.parse(text);
   if (!isObject(v)) throw new ProtocolError("a server frame is a JSON object");
-  for (const key of Object.keys(v)) {
-    if (!["id", "type", "hello", "result", "error"].includes(key)) throw new ProtocolError(`frame: unknown field "${key}"`);
+  if (strict) {
+    for (const key of Object.keys(v)) {
+      if (!["id", "type", "hello", "result", "error"].includes(key)) throw new ProtocolError(`frame: unknown field "${key}"`);
+    }
   }
   const id = checkValue("uint32", v.id, "frame.id") as number;
   if (v.type !== undefined || v.hello !== undefined) {
     if (v.type !== "hello" || !isObject(v.hello)) throw new ProtocolError(`frame: unknown type ${JSON.stringify(v.type)}`);
-    return { id, type: "hello", hello: decodeWith(helloSchema, v.hello, "hello") as unknown as Hello };
+    return { id, type: "hello", hello: decodeWith(helloSchema, v.hello, "hello", strict) as unknown as Hello };
   }
   if (v.error !== undefined) {
     if (v.result !== undefined) throw new ProtocolError("frame: both result and error");
     if (!isObject(v.error)) throw new ProtocolError("frame.error: want an object");
-    return { id, error: decodeWith(errorSchema, v.error, "error") as unknown as WireError };
+    return { id, error: decodeWith(errorSchema, v.error, "error", strict) as unknown as WireError };
   }
   if (v.result === undefined) throw new ProtocolError("frame: neither result, error nor hello");
   return { id, result: v.result };
@@ -545,10 +547,10 @@ export function encodeServerFrame(f: ServerFrame, kind?: ResultKind): string {
   return JSON.stringify({ id: f.id, result: kind ? encodeResult(kind, f.result) : f.result });
 }
 
-/** Decodes and checks a result of the given kind. */
-export function decodeResult<K extends ResultKind>(kind: K, raw: unknown): unknown {
+/** Decodes and checks a result of the given kind. Unknown keys are dropped unless strict. */
+export function decodeResult<K extends ResultKind>(kind: K, raw: unknown, strict = false): unknown {
   if (!isObject(raw)) throw new ProtocolError(`${kind} result: want an object`);
-  return decodeWith(resultSchemas[kind], raw, `${kind} result`);
+  return decodeWith(resultSchemas[kind], raw, `${kind} result`, strict);
 }
 
 /** Encodes a result of the given kind. */

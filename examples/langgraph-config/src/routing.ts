@@ -19,11 +19,13 @@ import type {
   SandboxBackendProtocolV2,
   WriteResult,
 } from "deepagents";
-import { BrokerSandbox, type BrokerSandboxOptions } from "./backend.js";
+import { BrokerSandbox, UNCONFIGURED_ID, type BrokerSandboxOptions } from "./backend.js";
 import type { DataplaneOptions } from "./dataplane.js";
-import { DataplaneError, asDataplaneError, describeForModel } from "./errors.js";
+import { DataplaneError, asDataplaneError } from "./errors.js";
 import { ErrorCode } from "./protocol.js";
-import { sandboxBlockOf, type SandboxBlock } from "./runconfig.js";
+import { dataplaneURLProblem, sandboxBlockOf, type SandboxBlock } from "./runconfig.js";
+
+export { UNCONFIGURED_ID };
 
 /** Options of a pool's connections. */
 export interface SandboxPoolOptions {
@@ -70,7 +72,6 @@ export class SandboxPool {
       // Most recently used last: Map order is the eviction order.
       this.entries.delete(key);
       this.entries.set(key, sb);
-      sb.client.lastUsed = Date.now();
       return sb;
     }
     const created = BrokerSandbox.fromBlock(block, { ...this.o.dial, ...this.o.sandbox });
@@ -79,8 +80,8 @@ export class SandboxPool {
       created.close();
     };
     this.entries.set(key, created);
-    // Over the cap: close the least recently used connections that have nothing in flight (a
-    // busy pool may stay over the cap until its requests end).
+    // Over the cap: close the least recently used connections with no call under way, dialling
+    // included (a busy pool may stay over the cap until its calls end).
     for (const [k, sb] of this.entries) {
       if (this.entries.size <= this.max) break;
       if (sb !== created && sb.client.inflight === 0) {
@@ -123,9 +124,6 @@ export class SandboxPool {
 /** The process-wide pool that RunConfigSandbox uses unless given one. */
 export const defaultPool = new SandboxPool();
 
-/** The id shown while no valid block is in reach: non-empty, so deepagents keeps the execute tool. */
-export const UNCONFIGURED_ID = "sbx-broker";
-
 /** Options of RunConfigSandbox. */
 export interface RunConfigSandboxOptions {
   /** Connection pool (default: defaultPool). */
@@ -143,7 +141,22 @@ export interface RunConfigSandboxOptions {
   allowedOrigins?: string[];
 }
 
-type Resolved = { sandbox: BrokerSandbox } | { error: DataplaneError };
+/**
+ * Checks a list of broker origins (ws:// or wss://, e.g. "ws://127.0.0.1:7070") and returns them
+ * normalised; empty entries are skipped. name (the option or environment variable) starts the
+ * error message of a bad entry.
+ */
+export function parseOrigins(values: string[], name: string): string[] {
+  return values
+    .map((x) => x.trim())
+    .filter(Boolean)
+    .map((x) => {
+      if (dataplaneURLProblem(x)) {
+        throw new Error(`${name}: ${JSON.stringify(x)} is not a broker origin; give ws:// or wss:// origins such as ws://127.0.0.1:7070`);
+      }
+      return new URL(x).origin;
+    });
+}
 
 /**
  * A deepagents backend for a deployed graph: each call works in the sandbox named by the current
@@ -158,25 +171,34 @@ export class RunConfigSandbox implements SandboxBackendProtocolV2 {
   constructor(o: RunConfigSandboxOptions = {}) {
     this.pool = o.pool ?? defaultPool;
     this.configurable = o.configurable ?? (() => getConfig()?.configurable);
-    if (o.allowedOrigins?.length) this.origins = new Set(o.allowedOrigins.map((x) => new URL(x.trim()).origin));
+    const origins = parseOrigins(o.allowedOrigins ?? [], "allowedOrigins");
+    if (origins.length) this.origins = new Set(origins);
   }
 
-  /** The current run's sandbox id (read whenever deepagents resolves the backend). */
-  get id(): string {
-    const r = this.resolve();
-    return "sandbox" in r ? r.sandbox.id : UNCONFIGURED_ID;
-  }
-
-  /** The current run's backend, or why there is none. */
-  resolve(): Resolved {
+  /** The current run's block; throws invalid_run_config when it has none or a malformed one. */
+  private block(): SandboxBlock {
     let configurable: unknown;
     try {
       configurable = this.configurable();
     } catch {
       configurable = undefined; // outside a run
     }
+    return sandboxBlockOf(configurable);
+  }
+
+  /** The current run's sandbox id, read from its block (whenever deepagents resolves the backend; no dialling). */
+  get id(): string {
     try {
-      const block = sandboxBlockOf(configurable);
+      return this.block().sandbox_id;
+    } catch {
+      return UNCONFIGURED_ID;
+    }
+  }
+
+  /** The current run's backend; without a usable block, one whose every call answers why. */
+  resolve(): BrokerSandbox {
+    try {
+      const block = this.block();
       const origin = new URL(block.dataplane_url).origin;
       if (this.origins && !this.origins.has(origin)) {
         throw new DataplaneError(
@@ -184,49 +206,43 @@ export class RunConfigSandbox implements SandboxBackendProtocolV2 {
           `dataplane_url ${origin} is not a broker this agent server connects to (allowed: ${[...this.origins].join(", ")})`,
         );
       }
-      return { sandbox: this.pool.get(block) };
+      return this.pool.get(block);
     } catch (e) {
-      return { error: asDataplaneError(e) };
+      return BrokerSandbox.failing(asDataplaneError(e));
     }
   }
 
-  private with<T>(fail: (sentence: string) => T, f: (sb: BrokerSandbox) => Promise<T>): Promise<T> {
-    const r = this.resolve();
-    if ("error" in r) return Promise.resolve(fail(describeForModel(r.error)));
-    return f(r.sandbox);
-  }
-
   ls(path: string): Promise<LsResult> {
-    return this.with<LsResult>((error) => ({ error }), (sb) => sb.ls(path));
+    return this.resolve().ls(path);
   }
   read(filePath: string, offset?: number, limit?: number): Promise<ReadResult> {
-    return this.with<ReadResult>((error) => ({ error }), (sb) => sb.read(filePath, offset, limit));
+    return this.resolve().read(filePath, offset, limit);
   }
   readRaw(filePath: string): Promise<ReadRawResult> {
-    return this.with<ReadRawResult>((error) => ({ error }), (sb) => sb.readRaw(filePath));
+    return this.resolve().readRaw(filePath);
   }
   write(filePath: string, content: string): Promise<WriteResult> {
-    return this.with<WriteResult>((error) => ({ error }), (sb) => sb.write(filePath, content));
+    return this.resolve().write(filePath, content);
   }
   edit(filePath: string, oldString: string, newString: string, replaceAll?: boolean): Promise<EditResult> {
-    return this.with<EditResult>((error) => ({ error }), (sb) => sb.edit(filePath, oldString, newString, replaceAll));
+    return this.resolve().edit(filePath, oldString, newString, replaceAll);
   }
   grep(pattern: string, path?: string | null, glob?: string | null, maxCount?: number | null): Promise<GrepResult> {
-    return this.with<GrepResult>((error) => ({ error }), (sb) => sb.grep(pattern, path, glob, maxCount));
+    return this.resolve().grep(pattern, path, glob, maxCount);
   }
   glob(pattern: string, path?: string): Promise<GlobResult> {
-    return this.with<GlobResult>((error) => ({ error }), (sb) => sb.glob(pattern, path));
+    return this.resolve().glob(pattern, path);
   }
   delete(filePath: string): Promise<DeleteResult> {
-    return this.with<DeleteResult>((error) => ({ error }), (sb) => sb.delete(filePath));
+    return this.resolve().delete(filePath);
   }
   execute(command: string): Promise<ExecuteResponse> {
-    return this.with<ExecuteResponse>((error) => ({ output: `Error: ${error}`, exitCode: null, truncated: false }), (sb) => sb.execute(command));
+    return this.resolve().execute(command);
   }
   uploadFiles(files: Array<[string, Uint8Array]>): Promise<FileUploadResponse[]> {
-    return this.with<FileUploadResponse[]>(() => files.map(([path]) => ({ path, error: "permission_denied" as const })), (sb) => sb.uploadFiles(files));
+    return this.resolve().uploadFiles(files);
   }
   downloadFiles(paths: string[]): Promise<FileDownloadResponse[]> {
-    return this.with<FileDownloadResponse[]>(() => paths.map((path) => ({ path, content: null, error: "permission_denied" as const })), (sb) => sb.downloadFiles(paths));
+    return this.resolve().downloadFiles(paths);
   }
 }

@@ -32,6 +32,25 @@ export const NO_SANDBOX_MESSAGE =
   "the run config has no sandbox block (configurable.sandbox); send one with every run (sbctl run-config)";
 
 /**
+ * What is wrong with a dataplane URL (undefined when nothing): it must be a ws:// or wss:// URL with
+ * no query, fragment, user name or password, so that a credential never rides in it (the broker
+ * refuses any query; docs/dataplane.md §1). The answer never repeats the URL.
+ */
+export function dataplaneURLProblem(raw: string): string | undefined {
+  let url: URL;
+  try {
+    url = new URL(raw);
+  } catch {
+    return "is not a URL";
+  }
+  if (url.protocol !== "ws:" && url.protocol !== "wss:") return "must be a ws:// or wss:// URL";
+  if (/[?#]/.test(raw) || url.username || url.password) {
+    return "must not carry a query, fragment, user name or password (the credential travels in its own field)";
+  }
+  return undefined;
+}
+
+/**
  * Extracts and checks the sandbox block of a run's configurable (config.configurable). Returns the
  * block, or throws a DataplaneError with code invalid_run_config whose message names the key.
  */
@@ -54,15 +73,8 @@ export function sandboxBlockOf(configurable: unknown): SandboxBlock {
     out[key] = v;
   }
   const block = out as unknown as SandboxBlock;
-  let url: URL;
-  try {
-    url = new URL(block.dataplane_url);
-  } catch {
-    throw bad(`configurable.sandbox.dataplane_url ${JSON.stringify(block.dataplane_url)} is not a URL`);
-  }
-  if (url.protocol !== "ws:" && url.protocol !== "wss:") {
-    throw bad(`configurable.sandbox.dataplane_url must be a ws:// or wss:// URL, not ${url.protocol}//`);
-  }
+  const problem = dataplaneURLProblem(block.dataplane_url);
+  if (problem) throw bad(`configurable.sandbox.dataplane_url ${problem}`);
   return block;
 }
 

@@ -1,5 +1,5 @@
 // The golden frames of protocol/testdata/frames.json, shared with the Go implementation: every
-// frame decodes strictly into our types and encodes back to the same JSON (key order aside) or
+// frame decodes strictly (unknown keys refused) into our types and encodes back to the same JSON (key order aside) or
 // the same bytes.
 
 import assert from "node:assert/strict";
@@ -68,11 +68,11 @@ describe("golden frames (protocol/testdata/frames.json)", () => {
         assert.deepEqual(JSON.parse(encodeClientFrame(frame)), f.text);
         return;
       }
-      const frame = decodeServerFrame(text);
+      const frame = decodeServerFrame(text, true);
       let kind: ResultKind | undefined;
       if ("result" in frame) {
         kind = f.result ?? "ping";
-        const result = decodeResult(kind, frame.result);
+        const result = decodeResult(kind, frame.result, true);
         assert.deepEqual(encodeResult(kind, result), (f.text as { result: unknown }).result);
       }
       assert.deepEqual(JSON.parse(encodeServerFrame(frame, kind)), f.text);
@@ -91,6 +91,22 @@ describe("strict decoding", () => {
     assert.throws(() => decodeResult("exec", { exit_code: 0, duration_ms: 1.5 }), ProtocolError);
     assert.throws(() => encodeClientFrame({ id: 1, op: "write", args: { path: "a", content: "b", mdoe: "create" } as never }), /unknown field "mdoe"/);
     assert.throws(() => parseBinaryFrame(Buffer.from("0100", "hex")), ProtocolError);
+  });
+
+  it("reads the broker's frames leniently: unknown keys are dropped, unless strict", () => {
+    const hello = '{"id":0,"type":"hello","new":1,"hello":{"protocol":"sbx.dataplane.v1","sandbox_id":"sb_1","workspace":"/workspace","scopes":[],"region":"eu","limits":{"max_frame_bytes":1,"max_inflight":1,"max_chunk_bytes":1,"max_output_bytes":1,"max_new":2}}}';
+    const f = decodeServerFrame(hello);
+    assert.ok("hello" in f);
+    assert.equal(f.hello.sandbox_id, "sb_1");
+    assert.deepEqual(f.hello.limits, { max_frame_bytes: 1, max_inflight: 1, max_chunk_bytes: 1, max_output_bytes: 1 });
+    assert.throws(() => decodeServerFrame(hello, true), /unknown field "new"/);
+    const entry = { path: "/workspace/a", name: "a", type: "file", size: 1, mode: 420, mod_time: "t", owner: "x" };
+    const { owner: _, ...known } = entry;
+    assert.deepEqual(decodeResult("ls", { entries: [entry], cursor: "c" }), { entries: [known] });
+    assert.throws(() => decodeResult("ls", { entries: [entry] }, true), /unknown field "owner"/);
+    assert.deepEqual(decodeServerFrame('{"id":3,"error":{"code":"x","message":"y","hint":"z"}}'), { id: 3, error: { code: "x", message: "y" } });
+    // Types and required fields stay checked.
+    assert.throws(() => decodeResult("ls", { entries: [{ ...entry, size: "1" }] }), ProtocolError);
   });
 
   it("accepts null listings (a Go nil slice)", () => {
@@ -146,6 +162,11 @@ describe("run-config block (DESIGN §5.1)", () => {
     assert.match(err({ sandbox: { ...good, sandbox_id: "" } }), /sandbox_id must be a non-empty string/);
     assert.match(err({ sandbox: { ...good, credential: 42 } }), /credential must be a non-empty string/);
     assert.match(err({ sandbox: { ...good, dataplane_url: "http://h/x" } }), /must be a ws:\/\/ or wss:\/\/ URL/);
+    for (const url of ["not a url s3cret", `${good.dataplane_url}?token=s3cret`, `${good.dataplane_url}#s3cret`, "ws://u:s3cret@127.0.0.1:7070/v1/sandboxes/sb_1/dataplane", "ws://s3cret@127.0.0.1:7070/x"]) {
+      const m = err({ sandbox: { ...good, dataplane_url: url } });
+      assert.match(m, /configurable\.sandbox\.dataplane_url (is not a URL|must not carry a query, fragment, user name or password)/, url);
+      assert.doesNotMatch(m, /s3cret/, "the URL is never repeated");
+    }
     assert.match(err([]), /configurable must be a JSON object/);
   });
 });

@@ -66,11 +66,27 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		cfg.Now = time.Now
 	}
 	b := &Broker{events: events.NewWriter(cfg.Store.Client(), cfg.Log)}
+	// Once Recover has restarted sandboxes, a failure must stop them again: nothing else would.
 	fail := func(err error) (*Broker, error) {
+		if b.Sandboxes != nil {
+			b.Sandboxes.Close(context.WithoutCancel(ctx))
+		}
 		b.events.Close()
 		return nil, err
 	}
 	var err error
+	// What can fail without starting anything comes first, before Recover starts sandboxes.
+	if b.Keys, err = delegation.LoadOrCreateKeyring(cfg.SigningKeys, cfg.Now); err != nil {
+		return fail(fmt.Errorf("signing keys: %w", err))
+	}
+	b.Delegation, err = delegation.NewService(delegation.ServiceConfig{
+		Keys: b.Keys, Store: cfg.Store, Events: b.events, Log: cfg.Log,
+		Token:        delegation.Config{DefaultTTL: cfg.TokenTTL, MaxTTL: cfg.TokenMaxTTL, Now: cfg.Now},
+		DataplaneURL: dataplaneURL(cfg.Store),
+	})
+	if err != nil {
+		return fail(err)
+	}
 	b.Sandboxes, err = sandbox.NewManager(sandbox.Config{
 		Store: cfg.Store, Provider: cfg.Provider, Templates: cfg.Templates, Node: cfg.Node, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, DefaultTTL: cfg.DefaultTTL, MaxTTL: cfg.MaxTTL,
@@ -85,21 +101,10 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if err := cfg.Store.RegisterNode(ctx, cfg.Node, cfg.AdvertiseURL); err != nil {
 		return fail(err)
 	}
-	if b.Keys, err = delegation.LoadOrCreateKeyring(cfg.SigningKeys, cfg.Now); err != nil {
-		return fail(fmt.Errorf("signing keys: %w", err))
-	}
-	b.Delegation, err = delegation.NewService(delegation.ServiceConfig{
-		Keys: b.Keys, Store: cfg.Store, Events: b.events, Log: cfg.Log,
-		Token:        delegation.Config{DefaultTTL: cfg.TokenTTL, MaxTTL: cfg.TokenMaxTTL, Now: cfg.Now},
-		DataplaneURL: dataplaneURL(cfg.Store),
-	})
-	if err != nil {
-		return fail(err)
-	}
 	rdb := cfg.Store.Client()
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
-		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
+		Log: cfg.Log, Now: cfg.Now, MaxTTL: cfg.MaxTTL, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, Provider: cfg.Provider.Name(), Redis: "ok", Node: cfg.Node, Warnings: cfg.ProviderWarnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {

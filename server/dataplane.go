@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -33,9 +34,14 @@ const (
 	// answer. Stream to get more.
 	dpMaxAnswerOutput = 8 << 20
 	// File operations whose answer can be large (read, ls, glob, grep, download) hold a heavy slot
-	// until the writer takes their answer: this many per connection, and dpHeavyPerBroker across
-	// every connection, which bounds the broker's memory however many connections or tokens a
-	// client opens. They are quick, so a slot is never held for long.
+	// until the writer takes their answer: this many per connection. read, ls, glob and grep also
+	// hold one of dpHeavyPerBroker across every connection, which bounds the memory their answers
+	// take however many connections or tokens a client opens; a slot is held only until the writer
+	// takes the answer, but a client that does not read makes that wait as long as it likes, so at
+	// most dpHeavyPerBroker such answers can be stuck at once. A download takes no broker-wide slot:
+	// it streams, so it holds a chunk at a time (its memory is bounded by the connection's write
+	// queue, as for a streamed exec), and it lasts as long as its reader is slow: broker-wide slots
+	// held by slow downloads would stall every other connection's reads.
 	dpHeavyPerConn   = 2
 	dpHeavyPerBroker = 16
 	// dpExecOutputBudget bounds the output of non-streamed execs held in memory broker-wide (a
@@ -73,9 +79,12 @@ func (s *Server) dataplane(c echo.Context) error {
 	if r.URL.RawQuery != "" {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane takes no query parameters (and never credentials in the URL): send Authorization: Bearer, or the %s<credential> subprotocol", protocol.BearerSubprotocolPrefix)
 	}
-	if n := s.dpOpen.Load(); n >= int64(s.maxDPConns) {
-		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", n)
+	// Counted from here, before any work, so that concurrent upgrades cannot overshoot the bound.
+	release, ok := s.hub.reserve(s.maxDPConns)
+	if !ok {
+		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.maxDPConns)
 	}
+	defer release()
 	if err := s.checkOrigin(r); err != nil {
 		return err
 	}
@@ -92,14 +101,11 @@ func (s *Server) dataplane(c echo.Context) error {
 	conn := &dpConn{s: s}
 	ctx := r.Context()
 	if store.LooksLikeAPIKey(cred) {
-		k, err := s.apiKeys.authenticate(ctx, cred)
-		if errors.Is(err, store.ErrBadKey) {
-			return protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
-		}
+		p, err := s.ownerKey(ctx, cred)
 		if err != nil {
 			return err
 		}
-		conn.org, conn.keyID, conn.actor = k.Org, k.ID, "key:"+k.ID
+		conn.org, conn.keyID, conn.actor = p.Org, p.KeyID, p.Actor()
 		conn.scopes = map[string]bool{protocol.ScopeFSRead: true, protocol.ScopeFSWrite: true, protocol.ScopeExec: true}
 	} else {
 		claims, err := s.delegation.Verifier().Verify(ctx, cred)
@@ -109,7 +115,7 @@ func (s *Server) dataplane(c echo.Context) error {
 		// The verifier grants clock-skew leeway past exp, but a connection ends at exp (watch, on
 		// this clock): a token already past it would get a connection that closes at once, after
 		// serving whatever the client pipelined behind the handshake.
-		if !time.Now().Before(claims.ExpiresAt.Time) {
+		if !s.now().Before(claims.ExpiresAt.Time) {
 			return protocol.Errorf(protocol.CodeTokenExpired, "the token expired at %s", claims.ExpiresAt.UTC().Format(time.RFC3339))
 		}
 		conn.org, conn.claims, conn.actor = claims.Org, claims, "token:"+claims.ID
@@ -136,15 +142,30 @@ func (s *Server) dataplane(c echo.Context) error {
 		return err
 	}
 	conn.rec = rec
-	hdr := http.Header{}
-	hdr.Set(echo.HeaderXRequestID, requestID(c))
-	ws, err := upgrader.Upgrade(c.Response(), r, hdr)
+	ws, err := s.upgrade(c)
 	if err != nil {
-		return nil // the upgrader answered already
+		return nil // upgrade answered already
 	}
 	c.Response().Committed = true
 	conn.serve(ws, requestID(c))
 	return nil
+}
+
+// upgrade switches the request to a WebSocket. A request that is not a well-formed upgrade gets the
+// JSON error answer of every other failure (not gorilla's plain-text one), through errorHandler.
+func (s *Server) upgrade(c echo.Context) (*websocket.Conn, error) {
+	up := upgrader
+	up.Error = func(w http.ResponseWriter, _ *http.Request, status int, reason error) {
+		w.Header().Set("Sec-WebSocket-Version", "13") // RFC 6455 4.4, as gorilla's own answer does
+		if status >= http.StatusInternalServerError {
+			s.errorHandler(fmt.Errorf("dataplane upgrade: %w", reason), c) // logged, never sent
+			return
+		}
+		s.errorHandler(protocol.Errorf(protocol.CodeInvalidArgument, "%v", reason), c)
+	}
+	hdr := http.Header{}
+	hdr.Set(echo.HeaderXRequestID, requestID(c))
+	return up.Upgrade(c.Response(), c.Request(), hdr)
 }
 
 func (s *Server) checkOrigin(r *http.Request) error {
@@ -222,7 +243,6 @@ type dpConn struct {
 type request struct {
 	cancel context.CancelFunc
 	upload *workspace.Upload // set for uploads, fed by the reader
-	path   string
 	// release gives back the heavy slot the request holds, once.
 	release func()
 	once    sync.Once
@@ -238,13 +258,18 @@ func (r *request) done() {
 	})
 }
 
-// holdHeavy takes a heavy slot for req, on this connection and then broker-wide, waiting if none is
-// free; it is given back when the request's answer is taken by the writer (request.done).
-func (c *dpConn) holdHeavy(ctx context.Context, req *request) error {
+// holdHeavy takes a heavy slot for req on this connection and, when broker is set, one broker-wide,
+// waiting if none is free; they are given back when the request's answer is taken by the writer
+// (request.done).
+func (c *dpConn) holdHeavy(ctx context.Context, req *request, broker bool) error {
 	select {
 	case c.heavy <- struct{}{}:
 	case <-ctx.Done():
 		return ctx.Err()
+	}
+	if !broker {
+		req.release = func() { <-c.heavy }
+		return nil
 	}
 	select {
 	case c.s.dpHeavy <- struct{}{}:
@@ -271,8 +296,6 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.out = make(chan outFrame, dpWriteQueue)
 	c.inflight = map[uint32]*request{}
 	c.heavy = make(chan struct{}, dpHeavyPerConn)
-	c.s.dpOpen.Add(1)
-	defer c.s.dpOpen.Add(-1)
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	log := c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
 	ws.SetReadLimit(dpMaxFrameBytes)
@@ -295,7 +318,6 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.send(protocol.Response{Type: "hello", Hello: &hello})
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventConnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
 	log.Info("dataplane connected", "jti", c.jti())
-	c.s.metrics.dpConns.Inc()
 
 	c.readLoop()
 
@@ -303,11 +325,10 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	<-writerDone
 	ws.Close()
 	c.running.Wait()
-	c.s.metrics.dpConns.Dec()
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventDisconnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
 	log.Info("dataplane disconnected", "jti", c.jti())
-	// Last: broker shutdown waits for this, then closes the event writer.
 	unregister()
+	// The handler's release comes last: broker shutdown waits for it, then closes the event writer.
 }
 
 func (c *dpConn) jti() string {
@@ -468,23 +489,22 @@ func (c *dpConn) sendThen(r protocol.Response, taken func()) {
 
 func (c *dpConn) fail(id uint32, err error) { c.send(c.errorResponse(id, err)) }
 
-// errorResponse is the answer that ends request id with err.
+// errorResponse is the answer that ends request id with err: apiError's mapping, the one REST
+// answers use, except that a cancelled request says which one it was.
 func (c *dpConn) errorResponse(id uint32, err error) protocol.Response {
 	var pe *protocol.Error
-	if !errors.As(err, &pe) {
-		switch {
-		case errors.Is(err, context.Canceled):
-			pe = protocol.Errorf(protocol.CodeCancelled, "request %d was cancelled", id)
-		case errors.Is(err, provider.ErrStopped):
-			pe = protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped")
-		case errors.Is(err, provider.ErrInvalidRequest):
-			pe = protocol.Errorf(protocol.CodeInvalidArgument, "%s", strings.TrimPrefix(err.Error(), provider.ErrInvalidRequest.Error()+": "))
-		default:
-			c.s.log.Error("dataplane request failed", "sandbox_id", c.rec.ID, "id", id, "err", err)
-			pe = protocol.Errorf(protocol.CodeInternal, "internal error on request %d; the broker logged it", id)
+	if !errors.As(err, &pe) && errors.Is(err, context.Canceled) {
+		return protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeCancelled, "request %d was cancelled", id)}
+	}
+	status, pe := apiError(err)
+	if status >= 500 {
+		c.s.log.Error("dataplane request failed", "sandbox_id", c.rec.ID, "id", id, "code", pe.Code, "err", err)
+		if pe.Code == protocol.CodeInternal {
+			// A dataplane answer carries no HTTP request id: name the request instead.
+			pe.Message = fmt.Sprintf("internal error on request %d; the broker logged it", id)
 		}
 	}
-	return protocol.Response{ID: id, Error: &protocol.Error{Code: pe.Code, Message: pe.Message}}
+	return protocol.Response{ID: id, Error: pe}
 }
 
 // wireRequest is a client text frame with its args still raw.
@@ -734,8 +754,13 @@ var errTrailingData = errors.New("data after the JSON value")
 // run performs one operation and returns its result.
 func (c *dpConn) run(ctx context.Context, id uint32, req *request, op string, raw json.RawMessage) (any, error) {
 	switch op {
-	case protocol.OpRead, protocol.OpLs, protocol.OpGlob, protocol.OpGrep, protocol.OpDownload:
-		if err := c.holdHeavy(ctx, req); err != nil {
+	case protocol.OpRead, protocol.OpLs, protocol.OpGlob, protocol.OpGrep:
+		if err := c.holdHeavy(ctx, req, true); err != nil {
+			return nil, err
+		}
+	case protocol.OpDownload:
+		// Streamed, bounded by the write queue, and as slow as its reader (dpHeavyPerConn).
+		if err := c.holdHeavy(ctx, req, false); err != nil {
 			return nil, err
 		}
 	}
@@ -1032,15 +1057,46 @@ func (w *streamWriter) Write(p []byte) (int, error) {
 type hub struct {
 	mu    sync.Mutex
 	conns map[string]map[*dpConn]struct{} // org/sandbox id -> connections
-	// open counts connections until their serve returns. http.Server.Shutdown does not wait for
-	// hijacked connections, so closeAll does: after it the broker closes its event writer, which
-	// a connection still ending would emit into.
+	// open is the one count of dataplane connections, from reserve (before the handshake's checks)
+	// until the handler returns: it bounds them, it is the sbx_dataplane_connections gauge, and
+	// closeAll waits for it, since http.Server.Shutdown does not wait for hijacked connections and
+	// after closeAll the broker closes its event writer, which a connection still ending would emit
+	// into.
 	open   int
 	closed bool          // closeAll ran: a connection upgraded later is closed at once
 	idle   chan struct{} // closed when open drops to 0 after closeAll
 }
 
 func newHub() *hub { return &hub{conns: map[string]map[*dpConn]struct{}{}} }
+
+// reserve counts a connection being opened, unless max are counted already. release uncounts it,
+// once; call it when the connection has ended (or was refused).
+func (h *hub) reserve(max int) (release func(), ok bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.open >= max {
+		return nil, false
+	}
+	h.open++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			h.mu.Lock()
+			if h.open--; h.open == 0 && h.idle != nil {
+				close(h.idle)
+				h.idle = nil
+			}
+			h.mu.Unlock()
+		})
+	}, true
+}
+
+// count is the number of connections open or being opened.
+func (h *hub) count() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.open
+}
 
 func (h *hub) add(c *dpConn) (remove func()) {
 	key := c.org + "/" + c.rec.ID
@@ -1049,7 +1105,6 @@ func (h *hub) add(c *dpConn) (remove func()) {
 		h.conns[key] = map[*dpConn]struct{}{}
 	}
 	h.conns[key][c] = struct{}{}
-	h.open++
 	closed := h.closed
 	h.mu.Unlock()
 	if closed {
@@ -1060,10 +1115,6 @@ func (h *hub) add(c *dpConn) (remove func()) {
 		delete(h.conns[key], c)
 		if len(h.conns[key]) == 0 {
 			delete(h.conns, key)
-		}
-		if h.open--; h.open == 0 && h.idle != nil {
-			close(h.idle)
-			h.idle = nil
 		}
 		h.mu.Unlock()
 	}

@@ -3,7 +3,9 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -201,6 +203,124 @@ func TestRemoteQueuesBeyondMaxInflight(t *testing.T) {
 	for err := range errs {
 		if err != nil {
 			t.Fatalf("a call beyond max_inflight failed: %v", err)
+		}
+	}
+}
+
+// Downloads that their clients read slowly (here: never) hold no broker-wide slot: with as many of
+// them as the broker has slots, another connection's reads are still answered.
+func TestDataplaneSlowDownloadsDoNotStallReads(t *testing.T) {
+	// Not parallel: the unread downloads hold their write queues, which heap tests would count.
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, url := newSandbox(t, b, "slowdl")
+	ws := workspaceDir(b, id)
+	// 256 MiB, sparse: far more than any buffer on the way, so the downloads never end.
+	f, err := os.Create(filepath.Join(ws, "huge.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Truncate(256 << 20)
+	f.Close()
+	if err := os.WriteFile(filepath.Join(ws, "small.txt"), []byte("hi\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	key := b.Client.APIKey()
+	for i := 0; i < 8; i++ { // two downloads each: sixteen, the broker-wide heavy slots
+		c := dialRaw(t, url, key)
+		c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
+		c.sendJSON(protocol.Request{ID: 2, Op: "download", Args: map[string]any{"path": "huge.bin"}})
+	}
+	time.Sleep(500 * time.Millisecond) // the downloads start and fill their connections' queues
+	reader := dialRaw(t, url, key)
+	reader.sendJSON(protocol.Request{ID: 1, Op: "read", Args: map[string]any{"path": "small.txt"}})
+	if err := reader.readOne(5 * time.Second); err != nil {
+		t.Fatalf("a read behind sixteen unread downloads on other connections: %v", err)
+	}
+	if got := reader.await(1); got.Error != nil {
+		t.Fatalf("read: %s", got)
+	}
+}
+
+// A request that is not a well-formed WebSocket upgrade gets the JSON error body of every other
+// refusal, with the request id, not a plain-text "Bad Request".
+func TestDataplaneBadUpgradeIsJSON(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, _ := newSandbox(t, b, "plain")
+	cases := []struct {
+		name    string
+		hdr     map[string]string
+		version bool // the answer names the version the server speaks
+	}{
+		{"plain GET", map[string]string{}, false},
+		{"old WebSocket version", map[string]string{"Connection": "Upgrade", "Upgrade": "websocket",
+			"Sec-WebSocket-Version": "8", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}, true},
+	}
+	for _, tc := range cases {
+		req, _ := http.NewRequest("GET", b.URL+"/v1/sandboxes/"+id+"/dataplane", nil)
+		req.Header.Set("Authorization", "Bearer "+b.Client.APIKey())
+		req.Header.Set("Sec-WebSocket-Protocol", protocol.Subprotocol)
+		for k, v := range tc.hdr {
+			req.Header.Set(k, v)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var eb protocol.ErrorBody
+		err = json.NewDecoder(resp.Body).Decode(&eb)
+		resp.Body.Close()
+		if resp.StatusCode != 400 || err != nil || eb.Error.Code != protocol.CodeInvalidArgument || eb.Error.Message == "" ||
+			eb.Error.RequestID == "" || eb.Error.RequestID != resp.Header.Get("X-Request-Id") {
+			t.Errorf("%s: %d %+v (%v), want 400 invalid_argument with the request id", tc.name, resp.StatusCode, eb, err)
+		}
+		if tc.version && resp.Header.Get("Sec-WebSocket-Version") != "13" {
+			t.Errorf("%s: Sec-WebSocket-Version %q, want 13", tc.name, resp.Header.Get("Sec-WebSocket-Version"))
+		}
+	}
+}
+
+// Token expiry at the upgrade is on the broker's clock, the one its connections end by: a token past
+// exp on that clock is refused, though the wall clock (and the verifier's leeway) would accept it.
+func TestDataplaneTokenExpiryOnBrokerClock(t *testing.T) {
+	t.Parallel()
+	clock := servertest.NewClock(time.Now())
+	b := servertest.New(t, servertest.Options{Provider: "dir", Now: clock.Now})
+	if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "clocked"}); err != nil {
+		t.Fatal(err)
+	}
+	ttl := int64(60)
+	m, err := b.Client.Delegate(t.Context(), "clocked", protocol.MintRequest{Scopes: []string{"fs:read"}, TTLSeconds: &ttl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(70 * time.Second) // past exp, within the verifier's 30 s leeway
+	status, eb := dialStatus(t, m.Sandbox.DataplaneURL, authHeader(m.Token), []string{protocol.Subprotocol})
+	if status != 401 || eb.Error.Code != protocol.CodeTokenExpired {
+		t.Errorf("token past exp on the broker's clock: %d %+v, want 401 token_expired", status, eb)
+	}
+}
+
+// An exec the provider cannot run as given is invalid_argument with the provider's reason, in
+// sandbox terms.
+func TestDataplaneExecInvalidRequest(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	_, url := newSandbox(t, b, "badexec")
+	c := dialRaw(t, url, b.Client.APIKey())
+	cases := []struct {
+		name string
+		args map[string]any
+		want string // the whole message, or "" for any that names no host path
+	}{
+		{"bad env name", map[string]any{"command": "true", "env": map[string]string{"1BAD": "x"}}, `environment variable name "1BAD"`},
+		{"missing cwd", map[string]any{"command": "true", "cwd": "no/such/dir"}, ""},
+	}
+	for i, tc := range cases {
+		got := c.call(uint32(i+1), "exec", tc.args)
+		if got.code() != protocol.CodeInvalidArgument || (tc.want != "" && got.Error.Message != tc.want) ||
+			strings.Contains(got.Error.Message, b.DataDir) || strings.HasPrefix(got.Error.Message, "invalid exec request") {
+			t.Errorf("%s: %s, want invalid_argument %q", tc.name, got, tc.want)
 		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 )
 
 // statusOf is the one table from error code to HTTP status.
@@ -32,11 +33,13 @@ var statusOf = map[string]int{
 	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503,
 }
 
-// apiError maps any error to the one JSON error shape. Protocol errors pass through (their messages
-// are written for people); anything else is an internal cause that is logged, never sent.
+// apiError maps any error to the one JSON error shape, for REST answers and dataplane answers alike.
+// Protocol errors pass through (their messages are written for people), and so do the domain errors
+// whose text is written for callers; anything else is an internal cause that is logged, never sent.
 func apiError(err error) (int, *protocol.Error) {
 	var pe *protocol.Error
 	var he *echo.HTTPError
+	var ire *provider.InvalidRequestError
 	switch {
 	case errors.As(err, &pe):
 		status := statusOf[pe.Code]
@@ -44,6 +47,10 @@ func apiError(err error) (int, *protocol.Error) {
 			status = http.StatusBadRequest
 		}
 		return status, &protocol.Error{Code: pe.Code, Message: pe.Message}
+	case errors.As(err, &ire):
+		return 400, protocol.Errorf(protocol.CodeInvalidArgument, "%s", ire.Reason)
+	case errors.Is(err, provider.ErrStopped):
+		return 409, protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped")
 	case errors.As(err, &he):
 		switch he.Code {
 		case http.StatusNotFound:

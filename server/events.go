@@ -101,7 +101,7 @@ func (s *Server) streamEvents(c echo.Context, sandboxID string) error {
 			return nil
 		case <-ctx.Done():
 			return nil
-		case <-s.shutdownCh:
+		case <-s.bgCtx.Done(): // Shutdown
 			return nil
 		}
 	}

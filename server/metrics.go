@@ -16,10 +16,11 @@ type metrics struct {
 	reg      *prometheus.Registry
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
-	dpConns  prometheus.Gauge
 }
 
-func newMetrics() *metrics {
+// newMetrics makes the registry; dpConns reads the open dataplane connections (hub.count), which
+// are counted once, by the hub.
+func newMetrics(dpConns func() int) *metrics {
 	m := &metrics{
 		reg: prometheus.NewRegistry(),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -30,8 +31,9 @@ func newMetrics() *metrics {
 			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .5, 1, 5},
 		}, []string{"route"}),
 	}
-	m.dpConns = prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_dataplane_connections", Help: "Open dataplane connections."})
-	m.reg.MustRegister(m.requests, m.latency, m.dpConns, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	conns := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "sbx_dataplane_connections", Help: "Open dataplane connections."},
+		func() float64 { return float64(dpConns()) })
+	m.reg.MustRegister(m.requests, m.latency, conns, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"log/slog"
 	"net/http"
@@ -117,16 +118,26 @@ func (s *Server) requireOwner(next echo.HandlerFunc) echo.HandlerFunc {
 			return protocol.Errorf(protocol.CodeDelegateForbidden,
 				"a delegation token may only use its sandbox's dataplane; this route needs the owner's API key")
 		}
-		k, err := s.apiKeys.authenticate(c.Request().Context(), cred)
-		if errors.Is(err, store.ErrBadKey) {
-			return protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
-		}
+		p, err := s.ownerKey(c.Request().Context(), cred)
 		if err != nil {
 			return err
 		}
-		c.Set(ctxPrincipal, Principal{Org: k.Org, KeyID: k.ID})
+		c.Set(ctxPrincipal, p)
 		return next(c)
 	}
+}
+
+// ownerKey authenticates an org API key (cred looks like one: store.LooksLikeAPIKey) and returns
+// its owner. The REST routes and the dataplane both authenticate owners here.
+func (s *Server) ownerKey(ctx context.Context, cred string) (Principal, error) {
+	k, err := s.apiKeys.authenticate(ctx, cred)
+	if errors.Is(err, store.ErrBadKey) {
+		return Principal{}, protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
+	}
+	if err != nil {
+		return Principal{}, err
+	}
+	return Principal{Org: k.Org, KeyID: k.ID}, nil
 }
 
 // loadSandbox resolves the :ref path parameter (an id or a name) in the caller's org.

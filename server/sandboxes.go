@@ -73,10 +73,10 @@ func (s *Server) createSandbox(c echo.Context) error {
 	}
 	cr := sandbox.CreateRequest{Name: req.Name, Template: req.Template, Tags: req.Tags, Reuse: req.Reuse == nil || *req.Reuse}
 	if req.TTLSeconds != nil {
-		if *req.TTLSeconds < 0 || *req.TTLSeconds > 1<<40 {
-			return protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds of %d is out of range", *req.TTLSeconds)
+		ttl, err := s.leaseTTL(*req.TTLSeconds)
+		if err != nil {
+			return err
 		}
-		ttl := time.Duration(*req.TTLSeconds) * time.Second
 		cr.TTL = &ttl
 	}
 	rec, outcome, err := s.sandboxes.Create(c.Request().Context(), s.caller(c), cr)
@@ -278,14 +278,25 @@ func (s *Server) setTTL(c echo.Context) error {
 	if req.TTLSeconds == nil {
 		return protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds is required")
 	}
-	if *req.TTLSeconds < 0 || *req.TTLSeconds > 1<<40 {
-		return protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds of %d is out of range", *req.TTLSeconds)
+	ttl, err := s.leaseTTL(*req.TTLSeconds)
+	if err != nil {
+		return err
 	}
-	l, err := s.sandboxes.SetTTL(c.Request().Context(), principal(c).Org, sandboxOf(c).ID, time.Duration(*req.TTLSeconds)*time.Second)
+	l, err := s.sandboxes.SetTTL(c.Request().Context(), principal(c).Org, sandboxOf(c).ID, ttl)
 	if err != nil {
 		return err
 	}
 	return c.JSON(http.StatusOK, leaseView(l))
+}
+
+// leaseTTL turns a request's ttl_seconds into a lease. The bound is checked in seconds, before
+// multiplying: the product with time.Second wraps past int64 (18446744078 s would become 4.3 s).
+func (s *Server) leaseTTL(seconds int64) (time.Duration, error) {
+	maxSeconds := int64(s.maxTTL / time.Second)
+	if seconds < 1 || seconds > maxSeconds {
+		return 0, protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds of %d is out of range: use 1 to %d (the broker's --max-ttl)", seconds, maxSeconds)
+	}
+	return time.Duration(seconds) * time.Second, nil
 }
 
 func leaseView(l store.Lease) protocol.HeartbeatResponse {

@@ -8,12 +8,12 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"runtime/debug"
 	"sort"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -41,6 +41,9 @@ type Config struct {
 	// DataplaneRenewsLease lets dataplane activity renew a sandbox's lease (off by default: a lease
 	// is the owner's heartbeat, and an agent left running must not keep a sandbox alive).
 	DataplaneRenewsLease bool
+	// MaxTTL is the largest lease a client may ask for (the broker's --max-ttl; 0: no bound here,
+	// the sandbox manager still applies its own).
+	MaxTTL time.Duration
 	// MaxDataplaneConnections bounds open dataplane connections (default 4096).
 	MaxDataplaneConnections int
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
@@ -71,24 +74,23 @@ type Server struct {
 	ready          func(ctx context.Context) ReadyReport
 	metrics        *metrics
 	http           *http.Server
-	// bgCtx scopes what Serve starts besides the HTTP server; stopBackground ends it.
+	// bgCtx scopes what Serve starts besides the HTTP server; stopBackground ends it. Shutdown
+	// ends it first, which also ends long-lived responses (SSE) that http.Server.Shutdown would
+	// otherwise wait for.
 	bgCtx          context.Context
 	stopBackground context.CancelFunc
-	shutdownOnce   sync.Once
-	// shutdownCh is closed by Shutdown, ending long-lived responses (SSE) that Shutdown would
-	// otherwise wait for.
-	shutdownCh chan struct{}
-	eventsHub  *events.Hub
-	clock      func() time.Time
-	dpRenews   bool
-	apiKeys    *keyCache
-	// dpHeavy bounds operations with large answers broker-wide; dpOpen counts dataplane
-	// connections, at most maxDPConns.
+	eventsHub      *events.Hub
+	clock          func() time.Time
+	dpRenews       bool
+	apiKeys        *keyCache
+	// dpHeavy bounds operations with large answers broker-wide.
 	dpHeavy chan struct{}
 	// dpExecOutput is the output of non-streamed execs held in memory broker-wide.
 	dpExecOutput atomic.Int64
-	dpOpen       atomic.Int64
-	maxDPConns   int
+	// maxDPConns bounds open dataplane connections (counted by hub).
+	maxDPConns int
+	// maxTTL bounds ttl_seconds (leaseTTL).
+	maxTTL time.Duration
 }
 
 // maxBody bounds every REST request body.
@@ -96,13 +98,17 @@ const maxBody = 1 << 20
 
 // New builds the server and its routes.
 func New(cfg Config) *Server {
+	h := newHub()
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
-		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(), hub: newHub(),
-		allowedOrigins: cfg.AllowedOrigins, shutdownCh: make(chan struct{}),
-		eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now, dpRenews: cfg.DataplaneRenewsLease,
-		apiKeys: newKeyCache(cfg.Store), dpHeavy: make(chan struct{}, dpHeavyPerBroker), maxDPConns: cfg.MaxDataplaneConnections}
+		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count), hub: h,
+		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
+		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), dpHeavy: make(chan struct{}, dpHeavyPerBroker),
+		maxDPConns: cfg.MaxDataplaneConnections}
 	if s.maxDPConns <= 0 {
 		s.maxDPConns = 4096
+	}
+	if s.maxTTL = cfg.MaxTTL; s.maxTTL <= 0 {
+		s.maxTTL = math.MaxInt64
 	}
 	if s.events == nil {
 		s.events = events.Discard
@@ -186,6 +192,7 @@ func (s *Server) Serve(l net.Listener) error {
 		s.hub.keyRevoked(id)
 	})
 	if err != nil {
+		s.stopBackground() // ends the revocation subscription started above
 		return err
 	}
 	err = s.http.Serve(l)
@@ -197,10 +204,7 @@ func (s *Server) Serve(l net.Listener) error {
 
 // Shutdown stops accepting, lets in-flight requests finish until ctx ends, then closes the rest.
 func (s *Server) Shutdown(ctx context.Context) error {
-	s.shutdownOnce.Do(func() {
-		s.stopBackground()
-		close(s.shutdownCh)
-	})
+	s.stopBackground()
 	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: close them ourselves.
 	s.hub.closeAll()
 	return s.http.Shutdown(ctx)

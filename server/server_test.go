@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"maps"
 	"net/http"
 	"os"
@@ -21,6 +22,7 @@ import (
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
 )
 
 func TestMain(m *testing.M) { servertest.Main(m) }
@@ -542,5 +544,77 @@ func TestBatchHeartbeats(t *testing.T) {
 	other, _ := b.NewClient("org-b").Heartbeats(ctx, refs[:1])
 	if other.Items[0].Error == nil || other.Items[0].Error.Code != protocol.CodeNotFound {
 		t.Fatalf("org isolation: %+v", other)
+	}
+}
+
+// initsIn counts the processes whose working directory is ws: a dir-provider sandbox's init runs
+// there.
+func initsIn(ws string) int {
+	n := 0
+	procs, _ := filepath.Glob("/proc/[0-9]*/cwd")
+	for _, p := range procs {
+		if dir, err := os.Readlink(p); err == nil && dir == ws {
+			n++
+		}
+	}
+	return n
+}
+
+// A broker that fails to start leaves no sandbox running: either it fails before recovering them,
+// or it stops those it recovered.
+func TestBrokerStartFailureLeavesNoSandboxRunning(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name    string
+		breakIt func(t *testing.T, b *servertest.Broker)
+	}{
+		{"unsafe signing key directory", func(t *testing.T, b *servertest.Broker) {
+			if err := os.Chmod(filepath.Join(b.DataDir, "signing"), 0o777); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"node registration fails", func(t *testing.T, b *servertest.Broker) {
+			// The nodes hash is a string now: HSET on it fails, after the sandboxes are recovered.
+			if err := b.RDB.Set(t.Context(), store.NodesKey, "not a hash", 0).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := servertest.New(t, servertest.Options{Provider: "dir"})
+			res, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "survivor"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ws := filepath.Join(b.DataDir, "sandboxes", res.Sandbox.ID, "workspace")
+			if initsIn(ws) == 0 {
+				t.Fatalf("no process runs in %s: the check below would prove nothing", ws)
+			}
+			b.Stop()
+			for end := time.Now().Add(5 * time.Second); initsIn(ws) > 0; time.Sleep(20 * time.Millisecond) {
+				if time.Now().After(end) {
+					t.Fatal("the sandbox outlived its broker's shutdown")
+				}
+			}
+			tc.breakIt(t, b)
+			prov, _, err := provider.Preflight(t.Context(), provider.Config{DataDir: b.DataDir}, "dir")
+			if err != nil {
+				t.Fatal(err)
+			}
+			br, err := server.NewBroker(t.Context(), server.BrokerConfig{
+				Store: b.Store, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
+				Node: "node-test", AdvertiseURL: b.URL, DataDir: b.DataDir, SigningKeys: filepath.Join(b.DataDir, "signing"),
+				WorkspaceUID: -1, Log: slog.New(slog.NewTextHandler(io.Discard, nil)), DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour,
+			})
+			if err == nil {
+				br.Shutdown(context.Background())
+				t.Fatal("the broker started")
+			}
+			if n := initsIn(ws); n > 0 {
+				t.Errorf("%d processes left running in the sandbox by a broker that failed to start (%v)", n, err)
+			}
+		})
 	}
 }

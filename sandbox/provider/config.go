@@ -67,12 +67,30 @@ var (
 	ErrRunning = errors.New("sandbox is running")
 	// ErrStopped is returned by Exec once the sandbox's init has exited (Stop, a crash, a kill).
 	ErrStopped = errors.New("sandbox stopped")
-	// ErrInvalidRequest is returned by Exec for a request that cannot run as given (bad cwd, bad
-	// environment name, both or neither of Command and Argv, a cwd that does not exist).
+	// ErrInvalidRequest is what every *InvalidRequestError is (errors.Is): Exec returns one for a
+	// request that cannot run as given (bad cwd, bad environment name, both or neither of Command
+	// and Argv, a cwd that does not exist).
 	ErrInvalidRequest = errors.New("invalid exec request")
 	// ErrUnavailable is returned when a provider cannot run on this host; the message says how to fix it.
 	ErrUnavailable = errors.New("provider unavailable")
 )
+
+// InvalidRequestError is the error Exec returns for a request that cannot run as given. Reason says
+// why in words fit for the caller (sandbox paths only, never host paths); it is
+// errors.Is(err, ErrInvalidRequest).
+type InvalidRequestError struct {
+	Reason string
+}
+
+func (e *InvalidRequestError) Error() string { return ErrInvalidRequest.Error() + ": " + e.Reason }
+
+// Is makes every InvalidRequestError match ErrInvalidRequest.
+func (e *InvalidRequestError) Is(target error) bool { return target == ErrInvalidRequest }
+
+// invalidRequest makes an *InvalidRequestError with a formatted reason.
+func invalidRequest(format string, args ...any) error {
+	return &InvalidRequestError{Reason: fmt.Sprintf(format, args...)}
+}
 
 // withDefaults fills zero fields and checks the rest. It is shared by both providers.
 func (c Config) withDefaults() (Config, error) {

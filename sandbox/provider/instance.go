@@ -429,7 +429,7 @@ func (c *call) complete(r reply) {
 			if c.hostWS != "" {
 				msg = strings.ReplaceAll(msg, c.hostWS, WorkspacePath)
 			}
-			c.err = fmt.Errorf("%w: %s", ErrInvalidRequest, msg)
+			c.err = invalidRequest("%s", msg)
 		} else {
 			c.err = fmt.Errorf("exec: %s", r.Err)
 		}
@@ -496,7 +496,7 @@ func (in *instance) send(r *request, fds []int) error {
 		return err
 	}
 	if len(b) > maxMessage {
-		return fmt.Errorf("%w: command and environment are %d bytes, more than %d", ErrInvalidRequest, len(b), maxMessage)
+		return invalidRequest("command and environment are %d bytes, more than %d", len(b), maxMessage)
 	}
 	if err := in.ctl.send(b, fds); err != nil {
 		in.mu.Lock()
@@ -530,7 +530,7 @@ func (in *instance) Exec(ctx context.Context, req ExecRequest) (ExecResult, erro
 		return ExecResult{}, err
 	}
 	if req.Timeout < 0 {
-		return ExecResult{}, fmt.Errorf("%w: negative timeout", ErrInvalidRequest)
+		return ExecResult{}, invalidRequest("negative timeout")
 	}
 	if req.Background {
 		return in.startBackground(&r)
@@ -851,24 +851,24 @@ func writePipe() (*os.File, int, error) {
 func execArgv(req ExecRequest) ([]string, error) {
 	switch {
 	case req.Command != "" && len(req.Argv) > 0:
-		return nil, fmt.Errorf("%w: set Command or Argv, not both", ErrInvalidRequest)
+		return nil, invalidRequest("set Command or Argv, not both")
 	case req.Command != "":
 		if strings.IndexByte(req.Command, 0) >= 0 {
-			return nil, fmt.Errorf("%w: command contains a NUL byte", ErrInvalidRequest)
+			return nil, invalidRequest("command contains a NUL byte")
 		}
 		return []string{"/bin/sh", "-c", req.Command}, nil
 	case len(req.Argv) > 0:
 		if req.Argv[0] == "" {
-			return nil, fmt.Errorf("%w: empty program name", ErrInvalidRequest)
+			return nil, invalidRequest("empty program name")
 		}
 		for _, a := range req.Argv {
 			if strings.IndexByte(a, 0) >= 0 {
-				return nil, fmt.Errorf("%w: argument contains a NUL byte", ErrInvalidRequest)
+				return nil, invalidRequest("argument contains a NUL byte")
 			}
 		}
 		return req.Argv, nil
 	}
-	return nil, fmt.Errorf("%w: no command", ErrInvalidRequest)
+	return nil, invalidRequest("no command")
 }
 
 func envOverrides(env map[string]string) ([]string, error) {
@@ -878,10 +878,10 @@ func envOverrides(env map[string]string) ([]string, error) {
 	out := make([]string, 0, len(env))
 	for k, v := range env {
 		if !validEnvName(k) {
-			return nil, fmt.Errorf("%w: environment variable name %q", ErrInvalidRequest, k)
+			return nil, invalidRequest("environment variable name %q", k)
 		}
 		if strings.IndexByte(v, 0) >= 0 {
-			return nil, fmt.Errorf("%w: environment variable %s contains a NUL byte", ErrInvalidRequest, k)
+			return nil, invalidRequest("environment variable %s contains a NUL byte", k)
 		}
 		out = append(out, k+"="+v)
 	}

@@ -122,7 +122,7 @@ func sandboxCwd(cwd string) (string, error) {
 		return WorkspacePath, nil
 	}
 	if strings.IndexByte(cwd, 0) >= 0 {
-		return "", fmt.Errorf("%w: cwd contains a NUL byte", ErrInvalidRequest)
+		return "", invalidRequest("cwd contains a NUL byte")
 	}
 	p := cwd
 	if !path.IsAbs(p) {
@@ -130,7 +130,7 @@ func sandboxCwd(cwd string) (string, error) {
 	}
 	p = path.Clean(p)
 	if p != WorkspacePath && !strings.HasPrefix(p, WorkspacePath+"/") {
-		return "", fmt.Errorf("%w: cwd %q is outside %s", ErrInvalidRequest, cwd, WorkspacePath)
+		return "", invalidRequest("cwd %q is outside %s", cwd, WorkspacePath)
 	}
 	return p, nil
 }

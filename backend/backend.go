@@ -2,7 +2,9 @@
 // tools: one Backend interface, Local (the host, for CLI mode), Remote (a sandbox through the
 // broker's dataplane) and FromRunConfig, which picks between them from a run's configurable.
 //
-// It speaks only the wire format of package protocol: it never imports the broker's server.
+// Remote speaks only the wire format of package protocol. Local runs the file tools with package
+// sandbox/workspace, the code a sandbox's own file operations use, so that paths resolve and
+// errors read the same on the host; the package never imports the broker's server.
 // Local and Remote answer alike, with the same results and the same *protocol.Error codes, so a
 // tool behaves the same in both (backend/conformance tests that).
 package backend

@@ -167,6 +167,9 @@ func suite(t *testing.T, b backend.Backend) []entry {
 	ex("exec not found", protocol.ExecArgs{Command: "no-such-program-here", Combined: true})
 	ex("exec timeout", protocol.ExecArgs{Command: "sleep 10", TimeoutMS: 300, Combined: true})
 	ex("exec truncated", protocol.ExecArgs{Command: "yes | head -c 100000", MaxOutput: 10, Combined: true})
+	// The broker holds a non-streamed answer in memory: past 8 MiB it must be streamed, locally too.
+	ex("exec max_output over the answer limit", protocol.ExecArgs{Command: "true", MaxOutput: protocol.ExecMaxAnswerOutput + 1})
+	ex("exec max_output over the stream limit", protocol.ExecArgs{Command: "true", MaxOutput: protocol.ExecMaxStreamOutput + 1, Stream: true})
 	ex("exec neither", protocol.ExecArgs{})
 	ex("exec both", protocol.ExecArgs{Command: "true", Argv: []string{"true"}})
 	start := time.Now()
@@ -177,6 +180,9 @@ func suite(t *testing.T, b backend.Backend) []entry {
 	var sout, serr bytes.Buffer
 	res, err := b.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "echo a; echo b >&2"}, Stdout: &sout, Stderr: &serr})
 	rec("exec streamed", map[string]any{"result": res, "stdout": sout.String(), "stderr": serr.String()}, err)
+	sout.Reset()
+	res, err = b.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "echo big", MaxOutput: protocol.ExecMaxAnswerOutput + 1}, Stdout: &sout})
+	rec("exec streamed past the answer limit", map[string]any{"result": res, "stdout": sout.String()}, err)
 	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	_, err = b.Exec(cctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "sleep 10"}})
 	cancel()
@@ -216,6 +222,15 @@ func TestConformance(t *testing.T) {
 	}
 	defer remote.Close()
 	got := suite(t, remote)
+	// A request over the broker's frame limit is refused before it is sent: sent, it would break
+	// the connection under every call sharing it.
+	_, err = remote.Exec(t.Context(), backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "wc -c", Stdin: strings.Repeat("x", 2<<20)}})
+	if !errors.Is(err, &protocol.Error{Code: protocol.CodeTooLarge}) || backend.KindOf(err) != backend.KindInvalid {
+		t.Errorf("exec with 2 MiB of stdin: %v", err)
+	}
+	if _, err := remote.Stat(t.Context(), "a.txt"); err != nil {
+		t.Errorf("the connection did not survive a refused request: %v", err)
+	}
 
 	for i := range want {
 		w, _ := json.Marshal(want[i])
@@ -236,10 +251,14 @@ func TestConformance(t *testing.T) {
 		"read through planted symlink": "invalid_path", "write through planted symlink": "invalid_path",
 		"read escape \"../etc/passwd\"": "invalid_path", "grep bad regex": "invalid_argument", "exec neither": "invalid_argument",
 		"exec cwd escape": "invalid_path", "exec cancelled by the caller": "cancelled",
+		"exec max_output over the answer limit": "invalid_argument", "exec max_output over the stream limit": "invalid_argument",
 	} {
 		if byStep[step].Error != code {
 			t.Errorf("%s: want %s, got %+v", step, code, byStep[step])
 		}
+	}
+	if e := byStep["exec streamed past the answer limit"]; e.Error != "" {
+		t.Errorf("a streamed exec may ask for more than the answer limit: %+v", e)
 	}
 	timeout, _ := json.Marshal(byStep["exec timeout"].Result)
 	if !strings.Contains(string(timeout), `"reason":"timeout"`) {

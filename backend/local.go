@@ -18,16 +18,9 @@ import (
 	"github.com/sbxbroker/broker/sandbox/workspace"
 )
 
-// Local exec limits, the same defaults as a sandbox's.
-const (
-	localTimeout    = 10 * time.Minute
-	localTimeoutMax = time.Hour
-	defaultOutput   = 1 << 20
-	maxOutput       = 64 << 20
-	// exitGrace is how long output is still read after the command exits: a background child
-	// (`server &`) keeps the pipe open and must not hold the answer.
-	exitGrace = 20 * time.Millisecond
-)
+// exitGrace is how long output is still read after the command exits: a background child
+// (`server &`) keeps the pipe open and must not hold the answer.
+const exitGrace = 20 * time.Millisecond
 
 // local runs tools on the host, in root, which it presents as /workspace. There is no isolation:
 // it is the agent's CLI mode, on the person's own machine.
@@ -131,11 +124,10 @@ func (l *local) Close() error {
 // (a timeout or cancel kills the whole group), cwd under root, output capped.
 func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, error) {
 	a := r.ExecArgs
-	if (a.Command == "") == (len(a.Argv) == 0) {
-		return protocol.ExecResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "exec needs exactly one of command (a shell string) or argv")
-	}
-	if a.TimeoutMS < 0 || a.MaxOutput < 0 || a.MaxOutput > maxOutput {
-		return protocol.ExecResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "timeout_ms must not be negative and max_output must be 0..%d", maxOutput)
+	// Writers stream, as Remote's do: the limits are those of a streamed request.
+	a.Stream = a.Stream || r.Stdout != nil
+	if err := protocol.ValidateExec(a); err != nil {
+		return protocol.ExecResult{}, err
 	}
 	rel, err := workspace.Resolve(a.Cwd)
 	if a.Cwd == "" {
@@ -177,13 +169,13 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 		return protocol.ExecResult{Pid: cmd.Process.Pid}, nil
 	}
 
-	timeout := localTimeout
+	timeout := protocol.ExecDefaultTimeout
 	if a.TimeoutMS > 0 {
-		timeout = min(time.Duration(a.TimeoutMS)*time.Millisecond, localTimeoutMax)
+		timeout = min(time.Duration(a.TimeoutMS)*time.Millisecond, protocol.ExecMaxTimeout)
 	}
 	limit := a.MaxOutput
 	if limit == 0 {
-		limit = defaultOutput
+		limit = protocol.ExecDefaultOutput
 	}
 	var stdout, stderr bytes.Buffer
 	outW, errW := r.Stdout, r.Stderr

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -55,7 +56,7 @@ func Dial(ctx context.Context, cfg Config) (*Remote, error) {
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "a dataplane URL and a credential are required")
 	}
 	if !strings.HasPrefix(cfg.URL, "ws://") && !strings.HasPrefix(cfg.URL, "wss://") {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "dataplane_url %q must be a ws:// or wss:// URL", cfg.URL)
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "dataplane_url %q must be a ws:// or wss:// URL", redactURL(cfg.URL))
 	}
 	if cfg.DialTimeout == 0 {
 		cfg.DialTimeout = 10 * time.Second
@@ -71,7 +72,11 @@ func Dial(ctx context.Context, cfg Config) (*Remote, error) {
 }
 
 // ID is the sandbox id.
-func (r *Remote) ID() string { return r.hello.SandboxID }
+func (r *Remote) ID() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.hello.SandboxID
+}
 
 // Hello is what the broker said when the connection opened: scopes, limits, expiry.
 func (r *Remote) Hello() protocol.Hello {
@@ -173,7 +178,8 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 	if slots <= 0 {
 		slots = 64
 	}
-	c := &conn{ws: ws, pending: map[uint32]*call{}, dead: make(chan struct{}), slots: make(chan struct{}, slots)}
+	c := &conn{ws: ws, pending: map[uint32]*call{}, dead: make(chan struct{}), slots: make(chan struct{}, slots),
+		maxFrame: first.Hello.Limits.MaxFrameBytes}
 	go c.readLoop()
 	return c, *first.Hello, nil
 }
@@ -184,9 +190,19 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 // limit below them breaks the connection under every call sharing it.
 const maxAnswerBytes = 512 << 20
 
+// redactURL is a URL fit for an error message: no query (the dataplane refuses credentials there,
+// but a caller may still put one) and no password.
 func redactURL(u string) string {
 	if i := strings.Index(u, "?"); i >= 0 {
-		return u[:i]
+		u = u[:i]
+	}
+	if p, err := url.Parse(u); err == nil {
+		return p.Redacted()
+	}
+	if at := strings.LastIndex(u, "@"); at >= 0 {
+		if i := strings.Index(u, "://"); i >= 0 && i < at {
+			return u[:i+3] + "xxxxx@" + u[at+1:]
+		}
 	}
 	return u
 }
@@ -202,8 +218,10 @@ type conn struct {
 	// slots holds one token per request in flight, up to the broker's max_inflight: callers beyond
 	// it wait here instead of being refused too_many_requests.
 	slots chan struct{}
-	err   error           // why it died
-	end   *protocol.Error // set when the broker ended it for good
+	// maxFrame is the broker's max_frame_bytes (0: unknown); a bigger request is refused here.
+	maxFrame int
+	err      error           // why it died
+	end      *protocol.Error // set when the broker ended it for good
 }
 
 // call is one request in flight: its final answer, and sinks for the binary frames it receives.
@@ -403,6 +421,15 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 	if id == 0 {
 		id = c.nextID.Add(1)
 	}
+	req, err := json.Marshal(protocol.Request{ID: id, Op: op, Args: args})
+	if err != nil {
+		return err
+	}
+	if c.maxFrame > 0 && len(req) > c.maxFrame {
+		// The broker would close the connection, under every call sharing it.
+		return protocol.Errorf(protocol.CodeTooLarge, "the %s request is %d bytes, over the dataplane's limit of %d per frame; send large content with upload",
+			op, len(req), c.maxFrame)
+	}
 	cl.done = make(chan struct{})
 	c.mu.Lock()
 	if c.isDead() {
@@ -411,10 +438,6 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 	}
 	c.pending[id] = cl
 	c.mu.Unlock()
-	req, err := json.Marshal(protocol.Request{ID: id, Op: op, Args: args})
-	if err != nil {
-		return err
-	}
 	if err := c.write(websocket.TextMessage, req); err != nil {
 		cl.detach()
 		return c.failure()

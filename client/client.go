@@ -31,22 +31,33 @@ type Client struct {
 func New(baseURL, apiKey string) (*Client, error) {
 	u, err := url.Parse(strings.TrimRight(baseURL, "/"))
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("broker URL %q is not an http(s) URL like http://127.0.0.1:7070", baseURL)
+		return nil, fmt.Errorf("broker URL %q is not an http(s) URL like http://127.0.0.1:7070", redact(baseURL))
 	}
 	return &Client{base: u, apiKey: apiKey, http: &http.Client{Timeout: 2 * time.Minute}, UserAgent: "sbx-go-client"}, nil
 }
 
+// redact hides the password of a URL, parsable or not: it goes into error messages.
+func redact(raw string) string {
+	if u, err := url.Parse(raw); err == nil {
+		return u.Redacted()
+	}
+	if at := strings.LastIndex(raw, "@"); at >= 0 {
+		if i := strings.Index(raw, "://"); i >= 0 && i < at {
+			return raw[:i+3] + "xxxxx@" + raw[at+1:]
+		}
+	}
+	return raw
+}
+
 // SetHTTPClient replaces the HTTP client (timeouts, proxies, test transports).
 func (c *Client) SetHTTPClient(h *http.Client) { c.http = h }
-
-// BaseURL is the broker's URL.
-func (c *Client) BaseURL() string { return c.base.String() }
 
 // APIKey is the credential this client sends.
 func (c *Client) APIKey() string { return c.apiKey }
 
 // UnreachableError is returned when the broker cannot be reached at all.
 type UnreachableError struct {
+	// URL is the broker's URL with its password, if any, redacted.
 	URL string
 	Err error
 }
@@ -92,7 +103,11 @@ func (c *Client) send(ctx context.Context, hc *http.Client, method, path string,
 	}
 	req, err := http.NewRequestWithContext(ctx, method, target, body)
 	if err != nil {
-		return nil, err
+		var ue *url.Error // it would show the URL with its password
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return nil, fmt.Errorf("%s %s%s: %w", method, c.base.Redacted(), path, err)
 	}
 	if in != nil {
 		req.Header.Set("Content-Type", "application/json")
@@ -107,7 +122,7 @@ func (c *Client) send(ctx context.Context, hc *http.Client, method, path string,
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
-		return nil, &UnreachableError{URL: c.base.String(), Err: errors.Unwrap(err)}
+		return nil, &UnreachableError{URL: c.base.Redacted(), Err: errors.Unwrap(err)}
 	}
 	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
 		return resp, nil
@@ -117,7 +132,7 @@ func (c *Client) send(ctx context.Context, hc *http.Client, method, path string,
 	var eb protocol.ErrorBody
 	if json.Unmarshal(raw, &eb) != nil || eb.Error.Code == "" {
 		return nil, &protocol.Error{Code: "http_" + strconv.Itoa(resp.StatusCode), Status: resp.StatusCode,
-			Message: fmt.Sprintf("broker answered %s with a non-API body; is %s really a broker?", resp.Status, c.base)}
+			Message: fmt.Sprintf("broker answered %s with a non-API body; is %s really a broker?", resp.Status, c.base.Redacted())}
 	}
 	eb.Error.Status = resp.StatusCode
 	return nil, &eb.Error
@@ -249,9 +264,11 @@ func (c *Client) Orphans(ctx context.Context) (protocol.OrphansResponse, error) 
 	return out, c.do(ctx, http.MethodGet, "/v1/orphans", nil, nil, &out)
 }
 
-// DataplaneURL is the dataplane URL of a sandbox on this broker (ws:// for http://).
+// DataplaneURL is the dataplane URL of a sandbox on this broker (ws:// for http://). It carries no
+// user or password: the dataplane takes its credential in the Authorization header only.
 func (c *Client) DataplaneURL(ref string) string {
 	u := *c.base
+	u.User = nil
 	if u.Scheme == "https" {
 		u.Scheme = "wss"
 	} else {

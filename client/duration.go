@@ -30,9 +30,11 @@ func ParseDuration(s string) (time.Duration, error) {
 // Duration is a pflag value for durations that accept days.
 type Duration struct{ D *time.Duration }
 
+// String is the value for --help. Zero is "0", which pflag shows as no default: a flag's usage
+// says what leaving it unset means (usually "the broker's default").
 func (d Duration) String() string {
-	if d.D == nil {
-		return "0s"
+	if d.D == nil || *d.D == 0 {
+		return "0"
 	}
 	return d.D.String()
 }

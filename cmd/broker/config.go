@@ -47,7 +47,8 @@ type config struct {
 // envOf maps each flag to its environment fallback.
 var envOf = map[string]string{
 	"listen": "SBX_LISTEN", "redis-url": "SBX_REDIS_URL", "data-dir": "SBX_DATA_DIR", "provider": "SBX_PROVIDER",
-	"advertise-url": "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
+	"provider-reset": "SBX_PROVIDER_RESET",
+	"advertise-url":  "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
 	"sandbox-uid": "SBX_SANDBOX_UID", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
@@ -79,7 +80,27 @@ func storageFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.LogFormat, "log-format", "text", "log format: text or json")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error (request logs are debug)")
 	fs.StringVar(&c.SigningKeys, "signing-keys", "", "directory of the Ed25519 keys that sign delegation tokens (default <data-dir>/signing; brokers sharing one Redis must share it)")
-	fs.DurationVar(&c.TokenMaxTTL, "token-max-ttl", 24*time.Hour, "longest lifetime a delegation token may be minted with")
+}
+
+// annotateEnv appends "(env SBX_...)" to the help of every flag of cmd and its subcommands that
+// has an environment fallback, so --help lists the variables from envOf, the one place they live.
+func annotateEnv(cmd *cobra.Command) {
+	seen := map[*pflag.Flag]bool{}
+	var walk func(*cobra.Command)
+	walk = func(c *cobra.Command) {
+		for _, fs := range []*pflag.FlagSet{c.PersistentFlags(), c.LocalNonPersistentFlags()} {
+			fs.VisitAll(func(f *pflag.Flag) {
+				if env, ok := envOf[f.Name]; ok && !seen[f] {
+					seen[f] = true
+					f.Usage += " (env " + env + ")"
+				}
+			})
+		}
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(cmd)
 }
 
 // signingDir is where the token signing keys live.
@@ -94,16 +115,17 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Listen, "listen", "127.0.0.1:7070", "address to serve the API, dataplane and events on")
 	fs.StringVar(&c.Provider, "provider", "auto", "sandbox provider: auto (namespace where it works, else dir), namespace (bubblewrap isolation) or dir (no isolation)")
 	fs.BoolVar(&c.ProviderReset, "provider-reset", false, "forget the provider this data dir was set up with and choose again")
-	fs.StringVar(&c.AdvertiseURL, "advertise-url", "", "base URL clients and agent servers reach this broker at, used to build dataplane_url (default http://<listen>)")
+	fs.StringVar(&c.AdvertiseURL, "advertise-url", "", "base URL clients and agent servers reach this broker at, used to build dataplane_url (default http://<listen>; set it when --listen is 0.0.0.0 or :PORT)")
 	fs.StringVar(&c.Templates, "templates", "", "YAML or JSON file of sandbox templates (a built-in \"default\" always exists)")
 	fs.StringVar(&c.Node, "node", "", "this broker's node name, recorded on the sandboxes it hosts (default: generated once and kept in --data-dir)")
 	fs.DurationVar(&c.DefaultTTL, "default-ttl", 30*time.Minute, "lease of a sandbox created without ttl_seconds: no heartbeat for this long and it is stopped")
 	fs.DurationVar(&c.MaxTTL, "max-ttl", 7*24*time.Hour, "largest lease a client may ask for")
 	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "host uid, and gid, that namespace sandboxes run as when the broker runs as root (inside they are uid 1000)")
 	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
+	fs.DurationVar(&c.TokenMaxTTL, "token-max-ttl", 24*time.Hour, "longest lifetime a delegation token may be minted with (recorded in the signing-keys directory for keys rotate-signing)")
 	fs.DurationVar(&c.SweepInterval, "sweep-interval", 2*time.Second, "how often the sweeper looks for expired leases (one broker sweeps at a time)")
 	fs.DurationVar(&c.ExpiryWarning, "expiry-warning", time.Minute, "send an expiring event this long before a sandbox's lease runs out")
-	fs.Var(client.Duration{D: &c.Retention}, "retention", "delete sandboxes stopped longer than this, e.g. 7d (default 0: keep them until deleted)")
+	fs.Var(client.Duration{D: &c.Retention}, "retention", "delete sandboxes stopped longer than this, e.g. 7d; 0, the default, keeps them until deleted")
 	fs.BoolVar(&c.DataplaneRenews, "dataplane-renews-lease", false, "let dataplane activity renew a sandbox's lease (off: only the owner's heartbeats and calls do, so an agent left running cannot keep a sandbox alive)")
 	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
@@ -201,6 +223,23 @@ func (c *config) validate() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// advertiseWarning is what to tell the operator when the advertised URL is a guess that remote
+// agents cannot use: --listen on every interface (0.0.0.0:7070, [::]:7070 or :7070) and no
+// --advertise-url make dataplane_url point at 127.0.0.1, which is each agent server's own host.
+// Local use works, so it is a warning, not an error.
+func (c *config) advertiseWarning() string {
+	if c.AdvertiseURL != "" {
+		return ""
+	}
+	host, _, err := net.SplitHostPort(c.Listen)
+	if err != nil || (host != "" && host != "0.0.0.0" && host != "::") {
+		return ""
+	}
+	return fmt.Sprintf("--listen %s serves every interface but --advertise-url (SBX_ADVERTISE_URL) is not set: "+
+		"run-config blocks and dataplane_url point at %s, which only this host can reach; "+
+		"set --advertise-url to the URL agent servers use, e.g. http://broker.internal:7070", c.Listen, c.advertise())
 }
 
 // advertise is the base URL of this broker as others reach it.

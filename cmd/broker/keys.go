@@ -148,15 +148,24 @@ func keysRevokeCmd(c *config) *cobra.Command {
 }
 
 func rotateSigningCmd(c *config) *cobra.Command {
-	return &cobra.Command{
+	var tokenMaxTTL time.Duration
+	cmd := &cobra.Command{
 		Use:   "rotate-signing",
 		Short: "Make a new active key for signing delegation tokens; the old one keeps verifying until its tokens expire",
 		Long: `Generates a new Ed25519 signing key and makes it active. The previous key stays in the JWKS and
-keeps verifying the tokens it signed until --token-max-ttl has passed, then it is dropped. A running
-broker picks the new key up within 10 seconds.`,
+keeps verifying the tokens it signed until they have all expired, then it is dropped. A running
+broker picks the new key up within 10 seconds.
+
+How long tokens live is the brokers' --token-max-ttl, which each broker records in the signing-keys
+directory when it starts (the longest one any broker sharing the keys served with): this command
+uses that, or --token-max-ttl if it is longer.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := applyEnv(cmd); err != nil {
+				return err
+			}
+			window, err := rotationWindow(c.signingDir(), tokenMaxTTL, delegation.DefaultLeeway)
+			if err != nil {
 				return err
 			}
 			keys, err := delegation.LoadOrCreateKeyring(c.signingDir(), time.Now)
@@ -164,9 +173,6 @@ broker picks the new key up within 10 seconds.`,
 				return err
 			}
 			old, _ := keys.Signer()
-			// The old key must outlive every token it signed: the longest lifetime, plus clock
-			// leeway and the brokers' reload interval.
-			window := c.TokenMaxTTL + delegation.DefaultLeeway + time.Minute
 			kid, err := keys.Rotate(window)
 			if err != nil {
 				return err
@@ -175,4 +181,6 @@ broker picks the new key up within 10 seconds.`,
 			return nil
 		},
 	}
+	cmd.Flags().DurationVar(&tokenMaxTTL, "token-max-ttl", 0, "the longest token lifetime any broker sharing these keys uses, when longer than the one the brokers recorded")
+	return cmd
 }

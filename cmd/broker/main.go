@@ -38,7 +38,11 @@ With no flags it starts on its embedded defaults: an embedded redis-server keepi
 On the first start it creates the org "default" with an API key and writes sbctl's config file, so
 sbctl works at once.
 
-Every flag has an environment fallback (SBX_LISTEN, SBX_REDIS_URL, SBX_DATA_DIR, SBX_PROVIDER, ...).`,
+Every flag has an environment fallback, named in its help (SBX_LISTEN, SBX_REDIS_URL, ...).
+
+Listening on every interface (--listen 0.0.0.0:7070) for agent servers on other hosts? Set
+--advertise-url to the URL they reach this broker at: dataplane_url in run-config blocks is built
+from it, and without it points at 127.0.0.1.`,
 		Example: `  broker                                   # embedded defaults
   broker --provider namespace --log-format json
   broker --redis-url redis://10.0.0.5:6379 --advertise-url http://broker.internal:7070
@@ -59,5 +63,6 @@ Every flag has an environment fallback (SBX_LISTEN, SBX_REDIS_URL, SBX_DATA_DIR,
 	storageFlags(root.PersistentFlags(), c)
 	serveFlags(root.Flags(), c)
 	root.AddCommand(keysCmd(c))
+	annotateEnv(root)
 	return root
 }

@@ -24,6 +24,9 @@ import (
 // brings them back), flushes events and stops the embedded Redis.
 func serve(parent context.Context, c *config) error {
 	log := newLogger(c)
+	if w := c.advertiseWarning(); w != "" {
+		log.Warn(w)
+	}
 	ctx, stop := signal.NotifyContext(parent, os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
@@ -64,6 +67,10 @@ func serve(parent context.Context, c *config) error {
 	})
 	if err != nil {
 		return err
+	}
+	if err := recordTokenMaxTTL(c.signingDir(), c.TokenMaxTTL); err != nil {
+		log.Warn("cannot record --token-max-ttl in the signing-keys directory; `broker keys rotate-signing` will then need --token-max-ttl",
+			"dir", c.signingDir(), "err", err)
 	}
 	if c.DebugListen != "" {
 		go serveDebug(c.DebugListen, log)

@@ -34,6 +34,7 @@ type storage struct {
 // lock makes sure one broker at a time owns it. Admin commands (serving=false) that find a broker
 // running reach that broker's embedded Redis instead of starting their own.
 func openStorage(ctx context.Context, c *config, log *slog.Logger, serving bool) (*storage, error) {
+	redis.SetLogger(redisLogger{log})
 	// As root, namespace sandboxes run as an unprivileged uid whose bubblewrap must traverse the data
 	// dir to reach the workspaces: search (x) but no read for others. What is secret inside (the
 	// embedded Redis, the signing keys, the index) is 0700 on its own.
@@ -137,6 +138,15 @@ func nodeName(c *config) (string, error) {
 		return "", fmt.Errorf("--data-dir: write node id: %w", err)
 	}
 	return name, nil
+}
+
+// redisLogger routes go-redis' own log lines (pool and reconnect trouble, Sentinel failovers)
+// through slog, so that --log-format json stays one JSON object per line. go-redis has one
+// process-wide logger: set it with redis.SetLogger before the first client is made.
+type redisLogger struct{ log *slog.Logger }
+
+func (l redisLogger) Printf(_ context.Context, format string, v ...any) {
+	l.log.Warn(strings.TrimSpace(fmt.Sprintf(format, v...)), "component", "go-redis")
 }
 
 func redactURL(u string) string {

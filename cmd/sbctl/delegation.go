@@ -25,16 +25,19 @@ type grantFlags struct {
 func (f *grantFlags) register(cmd *cobra.Command, defaultScopes []string) {
 	cmd.Flags().StringSliceVar(&f.scopes, "scope", defaultScopes, "what the token allows: fs:read, fs:write, exec (comma-separated)")
 	cmd.Flags().StringSliceVar(&f.allowCmd, "allow-cmd", nil, "only these programs may be run (comma-separated); commands must then be simple (no ; | && $() redirections)")
-	cmd.Flags().DurationVar(&f.expires, "expires", 0, "token lifetime, e.g. 15m (default: the broker's, 1h)")
+	cmd.Flags().Var(client.Duration{D: &f.expires}, "expires", "token lifetime, e.g. 15m or 1d (default: the broker's, 1h)")
 }
 
-func (f *grantFlags) request(cmd *cobra.Command) protocol.MintRequest {
+func (f *grantFlags) request(cmd *cobra.Command) (protocol.MintRequest, error) {
 	req := protocol.MintRequest{Scopes: f.scopes, AllowCmd: f.allowCmd}
 	if cmd.Flags().Changed("expires") {
-		secs := int64(f.expires / time.Second)
+		secs, err := wholeSeconds("expires", f.expires)
+		if err != nil {
+			return req, err
+		}
 		req.TTLSeconds = &secs
 	}
-	return req
+	return req, nil
 }
 
 func delegateCmd(g *globals) *cobra.Command {
@@ -49,11 +52,18 @@ func delegateCmd(g *globals) *cobra.Command {
   sbctl delegate dev --scope exec --allow-cmd pytest,python -o json`,
 		Args: exactArgs(1, "REF (a sandbox id or name)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if !cmd.Flags().Changed("scope") {
+				return usageErr("--scope is required: what the token allows, e.g. --scope fs:read,fs:write,exec")
+			}
+			req, err := f.request(cmd)
+			if err != nil {
+				return err
+			}
 			c, err := g.client()
 			if err != nil {
 				return err
 			}
-			res, err := c.Delegate(cmd.Context(), args[0], f.request(cmd))
+			res, err := c.Delegate(cmd.Context(), args[0], req)
 			if err != nil {
 				return err
 			}
@@ -69,7 +79,6 @@ func delegateCmd(g *globals) *cobra.Command {
 		},
 	}
 	f.register(cmd, nil)
-	cmd.MarkFlagRequired("scope")
 	return cmd
 }
 
@@ -77,7 +86,10 @@ func delegationsCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "delegations REF",
 		Short: "List a sandbox's unexpired delegation tokens (metadata only)",
-		Args:  exactArgs(1, "REF (a sandbox id or name)"),
+		Example: `  sbctl delegations dev
+  sbctl delegations dev -o json | jq -r '.[] | select(.revoked | not) | .jti'
+  sbctl delegations dev -q          # jtis only, for sbctl revoke dev --jti`,
+		Args: exactArgs(1, "REF (a sandbox id or name)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -86,6 +98,12 @@ func delegationsCmd(g *globals) *cobra.Command {
 			res, err := c.ListDelegations(cmd.Context(), args[0])
 			if err != nil {
 				return err
+			}
+			if g.quiet {
+				for _, d := range res.Items {
+					fmt.Fprintln(g.stdout, d.JTI)
+				}
+				return nil
 			}
 			return g.print(res.Items, func(w io.Writer) {
 				tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
@@ -151,7 +169,7 @@ func runConfigCmd(g *globals) *cobra.Command {
 	var f grantFlags
 	var thread, format, template string
 	var ttl time.Duration
-	cmd := &cobra.Command{
+	cmd := outputs(&cobra.Command{
 		Use:   "run-config (REF | --thread T)",
 		Short: "Print the run-config block that lends a sandbox to an agent server run",
 		Long: `Mint a delegation token and print the run config an agent server run request merges in, so the
@@ -168,7 +186,7 @@ Formats: config (the whole object, default), block (just the sandbox block), env
   sbctl run-config --thread "$THREAD_ID" --scope fs:read,fs:write,exec --expires 30m
   eval "$(sbctl run-config dev --format env)"
   curl -d "$(sbctl run-config dev | jq '. + {assistant_id: "agent", input: {...}}')" ...`,
-		Args: cobra.MaximumNArgs(1),
+		Args: maxArgs(1, "one REF (or --thread T)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == (thread != "") {
 				return usageErr("give either REF or --thread T")
@@ -178,6 +196,18 @@ Formats: config (the whole object, default), block (just the sandbox block), env
 			default:
 				return usageErr("--format must be config, block or env")
 			}
+			req, err := f.request(cmd)
+			if err != nil {
+				return err
+			}
+			var ttlSecs *int64
+			if cmd.Flags().Changed("ttl") {
+				secs, err := wholeSeconds("ttl", ttl)
+				if err != nil {
+					return err
+				}
+				ttlSecs = &secs
+			}
 			c, err := g.client()
 			if err != nil {
 				return err
@@ -186,31 +216,26 @@ Formats: config (the whole object, default), block (just the sandbox block), env
 			if len(args) == 1 {
 				ref = args[0]
 			} else {
-				req := protocol.CreateSandboxRequest{Name: client.ThreadSandboxName(thread), Template: template,
-					Tags: map[string]string{"thread_id": thread}}
-				if cmd.Flags().Changed("ttl") {
-					secs := int64(ttl / time.Second)
-					req.TTLSeconds = &secs
-				}
-				res, err := c.CreateSandbox(cmd.Context(), req)
+				res, err := c.CreateSandbox(cmd.Context(), protocol.CreateSandboxRequest{Name: client.ThreadSandboxName(thread),
+					Template: template, Tags: map[string]string{"thread_id": thread}, TTLSeconds: ttlSecs})
 				if err != nil {
 					return err
 				}
 				ref = res.Sandbox.ID
 				fmt.Fprintf(g.stderr, "%s sandbox %s for thread %s\n", res.Outcome, res.Sandbox.Name, thread)
 			}
-			res, err := c.Delegate(cmd.Context(), ref, f.request(cmd))
+			res, err := c.Delegate(cmd.Context(), ref, req)
 			if err != nil {
 				return err
 			}
 			return printRunConfig(g.stdout, format, res.Sandbox)
 		},
-	}
+	}, "it prints JSON (or shell exports); choose what with --format config|block|env", "table", "json")
 	f.register(cmd, []string{protocol.ScopeFSRead, protocol.ScopeFSWrite, protocol.ScopeExec})
 	cmd.Flags().StringVar(&thread, "thread", "", "use the thread's own sandbox (created or reused), tagged thread_id=T")
 	cmd.Flags().StringVar(&format, "format", "config", "config (the run-config object), block (the sandbox block) or env (shell exports)")
 	cmd.Flags().StringVar(&template, "template", "", "with --thread: template of a new sandbox")
-	cmd.Flags().DurationVar(&ttl, "ttl", 0, "with --thread: lease of the sandbox (default: the broker's)")
+	cmd.Flags().Var(client.Duration{D: &ttl}, "ttl", "with --thread: lease of the sandbox, e.g. 2h or 1d (default: the broker's)")
 	return cmd
 }
 
@@ -233,7 +258,10 @@ func introspectCmd(g *globals) *cobra.Command {
 		Long: `Ask the broker whether a delegation token is usable now (what an agent server does before it trusts
 a run-config block). A token of another org is reported inactive. Reads the token from stdin when
 TOKEN is "-" or absent, so it stays out of shell history.`,
-		Args: cobra.MaximumNArgs(1),
+		Example: `  sbctl introspect < token.txt
+  sbctl delegate dev --scope exec -q | sbctl introspect -o json
+  echo "$TOKEN" | sbctl introspect -`,
+		Args: maxArgs(1, "at most one TOKEN (or - for stdin)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			token := ""
 			if len(args) == 1 && args[0] != "-" {

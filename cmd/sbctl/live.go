@@ -10,6 +10,7 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 
@@ -29,12 +30,16 @@ func execCmd(g *globals) *cobra.Command {
 	var env []string
 	var timeout time.Duration
 	var stdin bool
-	cmd := &cobra.Command{
+	cmd := outputs(&cobra.Command{
 		Use:   "exec REF (-- CMD [ARGS...] | -c 'SHELL COMMAND')",
 		Short: "Run a command in a sandbox, streaming its output; sbctl exits with the command's code",
 		Long: `Run a command in a running sandbox through its dataplane, with the owner's API key. Output streams
 as it comes (stdout to stdout, stderr to stderr) and sbctl exits with the command's exit code
-(128+n when signal n ended it). The command runs in /workspace unless --cwd says otherwise.`,
+(128+n when signal n ended it). The command runs in /workspace unless --cwd says otherwise.
+
+With -i, sbctl's standard input is sent whole with the request: it must be text (UTF-8) and fit in
+one dataplane frame (about 1 MiB); put larger or binary input in a workspace file and redirect
+from it.`,
 		Example: `  sbctl exec dev -- ls -la
   sbctl exec dev -c 'pytest -q && echo green'
   sbctl exec dev --cwd /workspace/app --env DEBUG=1 -- python3 main.py
@@ -49,6 +54,9 @@ as it comes (stdout to stdout, stderr to stderr) and sbctl exits with the comman
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if timeout < 0 || (timeout > 0 && timeout < time.Millisecond) {
+				return usageErr("--timeout %s: give at least 1ms, e.g. 500ms, 30s or 2h (0 is the sandbox's default)", timeout)
+			}
 			c, err := g.client()
 			if err != nil {
 				return err
@@ -64,18 +72,16 @@ as it comes (stdout to stdout, stderr to stderr) and sbctl exits with the comman
 					a.Env[k] = v
 				}
 			}
-			if stdin {
-				b, err := io.ReadAll(io.LimitReader(g.stdin, 16<<20))
-				if err != nil {
-					return err
-				}
-				a.Stdin = string(b)
-			}
 			r, err := backend.Dial(cmd.Context(), backend.Config{URL: c.DataplaneURL(args[0]), Credential: c.APIKey(), Reconnects: 1})
 			if err != nil {
 				return err
 			}
 			defer r.Close()
+			if stdin {
+				if a.Stdin, err = readStdin(g.stdin, r.Hello().Limits.MaxFrameBytes); err != nil {
+					return err
+				}
+			}
 			res, err := r.Exec(cmd.Context(), backend.ExecRequest{ExecArgs: a, Stdout: g.stdout, Stderr: g.stderr})
 			if err != nil {
 				return err
@@ -94,18 +100,40 @@ as it comes (stdout to stdout, stderr to stderr) and sbctl exits with the comman
 			}
 			return nil
 		},
-	}
+	}, "it passes the command's own output through", "table")
 	cmd.Flags().StringVarP(&shell, "command", "c", "", "a shell command string, run with /bin/sh -c")
 	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, a sandbox path (default /workspace)")
 	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable NAME=value (repeatable)")
-	cmd.Flags().DurationVar(&timeout, "timeout", 0, "kill the command's process tree after this long (default: the sandbox's, 10m)")
-	cmd.Flags().BoolVarP(&stdin, "stdin", "i", false, "send sbctl's standard input to the command")
+	cmd.Flags().Var(client.Duration{D: &timeout}, "timeout", "kill the command's process tree after this long, e.g. 30s or 2h (default: the sandbox's, 10m)")
+	cmd.Flags().BoolVarP(&stdin, "stdin", "i", false, "send sbctl's standard input (text, up to about 1 MiB) to the command")
 	return cmd
+}
+
+// readStdin reads exec -i's input, which travels whole in the exec request's one text frame. Too
+// much, or bytes that are not UTF-8 (JSON would replace them), is an error rather than a cut or
+// altered input.
+func readStdin(r io.Reader, maxFrame int) (string, error) {
+	if maxFrame <= 0 {
+		maxFrame = 1 << 20
+	}
+	// The rest of the request (command, env, JSON framing) and escaping take some of the frame.
+	limit := maxFrame - 64<<10
+	b, err := io.ReadAll(io.LimitReader(r, int64(limit)+1))
+	if err != nil {
+		return "", fmt.Errorf("read stdin: %w", err)
+	}
+	if len(b) > limit {
+		return "", usageErr("exec -i: stdin is larger than %d bytes, what one exec request carries; write it to a file in the workspace and redirect from it", limit)
+	}
+	if !utf8.Valid(b) {
+		return "", usageErr("exec -i: stdin is not UTF-8 text, which is all an exec request carries; write binary input to a file in the workspace and redirect from it")
+	}
+	return string(b), nil
 }
 
 func attachCmd(g *globals) *cobra.Command {
 	var stopOnExit, deleteOnExit bool
-	cmd := &cobra.Command{
+	cmd := outputs(&cobra.Command{
 		Use:   "attach REF...",
 		Short: "Keep sandboxes' leases alive while this runs (a heartbeat every TTL/3)",
 		Long: `Heartbeat one or more sandboxes every third of their (shortest) TTL for as long as sbctl attach
@@ -134,21 +162,28 @@ stopped it), attach says so and exits with code 5.`,
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			errs := []error{err}
+			var failed error
 			for _, ref := range refs {
+				verb, cerr := "stopped", error(nil)
 				if deleteOnExit {
-					_, derr := c.DeleteSandbox(ctx, ref)
-					errs = append(errs, derr)
-					fmt.Fprintf(g.stderr, "deleted %s\n", ref)
+					verb = "deleted"
+					_, cerr = c.DeleteSandbox(ctx, ref)
 				} else {
-					_, serr := c.StopSandbox(ctx, ref)
-					errs = append(errs, serr)
-					fmt.Fprintf(g.stderr, "stopped %s\n", ref)
+					_, cerr = c.StopSandbox(ctx, ref)
 				}
+				if cerr != nil {
+					fmt.Fprintf(g.stderr, "sbctl: %s was not %s: %s\n", ref, verb, describe(cerr))
+					failed = cerr
+					continue
+				}
+				fmt.Fprintf(g.stderr, "%s %s\n", verb, ref)
 			}
-			return errors.Join(errs...)
+			if err != nil || failed == nil {
+				return err
+			}
+			return silent{failed}
 		},
-	}
+	}, "it shows the leases as status lines on stderr", "table")
 	cmd.Flags().BoolVar(&stopOnExit, "stop-on-exit", false, "stop the sandboxes when attach ends")
 	cmd.Flags().BoolVar(&deleteOnExit, "delete-on-exit", false, "delete the sandboxes when attach ends")
 	return cmd
@@ -223,7 +258,7 @@ func eventsCmd(g *globals) *cobra.Command {
 	var all, follow bool
 	var backlog int
 	var since string
-	cmd := &cobra.Command{
+	cmd := outputs(&cobra.Command{
 		Use:   "events (REF | --all) [-f]",
 		Short: "Show a sandbox's events (or the whole org's); -f follows them live",
 		Long: `Show recent events of a sandbox, or of every sandbox with --all: lifecycle (created, stopped with
@@ -265,7 +300,7 @@ connection resumes exactly where it left off. -o json prints one JSON object per
 			}
 			return err
 		},
-	}
+	}, "it streams events as table lines or, with -o json, one JSON object per line", "table", "json")
 	cmd.Flags().BoolVar(&all, "all", false, "events of every sandbox of the org")
 	cmd.Flags().BoolVarP(&follow, "follow", "f", false, "keep following new events")
 	cmd.Flags().IntVar(&backlog, "backlog", 20, "start with this many recent events")
@@ -326,7 +361,7 @@ key that is now revoked. The broker itself only stops sandboxes whose lease expi
 long-stopped ones if it runs with --retention); deleting is yours: sbctl delete REF, or
 sbctl delete --tag k=v for a batch.`,
 		Example: "  sbctl sweep --dry-run\n  sbctl sweep --dry-run -o json",
-		Args:    cobra.NoArgs,
+		Args:    maxArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if !dryRun {
 				return usageErr("sweep only reports (--dry-run); the broker stops expired sandboxes itself, and sbctl delete cleans up")

@@ -10,9 +10,12 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
+	"strings"
 	"syscall"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 	"sigs.k8s.io/yaml"
 
 	"github.com/sbxbroker/broker/client"
@@ -43,11 +46,22 @@ type globals struct {
 }
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
+	ctx, cancel := context.WithCancelCause(context.Background())
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		sig := <-sigs
+		// The first signal ends the command cleanly; a second one kills sbctl at once.
+		signal.Reset(os.Interrupt, syscall.SIGTERM)
+		cancel(interrupted{sig.(syscall.Signal)})
+	}()
+	os.Exit(run(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
 }
+
+// interrupted is the cause of run's context when a signal (Ctrl-C, SIGTERM) ended it.
+type interrupted struct{ sig syscall.Signal }
+
+func (i interrupted) Error() string { return "interrupted by " + i.sig.String() }
 
 // exitCoder is an error that carries the process exit code (sbctl exec passes the command's through).
 type exitCoder interface{ ExitCode() int }
@@ -66,9 +80,19 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	if errors.As(err, &ec) {
 		return ec.ExitCode()
 	}
-	if _, ok := err.(silent); !ok {
-		fmt.Fprintln(stderr, "sbctl:", describe(err))
+	if _, ok := err.(silent); ok {
+		return exitCodeOf(err) // reported already, e.g. a stop on exit that failed after Ctrl-C
 	}
+	if ctx.Err() != nil {
+		// Interrupted: whatever the error says (context canceled, cancelled, a broken dial), the
+		// person knows why, so no message; exit as a shell reports a signal, 128+n.
+		var in interrupted
+		if errors.As(context.Cause(ctx), &in) {
+			return 128 + int(in.sig)
+		}
+		return 128 + int(syscall.SIGINT)
+	}
+	fmt.Fprintln(stderr, "sbctl:", describe(err))
 	return exitCodeOf(err)
 }
 
@@ -86,17 +110,36 @@ first start on the embedded defaults.
 A REF is a sandbox id (sb_...) or name.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 not authorized, 5 conflict (name taken, sandbox
-stopped or failed), 6 broker unreachable; sbctl exec exits with the command's own code.`,
+stopped or failed, or hosted by another broker), 6 broker unreachable or unavailable, 128+n ended by
+signal n (130 for Ctrl-C); sbctl exec exits with the command's own code.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		// sbctl alone shows the help; anything else that is not a command is a usage error (cobra's
+		// own "unknown command" error would exit 1).
+		Args: cobra.ArbitraryArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return cmd.Help()
+			}
+			hint := ""
+			if s := cmd.SuggestionsFor(args[0]); len(s) > 0 {
+				hint = " (did you mean " + strings.Join(s, " or ") + "?)"
+			}
+			return usageErr("unknown command %q%s; see sbctl --help", args[0], hint)
+		},
 		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
 			switch g.output {
 			case "table", "json", "yaml":
-				return nil
+			default:
+				return usageErr("-o must be table, json or yaml, not %q", g.output)
 			}
-			return usageErr("-o must be table, json or yaml, not %q", g.output)
+			if ok, why := outputAllowed(cmd, g.output); !ok {
+				return usageErr("%s does not print -o %s: %s", cmd.Name(), g.output, why)
+			}
+			return nil
 		},
 	}
+	root.SuggestionsMinimumDistance = 2
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageErr("%v", err) })
 	pf := root.PersistentFlags()
 	pf.StringVar(&g.broker, "broker", "", "broker URL (env SBX_BROKER_URL; default from the config file, else http://127.0.0.1:7070)")
@@ -185,8 +228,11 @@ func exitCodeOf(err error) int {
 			return exitNotFound
 		case protocol.CodeUnauthenticated, protocol.CodeForbidden, protocol.CodeDelegateForbidden:
 			return exitAuth
-		case protocol.CodeNameConflict, protocol.CodeInvalidState, protocol.CodeSandboxFailed, protocol.CodeNotRunning:
+		case protocol.CodeNameConflict, protocol.CodeInvalidState, protocol.CodeSandboxFailed, protocol.CodeNotRunning,
+			protocol.CodeWrongNode: // a 409 like the others: the sandbox is in a state (elsewhere) that refuses this
 			return exitConflict
+		case protocol.CodeUnreachable, protocol.CodeUnavailable: // the dataplane, or a broker that says retry
+			return exitUnreachable
 		}
 		if pe.Status == 400 {
 			return exitUsage
@@ -211,11 +257,35 @@ func describe(err error) string {
 	return err.Error()
 }
 
+// isTerminal says whether r is a terminal. A character device is not enough: /dev/null is one.
 func isTerminal(r any) bool {
 	f, ok := r.(*os.File)
 	if !ok {
 		return false
 	}
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
+}
+
+// annOutputs is the annotation of a command that prints only some of the -o formats: the formats,
+// comma-separated, then ":" and why, for the error.
+const annOutputs = "sbctl/outputs"
+
+// outputs restricts the -o formats cmd accepts, so that an unsupported one is an error instead of
+// being ignored.
+func outputs(cmd *cobra.Command, why string, formats ...string) *cobra.Command {
+	if cmd.Annotations == nil {
+		cmd.Annotations = map[string]string{}
+	}
+	cmd.Annotations[annOutputs] = strings.Join(formats, ",") + ":" + why
+	return cmd
+}
+
+func outputAllowed(cmd *cobra.Command, format string) (bool, string) {
+	ann, ok := cmd.Annotations[annOutputs]
+	if !ok {
+		return true, ""
+	}
+	formats, why, _ := strings.Cut(ann, ":")
+	return slices.Contains(strings.Split(formats, ","), format), why
 }

@@ -50,7 +50,7 @@ sbctl attach or sbctl heartbeat.`,
 		Example: `  sbctl create dev
   sbctl create dev --ttl 2h --tag thread_id=T42 --tag team=infra
   sbctl create ci-$(date +%s) --no-reuse -o json`,
-		Args: cobra.MaximumNArgs(1),
+		Args: maxArgs(1, "at most one NAME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -68,7 +68,10 @@ sbctl attach or sbctl heartbeat.`,
 				return err
 			}
 			if cmd.Flags().Changed("ttl") {
-				secs := int64(ttl / time.Second)
+				secs, err := wholeSeconds("ttl", ttl)
+				if err != nil {
+					return err
+				}
 				req.TTLSeconds = &secs
 			}
 			if noReuse {
@@ -89,7 +92,7 @@ sbctl attach or sbctl heartbeat.`,
 		},
 	}
 	cmd.Flags().StringVar(&template, "template", "", "template to create from (default: the broker's \"default\")")
-	cmd.Flags().DurationVar(&ttl, "ttl", 0, "lease: stop the sandbox when nothing heartbeats it this long (default: the broker's, 30m)")
+	cmd.Flags().Var(client.Duration{D: &ttl}, "ttl", "lease: stop the sandbox when nothing heartbeats it this long, e.g. 2h or 1d (default: the broker's, 30m)")
 	cmd.Flags().StringArrayVar(&tags, "tag", nil, "tag key=value (repeatable)")
 	cmd.Flags().BoolVar(&noReuse, "no-reuse", false, "fail with a conflict if the name is taken instead of reusing it")
 	return cmd
@@ -105,7 +108,7 @@ func listCmd(g *globals) *cobra.Command {
 		Example: `  sbctl list
   sbctl list --tag thread_id=T42 --status running
   sbctl list -o json | jq -r '.[].id'`,
-		Args: cobra.NoArgs,
+		Args: maxArgs(0, "no arguments (filter with --tag and --status)"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -208,7 +211,7 @@ func getCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:     "get REF",
 		Short:   "Show one sandbox",
-		Example: "  sbctl get dev\n  sbctl get sb_0f9c... -o yaml",
+		Example: "  sbctl get dev\n  sbctl get sb_0f9c... -o yaml\n  id=$(sbctl get dev -q)",
 		Args:    exactArgs(1, "REF (a sandbox id or name)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
@@ -218,6 +221,10 @@ func getCmd(g *globals) *cobra.Command {
 			s, err := c.GetSandbox(cmd.Context(), args[0])
 			if err != nil {
 				return err
+			}
+			if g.quiet {
+				fmt.Fprintln(g.stdout, s.ID)
+				return nil
 			}
 			return g.print(s, func(w io.Writer) { describeSandbox(w, s) })
 		},
@@ -248,11 +255,12 @@ func describeSandbox(w io.Writer, s protocol.Sandbox) {
 }
 
 // lifecycleCmd builds stop and resume, which differ only in the call.
-func lifecycleCmd(g *globals, use, short, verb string, call func(*client.Client, *cobra.Command, string) (protocol.Sandbox, error)) *cobra.Command {
+func lifecycleCmd(g *globals, use, short, verb, example string, call func(*client.Client, *cobra.Command, string) (protocol.Sandbox, error)) *cobra.Command {
 	return &cobra.Command{
-		Use:   use + " REF",
-		Short: short,
-		Args:  exactArgs(1, "REF (a sandbox id or name)"),
+		Use:     use + " REF",
+		Short:   short,
+		Example: example,
+		Args:    exactArgs(1, "REF (a sandbox id or name)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
@@ -272,6 +280,7 @@ func lifecycleCmd(g *globals, use, short, verb string, call func(*client.Client,
 
 func stopCmd(g *globals) *cobra.Command {
 	return lifecycleCmd(g, "stop", "Stop a sandbox: every process ends, files stay", "stopped",
+		"  sbctl stop dev\n  sbctl list --tag thread_id=T42 -q | xargs -n1 sbctl stop -q",
 		func(c *client.Client, cmd *cobra.Command, ref string) (protocol.Sandbox, error) {
 			return c.StopSandbox(cmd.Context(), ref)
 		})
@@ -279,6 +288,7 @@ func stopCmd(g *globals) *cobra.Command {
 
 func resumeCmd(g *globals) *cobra.Command {
 	return lifecycleCmd(g, "resume", "Resume a stopped sandbox on the same files (processes start fresh)", "resumed",
+		"  sbctl resume dev\n  sbctl resume dev -o json | jq -r .expires_at",
 		func(c *client.Client, cmd *cobra.Command, ref string) (protocol.Sandbox, error) {
 			return c.ResumeSandbox(cmd.Context(), ref)
 		})
@@ -386,6 +396,9 @@ func extendCmd(g *globals) *cobra.Command {
 			if !cmd.Flags().Changed("ttl") {
 				return usageErr("--ttl is required, e.g. --ttl 2h")
 			}
+			if _, err := wholeSeconds("ttl", ttl); err != nil {
+				return err
+			}
 			c, err := g.client()
 			if err != nil {
 				return err
@@ -397,7 +410,7 @@ func extendCmd(g *globals) *cobra.Command {
 			return g.printLease(args[0], l)
 		},
 	}
-	cmd.Flags().DurationVar(&ttl, "ttl", 0, "new lease length, e.g. 45m or 4h")
+	cmd.Flags().Var(client.Duration{D: &ttl}, "ttl", "new lease length, e.g. 45m, 4h or 2d")
 	return cmd
 }
 
@@ -467,7 +480,8 @@ func (g *globals) printLease(ref string, l protocol.HeartbeatResponse) error {
 	})
 }
 
-// exactArgs is cobra.ExactArgs with a message that names what is missing.
+// exactArgs is cobra.ExactArgs with a message that names what is missing, and a usage error's
+// exit code.
 func exactArgs(n int, what string) cobra.PositionalArgs {
 	return func(cmd *cobra.Command, args []string) error {
 		if len(args) != n {
@@ -475,4 +489,23 @@ func exactArgs(n int, what string) cobra.PositionalArgs {
 		}
 		return nil
 	}
+}
+
+// maxArgs is cobra.MaximumNArgs (and, with 0, cobra.NoArgs) the same way.
+func maxArgs(n int, what string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) > n {
+			return usageErr("%s takes %s, not %q; see sbctl %s --help", cmd.Name(), what, strings.Join(args, " "), cmd.Name())
+		}
+		return nil
+	}
+}
+
+// wholeSeconds converts a lease or token lifetime for the API, which counts whole seconds: less
+// than one would silently become 0.
+func wholeSeconds(flag string, d time.Duration) (int64, error) {
+	if d < time.Second {
+		return 0, usageErr("--%s %s is less than a second: leases and tokens are counted in whole seconds; use e.g. 90s, 30m, 2h or 7d", flag, d)
+	}
+	return int64(d / time.Second), nil
 }

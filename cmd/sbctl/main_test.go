@@ -1,0 +1,183 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// sbctl runs the CLI in-process against broker (a URL) with no config file.
+func sbctl(t *testing.T, ctx context.Context, broker string, stdin string, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	args = append([]string{"--broker", broker, "--api-key", "sbk_test", "--config", filepath.Join(t.TempDir(), "none.yaml")}, args...)
+	code = run(ctx, args, strings.NewReader(stdin), &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+// Mistakes cobra itself catches exit 2 (usage) like ours, with a message that says what to do;
+// none of them reaches the broker.
+func TestUsageErrorsExit2(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"foo"}, `unknown command "foo"`},
+		{[]string{"lsit"}, "did you mean list?"},
+		{[]string{"create", "a", "b"}, "at most one NAME"},
+		{[]string{"list", "x"}, "no arguments"},
+		{[]string{"sweep", "--dry-run", "x"}, "no arguments"},
+		{[]string{"introspect", "a", "b"}, "at most one TOKEN"},
+		{[]string{"run-config", "a", "b"}, "one REF"},
+		{[]string{"delegate", "dev"}, "--scope is required"},
+		{[]string{"get", "dev", "--bogus"}, "unknown flag"},
+		{[]string{"events", "dev", "-o", "yaml"}, "does not print -o yaml"},
+		{[]string{"exec", "dev", "-o", "json", "--", "true"}, "does not print -o json"},
+		{[]string{"run-config", "dev", "-o", "yaml"}, "--format"},
+		{[]string{"attach", "dev", "-o", "yaml"}, "does not print -o yaml"},
+		{[]string{"create", "x", "--ttl", "500ms"}, "less than a second"},
+		{[]string{"create", "x", "--ttl", "-5m"}, "less than a second"},
+		{[]string{"extend", "x", "--ttl", "0.5s"}, "less than a second"},
+		{[]string{"delegate", "x", "--scope", "exec", "--expires", "100ms"}, "less than a second"},
+		{[]string{"run-config", "--thread", "t", "--ttl", "1ms"}, "less than a second"},
+		{[]string{"exec", "x", "--timeout", "1us", "--", "true"}, "at least 1ms"},
+		{[]string{"create", "x", "--ttl", "1fortnight"}, "7d"},
+	} {
+		code, _, stderr := sbctl(t, t.Context(), "http://127.0.0.1:1", "", tc.args...)
+		if code != exitUsage || !strings.Contains(stderr, tc.want) {
+			t.Errorf("sbctl %v: exit %d %q; want exit 2 mentioning %q", tc.args, code, stderr, tc.want)
+		}
+	}
+}
+
+// Days are accepted wherever a duration is, as the broker accepts them.
+func TestDurationsTakeDays(t *testing.T) {
+	t.Parallel()
+	var got protocol.CreateSandboxRequest
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		json.NewDecoder(r.Body).Decode(&got)
+		json.NewEncoder(w).Encode(protocol.CreateSandboxResponse{Outcome: "created", Sandbox: protocol.Sandbox{ID: "sb_1", Name: got.Name}})
+	}))
+	defer srv.Close()
+	if code, _, stderr := sbctl(t, t.Context(), srv.URL, "", "create", "x", "--ttl", "1d12h", "-q"); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	if got.TTLSeconds == nil || *got.TTLSeconds != 36*3600 {
+		t.Fatalf("ttl_seconds: %v", got.TTLSeconds)
+	}
+}
+
+func TestExitCodes(t *testing.T) {
+	t.Parallel()
+	for code, want := range map[string]int{
+		protocol.CodeUnreachable: exitUnreachable, protocol.CodeUnavailable: exitUnreachable,
+		protocol.CodeWrongNode: exitConflict, protocol.CodeNotRunning: exitConflict, protocol.CodeNotFound: exitNotFound,
+	} {
+		if got := exitCodeOf(protocol.Errorf(code, "x")); got != want {
+			t.Errorf("%s: exit %d, want %d", code, got, want)
+		}
+	}
+	if got := exitCodeOf(&client.UnreachableError{URL: "http://x", Err: os.ErrDeadlineExceeded}); got != exitUnreachable {
+		t.Errorf("unreachable broker: %d", got)
+	}
+}
+
+// Ctrl-C (or SIGTERM) ends a command quietly with 128+signal, not "context canceled" and 1.
+func TestInterruptedExitsQuietly(t *testing.T) {
+	t.Parallel()
+	for sig, want := range map[syscall.Signal]int{syscall.SIGINT: 130, syscall.SIGTERM: 143} {
+		ctx, cancel := context.WithCancelCause(t.Context())
+		cancel(interrupted{sig})
+		code, _, stderr := sbctl(t, ctx, "http://127.0.0.1:1", "", "list")
+		if code != want || stderr != "" {
+			t.Errorf("%v: exit %d %q; want %d and nothing on stderr", sig, code, stderr, want)
+		}
+	}
+}
+
+// /dev/null is a character device but not a terminal: a delete --tag from a script must not prompt.
+func TestDevNullIsNotATerminal(t *testing.T) {
+	t.Parallel()
+	f, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if isTerminal(f) {
+		t.Fatal("/dev/null counted as a terminal")
+	}
+}
+
+// exec -i refuses input it would have to cut or alter.
+func TestReadStdin(t *testing.T) {
+	t.Parallel()
+	if s, err := readStdin(strings.NewReader("print(2+2)\n"), 1<<20); err != nil || s != "print(2+2)\n" {
+		t.Fatalf("small text: %q %v", s, err)
+	}
+	if _, err := readStdin(bytes.NewReader(make([]byte, 2<<20)), 1<<20); exitCodeOf(err) != exitUsage || !strings.Contains(err.Error(), "larger than") {
+		t.Fatalf("too large: %v", err)
+	}
+	if _, err := readStdin(bytes.NewReader([]byte{0xff, 0xfe, 'x'}), 1<<20); exitCodeOf(err) != exitUsage || !strings.Contains(err.Error(), "UTF-8") {
+		t.Fatalf("binary: %v", err)
+	}
+}
+
+// attach --stop-on-exit says "stopped" only for sandboxes it stopped; a failed stop is reported
+// with its own exit code.
+func TestAttachStopOnExitReportsFailures(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancelCause(t.Context())
+	defer cancel(nil)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/v1/heartbeats":
+			exp := time.Now().Add(time.Hour)
+			json.NewEncoder(w).Encode(protocol.HeartbeatsResponse{Items: []protocol.HeartbeatItem{
+				{Ref: "a", Lease: &protocol.HeartbeatResponse{Status: "running", TTLSeconds: 3600, ExpiresAt: &exp}},
+				{Ref: "b", Lease: &protocol.HeartbeatResponse{Status: "running", TTLSeconds: 3600, ExpiresAt: &exp}},
+			}})
+			cancel(interrupted{syscall.SIGINT}) // Ctrl-C after the first beat
+		case "/v1/sandboxes/a/stop":
+			json.NewEncoder(w).Encode(protocol.Sandbox{ID: "sb_a", Name: "a", Status: "stopped"})
+		default:
+			w.WriteHeader(http.StatusNotFound)
+			json.NewEncoder(w).Encode(protocol.ErrorBody{Error: protocol.Error{Code: protocol.CodeNotFound, Message: "no sandbox b"}})
+		}
+	}))
+	defer srv.Close()
+	code, _, stderr := sbctl(t, ctx, srv.URL, "", "attach", "a", "b", "--stop-on-exit")
+	if code != exitNotFound || !strings.Contains(stderr, "stopped a\n") || strings.Contains(stderr, "stopped b") ||
+		!strings.Contains(stderr, "b was not stopped: no sandbox b") {
+		t.Fatalf("exit %d, stderr:\n%s", code, stderr)
+	}
+}
+
+// -q prints only ids on get and delegations too, as on list.
+func TestQuietPrintsIDs(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/delegations") {
+			json.NewEncoder(w).Encode(protocol.ListDelegationsResponse{Items: []protocol.Delegation{{JTI: "j1"}, {JTI: "j2"}}})
+			return
+		}
+		json.NewEncoder(w).Encode(protocol.Sandbox{ID: "sb_1", Name: "dev"})
+	}))
+	defer srv.Close()
+	for args, want := range map[string]string{"get dev -q": "sb_1\n", "delegations dev -q": "j1\nj2\n"} {
+		if code, out, stderr := sbctl(t, t.Context(), srv.URL, "", strings.Fields(args)...); code != 0 || out != want {
+			t.Errorf("sbctl %s: exit %d %q %q", args, code, out, stderr)
+		}
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"os"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -60,7 +61,7 @@ func (m *Manager) Run(ctx context.Context, interval time.Duration) {
 
 // Recover makes this node's runtimes match the records after a broker start: running sandboxes come
 // back running with a fresh init on the same files (their processes were lost, and the record says
-// so), half-done deletions finish, and half-done provisioning is marked failed.
+// so), half-done deletions finish, a half-done resume is stopped again and a half-done create fails.
 func (m *Manager) Recover(ctx context.Context) error {
 	entries, err := os.ReadDir(m.cfg.IndexDir)
 	if err != nil {
@@ -82,9 +83,7 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 	rec, err := m.cfg.Store.Get(ctx, org, id)
 	switch {
 	case errors.Is(err, store.ErrNotFound):
-		// Never made it into Redis (or was purged before the index entry went): drop the leftovers.
-		m.cfg.Provider.Destroy(ctx, provider.Spec{ID: id})
-		m.unindex(id)
+		m.recordMissing(ctx, org, id)
 		return
 	case err != nil:
 		log.Error("recover: cannot read record", "err", err)
@@ -98,9 +97,20 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 			m.emit(c, rec, protocol.EventDeleted, nil)
 		}
 	case protocol.StatusProvisioning:
+		if !rec.StartedAt.IsZero() {
+			// A resume cut short: its files are whole, so it goes back to stopped, resumable.
+			got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+				From: []string{protocol.StatusProvisioning}, To: protocol.StatusStopped,
+				Fields: map[string]string{store.FieldStopReason: protocol.StopRuntimeLost}})
+			if err == nil {
+				m.emit(c, got, protocol.EventStopped, func(e *protocol.Event) { e.Reason = protocol.StopRuntimeLost })
+			}
+			return
+		}
+		// A first start cut short: its template setup may not have run.
 		got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
 			From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed,
-			Fields: map[string]string{store.FieldFailure: "the broker restarted while the sandbox was being provisioned; delete it and create it again"}})
+			Fields: map[string]string{store.FieldFailure: "the broker restarted while the sandbox was being created; delete it and create it again"}})
 		if err == nil {
 			m.emit(c, got, protocol.EventFailed, func(e *protocol.Event) { e.Reason = "broker_restart" })
 		}
@@ -120,6 +130,29 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 			m.emit(c, got, protocol.EventResumed, func(e *protocol.Event) { e.Reason = "broker_restart: processes were lost" })
 		}
 	}
+}
+
+// recordMissing handles a sandbox indexed here whose record Redis does not have. Files come after
+// the record, so with no files it is a create that crashed in between: drop the index entry. With
+// files, Redis lost data (flushed, replaced, restored from an old snapshot): stop the runtime but
+// keep the files and the index entry, and say so at every start, because deleting them on Redis'
+// word would lose work.
+func (m *Manager) recordMissing(ctx context.Context, org, id string) {
+	dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: id})
+	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
+		m.unindex(id)
+		return
+	}
+	h := m.hostedFor(id, org)
+	h.mu.Lock()
+	h.release(ctx)
+	h.mu.Unlock()
+	m.mu.Lock()
+	delete(m.host, id)
+	m.mu.Unlock()
+	m.cfg.Log.Warn("a sandbox on this broker has no record in Redis (was Redis flushed or replaced?): its files are kept; "+
+		"copy out what you need, then remove the directory and its index entry",
+		"sandbox_id", id, "org", org, "files", dir, "index_entry", filepath.Join(m.cfg.IndexDir, id))
 }
 
 // reconcileAll checks every sandbox this node runs against its record.
@@ -142,7 +175,7 @@ func (m *Manager) reconcileAll(ctx context.Context) {
 func (m *Manager) reconcileOne(ctx context.Context, org, id string, startAsked bool) {
 	rec, err := m.cfg.Store.Get(ctx, org, id)
 	if errors.Is(err, store.ErrNotFound) {
-		m.destroy(ctx, store.Record{ID: id, Org: org, Status: protocol.StatusDeleting})
+		m.recordMissing(ctx, org, id)
 		return
 	}
 	if err != nil || rec.Node != m.cfg.Node {

@@ -195,6 +195,7 @@ redis.call('HSET', key, 'status', to)
 for i = 8, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 if to == 'running' then
   lease(key, id, now, tonumber(redis.call('HGET', key, 'ttl')) or 0, KEYS[2], KEYS[4])
+  if (tonumber(redis.call('HGET', key, 'started')) or 0) == 0 then redis.call('HSET', key, 'started', now) end
 else
   redis.call('HSET', key, 'expires', 0)
   redis.call('ZREM', KEYS[2], id)
@@ -204,6 +205,7 @@ if to == 'stopped' then
   redis.call('HSET', key, 'stopped', now)
   redis.call('ZADD', KEYS[3], now, id)
 else
+  redis.call('HSET', key, 'stopped', 0)
   redis.call('ZREM', KEYS[3], id)
 end
 if to == 'deleting' then

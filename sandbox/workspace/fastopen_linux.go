@@ -15,17 +15,26 @@ import (
 // *os.File that skips the poller. Anything else (a nested path, a symlink as the last element)
 // takes the os.Root path, which alone follows symlinks safely.
 
-// rootDirFD returns the workspace root's descriptor, opened through the root on first use.
-func (w *Workspace) rootDirFD() (int, bool) {
+// withRootDir runs fn with the descriptor of the workspace root, opened through the root on first
+// use, and says whether it ran. fn runs inside RawConn.Control, which holds the descriptor: a Close
+// meanwhile waits for fn before the number is freed, so it cannot be reused by another open (say,
+// another sandbox's workspace) while fn resolves names against it. After Close it does not run.
+func (w *Workspace) withRootDir(fn func(dirfd int)) bool {
 	w.dirOnce.Do(func() {
-		if d, err := w.root.OpenFile(".", os.O_RDONLY|unix.O_DIRECTORY, 0); err == nil {
-			w.dir = d
+		d, err := w.root.OpenFile(".", os.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			return
 		}
+		if w.dirConn, err = d.SyscallConn(); err != nil {
+			d.Close()
+			return
+		}
+		w.dir = d
 	})
 	if w.dir == nil {
-		return -1, false
+		return false
 	}
-	return int(w.dir.Fd()), true
+	return w.dirConn.Control(func(fd uintptr) { fn(int(fd)) }) == nil
 }
 
 // fastOpen opens rel, a clean path with no directory part, without following a final symlink.
@@ -35,10 +44,12 @@ func (w *Workspace) fastOpen(rel string, flags int, perm uint32) (f *os.File, ok
 	if strings.IndexByte(rel, '/') >= 0 || rel == "." || rel == ".." {
 		return nil, false, nil
 	}
-	dirfd, ok := w.rootDirFD()
-	if !ok {
-		return nil, false, nil
-	}
+	ran := w.withRootDir(func(dirfd int) { f, ok, err = openAt(dirfd, rel, flags, perm) })
+	return f, ran && ok, err
+}
+
+// openAt is fastOpen's work, on the root's descriptor.
+func openAt(dirfd int, rel string, flags int, perm uint32) (*os.File, bool, error) {
 	if flags&unix.O_CREAT == 0 {
 		// Only regular files are opened for reading: a FIFO or device is never opened at all, and
 		// a symlink goes to os.Root.

@@ -8,6 +8,7 @@ import (
 	"path"
 	"strings"
 	"sync"
+	"syscall"
 	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -70,8 +71,10 @@ func (o Options) withDefaults() Options {
 type Workspace struct {
 	root *os.Root
 	opts Options
-	// dir is the root directory itself, for the fast path of fastOpen (Linux).
+	// dir is the root directory itself, for the fast path of fastOpen (Linux); dirConn holds its
+	// descriptor while it is used (withRootDir).
 	dir     *os.File
+	dirConn syscall.RawConn
 	dirOnce sync.Once
 
 	// locks serialize the broker's own read-modify-write cycles (Edit) against each other and
@@ -95,6 +98,7 @@ func Open(hostDir string, opts Options) (*Workspace, error) {
 
 // Close releases the workspace directory. Operations after Close fail with code unavailable.
 func (w *Workspace) Close() error {
+	w.dirOnce.Do(func() {}) // waits for a first open of dir under way, and prevents a later one
 	if w.dir != nil {
 		w.dir.Close()
 	}

@@ -8,7 +8,7 @@ const (
 	EventReused       = "reused"
 	EventResumed      = "resumed"
 	EventStopped      = "stopped" // reason: requested | ttl_expired | runtime_lost
-	EventFailed       = "failed"  // reason: why provisioning failed
+	EventFailed       = "failed"  // reason: create_failed | start_failed | setup_failed | broker_restart
 	EventDeleted      = "deleted"
 	EventExpiring     = "expiring" // seconds_left before the sweeper stops it
 	EventConnected    = "connected"
@@ -21,6 +21,16 @@ const (
 	// EventReset is sent to a resuming subscriber whose Last-Event-ID fell out of the stream: events
 	// between it and the first event that follows were lost.
 	EventReset = "reset"
+)
+
+// Reasons of failed (and, for broker_restart, resumed) events. They are codes, never the failure's
+// text: that can carry a setup command's output, so it stays on the record (Sandbox.Failure), which
+// only the owner reads.
+const (
+	ReasonCreateFailed  = "create_failed"  // the provider could not create the sandbox
+	ReasonStartFailed   = "start_failed"   // the provider could not start it
+	ReasonSetupFailed   = "setup_failed"   // the template's setup command failed
+	ReasonBrokerRestart = "broker_restart" // the broker restarted while it was created, or while it ran
 )
 
 // SSEEventName is the SSE "event:" field of every sandbox event.
@@ -36,7 +46,7 @@ type Event struct {
 	Time      time.Time `json:"time"`
 	// Actor is who caused it: "key:<api key id>", "token:<jti>", "sweeper", "broker".
 	Actor string `json:"actor,omitempty"`
-	// Reason qualifies stopped, failed, resumed and reset events.
+	// Reason qualifies stopped, failed, resumed and reset events, with a code (Stop*, Reason*).
 	Reason string `json:"reason,omitempty"`
 	// Path for file events; Command, ExitCode and DurationMS for exec.
 	Path       string `json:"path,omitempty"`

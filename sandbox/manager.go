@@ -202,17 +202,19 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	spec := provider.Spec{ID: rec.ID, Template: tmpl}
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
-	fail := func(why string, cause error) (store.Record, error) {
+	// fail records why (for the owner, on the record) and emits code (the event carries no text).
+	fail := func(code, why string, cause error) (store.Record, error) {
 		m.cfg.Log.Error("sandbox provisioning failed", "sandbox_id", rec.ID, "org", rec.Org, "why", why, "err", cause)
 		if h.inst != nil {
 			h.inst.Stop(ctx)
 			h.inst = nil
 		}
-		to, reason := protocol.StatusFailed, why
+		to, reason := protocol.StatusFailed, code
 		fields := map[string]string{store.FieldFailure: why}
 		if !first {
 			to = protocol.StatusStopped
 			fields[store.FieldStopReason] = protocol.StopRuntimeLost
+			reason = protocol.StopRuntimeLost
 		}
 		got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, m.now(), store.Transition{
 			From: []string{protocol.StatusProvisioning}, To: to, Fields: fields})
@@ -226,17 +228,17 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	}
 	if first {
 		if err := m.cfg.Provider.Create(ctx, spec); err != nil {
-			return fail("the provider could not create it", err)
+			return fail(protocol.ReasonCreateFailed, "the provider could not create it", err)
 		}
 	}
 	inst, err := m.cfg.Provider.Start(ctx, spec)
 	if err != nil {
-		return fail("the provider could not start it: "+err.Error(), err)
+		return fail(protocol.ReasonStartFailed, "the provider could not start it: "+err.Error(), err)
 	}
 	h.inst = inst
 	if first && tmpl.Setup != "" {
 		if why := runSetup(ctx, inst, tmpl.Setup); why != "" {
-			return fail(why, nil)
+			return fail(protocol.ReasonSetupFailed, why, nil)
 		}
 	}
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, m.now(), store.Transition{

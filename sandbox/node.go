@@ -112,7 +112,7 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 			From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed,
 			Fields: map[string]string{store.FieldFailure: "the broker restarted while the sandbox was being created; delete it and create it again"}})
 		if err == nil {
-			m.emit(c, got, protocol.EventFailed, func(e *protocol.Event) { e.Reason = "broker_restart" })
+			m.emit(c, got, protocol.EventFailed, func(e *protocol.Event) { e.Reason = protocol.ReasonBrokerRestart })
 		}
 	case protocol.StatusRunning:
 		got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
@@ -127,7 +127,7 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 		}
 		if got, err = m.provision(ctx, c, got, tmpl, false); err == nil {
 			log.Info("sandbox restarted after a broker restart; its processes were lost")
-			m.emit(c, got, protocol.EventResumed, func(e *protocol.Event) { e.Reason = "broker_restart: processes were lost" })
+			m.emit(c, got, protocol.EventResumed, func(e *protocol.Event) { e.Reason = protocol.ReasonBrokerRestart })
 		}
 	}
 }

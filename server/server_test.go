@@ -481,6 +481,20 @@ func TestTemplatesAndSetup(t *testing.T) {
 	if err != nil || got.Status != "failed" || !strings.Contains(got.Failure, "exited 7") || !strings.Contains(got.Failure, "boom") {
 		t.Fatalf("failed sandbox record: %v %+v", err, got)
 	}
+	// The event says why with a code; the setup's output (which may echo template secrets) stays on
+	// the record.
+	var failed *protocol.Event
+	for end := time.Now().Add(5 * time.Second); failed == nil && time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		b.Client.Events(ctx, client.EventOptions{Ref: got.ID, Backlog: 50}, func(e protocol.Event) error {
+			if e.Type == protocol.EventFailed {
+				failed = &e
+			}
+			return nil
+		})
+	}
+	if failed == nil || failed.Reason != protocol.ReasonSetupFailed {
+		t.Fatalf("failed event: %+v, want reason %s", failed, protocol.ReasonSetupFailed)
+	}
 	// A failed name is not silently reused; delete frees it.
 	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "bad", Template: "broken"}); code(err) != protocol.CodeSandboxFailed {
 		t.Fatalf("reuse of a failed sandbox: %v", err)

@@ -100,6 +100,7 @@ func (w *Writer) write(batch []queued) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	pending := batch
+	appended := map[string]bool{}
 	for attempt := 0; ; attempt++ {
 		pipe := w.rdb.Pipeline()
 		cmds := make([]*redis.StringCmd, len(pending))
@@ -109,25 +110,42 @@ func (w *Writer) write(batch []queued) {
 				Stream: store.EventsKey(q.org), MaxLen: StreamMaxLen, Approx: true, Values: []any{"data", data}})
 		}
 		_, err := pipe.Exec(ctx)
-		if err == nil {
-			return
-		}
 		// Retry only the events that were not appended: the others would be appended twice.
 		failed := pending[:0:0]
 		for i, c := range cmds {
 			if c.Err() != nil {
 				failed = append(failed, pending[i])
+			} else {
+				appended[pending[i].org] = true
 			}
 		}
 		pending = failed
 		if len(pending) == 0 {
-			return
+			break
 		}
 		if attempt == 2 || ctx.Err() != nil {
 			w.log.Error("event log write failed: events lost", "events", len(pending), "err", err)
 			w.dropped.Add(int64(len(pending)))
-			return
+			break
 		}
 		time.Sleep(100 * time.Millisecond << attempt)
+	}
+	w.wake(ctx, appended)
+}
+
+// wake tells every broker's event readers which org streams grew (store.EventsChannel). It is sent
+// after the appends have returned: on Cluster a pipeline's commands run on several nodes at once, and
+// a wake-up that overtook its append would find nothing new. A lost wake-up delays events by the
+// readers' poll interval at most.
+func (w *Writer) wake(ctx context.Context, orgs map[string]bool) {
+	if len(orgs) == 0 {
+		return
+	}
+	pipe := w.rdb.Pipeline()
+	for org := range orgs {
+		pipe.Publish(ctx, store.EventsChannel, org)
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		w.log.Warn("event wake-up failed; readers will find the events on their next poll", "err", err)
 	}
 }

@@ -186,3 +186,43 @@ func less(a, b string) bool {
 	fmt.Sscanf(b, "%d-%d", &bm, &bs)
 	return am < bm || (am == bm && as < bs)
 }
+
+// Subscribers of many orgs do not hold the broker's Redis pool: with more orgs followed than the
+// pool has connections, every org still gets its events promptly and other commands still run.
+func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	const pool, orgs = 4, 12
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, PoolSize: pool, PoolTimeout: 10 * time.Second})
+	defer rdb.Close()
+	w := events.NewWriter(rdb, quiet)
+	defer w.Close()
+	hub := events.NewHub(rdb, quiet)
+	subs := make([]*events.Subscription, orgs)
+	for i := range subs {
+		s, err := hub.Subscribe(t.Context(), fmt.Sprintf("org-%d", i), events.SubscribeOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		subs[i] = s
+	}
+	time.Sleep(200 * time.Millisecond) // the readers are up and waiting
+	start := time.Now()
+	if err := rdb.Ping(t.Context()).Err(); err != nil || time.Since(start) > time.Second {
+		t.Fatalf("PING with %d orgs followed on a pool of %d took %s: %v", orgs, pool, time.Since(start), err)
+	}
+	for i := range subs {
+		w.Emit(fmt.Sprintf("org-%d", i), protocol.Event{Type: protocol.EventCreated, SandboxID: fmt.Sprintf("sb_%d", i)})
+	}
+	for i, s := range subs {
+		select {
+		case e := <-s.C:
+			if e.SandboxID != fmt.Sprintf("sb_%d", i) {
+				t.Fatalf("org-%d got %+v", i, e)
+			}
+		case <-time.After(3 * time.Second):
+			t.Fatalf("org-%d: no event within 3s of its write", i)
+		}
+	}
+}

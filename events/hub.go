@@ -16,14 +16,29 @@ import (
 	"github.com/sbxbroker/broker/store"
 )
 
-// Hub fans the org streams out to subscribers in this broker: one Redis reader per org stream that
-// has subscribers, however many subscribers it has.
+// Hub fans the org streams out to subscribers in this broker: one reader per org stream that has
+// subscribers, however many subscribers it has.
+//
+// Readers do not block on Redis (XREAD BLOCK would hold a pooled connection per followed org, and
+// past the pool's size stall every other command of the broker). They read with XRANGE when the
+// writer's wake-up for their org arrives on one pub/sub connection (EventsChannel), and every
+// feedPoll in case a wake-up was lost (a pub/sub reconnect): the stream stays the one source of
+// truth, so nothing is lost or repeated either way.
 type Hub struct {
 	rdb  redis.UniversalClient
 	log  *slog.Logger
 	mu   sync.Mutex
 	orgs map[string]*orgFeed
+	// stopListen ends the wake-up subscription; nil while no org is followed.
+	stopListen func()
 }
+
+// feedPoll is how often a reader looks at its stream without a wake-up: the delay an event has at
+// worst when its wake-up is lost.
+const feedPoll = 2 * time.Second
+
+// feedPage is how many events a reader takes per XRANGE.
+const feedPage = 256
 
 // NewHub makes a hub; readers start with the first subscriber of an org and stop with the last.
 func NewHub(rdb redis.UniversalClient, log *slog.Logger) *Hub {
@@ -34,6 +49,7 @@ func NewHub(rdb redis.UniversalClient, log *slog.Logger) *Hub {
 type orgFeed struct {
 	cancel context.CancelFunc
 	subs   map[*Subscription]struct{}
+	wake   chan struct{} // a wake-up for the reader (buffered: wake-ups while it reads merge)
 }
 
 // Subscription receives one org's events (or one sandbox's) in stream order, each once.
@@ -252,6 +268,11 @@ func decode(m redis.XMessage) (protocol.Event, bool) {
 func (h *Hub) add(org string, s *Subscription) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if h.stopListen == nil {
+		if err := h.listen(); err != nil {
+			return err
+		}
+	}
 	f := h.orgs[org]
 	if f == nil {
 		// Start the reader at the stream's current end, before the subscriber's catch-up reads:
@@ -261,12 +282,16 @@ func (h *Hub) add(org string, s *Subscription) error {
 		last, err := h.rdb.XRevRangeN(ctx, store.EventsKey(org), "+", "-", 1).Result()
 		if err != nil {
 			cancel()
+			if len(h.orgs) == 0 {
+				h.stopListen()
+				h.stopListen = nil
+			}
 			return err
 		}
 		if len(last) == 1 {
 			start = last[0].ID
 		}
-		f = &orgFeed{cancel: cancel, subs: map[*Subscription]struct{}{}}
+		f = &orgFeed{cancel: cancel, subs: map[*Subscription]struct{}{}, wake: make(chan struct{}, 1)}
 		h.orgs[org] = f
 		go h.read(ctx, org, f, start)
 	}
@@ -274,15 +299,46 @@ func (h *Hub) add(org string, s *Subscription) error {
 	return nil
 }
 
-// read tails one org stream and hands each event to the org's subscribers.
+// listen subscribes to the writers' wake-ups and hands each to its org's reader. The subscription
+// is confirmed before it returns, so a write after it is never missed. Called with h.mu held.
+func (h *Hub) listen() error {
+	ctx, cancel := context.WithCancel(context.Background())
+	ps := h.rdb.Subscribe(ctx, store.EventsChannel)
+	if _, err := ps.Receive(ctx); err != nil {
+		ps.Close()
+		cancel()
+		return err
+	}
+	h.stopListen = func() {
+		cancel()
+		ps.Close()
+	}
+	go func() {
+		// Channel reconnects and resubscribes by itself; wake-ups lost meanwhile are covered by
+		// the readers' feedPoll.
+		for m := range ps.Channel() {
+			h.mu.Lock()
+			if f := h.orgs[m.Payload]; f != nil {
+				select {
+				case f.wake <- struct{}{}:
+				default:
+				}
+			}
+			h.mu.Unlock()
+		}
+	}()
+	return nil
+}
+
+// read follows one org stream, from the event after `from`, and hands each event to the org's
+// subscribers.
 func (h *Hub) read(ctx context.Context, org string, f *orgFeed, from string) {
 	key := store.EventsKey(org)
+	poll := time.NewTicker(feedPoll)
+	defer poll.Stop()
 	backoff := 100 * time.Millisecond
-	for ctx.Err() == nil {
-		res, err := h.rdb.XRead(ctx, &redis.XReadArgs{Streams: []string{key, from}, Block: 5 * time.Second, Count: 256}).Result()
-		if errors.Is(err, redis.Nil) {
-			continue
-		}
+	for {
+		msgs, err := h.rdb.XRangeN(ctx, key, "("+from, "+", feedPage).Result()
 		if err != nil {
 			if ctx.Err() != nil {
 				return
@@ -297,13 +353,20 @@ func (h *Hub) read(ctx context.Context, org string, f *orgFeed, from string) {
 			continue
 		}
 		backoff = 100 * time.Millisecond
-		for _, st := range res {
-			for _, m := range st.Messages {
-				from = m.ID
-				if e, ok := decode(m); ok {
-					h.deliver(org, f, e)
-				}
+		for _, m := range msgs {
+			from = m.ID
+			if e, ok := decode(m); ok {
+				h.deliver(org, f, e)
 			}
+		}
+		if len(msgs) == feedPage {
+			continue // more is there already
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-f.wake:
+		case <-poll.C:
 		}
 	}
 }
@@ -375,6 +438,10 @@ func (s *Subscription) closeLocked() {
 		if len(f.subs) == 0 {
 			f.cancel()
 			delete(h.orgs, s.org)
+		}
+		if len(h.orgs) == 0 && h.stopListen != nil {
+			h.stopListen()
+			h.stopListen = nil
 		}
 	}()
 }

@@ -50,6 +50,9 @@ const (
 	SweepLockKey = "sbx:sweep-lock"
 	// RevocationsChannel carries revocations to every broker, so open dataplane connections close.
 	RevocationsChannel = "sbx:revocations"
+	// EventsChannel carries wake-ups, an org name each, when events were appended to that org's
+	// stream, so brokers' event readers need not block on every stream.
+	EventsChannel = "sbx:events"
 )
 
 // APIKeyKey is the hash of one API key (its hash, org, name, created_at, revoked_at).

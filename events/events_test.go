@@ -226,3 +226,21 @@ func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkEventDelivery is one event from Emit to a subscriber of its org: the writer's append and
+// wake-up, then the reader's XRANGE.
+func BenchmarkEventDelivery(b *testing.B) {
+	rdb := redistest.Start(b).Client(b)
+	w := events.NewWriter(rdb, quiet)
+	defer w.Close()
+	sub, err := events.NewHub(rdb, quiet).Subscribe(b.Context(), "bench", events.SubscribeOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sub.Close()
+	time.Sleep(100 * time.Millisecond) // live
+	for b.Loop() {
+		w.Emit("bench", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1"})
+		<-sub.C
+	}
+}

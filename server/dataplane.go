@@ -26,13 +26,9 @@ import (
 
 // Dataplane limits (docs/dataplane.md).
 const (
-	dpChunkBytes     = 1 << 20
-	dpMaxFrameBytes  = dpChunkBytes + 64<<10
-	dpMaxInflight    = 64
-	dpMaxOutputBytes = 64 << 20
-	// dpMaxAnswerOutput caps the output a non-streamed exec may ask for: it travels in one JSON
-	// answer. Stream to get more.
-	dpMaxAnswerOutput = 8 << 20
+	dpChunkBytes    = 1 << 20
+	dpMaxFrameBytes = dpChunkBytes + 64<<10
+	dpMaxInflight   = 64
 	// File operations whose answer can be large (read, ls, glob, grep, download) hold a heavy slot
 	// until the writer takes their answer: this many per connection. read, ls, glob and grep also
 	// hold one of dpHeavyPerBroker across every connection, which bounds the memory their answers
@@ -48,7 +44,6 @@ const (
 	// command may run for minutes, so it cannot hold a slot). Past it, output is dropped and the
 	// result says truncated.
 	dpExecOutputBudget = 256 << 20
-	dpDefaultOutput    = 1 << 20
 	dpWriteQueue       = 8
 	dpWriteTimeout     = 30 * time.Second
 	dpPingEvery        = 30 * time.Second
@@ -309,7 +304,7 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 
 	hello := protocol.Hello{Protocol: protocol.Subprotocol, SandboxID: c.rec.ID, Workspace: workspace.Root,
 		Scopes: c.scopeList(), Limits: protocol.Limits{MaxFrameBytes: dpMaxFrameBytes, MaxInflight: dpMaxInflight,
-			MaxChunkBytes: dpChunkBytes, MaxOutputBytes: dpMaxOutputBytes}}
+			MaxChunkBytes: dpChunkBytes, MaxOutputBytes: protocol.ExecMaxStreamOutput}}
 	if c.claims != nil {
 		hello.AllowCmd = c.claims.Cmd
 		exp := c.claims.ExpiresAt.Time.UTC()
@@ -926,22 +921,16 @@ func (c *dpConn) exec(ctx context.Context, id uint32, r *request, a protocol.Exe
 	if err := delegation.CheckCommand(allow, a.Command, a.Argv, a.Env); err != nil {
 		return nil, err
 	}
-	if (a.Command == "") == (len(a.Argv) == 0) {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "exec needs exactly one of command (a shell string) or argv")
+	if err := protocol.ValidateExec(a); err != nil {
+		return nil, err
 	}
 	if a.Cwd != "" {
 		if _, err := workspace.Resolve(a.Cwd); err != nil {
 			return nil, err
 		}
 	}
-	if a.TimeoutMS < 0 || a.MaxOutput < 0 {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "timeout_ms and max_output must not be negative")
-	}
 	if a.MaxOutput == 0 {
-		a.MaxOutput = dpDefaultOutput
-	}
-	if a.MaxOutput > dpMaxOutputBytes || (!a.Stream && a.MaxOutput > dpMaxAnswerOutput) {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "max_output is at most %d bytes, or %d with stream: true", dpMaxAnswerOutput, dpMaxOutputBytes)
+		a.MaxOutput = protocol.ExecDefaultOutput
 	}
 	req := provider.ExecRequest{Command: a.Command, Argv: a.Argv, Cwd: a.Cwd, Env: a.Env,
 		Timeout: time.Duration(a.TimeoutMS) * time.Millisecond, MaxOutput: a.MaxOutput, Background: a.Background}

@@ -94,3 +94,12 @@ func TestHubReserveBound(t *testing.T) {
 		t.Fatalf("count %d after every release", h.count())
 	}
 }
+
+// The provider keeps its own exec timeouts (sbx-init links it, and must not pay for package
+// protocol's initializers); they must stay those that protocol documents and Local applies.
+func TestExecLimitsAgree(t *testing.T) {
+	if provider.DefaultExecTimeout != protocol.ExecDefaultTimeout || provider.DefaultExecTimeoutMax != protocol.ExecMaxTimeout {
+		t.Fatalf("provider exec timeouts %s/%s, protocol %s/%s", provider.DefaultExecTimeout, provider.DefaultExecTimeoutMax,
+			protocol.ExecDefaultTimeout, protocol.ExecMaxTimeout)
+	}
+}

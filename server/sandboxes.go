@@ -230,15 +230,27 @@ func (s *Server) heartbeats(c echo.Context) error {
 	}
 	leases, errs := s.sandboxes.HeartbeatMany(c.Request().Context(), principal(c).Org, req.Refs)
 	out := protocol.HeartbeatsResponse{Items: make([]protocol.HeartbeatItem, len(req.Refs))}
+	var brokerErrs []error // the broker's own failures (Redis down), not the refs'
 	for i, ref := range req.Refs {
 		out.Items[i].Ref = ref
 		if errs[i] != nil {
-			_, pe := apiError(errs[i])
+			status, pe := apiError(errs[i])
+			if status >= 500 {
+				brokerErrs = append(brokerErrs, errs[i])
+			}
 			out.Items[i].Error = pe
 			continue
 		}
 		l := leaseView(leases[i])
 		out.Items[i].Lease = &l
+	}
+	switch {
+	case len(brokerErrs) == len(req.Refs):
+		// Nothing renewed, for the broker's reason: one error answer (503 when Redis is down) that
+		// clients retry, not a 200 whose every item failed.
+		return brokerErrs[0]
+	case len(brokerErrs) > 0:
+		s.log.Error("batch heartbeat: items failed", "request_id", requestID(c), "failed", len(brokerErrs), "refs", len(req.Refs), "err", brokerErrs[0])
 	}
 	return c.JSON(http.StatusOK, out)
 }

@@ -632,3 +632,22 @@ func TestBrokerStartFailureLeavesNoSandboxRunning(t *testing.T) {
 		})
 	}
 }
+
+// A batch heartbeat that renewed nothing because Redis is down is one 503 clients retry, not a 200
+// whose every item failed.
+func TestBatchHeartbeatsWithoutRedis(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "beating"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.Heartbeats(ctx, []string{"beating"}); err != nil { // the key is cached now
+		t.Fatal(err)
+	}
+	b.Redis.Kill()
+	res, err := b.Client.Heartbeats(ctx, []string{"beating", "other"})
+	if code(err) != protocol.CodeUnavailable {
+		t.Fatalf("batch heartbeat without Redis: %v %+v, want 503 unavailable", err, res)
+	}
+}

@@ -99,6 +99,10 @@ func (s *Server) waitReady(limit time.Duration) error {
 	}
 }
 
+// Kill stops the server now, as a crash would (tests of what clients do without Redis). It is
+// safe to call before the test's own cleanup, which then does nothing.
+func (s *Server) Kill() { s.stop() }
+
 func (s *Server) stop() {
 	s.cmd.Process.Kill()
 	<-s.exited

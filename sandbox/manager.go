@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -305,10 +306,11 @@ func (m *Manager) waitSettled(ctx context.Context, org string, rec store.Record)
 			return rec, ctx.Err()
 		case <-time.After(delay):
 		}
-		var err error
-		if rec, err = m.cfg.Store.Get(ctx, org, rec.ID); err != nil {
+		got, err := m.cfg.Store.Get(ctx, org, rec.ID)
+		if err != nil {
 			return rec, m.mapStoreErr(err, rec.Name)
 		}
+		rec = got
 	}
 	return rec, nil
 }
@@ -347,7 +349,7 @@ func (m *Manager) Stop(ctx context.Context, c Caller, ref, reason string, ifExpi
 // stopLocal ends the runtime of a sandbox whose record no longer says running, here or on its node.
 func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 	if rec.Node != m.cfg.Node {
-		m.notify(ctx, rec, cmdStop)
+		m.notify(ctx, rec, cmdStop, "")
 		return
 	}
 	h := m.hostedFor(rec.ID, rec.Org)
@@ -372,7 +374,10 @@ func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Recor
 		if err != nil {
 			return rec, err
 		}
-		return m.waitSettled(ctx, c.Org, rec)
+		if rec, err = m.waitSettled(ctx, c.Org, rec); err != nil {
+			return rec, err
+		}
+		return rec, startedOrWhyNot(rec)
 	}
 	if err != nil {
 		return store.Record{}, m.mapStoreErr(err, ref)
@@ -383,12 +388,7 @@ func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Recor
 // start brings a record claimed for resuming (provisioning) to running, here or on its node.
 func (m *Manager) start(ctx context.Context, c Caller, rec store.Record) (store.Record, error) {
 	if rec.Node != m.cfg.Node {
-		m.notify(ctx, rec, cmdStart)
-		got, err := m.waitSettled(ctx, rec.Org, rec)
-		if err == nil {
-			m.emit(c, got, protocol.EventResumed, nil)
-		}
-		return got, err
+		return m.startRemote(ctx, c, rec)
 	}
 	tmpl, ok := m.cfg.Templates[rec.Template]
 	if !ok {
@@ -400,6 +400,37 @@ func (m *Manager) start(ctx context.Context, c Caller, rec store.Record) (store.
 		m.emit(c, got, protocol.EventResumed, nil)
 	}
 	return got, err
+}
+
+// startRemote asks the hosting broker to start a record claimed for resuming, asking again while it
+// is provisioning, and waits at most remoteStartWait. The hosting broker emits the resumed event.
+func (m *Manager) startRemote(ctx context.Context, c Caller, rec store.Record) (store.Record, error) {
+	deadline := time.Now().Add(remoteStartWait)
+	for {
+		m.notify(ctx, rec, cmdStart, c.Actor)
+		wait, cancel := context.WithTimeout(ctx, remoteStartAgain)
+		got, err := m.waitSettled(wait, rec.Org, rec)
+		cancel()
+		switch {
+		case err == nil:
+			return got, startedOrWhyNot(got)
+		case ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded):
+			return got, err
+		case time.Now().After(deadline):
+			return got, protocol.Errorf(protocol.CodeUnavailable,
+				"broker %s, which hosts sandbox %s, did not start it within %s: is it running? The sandbox stays claimed until that broker runs again, which brings it back stopped",
+				rec.Node, rec.Name, remoteStartWait)
+		}
+	}
+}
+
+// startedOrWhyNot is nil for a running record, else the error of a start that did not happen.
+func startedOrWhyNot(rec store.Record) error {
+	if rec.Status == protocol.StatusRunning {
+		return nil
+	}
+	why := cmp.Or(rec.Failure, "it is "+rec.Status)
+	return protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %s could not start: %s", rec.Name, why)
 }
 
 // Delete removes a sandbox: its processes, its files and its record. Its name is free at once and
@@ -423,7 +454,7 @@ func (m *Manager) delete(ctx context.Context, c Caller, ref string, t store.Tran
 		return store.Record{}, m.mapStoreErr(err, ref)
 	}
 	if rec.Node != m.cfg.Node {
-		m.notify(ctx, rec, cmdDestroy)
+		m.notify(ctx, rec, cmdDestroy, "")
 		m.emit(c, rec, protocol.EventDeleted, nil)
 		return rec, nil
 	}

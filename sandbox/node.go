@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -22,6 +23,8 @@ type nodeCmd struct {
 	Cmd string `json:"cmd"`
 	Org string `json:"org"`
 	ID  string `json:"id"`
+	// Actor asked for a start; the hosting broker's resumed event names them.
+	Actor string `json:"actor,omitempty"`
 }
 
 const (
@@ -30,8 +33,16 @@ const (
 	cmdDestroy = "destroy"
 )
 
-func (m *Manager) notify(ctx context.Context, rec store.Record, cmd string) {
-	msg, _ := json.Marshal(nodeCmd{Cmd: cmd, Org: rec.Org, ID: rec.ID})
+// Remote starts: how long a resume waits for the hosting broker, and how often it asks again
+// meanwhile (a pub/sub message can be lost, and the reconcile loop starts nothing by itself).
+const (
+	remoteStartWait  = 30 * time.Second
+	remoteStartAgain = 2 * time.Second
+)
+
+// notify sends cmd to the broker hosting rec; actor is who asked, for a start ("" otherwise).
+func (m *Manager) notify(ctx context.Context, rec store.Record, cmd, actor string) {
+	msg, _ := json.Marshal(nodeCmd{Cmd: cmd, Org: rec.Org, ID: rec.ID, Actor: actor})
 	if err := m.cfg.Store.Client().Publish(ctx, store.NodeChannel(rec.Node), msg).Err(); err != nil {
 		m.cfg.Log.Warn("could not notify the hosting broker; its reconcile will catch up", "sandbox_id", rec.ID, "node", rec.Node, "err", err)
 	}
@@ -51,7 +62,11 @@ func (m *Manager) Run(ctx context.Context, interval time.Duration) {
 		case msg := <-msgs:
 			var c nodeCmd
 			if json.Unmarshal([]byte(msg.Payload), &c) == nil {
-				m.reconcileOne(ctx, c.Org, c.ID, c.Cmd == cmdStart)
+				startBy := ""
+				if c.Cmd == cmdStart {
+					startBy = cmp.Or(c.Actor, "broker")
+				}
+				m.reconcileOne(ctx, c.Org, c.ID, startBy)
 			}
 		case <-tick.C:
 			m.reconcileAll(ctx)
@@ -165,14 +180,14 @@ func (m *Manager) reconcileAll(ctx context.Context) {
 	}
 	m.mu.Unlock()
 	for _, p := range all {
-		m.reconcileOne(ctx, p.org, p.id, false)
+		m.reconcileOne(ctx, p.org, p.id, "")
 	}
 }
 
 // reconcileOne makes the local runtime of one sandbox match its record. A provisioning record is
-// started only when another broker asked (startAsked): otherwise it is this node's own create or
+// started only when another broker asked, for startBy: otherwise it is this node's own create or
 // resume in progress.
-func (m *Manager) reconcileOne(ctx context.Context, org, id string, startAsked bool) {
+func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 	rec, err := m.cfg.Store.Get(ctx, org, id)
 	if errors.Is(err, store.ErrNotFound) {
 		m.recordMissing(ctx, org, id)
@@ -187,7 +202,7 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id string, startAsked b
 	case protocol.StatusDeleting:
 		m.destroy(ctx, rec)
 	case protocol.StatusProvisioning:
-		if !startAsked {
+		if startBy == "" {
 			return
 		}
 		h := m.hostedFor(id, org)
@@ -195,8 +210,9 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id string, startAsked b
 			idle := h.inst == nil
 			h.mu.Unlock()
 			if idle {
-				// Claimed for a resume by another broker: start it here.
-				m.start(ctx, Caller{Org: org, Actor: "broker"}, rec)
+				// Claimed for a resume by another broker: start it here. (A repeated ask finds
+				// it locked, or running.)
+				m.start(ctx, Caller{Org: org, Actor: startBy}, rec)
 			}
 		}
 	}

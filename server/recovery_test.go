@@ -3,8 +3,11 @@ package server_test
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
@@ -86,5 +89,52 @@ func TestRecoveryOfInterruptedProvisioning(t *testing.T) {
 	got, err = b2.Client.GetSandbox(t.Context(), "creating")
 	if err != nil || got.Status != protocol.StatusFailed || got.Failure == "" {
 		t.Fatalf("interrupted create: %v %+v, want failed", err, got)
+	}
+}
+
+// A sandbox resumed through a broker that does not host it is started by the one that does: one
+// resumed event, naming who asked, and an error (not a stopped sandbox reported as resumed) when
+// the hosting broker cannot start it.
+func TestResumeThroughAnotherBroker(t *testing.T) {
+	t.Parallel()
+	a := servertest.New(t, servertest.Options{Provider: "dir", Node: "node-a"})
+	b := servertest.New(t, servertest.Options{Provider: "dir", Node: "node-b", Redis: a.Redis})
+	viaB := b.NewClient(a.Org)
+	ctx := t.Context()
+	for _, name := range []string{"far", "broken"} {
+		if _, err := a.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: name}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.Client.StopSandbox(ctx, name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := viaB.ResumeSandbox(ctx, "far")
+	if err != nil || got.Status != protocol.StatusRunning {
+		t.Fatalf("resume through broker B: %v %+v", err, got)
+	}
+	time.Sleep(300 * time.Millisecond) // a second resumed event, if there were one, would be written by now
+	var resumed []protocol.Event
+	a.Client.Events(ctx, client.EventOptions{Ref: "far", Backlog: 50}, func(e protocol.Event) error {
+		if e.Type == protocol.EventResumed {
+			resumed = append(resumed, e)
+		}
+		return nil
+	})
+	if len(resumed) != 1 || !strings.HasPrefix(resumed[0].Actor, "key:") {
+		t.Fatalf("resumed events: %+v, want one naming the caller's key", resumed)
+	}
+
+	// Broker A cannot start "broken": its workspace is gone.
+	rec, err := a.Store.Get(ctx, a.Org, "broken")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.RemoveAll(filepath.Join(a.DataDir, "sandboxes", rec.ID)); err != nil {
+		t.Fatal(err)
+	}
+	got, err = viaB.ResumeSandbox(ctx, "broken")
+	if code(err) != protocol.CodeSandboxFailed {
+		t.Fatalf("a resume the hosting broker could not do: %v %+v, want sandbox_failed", err, got)
 	}
 }

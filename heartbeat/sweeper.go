@@ -152,20 +152,16 @@ func (s *Sweeper) SweepOnce(ctx context.Context) (Report, error) {
 func (s *Sweeper) sweepOrg(ctx context.Context, org string, r *Report) error {
 	now := s.cfg.Now().UTC()
 	caller := sandbox.Caller{Org: org, Actor: "sweeper"}
-	soon, err := s.cfg.Store.ExpiringBetween(ctx, org, now, now.Add(s.cfg.Warning), s.cfg.Batch)
+	due, err := s.cfg.Store.WarnExpiring(ctx, org, now, now.Add(s.cfg.Warning), s.cfg.Batch)
 	if err != nil {
 		return err
 	}
-	for _, e := range soon {
-		name, first, err := s.cfg.Store.MarkWarned(ctx, org, e.ID, e.ExpiresAt)
-		if err != nil || !first {
-			continue
-		}
-		left := int64(e.ExpiresAt.Sub(now).Round(time.Second) / time.Second)
-		s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: e.ID, Name: name, Time: now,
+	for _, w := range due {
+		left := int64(w.ExpiresAt.Sub(now).Round(time.Second) / time.Second)
+		s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: w.ID, Name: w.Name, Time: now,
 			Actor: "sweeper", SecondsLeft: &left, Status: protocol.StatusRunning})
-		r.Warned++
 	}
+	r.Warned += len(due)
 	for round := 0; round < maxRounds; round++ {
 		ids, err := s.cfg.Store.Expired(ctx, org, now, s.cfg.Batch)
 		if err != nil {

@@ -170,28 +170,6 @@ func (s *Store) Expired(ctx context.Context, org string, t time.Time, limit int)
 	return s.rangeIDs(ctx, DeadlinesKey(org), "-inf", strconv.FormatInt(ms(t), 10), limit)
 }
 
-// ExpiringBetween returns up to limit running sandboxes whose deadline falls in (from, to].
-func (s *Store) ExpiringBetween(ctx context.Context, org string, from, to time.Time, limit int) ([]ExpiringSandbox, error) {
-	zs, err := s.rdb.ZRangeArgsWithScores(ctx, redis.ZRangeArgs{
-		Key: DeadlinesKey(org), ByScore: true, Count: int64(limit),
-		Start: "(" + strconv.FormatInt(ms(from), 10), Stop: strconv.FormatInt(ms(to), 10),
-	}).Result()
-	if err != nil {
-		return nil, fmt.Errorf("store: expiring: %w", err)
-	}
-	out := make([]ExpiringSandbox, 0, len(zs))
-	for _, z := range zs {
-		out = append(out, ExpiringSandbox{ID: z.Member.(string), ExpiresAt: time.UnixMilli(int64(z.Score)).UTC()})
-	}
-	return out, nil
-}
-
-// ExpiringSandbox is a running sandbox and its deadline.
-type ExpiringSandbox struct {
-	ID        string
-	ExpiresAt time.Time
-}
-
 // StoppedBefore returns up to limit ids of org's sandboxes stopped at or before t (for retention).
 func (s *Store) StoppedBefore(ctx context.Context, org string, t time.Time, limit int) ([]string, error) {
 	return s.rangeIDs(ctx, StoppedKey(org), "-inf", strconv.FormatInt(ms(t), 10), limit)

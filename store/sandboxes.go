@@ -395,25 +395,53 @@ func (s *Store) BumpGen(ctx context.Context, org, id string) (int64, error) {
 	return gen, nil
 }
 
-// warnScript records that a sandbox was warned about its current deadline, once.
-// KEYS: 1 warned, 2 sandbox hash. ARGV: 1 id, 2 deadline (ms).
-// Answers the sandbox's name when this call is the first to warn about this deadline, else nil.
+// warnScript claims the expiry warnings due in one org: running sandboxes whose deadline falls in
+// (from, to] and that were not warned about it yet, in deadline order, up to limit. Warned ones are
+// skipped inside the script, so however many were warned already, the next ones are reached (at
+// most maxWarnScan entries of the window are looked at per call).
+// KEYS: 1 deadlines, 2 warned. ARGV: 1 from (ms), 2 to (ms), 3 limit, 4 sandbox key prefix,
+// 5 scan cap. Answers {id, name, deadline, ...}.
 // Invariant: a heartbeat removes the warned entry (luaLease), so each new deadline warns once.
 var warnScript = redis.NewScript(`
-if redis.call('HGET', KEYS[2], 'expires') ~= ARGV[2] then return false end
-if redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1]) == 0 then return false end
-return redis.call('HGET', KEYS[2], 'name')
+local limit, prefix, cap = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local out, offset = {}, 0
+while #out < 3 * limit and offset < cap do
+  local zs = redis.call('ZRANGE', KEYS[1], '(' .. ARGV[1], ARGV[2], 'BYSCORE', 'LIMIT', offset, 500, 'WITHSCORES')
+  if #zs == 0 then break end
+  offset = offset + #zs / 2
+  for i = 1, #zs, 2 do
+    local id, deadline = zs[i], zs[i + 1]
+    local h = redis.call('HMGET', prefix .. id, 'expires', 'name')
+    if tonumber(h[1]) == tonumber(deadline) and redis.call('ZADD', KEYS[2], 'NX', deadline, id) == 1 then
+      out[#out + 1], out[#out + 2], out[#out + 3] = id, h[2], deadline
+      if #out == 3 * limit then break end
+    end
+  end
+end
+return out
 `)
 
-// MarkWarned claims the expiry warning for a sandbox's deadline. It answers the sandbox's name and
-// true for the one caller that should send the warning.
-func (s *Store) MarkWarned(ctx context.Context, org, id string, deadline time.Time) (string, bool, error) {
-	name, err := warnScript.Run(ctx, s.rdb, []string{WarnedKey(org), SandboxKey(org, id)}, id, ms(deadline)).Text()
-	if isNil(err) {
-		return "", false, nil
-	}
+// maxWarnScan bounds the deadline entries one WarnExpiring call looks at.
+const maxWarnScan = 20000
+
+// Warning is an expiry warning to send: a running sandbox and the deadline it is about.
+type Warning struct {
+	ID, Name  string
+	ExpiresAt time.Time
+}
+
+// WarnExpiring claims the expiry warnings due in org: running sandboxes whose deadline falls in
+// (from, to] and that nobody warned about it yet, up to limit, in deadline order. Each deadline is
+// claimed once across every broker; the caller sends what it gets.
+func (s *Store) WarnExpiring(ctx context.Context, org string, from, to time.Time, limit int) ([]Warning, error) {
+	v, err := warnScript.Run(ctx, s.rdb, []string{DeadlinesKey(org), WarnedKey(org)},
+		ms(from), ms(to), limit, sandboxPrefix(org), maxWarnScan).StringSlice()
 	if err != nil {
-		return "", false, fmt.Errorf("store: mark warned: %w", err)
+		return nil, fmt.Errorf("store: warn expiring: %w", err)
 	}
-	return name, true, nil
+	out := make([]Warning, 0, len(v)/3)
+	for i := 0; i+2 < len(v); i += 3 {
+		out = append(out, Warning{ID: v[i], Name: v[i+1], ExpiresAt: time.UnixMilli(atoi(v[i+2])).UTC()})
+	}
+	return out, nil
 }

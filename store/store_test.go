@@ -63,6 +63,7 @@ func TestStore(t *testing.T) {
 				{"ListFiltersAndPages", testList},
 				{"DeleteFreesNameAndBumpsGen", testDelete},
 				{"APIKeys", testAPIKeys},
+				{"ExpiryWarnings", testExpiryWarnings},
 			} {
 				t.Run(tc.name, func(t *testing.T) { tc.fn(t, s) })
 			}
@@ -433,4 +434,42 @@ func TestHeartbeatAfterScriptFlush(t *testing.T) {
 		t.Fatal(err)
 	}
 	beat()
+}
+
+// Expiry warnings are claimed once per deadline, in deadline order, and the ones already warned
+// never hide the rest: with more due than one call takes, the next call takes the next ones.
+func testExpiryWarnings(t *testing.T, s *store.Store) {
+	ctx := t.Context()
+	const org, n = "warn", 250
+	for i := range n {
+		rec := newRecord(org, fmt.Sprintf("w-%03d", i), nil)
+		rec.TTL = time.Duration(30+i) * time.Second
+		if _, _, err := s.CreateOrReuse(ctx, rec, true); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Transition(ctx, org, rec.ID, t0, store.Transition{From: []string{"provisioning"}, To: "running"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	window := func() ([]store.Warning, error) {
+		return s.WarnExpiring(ctx, org, t0, t0.Add(time.Hour), 200)
+	}
+	first, err := window()
+	if err != nil || len(first) != 200 || first[0].Name != "w-000" || !first[0].ExpiresAt.Equal(t0.Add(30*time.Second)) {
+		t.Fatalf("first call: %v, %d warnings, first %+v", err, len(first), first[0])
+	}
+	second, err := window()
+	if err != nil || len(second) != n-200 || second[0].Name != "w-200" {
+		t.Fatalf("second call: %v, %d warnings, want the %d not yet warned", err, len(second), n-200)
+	}
+	if third, err := window(); err != nil || len(third) != 0 {
+		t.Fatalf("third call: %v %d, want none (each deadline warns once)", err, len(third))
+	}
+	// A heartbeat moves w-000's deadline: the new one is warned about once more.
+	if _, err := s.Heartbeat(ctx, org, "w-000", t0.Add(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if again, err := window(); err != nil || len(again) != 1 || again[0].Name != "w-000" {
+		t.Fatalf("after a heartbeat: %v %+v", err, again)
+	}
 }

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -56,7 +55,7 @@ func Dial(ctx context.Context, cfg Config) (*Remote, error) {
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "a dataplane URL and a credential are required")
 	}
 	if !strings.HasPrefix(cfg.URL, "ws://") && !strings.HasPrefix(cfg.URL, "wss://") {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "dataplane_url %q must be a ws:// or wss:// URL", redactURL(cfg.URL))
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "dataplane_url %q must be a ws:// or wss:// URL", protocol.RedactURL(cfg.URL))
 	}
 	if cfg.DialTimeout == 0 {
 		cfg.DialTimeout = 10 * time.Second
@@ -160,7 +159,7 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 			}
 			return nil, protocol.Hello{}, unreachable("the dataplane answered %s", resp.Status)
 		}
-		return nil, protocol.Hello{}, unreachable("cannot reach %s: %v", redactURL(cfg.URL), err)
+		return nil, protocol.Hello{}, unreachable("cannot reach %s: %v", protocol.RedactURL(cfg.URL), err)
 	}
 	ws.SetReadLimit(maxAnswerBytes)
 	var first protocol.Response
@@ -189,23 +188,6 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 // to max_output_bytes of output, which JSON escaping of control bytes grows up to sixfold), and a
 // limit below them breaks the connection under every call sharing it.
 const maxAnswerBytes = 512 << 20
-
-// redactURL is a URL fit for an error message: no query (the dataplane refuses credentials there,
-// but a caller may still put one) and no password.
-func redactURL(u string) string {
-	if i := strings.Index(u, "?"); i >= 0 {
-		u = u[:i]
-	}
-	if p, err := url.Parse(u); err == nil {
-		return p.Redacted()
-	}
-	if at := strings.LastIndex(u, "@"); at >= 0 {
-		if i := strings.Index(u, "://"); i >= 0 && i < at {
-			return u[:i+3] + "xxxxx@" + u[at+1:]
-		}
-	}
-	return u
-}
 
 // conn is one WebSocket connection and its requests in flight.
 type conn struct {

@@ -31,22 +31,9 @@ type Client struct {
 func New(baseURL, apiKey string) (*Client, error) {
 	u, err := url.Parse(strings.TrimRight(baseURL, "/"))
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("broker URL %q is not an http(s) URL like http://127.0.0.1:7070", redact(baseURL))
+		return nil, fmt.Errorf("broker URL %q is not an http(s) URL like http://127.0.0.1:7070", protocol.RedactURL(baseURL))
 	}
 	return &Client{base: u, apiKey: apiKey, http: &http.Client{Timeout: 2 * time.Minute}, UserAgent: "sbx-go-client"}, nil
-}
-
-// redact hides the password of a URL, parsable or not: it goes into error messages.
-func redact(raw string) string {
-	if u, err := url.Parse(raw); err == nil {
-		return u.Redacted()
-	}
-	if at := strings.LastIndex(raw, "@"); at >= 0 {
-		if i := strings.Index(raw, "://"); i >= 0 && i < at {
-			return raw[:i+3] + "xxxxx@" + raw[at+1:]
-		}
-	}
-	return raw
 }
 
 // SetHTTPClient replaces the HTTP client (timeouts, proxies, test transports).

@@ -15,6 +15,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -62,7 +63,7 @@ func openStorage(ctx context.Context, c *config, log *slog.Logger, serving bool)
 		if err != nil {
 			return nil, err
 		}
-		opts, s.where = o, redactURL(c.RedisURL)
+		opts, s.where = o, protocol.RedactURL(c.RedisURL)
 	case s.lock != nil:
 		e, err := store.StartEmbedded(ctx, c.DataDir, log)
 		if err != nil {
@@ -147,13 +148,4 @@ type redisLogger struct{ log *slog.Logger }
 
 func (l redisLogger) Printf(_ context.Context, format string, v ...any) {
 	l.log.Warn(strings.TrimSpace(fmt.Sprintf(format, v...)), "component", "go-redis")
-}
-
-func redactURL(u string) string {
-	if at := strings.LastIndex(u, "@"); at >= 0 {
-		if i := strings.Index(u, "://"); i >= 0 && i < at {
-			return u[:i+3] + "***@" + u[at+1:]
-		}
-	}
-	return u
 }

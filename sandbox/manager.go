@@ -582,6 +582,7 @@ func (m *Manager) Environment(rec store.Record) (map[string]string, error) {
 // mapStoreErr turns store sentinels into protocol errors a caller can act on.
 func (m *Manager) mapStoreErr(err error, ref string) error {
 	var se *store.StateError
+	var tm *store.TemplateMismatchError
 	switch {
 	case err == nil:
 		return nil
@@ -589,8 +590,8 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 		return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
 	case errors.Is(err, store.ErrNameConflict):
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
-	case errors.Is(err, store.ErrTemplateMismatch):
-		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists with another template %s: delete it or pick another name", clip(ref), err.Error()[len(store.ErrTemplateMismatch.Error()):])
+	case errors.As(err, &tm):
+		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists with another template (%q): delete it or pick another name", clip(ref), clip(tm.Template))
 	case errors.Is(err, store.ErrBadCursor):
 		return protocol.Errorf(protocol.CodeInvalidCursor, "the cursor is not one this broker gave out: start again without it")
 	case errors.As(err, &se):

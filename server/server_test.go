@@ -470,6 +470,10 @@ func TestTemplatesAndSetup(t *testing.T) {
 	if string(done) != "ready\n" {
 		t.Fatalf("setup did not run in the workspace: %q", done)
 	}
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "ok", Template: "default"}); code(err) != protocol.CodeNameConflict ||
+		!strings.Contains(err.Error(), `another template ("py")`) {
+		t.Fatalf("reuse with another template: %v", err)
+	}
 	if env, err := b.Client.Environment(ctx, "ok"); err != nil || env.Env["STACK"] != "python" || env.Env["HOME"] != "/workspace" {
 		t.Fatalf("template env: %v %+v", err, env.Env)
 	}

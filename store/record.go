@@ -131,6 +131,17 @@ func atoi(s string) int64 {
 	return n
 }
 
+// TemplateMismatchError is ErrTemplateMismatch (errors.Is) with the template the existing sandbox
+// uses.
+type TemplateMismatchError struct{ Template string }
+
+func (e *TemplateMismatchError) Error() string {
+	return fmt.Sprintf("%v (it uses template %q)", ErrTemplateMismatch, e.Template)
+}
+
+// Is makes it match ErrTemplateMismatch.
+func (e *TemplateMismatchError) Is(target error) bool { return target == ErrTemplateMismatch }
+
 // scriptErr turns a script's status reply ({"err", code, detail}) into a sentinel error.
 func scriptErr(code, detail string) error {
 	switch code {
@@ -139,7 +150,7 @@ func scriptErr(code, detail string) error {
 	case "conflict":
 		return ErrNameConflict
 	case "mismatch":
-		return fmt.Errorf("%w (it uses template %q)", ErrTemplateMismatch, detail)
+		return &TemplateMismatchError{Template: detail}
 	case "state":
 		return &StateError{Status: detail}
 	}

@@ -29,15 +29,8 @@ func (f *grantFlags) register(cmd *cobra.Command, defaultScopes []string) {
 }
 
 func (f *grantFlags) request(cmd *cobra.Command) (protocol.MintRequest, error) {
-	req := protocol.MintRequest{Scopes: f.scopes, AllowCmd: f.allowCmd}
-	if cmd.Flags().Changed("expires") {
-		secs, err := wholeSeconds("expires", f.expires)
-		if err != nil {
-			return req, err
-		}
-		req.TTLSeconds = &secs
-	}
-	return req, nil
+	secs, err := secondsFlag(cmd, "expires", f.expires)
+	return protocol.MintRequest{Scopes: f.scopes, AllowCmd: f.allowCmd, TTLSeconds: secs}, err
 }
 
 func delegateCmd(g *globals) *cobra.Command {
@@ -200,13 +193,9 @@ Formats: config (the whole object, default), block (just the sandbox block), env
 			if err != nil {
 				return err
 			}
-			var ttlSecs *int64
-			if cmd.Flags().Changed("ttl") {
-				secs, err := wholeSeconds("ttl", ttl)
-				if err != nil {
-					return err
-				}
-				ttlSecs = &secs
+			ttlSecs, err := secondsFlag(cmd, "ttl", ttl)
+			if err != nil {
+				return err
 			}
 			c, err := g.client()
 			if err != nil {

@@ -67,12 +67,8 @@ sbctl attach or sbctl heartbeat.`,
 			if req.Tags, err = parseTags(tags); err != nil {
 				return err
 			}
-			if cmd.Flags().Changed("ttl") {
-				secs, err := wholeSeconds("ttl", ttl)
-				if err != nil {
-					return err
-				}
-				req.TTLSeconds = &secs
+			if req.TTLSeconds, err = secondsFlag(cmd, "ttl", ttl); err != nil {
+				return err
 			}
 			if noReuse {
 				f := false
@@ -396,7 +392,7 @@ func extendCmd(g *globals) *cobra.Command {
 			if !cmd.Flags().Changed("ttl") {
 				return usageErr("--ttl is required, e.g. --ttl 2h")
 			}
-			if _, err := wholeSeconds("ttl", ttl); err != nil {
+			if _, err := secondsFlag(cmd, "ttl", ttl); err != nil {
 				return err
 			}
 			c, err := g.client()
@@ -501,11 +497,15 @@ func maxArgs(n int, what string) cobra.PositionalArgs {
 	}
 }
 
-// wholeSeconds converts a lease or token lifetime for the API, which counts whole seconds: less
-// than one would silently become 0.
-func wholeSeconds(flag string, d time.Duration) (int64, error) {
-	if d < time.Second {
-		return 0, usageErr("--%s %s is less than a second: leases and tokens are counted in whole seconds; use e.g. 90s, 30m, 2h or 7d", flag, d)
+// secondsFlag is the duration flag's value for the API, which counts leases and token lifetimes in
+// whole seconds (less than one would silently become 0), or nil when the flag was not given.
+func secondsFlag(cmd *cobra.Command, flag string, d time.Duration) (*int64, error) {
+	if !cmd.Flags().Changed(flag) {
+		return nil, nil
 	}
-	return int64(d / time.Second), nil
+	if d < time.Second {
+		return nil, usageErr("--%s %s is less than a second: leases and tokens are counted in whole seconds; use e.g. 90s, 30m, 2h or 7d", flag, d)
+	}
+	secs := int64(d / time.Second)
+	return &secs, nil
 }

@@ -85,7 +85,8 @@ func ValidateStatus(s string) error {
 // ValidateTTL checks a lease length against the broker's bounds.
 func ValidateTTL(ttl, max time.Duration) error {
 	if ttl < time.Second || ttl > max {
-		return protocol.Errorf(protocol.CodeInvalidTTL, "ttl of %s is out of range: use between 1s and %s", ttl, max)
+		return protocol.Errorf(protocol.CodeInvalidTTL, "the lease is out of range: ttl_seconds must be 1 to %d (%s, the broker's --max-ttl)",
+			int64(max/time.Second), max)
 	}
 	return nil
 }

@@ -104,7 +104,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	rdb := cfg.Store.Client()
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
-		Log: cfg.Log, Now: cfg.Now, MaxTTL: cfg.MaxTTL, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
+		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, Provider: cfg.Provider.Name(), Redis: "ok", Node: cfg.Node, Warnings: cfg.ProviderWarnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"time"
@@ -73,10 +74,7 @@ func (s *Server) createSandbox(c echo.Context) error {
 	}
 	cr := sandbox.CreateRequest{Name: req.Name, Template: req.Template, Tags: req.Tags, Reuse: req.Reuse == nil || *req.Reuse}
 	if req.TTLSeconds != nil {
-		ttl, err := s.leaseTTL(*req.TTLSeconds)
-		if err != nil {
-			return err
-		}
+		ttl := leaseOf(*req.TTLSeconds)
 		cr.TTL = &ttl
 	}
 	rec, outcome, err := s.sandboxes.Create(c.Request().Context(), s.caller(c), cr)
@@ -290,25 +288,19 @@ func (s *Server) setTTL(c echo.Context) error {
 	if req.TTLSeconds == nil {
 		return protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds is required")
 	}
-	ttl, err := s.leaseTTL(*req.TTLSeconds)
-	if err != nil {
-		return err
-	}
-	l, err := s.sandboxes.SetTTL(c.Request().Context(), principal(c).Org, sandboxOf(c).ID, ttl)
+	l, err := s.sandboxes.SetTTL(c.Request().Context(), principal(c).Org, sandboxOf(c).ID, leaseOf(*req.TTLSeconds))
 	if err != nil {
 		return err
 	}
 	return c.JSON(http.StatusOK, leaseView(l))
 }
 
-// leaseTTL turns a request's ttl_seconds into a lease. The bound is checked in seconds, before
-// multiplying: the product with time.Second wraps past int64 (18446744078 s would become 4.3 s).
-func (s *Server) leaseTTL(seconds int64) (time.Duration, error) {
-	maxSeconds := int64(s.maxTTL / time.Second)
-	if seconds < 1 || seconds > maxSeconds {
-		return 0, protocol.Errorf(protocol.CodeInvalidTTL, "ttl_seconds of %d is out of range: use 1 to %d (the broker's --max-ttl)", seconds, maxSeconds)
-	}
-	return time.Duration(seconds) * time.Second, nil
+// leaseOf is a request's ttl_seconds as a lease, for the sandbox manager to check against its
+// bounds. Past what a Duration holds it saturates: multiplying would wrap (18446744078 s would
+// become a 4.3 s lease), and the saturated value is refused as over --max-ttl like any other.
+func leaseOf(seconds int64) time.Duration {
+	const most = math.MaxInt64 / int64(time.Second)
+	return time.Duration(min(max(seconds, -most), most)) * time.Second
 }
 
 func leaseView(l store.Lease) protocol.HeartbeatResponse {

@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"math"
 	"net"
 	"net/http"
 	"runtime/debug"
@@ -41,9 +40,6 @@ type Config struct {
 	// DataplaneRenewsLease lets dataplane activity renew a sandbox's lease (off by default: a lease
 	// is the owner's heartbeat, and an agent left running must not keep a sandbox alive).
 	DataplaneRenewsLease bool
-	// MaxTTL is the largest lease a client may ask for (the broker's --max-ttl; 0: no bound here,
-	// the sandbox manager still applies its own).
-	MaxTTL time.Duration
 	// MaxDataplaneConnections bounds open dataplane connections (default 4096).
 	MaxDataplaneConnections int
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
@@ -89,8 +85,6 @@ type Server struct {
 	dpExecOutput atomic.Int64
 	// maxDPConns bounds open dataplane connections (counted by hub).
 	maxDPConns int
-	// maxTTL bounds ttl_seconds (leaseTTL).
-	maxTTL time.Duration
 }
 
 // maxBody bounds every REST request body.
@@ -106,9 +100,6 @@ func New(cfg Config) *Server {
 		maxDPConns: cfg.MaxDataplaneConnections}
 	if s.maxDPConns <= 0 {
 		s.maxDPConns = 4096
-	}
-	if s.maxTTL = cfg.MaxTTL; s.maxTTL <= 0 {
-		s.maxTTL = math.MaxInt64
 	}
 	if s.events == nil {
 		s.events = events.Discard

@@ -25,6 +25,19 @@ type Claims struct {
 	Cmd []string `json:"cmd,omitempty"`
 }
 
+// KeySubjectPrefix starts the sub claim of every token: "key:" and the id of the API key that minted
+// it. Revoking that key ends the token (Service.CheckRevocation).
+const KeySubjectPrefix = "key:"
+
+// KeyID is the id of the API key that minted the token, or "" if sub does not name one.
+func (c *Claims) KeyID() string {
+	id, ok := strings.CutPrefix(c.Subject, KeySubjectPrefix)
+	if !ok {
+		return ""
+	}
+	return id
+}
+
 // Scopes returns the granted scopes as a list.
 func (c *Claims) Scopes() []string { return protocol.SplitScopes(c.Scope) }
 

@@ -102,7 +102,8 @@ type Grant struct {
 	Org       string
 	SandboxID string
 	Gen       int64
-	// Subject is the owner principal, e.g. "key:<keyid>"; it becomes the sub claim.
+	// Subject is the owner principal, "key:<keyid>" (KeySubjectPrefix); it becomes the sub claim,
+	// and revoking that key revokes the token.
 	Subject string
 	// Scopes is a non-empty subset of protocol.Scopes.
 	Scopes []string
@@ -124,6 +125,8 @@ func (is *Issuer) Mint(g Grant) (token string, c Claims, err error) {
 		return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument, "grant has no sandbox id")
 	case g.Subject == "":
 		return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument, "grant has no subject")
+	case !strings.HasPrefix(g.Subject, KeySubjectPrefix) || len(g.Subject) == len(KeySubjectPrefix):
+		return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument, "grant subject must name the minting API key (%s<id>)", KeySubjectPrefix)
 	case g.Gen < 1:
 		return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument, "grant has token generation %d; generations start at 1", g.Gen)
 	}

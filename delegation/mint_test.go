@@ -122,6 +122,8 @@ func TestMintRejects(t *testing.T) {
 		{"no org", base(func(g *Grant) { g.Org = "" }), protocol.CodeInvalidArgument, "org"},
 		{"no sandbox", base(func(g *Grant) { g.SandboxID = "" }), protocol.CodeInvalidArgument, "sandbox"},
 		{"no subject", base(func(g *Grant) { g.Subject = "" }), protocol.CodeInvalidArgument, "subject"},
+		{"subject names no key", base(func(g *Grant) { g.Subject = "user:alice" }), protocol.CodeInvalidArgument, "key:<id>"},
+		{"subject with an empty key id", base(func(g *Grant) { g.Subject = "key:" }), protocol.CodeInvalidArgument, "key:<id>"},
 		{"gen 0", base(func(g *Grant) { g.Gen = 0 }), protocol.CodeInvalidArgument, "start at 1"},
 	}
 	for _, tc := range cases {

@@ -130,8 +130,12 @@ func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delega
 	live := s.pruneExpired(ctx, key, all)
 	pipe := s.rdb.Pipeline()
 	denied := make(map[string]*redis.IntCmd, len(live))
-	for jti := range live {
+	minters := map[string]*redis.SliceCmd{} // sub -> its key's org and revocation time
+	for jti, m := range live {
 		denied[jti] = pipe.Exists(ctx, store.RevokedKey(rec.Org, jti))
+		if id, ok := strings.CutPrefix(m.Sub, KeySubjectPrefix); ok && minters[m.Sub] == nil {
+			minters[m.Sub] = pipe.HMGet(ctx, store.APIKeyKey(id), "org", "revoked")
+		}
 	}
 	if len(live) > 0 {
 		if _, err := pipe.Exec(ctx); err != nil {
@@ -143,11 +147,26 @@ func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delega
 		out = append(out, protocol.Delegation{
 			JTI: jti, SandboxID: rec.ID, Scopes: m.Scopes, AllowCmd: m.AllowCmd, IssuedBy: m.Sub,
 			IssuedAt: time.Unix(m.Iat, 0).UTC(), ExpiresAt: time.Unix(m.Exp, 0).UTC(),
-			Revoked: denied[jti].Val() == 1 || m.Gen < rec.Gen,
+			Revoked: denied[jti].Val() == 1 || m.Gen < rec.Gen || !keyLive(minters[m.Sub], rec.Org),
 		})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].IssuedAt.After(out[j].IssuedAt) })
 	return out, nil
+}
+
+// keyLive reads an HMGET of an API key's org and revocation time: whether the key exists in org and
+// is not revoked. A nil cmd (a sub naming no key) is not live.
+func keyLive(cmd *redis.SliceCmd, org string) bool {
+	if cmd == nil {
+		return false
+	}
+	v := cmd.Val()
+	if len(v) != 2 {
+		return false
+	}
+	keyOrg, _ := v[0].(string)
+	revoked, _ := v[1].(string)
+	return keyOrg == org && (revoked == "" || revoked == "0")
 }
 
 // pruneAbove is the size of a sandbox's token record beyond which Mint removes expired entries.
@@ -231,12 +250,22 @@ func (s *Service) announce(ctx context.Context, r Revocation) {
 	}
 }
 
-// CheckRevocation implements State: one round trip reads the deny-list entry and the sandbox's
-// current generation and status.
+// CheckRevocation implements State: one round trip reads the deny-list entry, the sandbox's current
+// generation and status, and the state of the API key that minted the token.
+//
+// Why the minting key is read here rather than recorded per token or cached: the token already
+// names its key (sub = "key:<id>"), and the key's record is the one place its revocation is written
+// (store.RevokeAPIKey, also by `broker keys revoke`). Reading it in the pipeline this check already
+// sends costs no extra round trip and cannot be stale, so a revoked key's tokens are refused at once
+// by every broker, with nothing to fan out to each token at revocation time (a key may have minted
+// thousands) and no cache to evict. Verification happens at dataplane upgrade, at its periodic
+// re-check and on introspection, never per dataplane operation, so the extra read is not on a hot
+// path. Open connections learn it from the key revocation announcement (hub.keyRevoked).
 func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
 	pipe := s.rdb.Pipeline()
 	denied := pipe.Exists(ctx, store.RevokedKey(c.Org, c.ID))
 	state := pipe.HMGet(ctx, store.SandboxKey(c.Org, c.Sbx), "gen", "status")
+	key := pipe.HMGet(ctx, store.APIKeyKey(c.KeyID()), "org", "revoked")
 	if _, err := pipe.Exec(ctx); err != nil {
 		return err
 	}
@@ -253,6 +282,10 @@ func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
 	fmt.Sscan(genStr, &gen)
 	if c.Gen < gen {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "every token of the sandbox was revoked")
+	}
+	// A key that is gone, of another org, or revoked (a non-zero revocation time) ends the token.
+	if !keyLive(key, c.Org) {
+		return protocol.Errorf(protocol.CodeTokenRevoked, "the API key that minted the token was revoked")
 	}
 	return nil
 }

@@ -13,8 +13,8 @@ import (
 	"github.com/sbxbroker/broker/store/redistest"
 )
 
-// Benchmarks of the Redis-backed half of verification (the jti deny-list and the sandbox's token
-// generation, one pipelined round trip), against a real redis-server on loopback.
+// Benchmarks of the Redis-backed half of verification (the jti deny-list, the sandbox's token
+// generation and the minting API key's state, one pipelined round trip), against a real redis-server on loopback.
 
 func serviceWithToken(b *testing.B) (*delegation.Service, string) {
 	st := store.New(redistest.Start(b).Client(b))
@@ -35,7 +35,11 @@ func serviceWithToken(b *testing.B) (*delegation.Service, string) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	m, err := svc.Mint(ctx, rec, "key:bench", protocol.MintRequest{Scopes: protocol.Scopes})
+	_, key, err := st.CreateAPIKey(ctx, rec.Org, "bench", time.Now())
+	if err != nil {
+		b.Fatal(err)
+	}
+	m, err := svc.Mint(ctx, rec, delegation.KeySubjectPrefix+key.ID, protocol.MintRequest{Scopes: protocol.Scopes})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -194,6 +194,9 @@ func (v *Verifier) check(token string) (*Claims, *protocol.Error) {
 		return nil, errClaims("the token has no id (jti)")
 	case c.Subject == "":
 		return nil, errClaims("the token has no subject (sub)")
+	case c.KeyID() == "":
+		// Revocation of the minting key is checked by this id: a token naming none could not be.
+		return nil, errClaims("the token's subject (sub) names no API key")
 	case c.Org == "":
 		return nil, errClaims("the token has no org")
 	case c.Sbx == "":

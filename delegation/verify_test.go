@@ -165,6 +165,8 @@ func TestVerifyHostileTokens(t *testing.T) {
 		{"missing org", craft(t, hdr(nil), claims(del("org")), ed), protocol.CodeTokenClaims},
 		{"missing sbx", craft(t, hdr(nil), claims(del("sbx")), ed), protocol.CodeTokenClaims},
 		{"missing sub", craft(t, hdr(nil), claims(del("sub")), ed), protocol.CodeTokenClaims},
+		{"sub naming no API key", craft(t, hdr(nil), claims(set("sub", "user:k1")), ed), protocol.CodeTokenClaims},
+		{"sub with an empty key id", craft(t, hdr(nil), claims(set("sub", "key:")), ed), protocol.CodeTokenClaims},
 		{"missing scope", craft(t, hdr(nil), claims(del("scope")), ed), protocol.CodeTokenClaims},
 		{"unknown scope", craft(t, hdr(nil), claims(set("scope", "fs:read admin")), ed), protocol.CodeTokenClaims},
 		{"scope with a double space", craft(t, hdr(nil), claims(set("scope", "fs:read  exec")), ed), protocol.CodeTokenClaims},

@@ -1126,11 +1126,15 @@ func (h *hub) each(key string, fn func(*dpConn)) {
 	}
 }
 
-// keyRevoked closes the connections of an owner whose API key was revoked.
+// keyRevoked closes the connections of an owner whose API key was revoked, and those of every
+// delegation token that key minted (their verification now fails: Service.CheckRevocation).
 func (h *hub) keyRevoked(keyID string) {
 	h.each("", func(c *dpConn) {
-		if c.keyID == keyID {
+		switch {
+		case c.claims == nil && c.keyID == keyID:
 			c.shutdown(protocol.CloseCredentialEnded, protocol.CodeUnauthenticated)
+		case c.claims != nil && c.claims.KeyID() == keyID:
+			c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenRevoked)
 		}
 	})
 }

@@ -47,6 +47,9 @@ type Options struct {
 	Now func() time.Time
 	// DataDir reuses a data dir (a broker restart); "" makes a new one.
 	DataDir string
+	// SigningKeys is the token keyring's directory; "" keeps it in DataDir. Two brokers given the
+	// same one verify each other's tokens, as brokers sharing a keyring do in production.
+	SigningKeys string
 	// Node names the broker (default "node-test").
 	Node      string
 	Templates map[string]provider.Template
@@ -85,6 +88,9 @@ func New(t testing.TB, opts Options) *Broker {
 	if opts.Node == "" {
 		opts.Node = "node-test"
 	}
+	if opts.SigningKeys == "" {
+		opts.SigningKeys = filepath.Join(opts.DataDir, "signing")
+	}
 	if opts.Provider == "" {
 		opts.Provider = "dir"
 	}
@@ -119,7 +125,7 @@ func New(t testing.TB, opts Options) *Broker {
 	// The same wiring as cmd/broker; the sweeper is left to the test (SweepOnce on its clock).
 	br, err := server.NewBroker(context.Background(), server.BrokerConfig{
 		Store: st, Provider: prov, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
-		DataDir: opts.DataDir, SigningKeys: filepath.Join(opts.DataDir, "signing"), WorkspaceUID: uid,
+		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid,
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
 	})
 	if err != nil {

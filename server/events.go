@@ -1,21 +1,79 @@
 package server
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
 
 	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/store"
 )
 
 // sseKeepalive is how often an idle stream gets a comment line, so proxies and load balancers do
 // not close it.
 const sseKeepalive = 15 * time.Second
+
+// sseRecheckEvery re-reads the stream's API key, a backstop for key revocation announcements lost
+// while a broker was disconnected from Redis (normally a stream ends at once: streams.keyRevoked).
+const sseRecheckEvery = 30 * time.Second
+
+// streams tracks open SSE streams by the API key that opened them, so that revoking the key ends
+// them on every broker (each follows store.APIKeyRevokedChannel).
+type streams struct {
+	mu    sync.Mutex
+	byKey map[string]map[chan struct{}]struct{}
+}
+
+func newStreams() *streams { return &streams{byKey: map[string]map[chan struct{}]struct{}{}} }
+
+// add registers a stream of keyID; revoked is closed when the key is revoked. remove unregisters it.
+func (ss *streams) add(keyID string) (revoked <-chan struct{}, remove func()) {
+	ch := make(chan struct{})
+	ss.mu.Lock()
+	if ss.byKey[keyID] == nil {
+		ss.byKey[keyID] = map[chan struct{}]struct{}{}
+	}
+	ss.byKey[keyID][ch] = struct{}{}
+	ss.mu.Unlock()
+	return ch, func() {
+		ss.mu.Lock()
+		if _, ok := ss.byKey[keyID][ch]; ok {
+			delete(ss.byKey[keyID], ch)
+			if len(ss.byKey[keyID]) == 0 {
+				delete(ss.byKey, keyID)
+			}
+		}
+		ss.mu.Unlock()
+	}
+}
+
+// keyRevoked ends every stream of keyID.
+func (ss *streams) keyRevoked(keyID string) {
+	ss.mu.Lock()
+	set := ss.byKey[keyID]
+	delete(ss.byKey, keyID)
+	ss.mu.Unlock()
+	for ch := range set {
+		close(ch)
+	}
+}
+
+// keyStillValid reads a key's record from Redis (not the cache): false only when it is gone or
+// revoked, so that a Redis error never ends a stream.
+func (s *Server) keyStillValid(ctx context.Context, keyID string) bool {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	k, err := s.store.APIKeyByID(ctx, keyID)
+	return !errors.Is(err, store.ErrNotFound) && (err != nil || k.RevokedAt.IsZero())
+}
 
 func (s *Server) sandboxEvents(c echo.Context) error { return s.streamEvents(c, sandboxOf(c).ID) }
 
@@ -84,10 +142,27 @@ func (s *Server) streamEvents(c echo.Context, sandboxID string) error {
 		return nil
 	}
 	defer sub.Close()
+	// Registered before the key is read again, so that a revocation landing between the request's
+	// authentication (possibly from the cache) and here is seen by one or the other.
+	keyID := principal(c).KeyID
+	revoked, remove := s.streams.add(keyID)
+	defer remove()
+	if !s.keyStillValid(ctx, keyID) {
+		return nil
+	}
 	keepalive := time.NewTicker(sseKeepalive)
 	defer keepalive.Stop()
+	recheck := time.NewTicker(sseRecheckEvery)
+	defer recheck.Stop()
 	for {
 		select {
+		case <-revoked:
+			// The key was revoked: end the stream. The client's reconnection gets 401.
+			return nil
+		case <-recheck.C:
+			if !s.keyStillValid(ctx, keyID) {
+				return nil
+			}
 		case e := <-sub.C:
 			if write(e) != nil {
 				return nil

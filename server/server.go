@@ -79,6 +79,8 @@ type Server struct {
 	clock          func() time.Time
 	dpRenews       bool
 	apiKeys        *keyCache
+	// streams are the open SSE streams, ended when their API key is revoked.
+	streams *streams
 	// dpHeavy bounds operations with large answers broker-wide.
 	dpHeavy chan struct{}
 	// dpExecOutput is the output of non-streamed execs held in memory broker-wide.
@@ -96,7 +98,7 @@ func New(cfg Config) *Server {
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count), hub: h,
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
-		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), dpHeavy: make(chan struct{}, dpHeavyPerBroker),
+		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: make(chan struct{}, dpHeavyPerBroker),
 		maxDPConns: cfg.MaxDataplaneConnections}
 	if s.maxDPConns <= 0 {
 		s.maxDPConns = 4096
@@ -181,6 +183,7 @@ func (s *Server) Serve(l net.Listener) error {
 	err := delegation.FollowKeyRevocations(s.bgCtx, s.store.Client(), func(id string) {
 		s.apiKeys.evict(id)
 		s.hub.keyRevoked(id)
+		s.streams.keyRevoked(id)
 	})
 	if err != nil {
 		s.stopBackground() // ends the revocation subscription started above

@@ -23,8 +23,9 @@ type Config struct {
 	DefaultTTL time.Duration
 	// MaxTTL caps Grant.TTL. Default 24h. The keyring rotation window must exceed it (plus Leeway).
 	MaxTTL time.Duration
-	// Leeway is the clock skew between brokers that verification tolerates on exp, nbf and iat.
-	// Default 30s; it cannot be zero, on purpose (brokers' clocks differ).
+	// Leeway is the clock skew between brokers that verification tolerates on nbf and iat (never on
+	// exp: a token is dead from its exp on, everywhere). Default 30s; it cannot be zero, on purpose
+	// (brokers' clocks differ).
 	Leeway time.Duration
 	// MaxTokenSize is the longest token, in bytes, that verification will parse. Default 8 KiB.
 	MaxTokenSize int

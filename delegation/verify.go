@@ -175,6 +175,15 @@ func (v *Verifier) check(token string) (*Claims, *protocol.Error) {
 		}
 	}
 
+	// NumericDate claims must be JSON integers: golang-jwt also takes fractions and numeric strings,
+	// so a token could say "9999999999" where every other verifier would refuse it.
+	if name, ok := nonIntegerTime(payloadJSON); !ok {
+		if !ed25519.Verify(pub, []byte(token[:len(h)+1+len(p)]), sig) {
+			return nil, protocol.Errorf(protocol.CodeTokenSignature, "the token's signature is not valid")
+		}
+		return nil, errClaims("the token's " + name + " must be an integer number of seconds")
+	}
+
 	// Signature and registered claims, by golang-jwt.
 	c := new(Claims)
 	_, err = v.parser.ParseWithClaims(token, c, func(t *jwt.Token) (any, error) {
@@ -186,6 +195,21 @@ func (v *Verifier) check(token string) (*Claims, *protocol.Error) {
 	})
 	if err != nil {
 		return nil, v.mapParseError(err, c, pub, token[:len(h)+1+len(p)], sig)
+	}
+
+	// One expiry rule for every use of a token (dataplane, introspection): dead from exp on, on this
+	// broker's clock. The leeway covers clock skew on nbf and iat only: a token minted on a broker
+	// whose clock is ahead is usable at once, but no token outlives its exp anywhere.
+	if !now.Before(c.ExpiresAt.Time) {
+		return nil, protocol.Errorf(protocol.CodeTokenExpired, "the token expired at %s", c.ExpiresAt.UTC().Format(time.RFC3339))
+	}
+	// The lifetime a token claims is bounded like the one Mint grants: a token living longer was not
+	// minted under this configuration (or its MaxTTL was lowered since, which then applies).
+	if c.IssuedAt == nil {
+		return nil, errClaims("the token has no issue time (iat)")
+	}
+	if life := c.ExpiresAt.Sub(c.IssuedAt.Time); life > v.cfg.MaxTTL {
+		return nil, errClaims(fmt.Sprintf("the token's lifetime (exp - iat) is %v, longer than this broker's maximum token lifetime %v", life, v.cfg.MaxTTL))
 	}
 
 	// Our claims. Mint never makes a token that fails these; one that does was not made by Mint.
@@ -267,6 +291,39 @@ func errMalformed(msg string) *protocol.Error {
 
 func errClaims(msg string) *protocol.Error {
 	return &protocol.Error{Code: protocol.CodeTokenClaims, Message: msg}
+}
+
+// nonIntegerTime checks that exp, nbf and iat, where present, are JSON integers (no fraction, no
+// exponent, not strings). It returns the first offending claim's name and false, or "", true. The
+// payload is a valid JSON object (isJSONObject).
+func nonIntegerTime(payload []byte) (string, bool) {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(payload, &m) != nil {
+		return "payload", false
+	}
+	for _, name := range []string{"exp", "nbf", "iat"} {
+		raw, ok := m[name]
+		if ok && !isJSONInteger(raw) {
+			return name, false
+		}
+	}
+	return "", true
+}
+
+// isJSONInteger reports whether b is a JSON number with neither fraction nor exponent.
+func isJSONInteger(b []byte) bool {
+	if len(b) > 0 && b[0] == '-' {
+		b = b[1:]
+	}
+	if len(b) == 0 || len(b) > 1 && b[0] == '0' {
+		return false
+	}
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // headerString returns a string header parameter; ok is false when it is absent or not a string.

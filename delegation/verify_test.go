@@ -7,6 +7,7 @@ import (
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -81,9 +82,13 @@ func TestVerifyHostileTokens(t *testing.T) {
 	}{
 		{"valid", good, ""},
 		{"aud as a single string", craft(t, hdr(nil), claims(set("aud", DefaultAudience)), ed), ""},
-		{"exp within leeway", craft(t, hdr(nil), claims(set("exp", now.Add(-20*time.Second).Unix())), ed), ""},
 		{"nbf within leeway", craft(t, hdr(nil), claims(set("nbf", now.Add(20*time.Second).Unix())), ed), ""},
-		{"no nbf, no iat", craft(t, hdr(nil), claims(func(m map[string]any) { delete(m, "nbf"); delete(m, "iat") }), ed), ""},
+		{"iat within leeway", craft(t, hdr(nil), claims(set("iat", now.Add(20*time.Second).Unix())), ed), ""},
+		{"no nbf", craft(t, hdr(nil), claims(del("nbf")), ed), ""},
+		{"lifetime the maximum", craft(t, hdr(nil), claims(func(m map[string]any) {
+			m["iat"] = now.Add(-time.Hour).Unix()
+			m["exp"] = now.Add(DefaultMaxTTL - time.Hour).Unix()
+		}), ed), ""},
 
 		// Size, then structure.
 		{"1 MiB token", strings.Repeat("A", 1<<20), protocol.CodeTokenTooLarge},
@@ -154,6 +159,18 @@ func TestVerifyHostileTokens(t *testing.T) {
 		{"empty aud", craft(t, hdr(nil), claims(set("aud", "")), ed), protocol.CodeTokenAudience},
 		{"missing exp", craft(t, hdr(nil), claims(del("exp")), ed), protocol.CodeTokenClaims},
 		{"exp not a number", craft(t, hdr(nil), claims(set("exp", "tomorrow")), ed), protocol.CodeTokenClaims},
+		// No leeway past exp: the dataplane and introspection agree that a token is dead at exp.
+		{"exp a second ago", craft(t, hdr(nil), claims(set("exp", now.Add(-time.Second).Unix())), ed), protocol.CodeTokenExpired},
+		{"exp now", craft(t, hdr(nil), claims(set("exp", now.Unix())), ed), protocol.CodeTokenExpired},
+		// Time claims are JSON integers; golang-jwt alone would take these.
+		{"exp a numeric string", craft(t, hdr(nil), claims(set("exp", strconv.FormatInt(now.Add(time.Hour).Unix(), 10))), ed), protocol.CodeTokenClaims},
+		{"exp a fraction", craft(t, hdr(nil), claims(set("exp", float64(now.Add(time.Hour).Unix())+0.5)), ed), protocol.CodeTokenClaims},
+		{"exp with an exponent", craft(t, hdr(nil), claims(set("exp", json.RawMessage("1.99e9"))), ed), protocol.CodeTokenClaims},
+		{"nbf a numeric string", craft(t, hdr(nil), claims(set("nbf", strconv.FormatInt(now.Unix(), 10))), ed), protocol.CodeTokenClaims},
+		{"iat a fraction", craft(t, hdr(nil), claims(set("iat", float64(now.Unix())+0.5)), ed), protocol.CodeTokenClaims},
+		{"iat missing", craft(t, hdr(nil), claims(del("iat")), ed), protocol.CodeTokenClaims},
+		{"time claim a string, bad signature", craft(t, hdr(nil), claims(set("exp", "1")), edSigner(otherPriv)), protocol.CodeTokenSignature},
+		{"lifetime beyond the maximum", craft(t, hdr(nil), claims(set("exp", now.Add(DefaultMaxTTL+time.Second).Unix())), ed), protocol.CodeTokenClaims},
 
 		// Our claims.
 		{"missing gen", craft(t, hdr(nil), claims(del("gen")), ed), protocol.CodeTokenClaims},

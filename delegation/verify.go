@@ -78,6 +78,18 @@ func (v *Verifier) Verify(ctx context.Context, token string) (*Claims, error) {
 	return v.verify(ctx, token, "", "", false)
 }
 
+// Check does every check of Verify that needs no revocation state (signature, expiry, claims), and
+// no more: what it says about a token, the token says itself. Use it where a token is refused
+// anyway and only the reason matters (an owner route), so that its answer tells a holder nothing
+// of revocations, sandboxes or other orgs.
+func (v *Verifier) Check(token string) (*Claims, error) {
+	c, perr := v.check(token)
+	if perr != nil {
+		return nil, perr
+	}
+	return c, nil
+}
+
 // VerifyBound is Verify for a request of one org and, unless sandboxID is empty, about one of its
 // sandboxes: a token of any other org or sandbox is refused with token_wrong_sandbox before the
 // revocation state is consulted, so that state never leaks across orgs.

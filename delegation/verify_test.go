@@ -256,6 +256,31 @@ func TestVerifyBound(t *testing.T) {
 	}
 }
 
+// Check answers only what the token itself says: it never consults the revocation state.
+func TestCheckReadsNoState(t *testing.T) {
+	t.Parallel()
+	clk := newClock()
+	k := newKeyring(t, clk)
+	st := newMapState()
+	is, v := newIssuerVerifier(t, k, clk, st)
+	tok, c, err := is.Mint(Grant{Org: "org_1", SandboxID: "sb_1", Gen: 1, Subject: "key:k1", Scopes: []string{"exec"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.revoked[c.ID] = true
+	st.err = errRedisDown
+	if got, err := v.Check(tok); err != nil || got.ID != c.ID {
+		t.Fatalf("Check of a revoked token with the state down: %+v %v, want its claims", got, err)
+	}
+	if _, err := v.Check(tok + "x"); code(t, err) != protocol.CodeTokenSignature && code(t, err) != protocol.CodeTokenMalformed {
+		t.Fatalf("Check of a damaged token: %v", err)
+	}
+	clk.Advance(2 * time.Hour)
+	if _, err := v.Check(tok); code(t, err) != protocol.CodeTokenExpired {
+		t.Fatalf("Check of an expired token: %v", err)
+	}
+}
+
 func TestVerifyStateErrors(t *testing.T) {
 	t.Parallel()
 	clk := newClock()

@@ -580,6 +580,12 @@ func (m *Manager) Environment(rec store.Record) (map[string]string, error) {
 }
 
 // mapStoreErr turns store sentinels into protocol errors a caller can act on.
+// NotFound is the one answer for a sandbox ref that a caller may not see, whether it is missing,
+// being deleted or not the caller's: the same code and message, so none of them can be told apart.
+func NotFound(ref string) error {
+	return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
+}
+
 func (m *Manager) mapStoreErr(err error, ref string) error {
 	var se *store.StateError
 	var tm *store.TemplateMismatchError
@@ -587,7 +593,7 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 	case err == nil:
 		return nil
 	case errors.Is(err, store.ErrNotFound):
-		return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
+		return NotFound(ref)
 	case errors.Is(err, store.ErrNameConflict):
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
 	case errors.As(err, &tm):
@@ -601,7 +607,7 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 		case protocol.StatusStopped:
 			return protocol.Errorf(protocol.CodeNotRunning, "sandbox %q is stopped: resume it first", clip(ref))
 		case protocol.StatusDeleting:
-			return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
+			return NotFound(ref)
 		}
 		return protocol.Errorf(protocol.CodeInvalidState, "sandbox %q is %s", clip(ref), se.Status)
 	}

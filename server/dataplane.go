@@ -19,6 +19,7 @@ import (
 
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
 	"github.com/sbxbroker/broker/store"
@@ -113,12 +114,9 @@ func (s *Server) dataplane(c echo.Context) error {
 			conn.scopes[sc] = true
 		}
 	}
-	rec, err := s.sandboxes.Get(ctx, conn.org, c.Param("ref"))
+	rec, err := s.dataplaneSandbox(ctx, conn, c.Param("ref"))
 	if err != nil {
 		return err
-	}
-	if conn.claims != nil && conn.claims.Sbx != rec.ID {
-		return protocol.Errorf(protocol.CodeTokenSandbox, "this token is for another sandbox")
 	}
 	c.Set(ctxSandbox, rec)
 	if rec.Status != protocol.StatusRunning {
@@ -335,6 +333,22 @@ func (c *dpConn) scopeList() []string {
 		}
 	}
 	return out
+}
+
+// dataplaneSandbox resolves the URL's ref for a connection. A token only ever looks up its own
+// sandbox, and a ref that is not that sandbox's id or name gets the very answer of a missing one:
+// answering "another sandbox" (403) for a sandbox that exists would tell a delegate which names
+// its owner's org uses.
+func (s *Server) dataplaneSandbox(ctx context.Context, conn *dpConn, ref string) (store.Record, error) {
+	if conn.claims == nil {
+		return s.sandboxes.Get(ctx, conn.org, ref)
+	}
+	rec, err := s.sandboxes.Get(ctx, conn.org, conn.claims.Sbx)
+	var pe *protocol.Error
+	if err == nil && ref != rec.ID && ref != rec.Name || errors.As(err, &pe) && pe.Code == protocol.CodeNotFound {
+		return store.Record{}, sandbox.NotFound(ref)
+	}
+	return rec, err
 }
 
 // watch closes the connection when the credential expires or the sandbox's processes end (stop,

@@ -542,7 +542,7 @@ func TestDataplaneUpgradeChecks(t *testing.T) {
 		{"origin not allowed", urlA, withOrigin(authHeader(mA.Token), "https://evil.example"), proto, 403, "forbidden"},
 		{"browser form, origin not allowed", urlA, withOrigin(http.Header{}, "https://evil.example"),
 			[]string{protocol.Subprotocol, protocol.BearerSubprotocolPrefix + mA.Token}, 403, "forbidden"},
-		{"token for another sandbox", urlB, authHeader(mA.Token), proto, 403, "token_wrong_sandbox"},
+		{"token for another sandbox", urlB, authHeader(mA.Token), proto, 404, "not_found"},
 		{"another org's API key", urlA, authHeader(other.APIKey()), proto, 404, "not_found"},
 		{"another org's API key, by name", dataplaneURL(b, "sbx-a"), authHeader(other.APIKey()), proto, 404, "not_found"},
 		{"stopped sandbox, token", mStopped.Sandbox.DataplaneURL, authHeader(mStopped.Token), proto, 409, "sandbox_not_running"},

@@ -67,5 +67,6 @@ func NodeChannel(node string) string { return "sbx:node:" + node }
 // NodesKey is a hash of node name -> the base URL clients reach that broker at.
 const NodesKey = "sbx:nodes"
 
-// APIKeyRevokedChannel announces revoked API key ids, so brokers drop them from their caches at once.
+// APIKeyRevokedChannel announces revoked API key ids, so brokers drop them from their caches at once
+// and close the dataplane connections and event streams of the key and of the tokens it minted.
 const APIKeyRevokedChannel = "sbx:apikey-revoked"

@@ -238,9 +238,26 @@ func TestAdminCommands(t *testing.T) {
 			id = strings.Fields(l)[0]
 		}
 	}
-	admin("keys", "revoke", id)
+	// A token the key minted ends with it; the org's other key sees it inactive.
+	other := strings.TrimSpace(admin("keys", "create", "--org", "acme", "--name", "ci2", "-o", "key"))
+	if r := b.sbctl("create", "acme-dev", "--api-key", key); r.code != 0 {
+		t.Fatalf("create with the new key: %+v", r)
+	}
+	var minted protocol.MintResponse
+	if r := b.sbctl("delegate", "acme-dev", "--scope", "exec", "-o", "json", "--api-key", key); r.code != 0 || json.Unmarshal([]byte(r.stdout), &minted) != nil {
+		t.Fatalf("delegate with the new key: %+v", r)
+	}
+	if out := b.sbctlIn(minted.Token, "introspect", "-", "--api-key", other); !strings.HasPrefix(out.stdout, "active") {
+		t.Fatalf("introspect before the key's revocation: %+v", out)
+	}
+	if got := admin("keys", "revoke", id); !strings.Contains(got, "every delegation token it minted") {
+		t.Fatalf("keys revoke: %q", got)
+	}
 	if r := b.sbctl("list", "--api-key", key); r.code != 4 {
 		t.Fatalf("revoked key still works: %+v", r)
+	}
+	if out := b.sbctlIn(minted.Token, "introspect", "-", "-o", "json", "--api-key", other); !strings.Contains(out.stdout, `"active": false`) || !strings.Contains(out.stdout, "token_revoked") {
+		t.Fatalf("a token of a revoked key, introspected: %+v", out)
 	}
 
 	b.ok("create", "rot")

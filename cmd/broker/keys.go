@@ -130,7 +130,10 @@ func keysRevokeCmd(c *config) *cobra.Command {
 	return &cobra.Command{
 		Use:   "revoke KEY_ID",
 		Short: "Revoke an API key by its id (see `broker keys list`)",
-		Args:  cobra.ExactArgs(1),
+		Long: `Revokes an API key at once on every broker sharing the Redis: the key stops working, every
+delegation token it minted becomes inactive, and the dataplane connections and event streams
+opened with either are closed within a second. Tokens minted by the org's other keys are untouched.`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return withStore(cmd, c, func(s *store.Store) error {
 				k, err := s.RevokeAPIKey(cmd.Context(), args[0], time.Now())
@@ -140,7 +143,7 @@ func keysRevokeCmd(c *config) *cobra.Command {
 				if err != nil {
 					return err
 				}
-				fmt.Printf("revoked API key %s (org %s, %s)\n", k.ID, k.Org, k.Name)
+				fmt.Printf("revoked API key %s (org %s, %s) and every delegation token it minted\n", k.ID, k.Org, k.Name)
 				return nil
 			})
 		},

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # Installs what the broker and its tests need when it is missing: redis-server (the embedded Redis
-# and the tests' real Redis) and bubblewrap (the namespace sandbox provider), from Debian packages.
+# and the tests' real Redis), bubblewrap (the namespace sandbox provider), and the toolchains the
+# sandbox tests run inside a sandbox, from Debian packages.
 set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+# What the sandbox tests run inside a sandbox, from the host's /usr (the tests name what is missing).
+[ -x /usr/bin/gcc ] || missing+=(gcc)
+[ -x /usr/bin/git ] || missing+=(git)
+[ -x /usr/bin/node ] || missing+=(nodejs)
+[ -x /usr/bin/npm ] || missing+=(npm)
+[ -x /usr/bin/python3 ] || missing+=(python3)
+[ -x /usr/bin/pip3 ] || missing+=(python3-pip)
+/usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -3,6 +3,7 @@ package provider
 import (
 	"context"
 	"io"
+	"os"
 	"os/exec"
 	"slices"
 	"testing"
@@ -59,13 +60,23 @@ func BenchmarkExecBwrapPerCommand(b *testing.B) {
 	}
 	var p percentiles
 	for b.Loop() {
-		// The same flags as a sandbox start, running `true` instead of the init.
+		// The same flags and files as a sandbox start, running `true` instead of the init.
 		cmd, err := n.command(spec, nil, []string{"/usr/bin/true"})
 		if err != nil {
 			b.Fatal(err)
 		}
 		p.time(func() {
-			if err := cmd.Run(); err != nil {
+			files, err := n.startFiles(spec)
+			if err != nil {
+				b.Fatal(err)
+			}
+			// fds 3 and 4 are the control socket and the init binary in a real start.
+			cmd.ExtraFiles = append([]*os.File{os.Stdin, os.Stdin}, files...)
+			err = cmd.Run()
+			for _, f := range files {
+				f.Close()
+			}
+			if err != nil {
 				b.Fatal(err)
 			}
 		})

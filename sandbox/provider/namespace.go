@@ -26,8 +26,13 @@ const sbxDir = "/.sbx"
 // other fd it inherits.
 const initFD = 4
 
-// infoFD is bwrap's --info-fd, on which it reports the sandbox's pid (see launchSpec.info).
-const infoFD = 5
+// The fds bwrap reads as it sets the sandbox up (startFiles opens them), after the init's at 4.
+const (
+	// seccompFD is bwrap's --seccomp: the syscall filter (seccomp.go).
+	seccompFD = 5
+	// infoFD is bwrap's --info-fd, on which it reports the sandbox's pid (see launchSpec.info).
+	infoFD = 6
+)
 
 // etcFiles is the host /etc the sandbox sees: what dynamic linking, name lookup, TLS and time zones
 // need, and nothing that holds a secret (no shadow, gshadow, sudoers, ssl/private, ssh).
@@ -86,6 +91,9 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 	n.cg = detectCgroups(cfg.CgroupParent)
 	n.cg.sweepStale(staleCgroupAge)
 	n.hostRoot = hostRootArgs()
+	if _, err := sandboxFilter(); err != nil {
+		return nil, err
+	}
 	n.initInterp = elfInterp(cfg.InitPath)
 	return n, nil
 }
@@ -197,10 +205,20 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		release()
 		return nil, err
 	}
+	files, err := n.startFiles(spec)
+	if err != nil {
+		return fail(err)
+	}
+	closeFiles := func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}
 	var info, infoW *os.File
 	var pre []string
 	if cg != nil {
 		if info, infoW, err = os.Pipe(); err != nil {
+			closeFiles()
 			return fail(err)
 		}
 		pre = []string{"--info-fd", strconv.Itoa(infoFD)}
@@ -209,13 +227,15 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if err == nil {
 		var exe *os.File
 		if exe, err = os.Open(n.cfg.InitPath); err == nil {
-			cmd.ExtraFiles = []*os.File{exe} // fd 4, after the control socket at 3
+			// fd 4, after the control socket at 3, then startFiles from seccompFD on, then infoFD.
+			cmd.ExtraFiles = append([]*os.File{exe}, files...)
 			if infoW != nil {
-				cmd.ExtraFiles = append(cmd.ExtraFiles, infoW) // fd 5
+				cmd.ExtraFiles = append(cmd.ExtraFiles, infoW)
 			}
 		}
 	}
 	if err != nil {
+		closeFiles()
 		if info != nil {
 			info.Close()
 			infoW.Close()
@@ -240,6 +260,16 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		return nil, err
 	}
 	return in, nil
+}
+
+// startFiles opens what bwrap reads while it sets the sandbox up, in fd order from seccompFD: the
+// syscall filter.
+func (n *Namespace) startFiles(spec Spec) ([]*os.File, error) {
+	filter, err := filterFile()
+	if err != nil {
+		return nil, err
+	}
+	return []*os.File{filter}, nil
 }
 
 // command is the bwrap process for a sandbox running argv. The benchmarks use it to compare with a
@@ -275,8 +305,13 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 	t := spec.Template
 	a := []string{
 		"--unshare-user", "--uid", strconv.Itoa(sandboxUID), "--gid", strconv.Itoa(sandboxGID),
+		// No user namespace can be made inside (bwrap sets the sandbox's user namespace limit),
+		// belt and braces with the filter's refusal of CLONE_NEWUSER: one sandbox could otherwise
+		// pin every user namespace the host allows, and then no sandbox could start.
+		"--disable-userns",
 		"--unshare-pid", "--unshare-ipc", "--unshare-uts",
 		"--die-with-parent", "--new-session",
+		"--seccomp", strconv.Itoa(seccompFD),
 		// The init is pid 1: when it dies the kernel kills everything in the namespace, orphans
 		// come to it, and there is no bwrap reaper process in between.
 		"--as-pid-1",

@@ -30,8 +30,12 @@ const initFD = 4
 const (
 	// seccompFD is bwrap's --seccomp: the syscall filter (seccomp.go).
 	seccompFD = 5
+	// passwdFD and groupFD are copied into the sandbox as /etc/passwd and /etc/group
+	// (--ro-bind-data), so that no mount inside names the state dir on the host.
+	passwdFD = 6
+	groupFD  = 7
 	// infoFD is bwrap's --info-fd, on which it reports the sandbox's pid (see launchSpec.info).
-	infoFD = 6
+	infoFD = 8
 )
 
 // etcFiles is the host /etc the sandbox sees: what dynamic linking, name lookup, TLS and time zones
@@ -58,6 +62,7 @@ type Namespace struct {
 	asRoot     bool // broker is root: sandboxes run as cfg.UID/GID on the host
 	cg         *cgroupHost
 	hostRoot   []string // bwrap args for the host's /usr, /bin..., /etc
+	procMasks  []string // bwrap args hiding and freezing parts of /proc, after --proc
 	hostShell  string
 	initInterp string // the init binary's ELF interpreter, "" when static
 	running    running
@@ -91,6 +96,7 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 	n.cg = detectCgroups(cfg.CgroupParent)
 	n.cg.sweepStale(staleCgroupAge)
 	n.hostRoot = hostRootArgs()
+	n.procMasks = procMaskArgs("/proc")
 	if _, err := sandboxFilter(); err != nil {
 		return nil, err
 	}
@@ -263,13 +269,25 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 }
 
 // startFiles opens what bwrap reads while it sets the sandbox up, in fd order from seccompFD: the
-// syscall filter.
+// syscall filter and the sandbox's passwd and group files.
 func (n *Namespace) startFiles(spec Spec) ([]*os.File, error) {
 	filter, err := filterFile()
 	if err != nil {
 		return nil, err
 	}
-	return []*os.File{filter}, nil
+	files := []*os.File{filter}
+	state := n.layout.stateDir(spec.ID)
+	for _, name := range []string{"passwd", "group"} {
+		f, err := os.Open(filepath.Join(state, name))
+		if err != nil {
+			for _, f := range files {
+				f.Close()
+			}
+			return nil, fmt.Errorf("start sandbox %s: %w", spec.ID, err)
+		}
+		files = append(files, f)
+	}
+	return files, nil
 }
 
 // command is the bwrap process for a sandbox running argv. The benchmarks use it to compare with a
@@ -309,7 +327,7 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		// belt and braces with the filter's refusal of CLONE_NEWUSER: one sandbox could otherwise
 		// pin every user namespace the host allows, and then no sandbox could start.
 		"--disable-userns",
-		"--unshare-pid", "--unshare-ipc", "--unshare-uts",
+		"--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
 		"--die-with-parent", "--new-session",
 		"--seccomp", strconv.Itoa(seccompFD),
 		// The init is pid 1: when it dies the kernel kills everything in the namespace, orphans
@@ -335,13 +353,13 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		bindIdentity = hasEtcFiles
 	}
 	if bindIdentity {
-		state := n.layout.stateDir(spec.ID)
 		a = append(a,
-			"--ro-bind", filepath.Join(state, "passwd"), "/etc/passwd",
-			"--ro-bind", filepath.Join(state, "group"), "/etc/group")
+			"--ro-bind-data", strconv.Itoa(passwdFD), "/etc/passwd",
+			"--ro-bind-data", strconv.Itoa(groupFD), "/etc/group")
 	}
+	a = append(a, "--proc", "/proc")
+	a = append(a, n.procMasks...)
 	a = append(a,
-		"--proc", "/proc",
 		"--dev", "/dev",
 		"--tmpfs", "/tmp",
 		"--bind", n.layout.workspaceDir(spec.ID), WorkspacePath)
@@ -408,6 +426,42 @@ func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
 		}
 	}
 	return a, true, nil
+}
+
+// Docker's masked and read-only paths under /proc (its OCI defaults). The masked ones tell about the
+// host's kernel, hardware and other tenants (/proc/keys lists every keyring the uid can see,
+// /proc/timer_list other processes' timers, /proc/kcore is the kernel's memory); the read-only ones
+// are the kernel's knobs. /sys is not mounted in a sandbox at all, so Docker's /sys/firmware needs
+// nothing here.
+var (
+	procMasked = []string{"asound", "acpi", "kcore", "keys", "latency_stats", "timer_list",
+		"timer_stats", "sched_debug", "scsi"}
+	procReadOnly = []string{"bus", "fs", "irq", "sys", "sysrq-trigger"}
+)
+
+// procMaskArgs are the bwrap args, after --proc, that mask procMasked (a directory under an empty
+// read-only tmpfs, a file under /dev/null, which reads as permission denied on the nodev mount) and
+// make procReadOnly read-only. Only what this kernel has is listed: bwrap cannot mount on a missing
+// path, and the sandbox's proc shows what the host's does. The read-only binds come from the
+// host's proc: proc's sysctl, irq and bus files answer for the reader's namespaces, not the mount's.
+func procMaskArgs(hostProc string) []string {
+	var a []string
+	for _, name := range procMasked {
+		fi, err := os.Stat(filepath.Join(hostProc, name))
+		switch {
+		case err != nil:
+		case fi.IsDir():
+			a = append(a, "--tmpfs", "/proc/"+name, "--remount-ro", "/proc/"+name)
+		default:
+			a = append(a, "--ro-bind", "/dev/null", "/proc/"+name)
+		}
+	}
+	for _, name := range procReadOnly {
+		if _, err := os.Stat(filepath.Join(hostProc, name)); err == nil {
+			a = append(a, "--ro-bind", filepath.Join(hostProc, name), "/proc/"+name)
+		}
+	}
+	return a
 }
 
 // hostRootArgs replicates the host's /usr and its top-level links (on merged-/usr hosts /bin is a

@@ -39,6 +39,11 @@ type initProc struct {
 	devnull int
 	host    bool // dir provider: shares the host's pid space
 	self    int
+	// oomAdj is our /proc/self/oom_score_adj open for writing (-1 in the dir provider), and oomBase
+	// the score we started with: every command is forked with commandOOMScoreAdj, and we go back
+	// to oomBase after the fork (see exec).
+	oomAdj  int
+	oomBase []byte
 
 	// mu is held across fork+register and across every reap, so the reaper never reaps a child it
 	// does not know yet (and so a pid is never reused under a registered command).
@@ -84,9 +89,25 @@ func runInit() error {
 		devnull: devnull,
 		host:    cfg.Host,
 		self:    os.Getpid(),
+		oomAdj:  -1,
 		byPid:   make(map[int]*initChild),
 		byID:    make(map[uint64]*initChild),
 		forked:  make(chan struct{}, 1),
+	}
+	if !cfg.Host {
+		// Opened before we turn non-dumpable: after that our /proc files belong to root.
+		if base, err := os.ReadFile("/proc/self/oom_score_adj"); err == nil {
+			if fd, err := unix.Open("/proc/self/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0); err == nil {
+				p.oomAdj, p.oomBase = fd, []byte(strings.TrimSpace(string(base)))
+			}
+		}
+		// Commands run as our uid: without this any of them could ptrace us, or read our memory
+		// and environment through /proc/1. A non-dumpable process can only be traced with
+		// CAP_SYS_PTRACE over its user namespace, which nothing inside has. Every command we
+		// exec is dumpable again (execve resets it).
+		if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+			return fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
+		}
 	}
 	warmThreads(4)
 	p.handleSignals()
@@ -129,9 +150,22 @@ func runInit() error {
 	}
 }
 
-// handleSignals keeps the init alive when a command signals it (`kill -TERM 1`, `kill -HUP $PPID`):
-// the Go runtime's default is to exit on them, which would end the sandbox. They are caught, not
-// ignored, because an ignored signal stays ignored in every command we exec.
+// commandOOMScoreAdj is every command's oom_score_adj, so that when the sandbox hits its memory
+// limit (or the host runs out) the OOM killer takes a command, not the init that runs them all: the
+// init (a few MB) keeps the score it inherited and would only be chosen over a command more than
+// half the limit smaller than itself (it carries the command's score only from a fork to the write
+// that follows the command's exec). The init cannot be given -1000 instead: lowering a score
+// needs CAP_SYS_RESOURCE, which these hosts' root lacks, and where it has it the lowered floor
+// would pass to every command, which could then make itself unkillable for the whole host. As
+// under Kubernetes (whose best-effort pods get 1000), tenant work goes before host services. Going
+// back down after the fork needs no privilege: our floor is the score we started with.
+var commandOOMScoreAdj = []byte("500")
+
+// handleSignals keeps the init alive when a command signals it (`kill -TERM 1`, `kill -HUP $PPID`,
+// `kill -SEGV 1`): the Go runtime's default is to exit on them, or to crash with a stack dump, which
+// would end the sandbox. They are caught, not ignored, because an ignored signal stays ignored in
+// every command we exec. Caught SEGV, BUS and FPE are only the ones sent with kill: a real fault in
+// the init still crashes it. KILL and STOP from inside never reach a pid namespace's init.
 //
 // The dir provider starts us with Pdeathsig SIGTERM: when the broker has died (our parent changed)
 // we end every command before we go, since there is no pid namespace to do it for us.
@@ -139,7 +173,8 @@ func (p *initProc) handleSignals() {
 	parent := os.Getppid()
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT, unix.SIGUSR1, unix.SIGUSR2,
-		unix.SIGALRM, unix.SIGVTALRM, unix.SIGPIPE, unix.SIGTSTP, unix.SIGTTIN, unix.SIGTTOU)
+		unix.SIGALRM, unix.SIGVTALRM, unix.SIGPIPE, unix.SIGTSTP, unix.SIGTTIN, unix.SIGTTOU,
+		unix.SIGABRT, unix.SIGSEGV, unix.SIGBUS, unix.SIGTRAP, unix.SIGSYS, unix.SIGILL, unix.SIGFPE)
 	go func() {
 		for sig := range sigs {
 			if sig == unix.SIGTERM && p.host && os.Getppid() != parent {
@@ -239,7 +274,13 @@ func (p *initProc) exec(req *request, fds []int) {
 	var err error
 	for try := 0; ; try++ {
 		p.mu.Lock()
+		if p.oomAdj >= 0 {
+			unix.Pwrite(p.oomAdj, commandOOMScoreAdj, 0)
+		}
 		pid, err = syscall.ForkExec(prog, req.Argv, attr)
+		if p.oomAdj >= 0 {
+			unix.Pwrite(p.oomAdj, p.oomBase, 0)
+		}
 		if err == nil {
 			c := &initChild{id: req.ID, pid: pid, bg: req.Bg}
 			p.byPid[pid] = c

@@ -65,6 +65,7 @@ type Namespace struct {
 	procMasks  []string // bwrap args hiding and freezing parts of /proc, after --proc
 	hostShell  string
 	initInterp string // the init binary's ELF interpreter, "" when static
+	noUserns   bool   // bwrap has --disable-userns (0.8.0 and later)
 	running    running
 }
 
@@ -97,6 +98,7 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 	n.cg.sweepStale(staleCgroupAge)
 	n.hostRoot = hostRootArgs()
 	n.procMasks = procMaskArgs("/proc")
+	n.noUserns = bwrapAtLeast(bwrap, 0, 8)
 	if _, err := sandboxFilter(); err != nil {
 		return nil, err
 	}
@@ -323,10 +325,6 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 	t := spec.Template
 	a := []string{
 		"--unshare-user", "--uid", strconv.Itoa(sandboxUID), "--gid", strconv.Itoa(sandboxGID),
-		// No user namespace can be made inside (bwrap sets the sandbox's user namespace limit),
-		// belt and braces with the filter's refusal of CLONE_NEWUSER: one sandbox could otherwise
-		// pin every user namespace the host allows, and then no sandbox could start.
-		"--disable-userns",
 		"--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
 		"--die-with-parent", "--new-session",
 		"--seccomp", strconv.Itoa(seccompFD),
@@ -334,6 +332,12 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		// come to it, and there is no bwrap reaper process in between.
 		"--as-pid-1",
 		"--hostname", "sandbox",
+	}
+	if n.noUserns {
+		// No user namespace can be made inside (bwrap sets the sandbox's user namespace limit),
+		// belt and braces with the filter's refusal of CLONE_NEWUSER: one sandbox could otherwise
+		// pin every user namespace the host allows, and then no sandbox could start.
+		a = append(a, "--disable-userns")
 	}
 	if !t.Network {
 		a = append(a, "--unshare-net")
@@ -485,6 +489,19 @@ func hostRootArgs() []string {
 		a = append(a, "--ro-bind-try", f, f)
 	}
 	return a
+}
+
+// bwrapAtLeast reports whether `bwrap --version` ("bubblewrap 0.8.0") is major.minor or newer.
+func bwrapAtLeast(bwrap string, major, minor int) bool {
+	out, err := exec.Command(bwrap, "--version").Output()
+	if err != nil {
+		return false
+	}
+	var ma, mi int
+	if _, err := fmt.Sscanf(string(out), "bubblewrap %d.%d", &ma, &mi); err != nil {
+		return false
+	}
+	return ma > major || ma == major && mi >= minor
 }
 
 // searchable checks that uid/gid may traverse every directory from dir up to /, the way the kernel

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -90,6 +91,19 @@ func TestSandboxSyscallFilter(t *testing.T) {
 			if strings.Contains(out, abi+" ok") {
 				t.Errorf("%s syscall ran: %q", abi, out)
 			}
+		}
+	})
+	t.Run("bwrap disables user namespaces too", func(t *testing.T) {
+		// The filter refuses them first; this is the second wall, on every bwrap that has it.
+		args, err := n.bwrapArgs(spec, []string{"true"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n.noUserns != slices.Contains(args, "--disable-userns") {
+			t.Errorf("bwrap has --disable-userns: %v; args %v", n.noUserns, args)
+		}
+		if out, _ := exec.Command("bwrap", "--version").Output(); strings.Contains(string(out), "bubblewrap 0.8") && !n.noUserns {
+			t.Errorf("%s: --disable-userns not used", out)
 		}
 	})
 	t.Run("the tools a tenant would use are refused too", func(t *testing.T) {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -118,6 +119,10 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log)}
 	prov, report, err := provider.Preflight(ctx, cfg, choice)
 	if err != nil {
+		if errors.Is(err, provider.ErrResource) {
+			// Not a setting to change: the host ran out of something, and the error says what.
+			return nil, report, fmt.Errorf("cannot start sandboxes: %w", err)
+		}
 		if choice != c.Provider {
 			return nil, report, fmt.Errorf("--provider (SBX_PROVIDER): this data dir was set up with the %s provider, which no longer works: %w\n"+
 				"fix that, or start once with --provider-reset to choose again", choice, err)

@@ -18,6 +18,9 @@ func TestMain(m *testing.M) {
 	if len(os.Args) > 1 && os.Args[1] == InitArg {
 		RunInit()
 	}
+	if os.Getenv(preflightHelperEnv) != "" {
+		preflightHelper()
+	}
 	if mode := os.Getenv(helperEnv); mode != "" {
 		crashHelper(mode)
 	}

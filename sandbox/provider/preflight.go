@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"strings"
 	"time"
 )
@@ -30,6 +31,9 @@ type Report struct {
 	LimitsReason   string `json:"limits_reason,omitempty"`
 	// Cgroups is the cgroup version limits use: "v1", "v2", or "" for none.
 	Cgroups string `json:"cgroups,omitempty"`
+	// Fallback is why "auto" chose dir: the host cannot run namespace sandboxes. Empty when it did
+	// not fall back.
+	Fallback string `json:"fallback,omitempty"`
 	// Took is how long the preflight ran.
 	Took time.Duration `json:"took"`
 }
@@ -38,9 +42,14 @@ const dirWarning = "dir provider: sandboxes are plain directories on the host; c
 
 // Preflight picks a provider for this host by actually trying it: for the namespace provider it
 // finds bwrap, starts a throwaway sandbox under DataDir, runs `true` through its init, and checks
-// cgroups. choice is "auto" (namespace if that works, else dir with a warning saying why and how to
-// fix it), "namespace" (an error with that guidance if it cannot work) or "dir" (always, with a
-// warning that there is no isolation).
+// cgroups. choice is "auto", "namespace" (an error that says how to fix it if it cannot work) or
+// "dir" (always, with a warning that there is no isolation).
+//
+// "auto" falls back to dir only when the host cannot run namespace sandboxes at all (no bwrap, user
+// namespaces disabled or blocked: ErrNoNamespaces), never because something ran out: a resource
+// error (a full disk, a file, process or user-namespace limit reached) is returned as a
+// *ResourceError that says how to free the resource, and any other failure is returned as is.
+// Falling back on those would hand tenants the host for a problem the operator can fix.
 func Preflight(ctx context.Context, cfg Config, choice string) (Provider, Report, error) {
 	start := time.Now()
 	switch choice {
@@ -54,7 +63,7 @@ func Preflight(ctx context.Context, cfg Config, choice string) (Provider, Report
 	default:
 		return nil, Report{}, fmt.Errorf("unknown provider %q: use auto, namespace or dir", choice)
 	}
-	n, err := NewNamespace(cfg)
+	n, err := newNamespaceChecked(cfg)
 	if err == nil {
 		err = probeNamespace(ctx, n)
 	}
@@ -66,15 +75,40 @@ func Preflight(ctx context.Context, cfg Config, choice string) (Provider, Report
 		}
 		return n, r, nil
 	}
-	why := namespaceGuidance(err)
-	if choice == ChoiceNamespace {
-		return nil, Report{Provider: kindNamespace, Took: time.Since(start)}, fmt.Errorf("%w: namespace provider: %s", ErrUnavailable, why)
+	err = classify(err, cfg)
+	failed := Report{Provider: kindNamespace, Took: time.Since(start)}
+	var re *ResourceError
+	switch {
+	case errors.As(err, &re):
+		return nil, failed, fmt.Errorf("namespace provider: %w", err)
+	case choice == ChoiceNamespace || !errors.Is(err, ErrNoNamespaces):
+		msg := strings.TrimPrefix(err.Error(), ErrUnavailable.Error()+": ")
+		if choice != ChoiceNamespace {
+			msg += " (not falling back to the dir provider: this host can run namespace sandboxes, and dir would run them with no isolation)"
+		}
+		return nil, failed, fmt.Errorf("%w: namespace provider: %s", ErrUnavailable, msg)
 	}
 	d, derr := NewDir(cfg)
 	if derr != nil {
 		return nil, Report{}, derr
 	}
-	return d, dirReport("namespace provider unavailable, falling back to dir: "+why, start), nil
+	why := err.Error()
+	r := dirReport("namespace provider unavailable, falling back to dir: "+why, start)
+	r.Fallback = why
+	return d, r, nil
+}
+
+// newNamespaceChecked is NewNamespace, with a missing bwrap reported as ErrNoNamespaces: the one
+// check of NewNamespace that says the host cannot run namespace sandboxes at all.
+func newNamespaceChecked(cfg Config) (*Namespace, error) {
+	bwrap := cfg.BwrapPath
+	if bwrap == "" {
+		bwrap = "bwrap"
+	}
+	if _, err := exec.LookPath(bwrap); err != nil {
+		return nil, fmt.Errorf("%w: bwrap not found (%s): install bubblewrap: apt-get install -y bubblewrap", ErrNoNamespaces, bwrap)
+	}
+	return NewNamespace(cfg)
 }
 
 func dirReport(prefix string, start time.Time) Report {
@@ -136,42 +170,4 @@ func probeNamespace(ctx context.Context, n *Namespace) error {
 		return fmt.Errorf("`true` in a test sandbox exited %d", res.ExitCode)
 	}
 	return in.Stop(ctx)
-}
-
-// namespaceGuidance is err plus what to do about it, as precisely as the host lets us tell.
-func namespaceGuidance(err error) string {
-	msg := err.Error()
-	if errors.Is(err, ErrUnavailable) {
-		msg = strings.TrimPrefix(msg, ErrUnavailable.Error()+": ")
-	}
-	if hint := usernsHint(); hint != "" {
-		return msg + "; " + hint
-	}
-	low := strings.ToLower(msg)
-	for _, s := range []string{"namespace", "uid map", "uid_map", "operation not permitted", "setting up"} {
-		if strings.Contains(low, s) {
-			return msg + "; unprivileged user namespaces seem blocked here (a container's seccomp or AppArmor profile?): allow them, or run with --provider dir"
-		}
-	}
-	return msg
-}
-
-// usernsHint names the sysctl that disables unprivileged user namespaces on this host, if any.
-func usernsHint() string {
-	read := func(p string) string {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			return ""
-		}
-		return strings.TrimSpace(string(b))
-	}
-	switch {
-	case read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
-		return "user namespaces are disabled: sysctl -w kernel.unprivileged_userns_clone=1"
-	case read("/proc/sys/user/max_user_namespaces") == "0":
-		return "user namespaces are disabled: sysctl -w user.max_user_namespaces=15000"
-	case read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
-		return "AppArmor restricts unprivileged user namespaces: sysctl -w kernel.apparmor_restrict_unprivileged_userns=0, or give bwrap an AppArmor profile that allows userns"
-	}
-	return ""
 }

@@ -24,6 +24,7 @@ type config struct {
 	DataDir         string
 	Provider        string
 	ProviderReset   bool
+	AllowUnisolated bool
 	AdvertiseURL    string
 	LogFormat       string
 	LogLevel        string
@@ -47,8 +48,8 @@ type config struct {
 // envOf maps each flag to its environment fallback.
 var envOf = map[string]string{
 	"listen": "SBX_LISTEN", "redis-url": "SBX_REDIS_URL", "data-dir": "SBX_DATA_DIR", "provider": "SBX_PROVIDER",
-	"provider-reset": "SBX_PROVIDER_RESET",
-	"advertise-url":  "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
+	"provider-reset": "SBX_PROVIDER_RESET", "allow-unisolated": "SBX_ALLOW_UNISOLATED",
+	"advertise-url": "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
 	"sandbox-uid": "SBX_SANDBOX_UID", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
@@ -114,7 +115,8 @@ func (c *config) signingDir() string {
 func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Listen, "listen", "127.0.0.1:7070", "address to serve the API, dataplane and events on")
 	fs.StringVar(&c.Provider, "provider", "auto", "sandbox provider: auto (namespace where it works, else dir), namespace (bubblewrap isolation) or dir (no isolation)")
-	fs.BoolVar(&c.ProviderReset, "provider-reset", false, "forget the provider this data dir was set up with and choose again")
+	fs.BoolVar(&c.ProviderReset, "provider-reset", false, "forget the provider this data dir was set up with and choose again (a data dir set up for namespace sandboxes is never moved to dir this way)")
+	fs.BoolVar(&c.AllowUnisolated, "allow-unisolated", false, "confirm --provider dir on a data dir set up for namespace sandboxes: they then run with no isolation")
 	fs.StringVar(&c.AdvertiseURL, "advertise-url", "", "base URL clients and agent servers reach this broker at, used to build dataplane_url (default http://<listen>; set it when --listen is 0.0.0.0 or :PORT)")
 	fs.StringVar(&c.Templates, "templates", "", "YAML or JSON file of sandbox templates (a built-in \"default\" always exists)")
 	fs.StringVar(&c.Node, "node", "", "this broker's node name, recorded on the sandboxes it hosts (default: generated once and kept in --data-dir)")
@@ -162,6 +164,9 @@ func (c *config) validate() error {
 	case "auto", "namespace", "dir":
 	default:
 		bad("provider", "%q is not one of auto, namespace, dir", c.Provider)
+	}
+	if c.AllowUnisolated && c.Provider != "dir" {
+		bad("allow-unisolated", "confirms --provider dir and goes with nothing else (the provider is %q)", c.Provider)
 	}
 	switch c.LogFormat {
 	case "text", "json":

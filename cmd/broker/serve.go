@@ -108,31 +108,49 @@ func serve(parent context.Context, c *config) error {
 }
 
 // chooseProvider runs preflight. The data dir remembers the provider it was set up with, so that a
-// broker never silently changes isolation under existing sandboxes: "auto" keeps the remembered
-// choice (and fails, with guidance, if it stopped working); --provider-reset chooses again.
+// broker never changes isolation under existing sandboxes by itself: "auto" keeps the remembered
+// choice (and fails, saying what is wrong, if it stopped working); --provider-reset chooses again.
+// A data dir set up for namespace sandboxes never lands on dir by any of that: only an explicit
+// --provider dir confirmed with --allow-unisolated moves it there.
 func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.Provider, provider.Report, error) {
 	memo := filepath.Join(c.DataDir, "provider")
+	recorded := ""
+	if b, err := os.ReadFile(memo); err == nil {
+		recorded = strings.TrimSpace(string(b))
+	}
+	// A data dir from before the memo existed holds sandboxes of an unknown provider: they may be
+	// namespace sandboxes, so they are treated as such.
+	isolated := recorded == provider.ChoiceNamespace || (recorded == "" && hostsSandboxes(c.DataDir))
 	choice := c.Provider
-	if b, err := os.ReadFile(memo); err == nil && choice == "auto" && !c.ProviderReset {
-		choice = strings.TrimSpace(string(b))
+	switch {
+	case choice == provider.ChoiceAuto && recorded != "" && !c.ProviderReset:
+		choice = recorded
+	case choice == provider.ChoiceAuto && isolated:
+		choice = provider.ChoiceNamespace // never "auto": its fallback is dir
+	}
+	if choice == provider.ChoiceDir && isolated && !c.AllowUnisolated {
+		return nil, provider.Report{}, fmt.Errorf("--provider dir (SBX_PROVIDER): the data dir %s was set up for namespace sandboxes, and the dir provider would run them with no isolation, as a user of this host; "+
+			"to do that knowingly, confirm with --allow-unisolated (SBX_ALLOW_UNISOLATED=true)", c.DataDir)
 	}
 	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log)}
 	prov, report, err := provider.Preflight(ctx, cfg, choice)
 	if err != nil {
-		if errors.Is(err, provider.ErrResource) {
+		switch {
+		case errors.Is(err, provider.ErrResource):
 			// Not a setting to change: the host ran out of something, and the error says what.
 			return nil, report, fmt.Errorf("cannot start sandboxes: %w", err)
-		}
-		if choice != c.Provider {
-			return nil, report, fmt.Errorf("--provider (SBX_PROVIDER): this data dir was set up with the %s provider, which no longer works: %w\n"+
-				"fix that, or start once with --provider-reset to choose again", choice, err)
+		case choice != c.Provider && isolated:
+			return nil, report, fmt.Errorf("the data dir %s holds namespace sandboxes, and the namespace provider does not work here now: %w\n"+
+				"fix that and start again (the broker never moves these sandboxes to a provider without isolation by itself)", c.DataDir, err)
+		case choice != c.Provider:
+			return nil, report, fmt.Errorf("the data dir %s was set up with the %s provider, which does not work here now: %w", c.DataDir, choice, err)
 		}
 		return nil, report, fmt.Errorf("--provider (SBX_PROVIDER): %w", err)
 	}
 	if report.Warning != "" {
 		log.Warn(report.Warning, "provider", prov.Name())
 	}
-	if choice != c.Provider && prov.Name() == "dir" {
+	if recorded == provider.ChoiceDir && choice == recorded && c.Provider == provider.ChoiceAuto {
 		log.Warn("this data dir was set up with the dir provider and keeps it; once the namespace provider works here, start with --provider-reset to switch", "data_dir", c.DataDir)
 	}
 	log.Info("sandbox provider ready", "provider", prov.Name(), "limits_enforced", report.LimitsEnforced,
@@ -141,6 +159,19 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 		return nil, report, fmt.Errorf("--data-dir: %w", err)
 	}
 	return prov, report, nil
+}
+
+// hostsSandboxes reports whether the data dir holds any sandbox.
+func hostsSandboxes(dataDir string) bool {
+	for _, sub := range []string{"sandboxes", "hosted"} {
+		entries, _ := os.ReadDir(filepath.Join(dataDir, sub))
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), "sb_") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // bootstrap gives a fresh embedded broker an org and a key, and points sbctl at it.

@@ -122,7 +122,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Node, "node", "", "this broker's node name, recorded on the sandboxes it hosts (default: generated once and kept in --data-dir)")
 	fs.DurationVar(&c.DefaultTTL, "default-ttl", 30*time.Minute, "lease of a sandbox created without ttl_seconds: no heartbeat for this long and it is stopped")
 	fs.DurationVar(&c.MaxTTL, "max-ttl", 7*24*time.Hour, "largest lease a client may ask for")
-	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "host uid, and gid, that namespace sandboxes run as when the broker runs as root (inside they are uid 1000)")
+	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "host uid, and gid, that sandboxes run as when the broker runs as root (inside namespace sandboxes they are uid 1000; dir sandboxes run as it too, never as root)")
 	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
 	fs.DurationVar(&c.TokenMaxTTL, "token-max-ttl", 24*time.Hour, "longest lifetime a delegation token may be minted with (recorded in the signing-keys directory for keys rotate-signing)")
 	fs.DurationVar(&c.SweepInterval, "sweep-interval", 2*time.Second, "how often the sweeper looks for expired leases (one broker sweeps at a time)")

@@ -56,7 +56,7 @@ func serve(parent context.Context, c *config) error {
 		}
 	}
 	uid := -1 // files the broker creates belong to the sandbox user when sandboxes run as one
-	if prov.Name() == "namespace" && os.Geteuid() == 0 {
+	if os.Geteuid() == 0 {
 		uid = c.SandboxUID
 	}
 	b, err := server.NewBroker(ctx, server.BrokerConfig{

@@ -8,16 +8,21 @@ import (
 	"os"
 	"os/exec"
 	"os/user"
+	"path/filepath"
+	"strconv"
 	"syscall"
 )
 
 // Dir is the plain-directory provider, for machines without namespaces: the same workspace layout
 // and the same resident init, started directly on the host. There is no isolation and there are no
-// limits besides exec timeouts: commands run as the broker's own user and see the whole host.
+// limits besides exec timeouts: commands see the whole host. They never run as root: a broker
+// running as root runs them as Config.UID/GID (a user of the host with no other rights); any other
+// broker runs them as its own user.
 type Dir struct {
 	cfg     Config
 	layout  layout
 	user    string
+	asRoot  bool // broker is root: commands run as cfg.UID/GID
 	running running
 }
 
@@ -30,8 +35,8 @@ func NewDir(cfg Config) (*Dir, error) {
 	if err := checkExecutable(cfg.InitPath); err != nil {
 		return nil, err
 	}
-	d := &Dir{cfg: cfg, layout: layout{dataDir: cfg.DataDir}, user: "user"}
-	if u, err := user.Current(); err == nil && u.Username != "" {
+	d := &Dir{cfg: cfg, layout: layout{dataDir: cfg.DataDir}, user: sandboxUser, asRoot: os.Geteuid() == 0}
+	if u, err := user.Current(); err == nil && u.Username != "" && !d.asRoot {
 		d.user = u.Username
 	}
 	if err := os.MkdirAll(cfg.DataDir, 0o711); err != nil {
@@ -40,7 +45,21 @@ func NewDir(cfg Config) (*Dir, error) {
 	if err := os.Mkdir(d.layout.root(), 0o711); err != nil && !errors.Is(err, fs.ErrExist) {
 		return nil, fmt.Errorf("%w: data dir: %v", ErrUnavailable, err)
 	}
+	if d.asRoot {
+		// The init starts in the workspace as the sandbox uid, so it must reach it by path.
+		if err := searchable(d.layout.root(), cfg.UID, cfg.GID); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
+		}
+	}
 	return d, nil
+}
+
+// ids are the host uid and gid commands run as, -1 when they run as the broker's user.
+func (d *Dir) ids() (int, int) {
+	if d.asRoot {
+		return d.cfg.UID, d.cfg.GID
+	}
+	return -1, -1
 }
 
 // Name is "dir".
@@ -54,9 +73,11 @@ func (d *Dir) WorkspaceDir(spec Spec) string {
 	return d.layout.workspaceDir(spec.ID)
 }
 
-// Create makes the workspace and state directories (owned by the broker's user).
+// Create makes the workspace and state directories; the workspace belongs to the user commands
+// run as.
 func (d *Dir) Create(ctx context.Context, spec Spec) error {
-	return d.layout.create(spec.ID, -1, -1)
+	uid, gid := d.ids()
+	return d.layout.create(spec.ID, uid, gid)
 }
 
 // Destroy removes the sandbox's directories. It refuses invalid ids and running sandboxes.
@@ -81,20 +102,41 @@ func (d *Dir) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if _, err := os.Stat(ws); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
 	}
+	if d.asRoot {
+		if err := adoptWorkspace(ws, d.cfg.UID, d.cfg.GID); err != nil {
+			return nil, err
+		}
+	}
 	if err := d.running.claim(spec.ID); err != nil {
 		return nil, err
 	}
+	attr := &syscall.SysProcAttr{
+		// Its own session, so that Stop (and the init itself) can find every process it started
+		// even after their parents died; SIGTERM on the broker's death lets the init end them.
+		Setsid:    true,
+		Pdeathsig: syscall.SIGTERM,
+	}
+	path := d.cfg.InitPath
+	var extra []*os.File
+	if d.asRoot {
+		attr.Credential = &syscall.Credential{Uid: uint32(d.cfg.UID), Gid: uint32(d.cfg.GID), Groups: []uint32{}}
+		// As the sandbox uid the init may not reach its binary by path (a `go test` binary lives in
+		// a 0700 directory); executing the inherited fd needs no path, as in the namespace provider.
+		exe, err := os.Open(d.cfg.InitPath)
+		if err != nil {
+			d.running.release(spec.ID)
+			return nil, fmt.Errorf("start sandbox %s: %w", spec.ID, err)
+		}
+		extra = []*os.File{exe} // fd 4, after the control socket at 3
+		path = "/proc/self/fd/" + strconv.Itoa(initFD)
+	}
 	cmd := &exec.Cmd{
-		Path: d.cfg.InitPath,
-		Args: []string{d.cfg.InitPath, InitArg},
-		Dir:  ws,
-		Env:  []string{}, // the commands' environment comes in the config message
-		SysProcAttr: &syscall.SysProcAttr{
-			// Its own session, so that Stop (and the init itself) can find every process it started
-			// even after their parents died; SIGTERM on the broker's death lets the init end them.
-			Setsid:    true,
-			Pdeathsig: syscall.SIGTERM,
-		},
+		Path:        path,
+		Args:        []string{d.cfg.InitPath, InitArg},
+		Dir:         ws,
+		Env:         []string{}, // the commands' environment comes in the config message
+		ExtraFiles:  extra,
+		SysProcAttr: attr,
 	}
 	env := sandboxEnv(ws, d.user, loginShell(""), nil, t.Env)
 	in, err := launch(ctx, launchSpec{
@@ -109,4 +151,41 @@ func (d *Dir) Start(ctx context.Context, spec Spec) (Instance, error) {
 		return nil, err // never a typed nil in the interface
 	}
 	return in, nil
+}
+
+// adoptWorkspace gives a workspace that commands used to reach as root (a dir sandbox from before
+// they ran as the sandbox uid) to that uid, so that its files stay writable from inside. It is a
+// no-op once the workspace belongs to uid. Only directories, symlinks and regular files with one
+// link change owner: a hard link or a device node a root tenant planted must not hand a host file
+// or a disk to the sandbox uid.
+func adoptWorkspace(ws string, uid, gid int) error {
+	var st syscall.Stat_t
+	if err := syscall.Lstat(ws, &st); err != nil {
+		return fmt.Errorf("%w: %v", ErrNotCreated, err)
+	}
+	if int(st.Uid) == uid {
+		return nil
+	}
+	err := filepath.WalkDir(ws, func(p string, e fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if err := syscall.Lstat(p, &st); err != nil {
+			return err
+		}
+		switch st.Mode & syscall.S_IFMT {
+		case syscall.S_IFDIR, syscall.S_IFLNK:
+		case syscall.S_IFREG:
+			if st.Nlink != 1 {
+				return nil
+			}
+		default:
+			return nil
+		}
+		return os.Lchown(p, uid, gid)
+	})
+	if err != nil {
+		return fmt.Errorf("give the workspace %s to the sandbox uid %d: %w", ws, uid, err)
+	}
+	return nil
 }

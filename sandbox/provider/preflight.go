@@ -38,7 +38,19 @@ type Report struct {
 	Took time.Duration `json:"took"`
 }
 
-const dirWarning = "dir provider: sandboxes are plain directories on the host; commands run as the broker's user with no isolation and no resource limits"
+// dirWarning says what the dir provider does not do, and whom commands run as.
+func dirWarning(cfg Config) string {
+	who := "the broker's user"
+	if os.Geteuid() == 0 {
+		uid := cfg.UID
+		if uid == 0 {
+			uid = DefaultUID
+		}
+		who = fmt.Sprintf("uid %d", uid)
+	}
+	return "dir provider: sandboxes are plain directories on the host; commands run as " + who +
+		" with no isolation (they see the host's files, processes and network) and no resource limits"
+}
 
 // Preflight picks a provider for this host by actually trying it: for the namespace provider it
 // finds bwrap, starts a throwaway sandbox under DataDir, runs `true` through its init, and checks
@@ -58,7 +70,7 @@ func Preflight(ctx context.Context, cfg Config, choice string) (Provider, Report
 		if err != nil {
 			return nil, Report{}, err
 		}
-		return d, dirReport("", start), nil
+		return d, dirReport(cfg, "", start), nil
 	case ChoiceAuto, ChoiceNamespace, "":
 	default:
 		return nil, Report{}, fmt.Errorf("unknown provider %q: use auto, namespace or dir", choice)
@@ -93,7 +105,7 @@ func Preflight(ctx context.Context, cfg Config, choice string) (Provider, Report
 		return nil, Report{}, derr
 	}
 	why := err.Error()
-	r := dirReport("namespace provider unavailable, falling back to dir: "+why, start)
+	r := dirReport(cfg, "namespace provider unavailable, falling back to dir: "+why, start)
 	r.Fallback = why
 	return d, r, nil
 }
@@ -111,10 +123,10 @@ func newNamespaceChecked(cfg Config) (*Namespace, error) {
 	return NewNamespace(cfg)
 }
 
-func dirReport(prefix string, start time.Time) Report {
-	w := dirWarning
+func dirReport(cfg Config, prefix string, start time.Time) Report {
+	w := dirWarning(cfg)
 	if prefix != "" {
-		w = prefix + "; " + dirWarning
+		w = prefix + "; " + w
 	}
 	return Report{
 		Provider:     kindDir,

@@ -122,7 +122,7 @@ func TestChooseProviderNeverFailsOpen(t *testing.T) {
 		}
 	})
 	t.Run("a fresh data dir on a host without namespaces falls back, and says so", func(t *testing.T) {
-		dir := t.TempDir()
+		dir := filepath.Join(providerDataDir(t, ""), "fresh")
 		withoutBwrap(t)
 		c := &config{DataDir: dir, Provider: "auto", SandboxUID: provider.DefaultUID}
 		p, r, err := chooseProvider(context.Background(), c, discard)

@@ -22,6 +22,17 @@ const (
 	StopRuntimeLost = "runtime_lost" // the sandbox's processes ended without being asked to
 )
 
+// Isolation levels of a sandbox: how far its commands are kept from the host and from other
+// sandboxes.
+const (
+	// IsolationNamespace: its own mount, pid, ipc, uts, user and network namespaces (bubblewrap),
+	// with resource limits where the host enforces them.
+	IsolationNamespace = "namespace"
+	// IsolationNone: a plain directory on the host (the dir provider); its commands see the host's
+	// files, processes and network.
+	IsolationNone = "none"
+)
+
 // Create outcomes: what create-or-reuse did.
 const (
 	OutcomeCreated = "created"
@@ -31,11 +42,13 @@ const (
 
 // Sandbox is a sandbox as the REST API shows it.
 type Sandbox struct {
-	ID              string            `json:"id"`
-	Org             string            `json:"org"`
-	Name            string            `json:"name"`
-	Template        string            `json:"template"`
-	Provider        string            `json:"provider"`
+	ID       string `json:"id"`
+	Org      string `json:"org"`
+	Name     string `json:"name"`
+	Template string `json:"template"`
+	Provider string `json:"provider"`
+	// Isolation says how isolated the sandbox is: IsolationNamespace or IsolationNone.
+	Isolation       string            `json:"isolation"`
 	Status          string            `json:"status"`
 	Tags            map[string]string `json:"tags"`
 	TTLSeconds      int64             `json:"ttl_seconds"`

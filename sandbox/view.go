@@ -11,12 +11,21 @@ import (
 // View is a record as the API shows it.
 func View(r store.Record) protocol.Sandbox {
 	return protocol.Sandbox{
-		ID: r.ID, Org: r.Org, Name: r.Name, Template: r.Template, Provider: r.Provider, Status: r.Status,
+		ID: r.ID, Org: r.Org, Name: r.Name, Template: r.Template, Provider: r.Provider, Isolation: Isolation(r.Provider), Status: r.Status,
 		Tags: r.Tags, TTLSeconds: int64(r.TTL / time.Second), CreatedAt: r.CreatedAt,
 		LastHeartbeatAt: r.Heartbeat, ExpiresAt: timePtr(r.ExpiresAt), StopReason: r.StopReason,
 		StoppedAt: timePtr(r.StoppedAt), Failure: r.Failure, CreatedBy: r.CreatedBy,
 		Workspace: provider.WorkspacePath, ProcessesLostAt: timePtr(r.LostAt),
 	}
+}
+
+// Isolation is the isolation level of sandboxes run by the named provider. Only the namespace
+// provider isolates; anything else (dir, or a name this broker does not know) is reported as none.
+func Isolation(providerName string) string {
+	if providerName == provider.ChoiceNamespace {
+		return protocol.IsolationNamespace
+	}
+	return protocol.IsolationNone
 }
 
 func timePtr(t time.Time) *time.Time {

@@ -25,8 +25,9 @@ type BrokerConfig struct {
 	Store     *store.Store
 	Provider  provider.Provider
 	Templates map[string]provider.Template
-	// ProviderWarnings are shown on /readyz (e.g. limits not enforced).
-	ProviderWarnings []string
+	// ProviderReport is what preflight found: /readyz and /metrics report the provider, its
+	// isolation, whether limits are enforced, a fallback and the warning (zero: only the name).
+	ProviderReport provider.Report
 	// Node names this broker; AdvertiseURL is how clients reach it (dataplane URLs are built from it).
 	Node         string
 	AdvertiseURL string
@@ -102,11 +103,18 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		return fail(err)
 	}
 	rdb := cfg.Store.Client()
+	prov := ProviderInfo{Name: cfg.Provider.Name(), Isolation: sandbox.Isolation(cfg.Provider.Name()),
+		LimitsEnforced: cfg.ProviderReport.LimitsEnforced, Fallback: cfg.ProviderReport.Fallback}
+	var warnings []string
+	if cfg.ProviderReport.Warning != "" {
+		warnings = []string{cfg.ProviderReport.Warning}
+	}
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
+		Provider: prov,
 		Ready: func(ctx context.Context) ReadyReport {
-			r := ReadyReport{Ready: true, Provider: cfg.Provider.Name(), Redis: "ok", Node: cfg.Node, Warnings: cfg.ProviderWarnings}
+			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {
 				r.Ready, r.Redis = false, "unreachable"
 			}

@@ -19,8 +19,9 @@ type metrics struct {
 }
 
 // newMetrics makes the registry; dpConns reads the open dataplane connections (hub.count), which
-// are counted once, by the hub.
-func newMetrics(dpConns func() int) *metrics {
+// are counted once, by the hub. prov labels the provider metrics, so that an alert can fire on
+// sandboxes that are not isolated or not limited.
+func newMetrics(dpConns func() int, prov ProviderInfo) *metrics {
 	m := &metrics{
 		reg: prometheus.NewRegistry(),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -33,7 +34,21 @@ func newMetrics(dpConns func() int) *metrics {
 	}
 	conns := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "sbx_dataplane_connections", Help: "Open dataplane connections."},
 		func() float64 { return float64(dpConns()) })
-	m.reg.MustRegister(m.requests, m.latency, conns, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	info := prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_provider_info",
+		Help:        "The sandbox provider this broker runs, with its isolation level (none: sandboxes run on the host with no isolation); always 1.",
+		ConstLabels: prometheus.Labels{"provider": prov.Name, "isolation": prov.Isolation}})
+	info.Set(1)
+	limits := prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_provider_limits_enforced",
+		Help: "1 when memory, pids and cpu limits apply to sandboxes, 0 when they do not."})
+	fallback := prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_provider_fallback",
+		Help: "1 when this start's preflight fell back to the dir provider because the host cannot run namespace sandboxes."})
+	if prov.LimitsEnforced {
+		limits.Set(1)
+	}
+	if prov.Fallback != "" {
+		fallback.Set(1)
+	}
+	m.reg.MustRegister(m.requests, m.latency, conns, info, limits, fallback, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

@@ -44,12 +44,25 @@ type Config struct {
 	MaxDataplaneConnections int
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
+	// Provider is the sandbox provider this broker runs, for /metrics.
+	Provider ProviderInfo
+}
+
+// ProviderInfo says which provider runs this broker's sandboxes and what it holds.
+type ProviderInfo struct {
+	// Name is the provider ("namespace" or "dir"); Isolation its level (protocol.Isolation*).
+	Name      string `json:"provider"`
+	Isolation string `json:"isolation"`
+	// LimitsEnforced says whether memory, pids and cpu limits apply to sandboxes.
+	LimitsEnforced bool `json:"limits_enforced"`
+	// Fallback is why preflight fell back to the dir provider on this start, empty if it did not.
+	Fallback string `json:"fallback,omitempty"`
 }
 
 // ReadyReport is the /readyz body.
 type ReadyReport struct {
-	Ready    bool     `json:"ready"`
-	Provider string   `json:"provider"`
+	Ready bool `json:"ready"`
+	ProviderInfo
 	Redis    string   `json:"redis"`
 	Node     string   `json:"node"`
 	Warnings []string `json:"warnings,omitempty"`
@@ -96,7 +109,7 @@ const maxBody = 1 << 20
 func New(cfg Config) *Server {
 	h := newHub()
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
-		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count), hub: h,
+		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count, cfg.Provider), hub: h,
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: make(chan struct{}, dpHeavyPerBroker),
 		maxDPConns: cfg.MaxDataplaneConnections}

@@ -53,9 +53,13 @@ type broker struct {
 	DataDir string
 	Home    string // HOME of the broker and of sbctl: the bootstrap config lands here
 	args    []string
-	cmd     *exec.Cmd
-	log     *bytes.Buffer
-	exited  chan struct{}
+	env     []string // added to the broker's environment
+	// provider is the provider the broker must report on /readyz ("namespace" unless a test asks
+	// for the dir provider on purpose).
+	provider string
+	cmd      *exec.Cmd
+	log      *bytes.Buffer
+	exited   chan struct{}
 }
 
 // startBroker starts `broker` with its embedded defaults in a fresh data dir and waits until ready.
@@ -65,7 +69,7 @@ func startBroker(t *testing.T, extra ...string) *broker {
 	// The namespace provider's bwrap runs as the sandbox uid and must reach the data dir.
 	os.Chmod(filepath.Dir(home), 0o711)
 	os.Chmod(home, 0o711)
-	b := &broker{t: t, Home: home, DataDir: filepath.Join(home, "data"), args: extra}
+	b := &broker{t: t, Home: home, DataDir: filepath.Join(home, "data"), args: extra, provider: "namespace"}
 	b.start()
 	t.Cleanup(b.stop)
 	return b
@@ -79,6 +83,7 @@ func (b *broker) start() {
 	args := append([]string{"--listen", strings.TrimPrefix(b.URL, "http://"), "--data-dir", b.DataDir, "--log-level", "debug"}, b.args...)
 	b.cmd = exec.Command(filepath.Join(bin, "broker"), args...)
 	b.cmd.Env = append(os.Environ(), "HOME="+b.Home, "XDG_CONFIG_HOME=", "XDG_DATA_HOME=", "SBCTL_CONFIG=", "SBX_API_KEY=", "SBX_BROKER_URL=")
+	b.cmd.Env = append(b.cmd.Env, b.env...)
 	b.log = &bytes.Buffer{}
 	b.cmd.Stdout, b.cmd.Stderr = b.log, b.log
 	b.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
@@ -96,7 +101,7 @@ func (b *broker) start() {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
 				// These tests are about real sandboxes: never pass on the no-isolation fallback.
-				if ready.Provider != "namespace" {
+				if ready.Provider != b.provider {
 					b.t.Fatalf("the broker chose the %q provider, not namespace (bubblewrap): install it with scripts/deps.sh\n%s", ready.Provider, b.log)
 				}
 				return

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server"
 )
@@ -50,6 +51,9 @@ func serve(parent context.Context, c *config) error {
 	if err != nil {
 		return err
 	}
+	if prov.Name() == provider.ChoiceDir {
+		shout(c, log, notIsolated(c, report))
+	}
 	if st.embedded != nil {
 		if err := bootstrap(ctx, c, st, log); err != nil {
 			return err
@@ -60,7 +64,7 @@ func serve(parent context.Context, c *config) error {
 		uid = c.SandboxUID
 	}
 	b, err := server.NewBroker(ctx, server.BrokerConfig{
-		Store: st.store, Provider: prov, Templates: templates, ProviderWarnings: warnings(report),
+		Store: st.store, Provider: prov, Templates: templates, ProviderReport: report,
 		Node: node, AdvertiseURL: c.advertise(), DataDir: c.DataDir, SigningKeys: c.signingDir(), WorkspaceUID: uid,
 		Log: log, DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, TokenTTL: c.TokenTTL, TokenMaxTTL: c.TokenMaxTTL,
 		SweepInterval: c.SweepInterval, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention,
@@ -153,7 +157,7 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 	if recorded == provider.ChoiceDir && choice == recorded && c.Provider == provider.ChoiceAuto {
 		log.Warn("this data dir was set up with the dir provider and keeps it; once the namespace provider works here, start with --provider-reset to switch", "data_dir", c.DataDir)
 	}
-	log.Info("sandbox provider ready", "provider", prov.Name(), "limits_enforced", report.LimitsEnforced,
+	log.Info("sandbox provider ready", "provider", prov.Name(), "isolation", sandbox.Isolation(prov.Name()), "limits_enforced", report.LimitsEnforced,
 		"cgroups", report.Cgroups, "preflight_ms", report.Took.Milliseconds())
 	if err := os.WriteFile(memo, []byte(prov.Name()+"\n"), 0o600); err != nil {
 		return nil, report, fmt.Errorf("--data-dir: %w", err)
@@ -201,11 +205,65 @@ func bootstrap(ctx context.Context, c *config, st *storage, log *slog.Logger) er
 	return nil
 }
 
-func warnings(r provider.Report) []string {
-	if r.Warning == "" {
-		return nil
+// notIsolated is the banner a broker running the dir provider starts with: one log line is easy to
+// miss, and every sandbox of this broker is open to the host.
+func notIsolated(c *config, r provider.Report) []string {
+	who := "the broker's user"
+	if os.Geteuid() == 0 {
+		who = fmt.Sprintf("uid %d", c.SandboxUID)
 	}
-	return []string{r.Warning}
+	var paras []string
+	if r.Fallback != "" {
+		paras = append(paras, "The namespace provider cannot run on this host, so the broker fell back to the dir provider: "+r.Fallback)
+	} else {
+		paras = append(paras, "This broker runs the dir provider (--provider dir, or a data dir set up with it).")
+	}
+	paras = append(paras, "Sandboxes are plain directories on this host: their commands run as "+who+
+		", see the host's files, processes and network, and have no resource limits. Do not lend them to code you do not trust.")
+	if r.Fallback != "" {
+		paras = append(paras, "Fix the above, then start the broker with --provider-reset to move to the namespace provider.")
+	}
+	paras = append(paras, `/readyz ("isolation": "none"), /metrics (sbx_provider_info{isolation="none"}) and every sandbox's "isolation" field say so too.`)
+	rule := strings.Repeat("#", 100)
+	lines := []string{rule, "#  SANDBOXES ARE NOT ISOLATED", "#"}
+	for i, p := range paras {
+		if i > 0 {
+			lines = append(lines, "#")
+		}
+		for _, l := range wrap(p, 94) {
+			lines = append(lines, "#  "+l)
+		}
+	}
+	return append(lines, rule)
+}
+
+// shout writes a banner to stderr as it is in text logs, and as one warning per line in JSON logs
+// (which a stray non-JSON line would break).
+func shout(c *config, log *slog.Logger, lines []string) {
+	if c.LogFormat == "json" {
+		for _, l := range lines {
+			log.Warn(l)
+		}
+		return
+	}
+	fmt.Fprintln(os.Stderr, strings.Join(lines, "\n"))
+}
+
+// wrap breaks s into lines of at most width bytes at spaces (a longer word gets a line of its own).
+func wrap(s string, width int) []string {
+	var lines []string
+	line := ""
+	for _, w := range strings.Fields(s) {
+		if line != "" && len(line)+1+len(w) > width {
+			lines = append(lines, line)
+			line = ""
+		}
+		if line != "" {
+			line += " "
+		}
+		line += w
+	}
+	return append(lines, line)
 }
 
 // serveDebug serves Go's profiler on a separate, loopback-only address.

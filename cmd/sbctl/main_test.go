@@ -181,3 +181,22 @@ func TestQuietPrintsIDs(t *testing.T) {
 		}
 	}
 }
+
+// A sandbox that is not isolated is announced on stderr, whatever the output format; an isolated
+// one is not.
+func TestCreateWarnsWhenNotIsolated(t *testing.T) {
+	t.Parallel()
+	for isolation, warn := range map[string]bool{protocol.IsolationNone: true, protocol.IsolationNamespace: false} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			json.NewEncoder(w).Encode(protocol.CreateSandboxResponse{Outcome: "created",
+				Sandbox: protocol.Sandbox{ID: "sb_1", Name: "dev", Status: "running", Isolation: isolation}})
+		}))
+		for _, args := range [][]string{{"create", "dev"}, {"create", "dev", "-o", "json"}, {"create", "dev", "-q"}} {
+			code, out, stderr := sbctl(t, t.Context(), srv.URL, "", args...)
+			if code != 0 || strings.Contains(out, "not isolated") || strings.Contains(stderr, "warning: sandbox dev is not isolated") != warn {
+				t.Errorf("%s, sbctl %v: exit %d\nstdout: %s\nstderr: %s", isolation, args, code, out, stderr)
+			}
+		}
+		srv.Close()
+	}
+}

@@ -46,7 +46,10 @@ renewed), a stopped one is resumed with its files. The answer says which: create
 Without NAME a random name is chosen.
 
 The sandbox is stopped (files kept) when nothing heartbeats it for --ttl; keep it alive with
-sbctl attach or sbctl heartbeat.`,
+sbctl attach or sbctl heartbeat.
+
+A sandbox the broker cannot isolate (its dir provider) comes with a warning on stderr; the answer's
+"isolation" field says "namespace" or "none".`,
 		Example: `  sbctl create dev
   sbctl create dev --ttl 2h --tag thread_id=T42 --tag team=infra
   sbctl create ci-$(date +%s) --no-reuse -o json`,
@@ -77,6 +80,10 @@ sbctl attach or sbctl heartbeat.`,
 			res, err := c.CreateSandbox(cmd.Context(), req)
 			if err != nil {
 				return err
+			}
+			if res.Sandbox.Isolation == protocol.IsolationNone {
+				// On stderr, whatever the output format: a script piping -o json still shows it.
+				fmt.Fprintf(g.stderr, "sbctl: warning: sandbox %s is not isolated: the broker runs it as a plain directory on its host (the dir provider), where its commands see the host's files, processes and network\n", res.Sandbox.Name)
 			}
 			if g.quiet {
 				fmt.Fprintln(g.stdout, res.Sandbox.ID)

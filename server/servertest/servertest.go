@@ -109,7 +109,7 @@ func New(t testing.TB, opts Options) *Broker {
 	}
 	rdb := opts.Redis.Client(t)
 	st := store.New(rdb)
-	prov, _, err := provider.Preflight(context.Background(), provider.Config{DataDir: opts.DataDir}, opts.Provider)
+	prov, report, err := provider.Preflight(context.Background(), provider.Config{DataDir: opts.DataDir}, opts.Provider)
 	if err != nil {
 		t.Fatalf("servertest: provider %s: %v", opts.Provider, err)
 	}
@@ -124,7 +124,7 @@ func New(t testing.TB, opts Options) *Broker {
 	url := "http://" + l.Addr().String()
 	// The same wiring as cmd/broker; the sweeper is left to the test (SweepOnce on its clock).
 	br, err := server.NewBroker(context.Background(), server.BrokerConfig{
-		Store: st, Provider: prov, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
+		Store: st, Provider: prov, ProviderReport: report, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
 		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid,
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
 	})

@@ -2,12 +2,16 @@ package main
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/sbxbroker/broker/sandbox/provider"
 )
@@ -144,5 +148,51 @@ func TestAllowUnisolatedFlag(t *testing.T) {
 	f := rootCmd().Flags().Lookup("allow-unisolated")
 	if f == nil || !strings.Contains(f.Usage, "SBX_ALLOW_UNISOLATED") {
 		t.Fatalf("--help: %+v", f)
+	}
+}
+
+// The story that made this matter: a sandbox fills the data dir's disk, and the operator starts the
+// broker with --provider-reset. The broker must refuse to start, name the full disk and say how to
+// free it; the data dir keeps the namespace provider.
+func TestFullDiskResetStaysIsolated(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir := filepath.Join(providerDataDir(t, ""), "data")
+	if err := os.Mkdir(dir, 0o711); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=256k,nr_inodes=64,mode=0711"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	if err := os.WriteFile(filepath.Join(dir, "provider"), []byte("namespace\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(dir, "sandboxes", provider.NewID(), "workspace"), 0o711); err != nil {
+		t.Fatal(err)
+	}
+	// The sandbox's files fill the disk, blocks and inodes.
+	for i := 0; ; i++ {
+		err := os.WriteFile(filepath.Join(dir, "sandboxes", fmt.Sprintf("fill-%d", i)), make([]byte, 64<<10), 0o600)
+		if errors.Is(err, unix.ENOSPC) {
+			if err := os.WriteFile(filepath.Join(dir, "sandboxes", fmt.Sprintf("fill-%d-0", i)), nil, 0o600); errors.Is(err, unix.ENOSPC) {
+				break
+			}
+		} else if err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := &config{DataDir: dir, Provider: "auto", ProviderReset: true, SandboxUID: provider.DefaultUID}
+	p, r, err := chooseProvider(context.Background(), c, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err == nil {
+		t.Fatalf("a reset on a full disk chose %s: %+v", p.Name(), r)
+	}
+	if !errors.Is(err, provider.ErrResource) || !strings.Contains(err.Error(), "out of disk space or inodes") ||
+		strings.Contains(err.Error(), "--provider") {
+		t.Errorf("want the full disk named, and no other provider suggested:\n%v", err)
+	}
+	if memo(t, dir) != "namespace" {
+		t.Errorf("the memo changed to %q", memo(t, dir))
 	}
 }

@@ -187,15 +187,23 @@ func TestQuietPrintsIDs(t *testing.T) {
 func TestCreateWarnsWhenNotIsolated(t *testing.T) {
 	t.Parallel()
 	for isolation, warn := range map[string]bool{protocol.IsolationNone: true, protocol.IsolationNamespace: false} {
+		sb := protocol.Sandbox{ID: "sb_1", Name: "dev", Status: "running", Isolation: isolation}
 		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			json.NewEncoder(w).Encode(protocol.CreateSandboxResponse{Outcome: "created",
-				Sandbox: protocol.Sandbox{ID: "sb_1", Name: "dev", Status: "running", Isolation: isolation}})
+			if r.Method == http.MethodPost {
+				json.NewEncoder(w).Encode(protocol.CreateSandboxResponse{Outcome: "created", Sandbox: sb})
+				return
+			}
+			json.NewEncoder(w).Encode(sb)
 		}))
 		for _, args := range [][]string{{"create", "dev"}, {"create", "dev", "-o", "json"}, {"create", "dev", "-q"}} {
 			code, out, stderr := sbctl(t, t.Context(), srv.URL, "", args...)
 			if code != 0 || strings.Contains(out, "not isolated") || strings.Contains(stderr, "warning: sandbox dev is not isolated") != warn {
 				t.Errorf("%s, sbctl %v: exit %d\nstdout: %s\nstderr: %s", isolation, args, code, out, stderr)
 			}
+		}
+		// get shows it in its table too.
+		if code, out, stderr := sbctl(t, t.Context(), srv.URL, "", "get", "dev"); code != 0 || !strings.Contains(out, "Isolation:       "+isolation) {
+			t.Errorf("%s, sbctl get: exit %d\nstdout: %s\nstderr: %s", isolation, code, out, stderr)
 		}
 		srv.Close()
 	}

@@ -241,7 +241,12 @@ func describeSandbox(w io.Writer, s protocol.Sandbox) {
 	row("ID", s.ID)
 	row("Status", statusWord(s))
 	row("Template", s.Template)
+	isolation := s.Isolation
+	if s.Isolation == protocol.IsolationNone {
+		isolation += " (a plain directory on the broker's host: its commands see the host)"
+	}
 	row("Provider", s.Provider)
+	row("Isolation", isolation)
 	row("Workspace", s.Workspace)
 	row("TTL", (time.Duration(s.TTLSeconds) * time.Second).String())
 	row("Expires", expiresIn(s))

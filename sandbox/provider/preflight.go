@@ -96,7 +96,7 @@ func Preflight(ctx context.Context, cfg Config, choice string) (Provider, Report
 	case choice == ChoiceNamespace || !errors.Is(err, ErrNoNamespaces):
 		msg := strings.TrimPrefix(err.Error(), ErrUnavailable.Error()+": ")
 		if choice != ChoiceNamespace {
-			msg += " (not falling back to the dir provider: this host can run namespace sandboxes, and dir would run them with no isolation)"
+			msg += " (not falling back to the dir provider, which would run sandboxes with no isolation: nothing says this host cannot run namespace sandboxes)"
 		}
 		return nil, failed, fmt.Errorf("%w: namespace provider: %s", ErrUnavailable, msg)
 	}

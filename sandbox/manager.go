@@ -242,8 +242,11 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			return fail(protocol.ReasonSetupFailed, why, nil)
 		}
 	}
+	// The record names the provider that runs the sandbox now: after a data dir moved providers, the
+	// one it was created with would claim an isolation it no longer has.
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, m.now(), store.Transition{
-		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning})
+		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning,
+		Fields: map[string]string{store.FieldProvider: m.cfg.Provider.Name()}})
 	if err != nil {
 		// Deleted (or otherwise moved) while we provisioned: the other action wins.
 		inst.Stop(ctx)

@@ -90,3 +90,24 @@ func TestIsolationIsVisible(t *testing.T) {
 		})
 	}
 }
+
+// A sandbox brought back by a broker that runs another provider (a data dir moved to dir with
+// --allow-unisolated) says what runs it now, not what ran it when it was created.
+func TestIsolationFollowsTheProviderThatRunsIt(t *testing.T) {
+	t.Parallel()
+	first := servertest.New(t, servertest.Options{Provider: "namespace"})
+	ctx := context.Background()
+	if _, err := first.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "moved"}); err != nil {
+		t.Fatal(err)
+	}
+	first.Stop()
+	second := servertest.New(t, servertest.Options{Provider: "dir", Redis: first.Redis, DataDir: first.DataDir, Node: "node-test"})
+	c := second.NewClient(first.Org)
+	got, err := c.GetSandbox(ctx, "moved")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Status != protocol.StatusRunning || got.Provider != "dir" || got.Isolation != protocol.IsolationNone {
+		t.Errorf("after the restart on dir: status %s, provider %s, isolation %s", got.Status, got.Provider, got.Isolation)
+	}
+}

@@ -237,6 +237,7 @@ const (
 	FieldStopReason = fStopReason
 	FieldFailure    = fFailure
 	FieldLost       = fLost
+	FieldProvider   = fProvider
 )
 
 // Transition applies t to the sandbox ref at time now and returns the updated record. Moving to

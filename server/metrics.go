@@ -41,7 +41,7 @@ func newMetrics(dpConns func() int, prov ProviderInfo) *metrics {
 	limits := prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_provider_limits_enforced",
 		Help: "1 when memory, pids and cpu limits apply to sandboxes, 0 when they do not."})
 	fallback := prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_provider_fallback",
-		Help: "1 when this start's preflight fell back to the dir provider because the host cannot run namespace sandboxes."})
+		Help: "1 when the broker runs the dir provider because preflight fell back to it: the host could not run namespace sandboxes."})
 	if prov.LimitsEnforced {
 		limits.Set(1)
 	}

@@ -55,7 +55,8 @@ type ProviderInfo struct {
 	Isolation string `json:"isolation"`
 	// LimitsEnforced says whether memory, pids and cpu limits apply to sandboxes.
 	LimitsEnforced bool `json:"limits_enforced"`
-	// Fallback is why preflight fell back to the dir provider on this start, empty if it did not.
+	// Fallback is why preflight fell back to the dir provider (on this start or the one that set up
+	// the data dir), empty if it did not.
 	Fallback string `json:"fallback,omitempty"`
 }
 

@@ -73,6 +73,17 @@ func TestFallbackIsLoudAndNeverRoot(t *testing.T) {
 	if r := b.sbctl("exec", "dev", "--", "cat", "/etc/shadow"); r.code == 0 {
 		t.Errorf("a dir sandbox read /etc/shadow:\n%s", r.stdout)
 	}
+
+	// Every later start keeps the dir provider (auto never changes a data dir's provider by
+	// itself) and still says why it is there.
+	b.restart()
+	if !strings.Contains(b.log.String(), "SANDBOXES ARE NOT ISOLATED") || !strings.Contains(b.log.String(), "bwrap not found") {
+		t.Errorf("the restart's log does not say why sandboxes are not isolated:\n%s", b.log)
+	}
+	raw = get(t, b.URL+"/readyz")
+	if err := json.Unmarshal([]byte(raw), &ready); err != nil || ready.Isolation != "none" || !strings.Contains(ready.Fallback, "bwrap not found") {
+		t.Errorf("/readyz after a restart: %s", raw)
+	}
 }
 
 // A namespace broker says its sandboxes are isolated, and sbctl create warns about nothing.

@@ -118,10 +118,7 @@ func serve(parent context.Context, c *config) error {
 // --provider dir confirmed with --allow-unisolated moves it there.
 func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.Provider, provider.Report, error) {
 	memo := filepath.Join(c.DataDir, "provider")
-	recorded := ""
-	if b, err := os.ReadFile(memo); err == nil {
-		recorded = strings.TrimSpace(string(b))
-	}
+	recorded, fellBack := readMemo(memo)
 	// A data dir from before the memo existed holds sandboxes of an unknown provider: they may be
 	// namespace sandboxes, so they are treated as such.
 	isolated := recorded == provider.ChoiceNamespace || (recorded == "" && hostsSandboxes(c.DataDir))
@@ -154,15 +151,43 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 	if report.Warning != "" {
 		log.Warn(report.Warning, "provider", prov.Name())
 	}
+	if prov.Name() == provider.ChoiceDir && choice == recorded && report.Fallback == "" {
+		// Still on the dir provider that an earlier start fell back to: say so on every start.
+		report.Fallback = fellBack
+	}
 	if recorded == provider.ChoiceDir && choice == recorded && c.Provider == provider.ChoiceAuto {
 		log.Warn("this data dir was set up with the dir provider and keeps it; once the namespace provider works here, start with --provider-reset to switch", "data_dir", c.DataDir)
 	}
 	log.Info("sandbox provider ready", "provider", prov.Name(), "isolation", sandbox.Isolation(prov.Name()), "limits_enforced", report.LimitsEnforced,
 		"cgroups", report.Cgroups, "preflight_ms", report.Took.Milliseconds())
-	if err := os.WriteFile(memo, []byte(prov.Name()+"\n"), 0o600); err != nil {
+	content := prov.Name() + "\n"
+	if report.Fallback != "" {
+		content += fallbackNote + strings.ReplaceAll(report.Fallback, "\n", " ") + "\n"
+	}
+	if err := os.WriteFile(memo, []byte(content), 0o600); err != nil {
 		return nil, report, fmt.Errorf("--data-dir: %w", err)
 	}
 	return prov, report, nil
+}
+
+// fallbackNote starts the memo's second line when "auto" chose dir because the host could not run
+// namespace sandboxes, so that every later start (its banner, /readyz, /metrics) still says why.
+const fallbackNote = "# fell back: "
+
+// readMemo reads the provider a data dir was set up with ("" if none) and, when that was a
+// fallback, why.
+func readMemo(path string) (recorded, fellBack string) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", ""
+	}
+	first, rest, _ := strings.Cut(string(b), "\n")
+	for _, l := range strings.Split(rest, "\n") {
+		if why, ok := strings.CutPrefix(l, fallbackNote); ok {
+			fellBack = strings.TrimSpace(why)
+		}
+	}
+	return strings.TrimSpace(first), fellBack
 }
 
 // hostsSandboxes reports whether the data dir holds any sandbox.
@@ -214,7 +239,7 @@ func notIsolated(c *config, r provider.Report) []string {
 	}
 	var paras []string
 	if r.Fallback != "" {
-		paras = append(paras, "The namespace provider cannot run on this host, so the broker fell back to the dir provider: "+r.Fallback)
+		paras = append(paras, "The namespace provider could not run on this host, so the broker fell back to the dir provider: "+r.Fallback)
 	} else {
 		paras = append(paras, "This broker runs the dir provider (--provider dir, or a data dir set up with it).")
 	}

@@ -75,12 +75,14 @@ func TestLeaseExpiry(t *testing.T) {
 	if _, err := c.Heartbeat(ctx, "alive"); err != nil {
 		t.Fatal(err)
 	}
+	// The warning window is half the lease here (1 s): quiet, 0.5 s from its deadline, is warned;
+	// alive, 2 s from its new one, is not.
 	r, err := b.Sweeper.SweepOnce(ctx)
-	if err != nil || r.Stopped != 0 || r.Warned != 2 {
+	if err != nil || r.Stopped != 0 || r.Warned != 1 {
 		t.Fatalf("first sweep: %+v %v", r, err)
 	}
-	clock.Advance(time.Second) // quiet is 0.5 s past its deadline; alive has 0.5 s left
-	if r, err = b.Sweeper.SweepOnce(ctx); err != nil || r.Stopped != 1 {
+	clock.Advance(time.Second) // quiet is 0.5 s past its deadline and warned 1 s ago; alive has 1 s left
+	if r, err = b.Sweeper.SweepOnce(ctx); err != nil || r.Stopped != 1 || r.Warned != 1 {
 		t.Fatalf("second sweep: %+v %v", r, err)
 	}
 	got, _ := c.GetSandbox(ctx, "quiet")
@@ -154,6 +156,8 @@ func TestTwoBrokers(t *testing.T) {
 	}
 
 	clock.Advance(3 * time.Second)
+	a.Sweeper.SweepOnce(ctx) // the warning; a stop waits a window (1 s) after it
+	clock.Advance(time.Second)
 	var wg sync.WaitGroup
 	for _, br := range []*servertest.Broker{a, b, a, b} {
 		wg.Add(1)
@@ -184,7 +188,9 @@ func TestHeartbeatRacesSweep(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		clock.Advance(time.Second) // exactly at the deadline
+		clock.Advance(time.Second) // at the deadline: warned now, stoppable half a lease later
+		b.Sweeper.SweepOnce(ctx)
+		clock.Advance(500 * time.Millisecond)
 		var hbErr error
 		var wg sync.WaitGroup
 		wg.Add(2)
@@ -214,6 +220,8 @@ func TestRetentionAndOrphans(t *testing.T) {
 	if err != nil || len(o.Items) != 1 || o.Items[0].Sandbox.Name != "old" {
 		t.Fatalf("orphans before the sweep: %v %+v", err, o)
 	}
+	b.Sweeper.SweepOnce(ctx) // warns; the stop comes a window (half the lease) later
+	clock.Advance(30 * time.Second)
 	b.Sweeper.SweepOnce(ctx)
 	o, _ = b.Client.Orphans(ctx)
 	if len(o.Items) != 1 || o.Items[0].Sandbox.Status != "stopped" || len(o.Items[0].Reasons) == 0 {

@@ -18,10 +18,14 @@ type Orphan struct {
 // staleStopped is how long a stopped sandbox sits before it is reported as an orphan.
 const staleStopped = 24 * time.Hour
 
-// Orphans lists an org's sandboxes that look abandoned at now, each with every reason: a deadline
-// already passed, a heartbeat long overdue, a revoked owner key, a sweeper stop, a long stop, a
-// failure. It changes nothing; cleaning up is sbctl delete (by name or by tag).
-func Orphans(ctx context.Context, st *store.Store, org string, now time.Time) ([]Orphan, error) {
+// Orphans lists an org's sandboxes that look abandoned now (on the lease clock), each with every
+// reason: a deadline already passed, a heartbeat long overdue, a revoked owner key, a sweeper stop, a
+// long stop, a failure. It changes nothing; cleaning up is sbctl delete (by name or by tag).
+func Orphans(ctx context.Context, st *store.Store, org string) ([]Orphan, error) {
+	now, err := st.Now(ctx)
+	if err != nil {
+		return nil, err
+	}
 	recs, err := st.ListAll(ctx, org, store.Filter{})
 	if err != nil {
 		return nil, err

@@ -22,11 +22,13 @@ type Config struct {
 	Sandboxes *sandbox.Manager
 	Events    events.Sink
 	Log       *slog.Logger
-	// Now is the clock of every deadline decision.
+	// Now is the broker's clock, for event times only: every deadline decision is made on the
+	// store's lease clock (Redis TIME), so that a broker with a wrong clock cannot stop anything early.
 	Now func() time.Time
 	// Interval between sweeps (default 2s).
 	Interval time.Duration
-	// Warning is how long before its deadline a sandbox gets an expiring event (default 1m).
+	// Warning is how long before its deadline a sandbox gets an expiring event (default 1m; half the
+	// lease when that is shorter). A stop always comes at least that long after the event.
 	Warning time.Duration
 	// Retention deletes sandboxes stopped longer than this; 0 keeps them forever.
 	Retention time.Duration
@@ -133,9 +135,13 @@ func (s *Sweeper) release() {
 const maxRounds = 50
 
 // SweepOnce does one sweep now, lock or not: expiry warnings, stops of expired sandboxes
-// (reason ttl_expired), and retention deletes.
+// (reason ttl_expired), and retention deletes. After a Redis outage this broker saw, every lease
+// first gets its grace (store.GrantGrace), so the outage stops nothing.
 func (s *Sweeper) SweepOnce(ctx context.Context) (Report, error) {
 	var r Report
+	if err := s.cfg.Store.GrantGrace(ctx); err != nil {
+		return r, err
+	}
 	orgs, err := s.cfg.Store.Orgs(ctx)
 	if err != nil {
 		return r, err
@@ -150,15 +156,19 @@ func (s *Sweeper) SweepOnce(ctx context.Context) (Report, error) {
 }
 
 func (s *Sweeper) sweepOrg(ctx context.Context, org string, r *Report) error {
-	now := s.cfg.Now().UTC()
 	caller := sandbox.Caller{Org: org, Actor: "sweeper"}
-	due, err := s.cfg.Store.WarnExpiring(ctx, org, now, now.Add(s.cfg.Warning), s.cfg.Batch)
+	// The lease clock, read once: the candidates below are re-checked on it atomically.
+	now, err := s.cfg.Store.Now(ctx)
+	if err != nil {
+		return err
+	}
+	due, err := s.cfg.Store.WarnExpiring(ctx, org, s.cfg.Warning, s.cfg.Batch)
 	if err != nil {
 		return err
 	}
 	for _, w := range due {
-		left := int64(w.ExpiresAt.Sub(now).Round(time.Second) / time.Second)
-		s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: w.ID, Name: w.Name, Time: now,
+		left := int64(w.StopAt.Sub(now).Round(time.Second) / time.Second)
+		s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: w.ID, Name: w.Name, Time: s.cfg.Now().UTC(),
 			Actor: "sweeper", SecondsLeft: &left, Status: protocol.StatusRunning})
 	}
 	r.Warned += len(due)
@@ -169,8 +179,9 @@ func (s *Sweeper) sweepOrg(ctx context.Context, org string, r *Report) error {
 		}
 		stopped := 0
 		for _, id := range ids {
-			// The stop re-checks the deadline atomically: a heartbeat that landed since wins.
-			_, err := s.cfg.Sandboxes.Stop(ctx, caller, id, protocol.StopTTLExpired, now)
+			// The stop re-checks the deadline and the warning atomically: a heartbeat that landed
+			// since wins, and one whose warning is younger than its window waits.
+			_, err := s.cfg.Sandboxes.StopExpired(ctx, caller, id, s.cfg.Warning)
 			switch {
 			case err == nil:
 				stopped++

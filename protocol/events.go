@@ -55,7 +55,9 @@ type Event struct {
 	DurationMS *int64 `json:"duration_ms,omitempty"`
 	// JTI names the token for connected, disconnected, token_minted and token_revoked.
 	JTI string `json:"jti,omitempty"`
-	// SecondsLeft before the deadline, for expiring.
+	// SecondsLeft before the sweeper may stop it, for expiring: the deadline, or the warning window
+	// from the warning when that is later (never less than the window; 0 when a restarted broker
+	// found the lease run out).
 	SecondsLeft *int64 `json:"seconds_left,omitempty"`
 	// Status is the sandbox's status after the event, where it changed.
 	Status string `json:"status,omitempty"`

@@ -182,7 +182,7 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 		got, err = m.waitSettled(ctx, c.Org, got)
 		if err == nil && got.Status == protocol.StatusRunning {
 			// Reuse is an owner call: it renews the lease.
-			if l, lerr := m.cfg.Store.Heartbeat(ctx, c.Org, got.ID, m.now()); lerr == nil {
+			if l, lerr := m.cfg.Store.Heartbeat(ctx, c.Org, got.ID); lerr == nil {
 				got.ExpiresAt, got.Heartbeat = l.ExpiresAt, m.now()
 			}
 		}
@@ -217,7 +217,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			fields[store.FieldStopReason] = protocol.StopRuntimeLost
 			reason = protocol.StopRuntimeLost
 		}
-		got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, m.now(), store.Transition{
+		got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 			From: []string{protocol.StatusProvisioning}, To: to, Fields: fields})
 		if err != nil {
 			return rec, err
@@ -244,7 +244,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	}
 	// The record names the provider that runs the sandbox now: after a data dir moved providers, the
 	// one it was created with would claim an isolation it no longer has.
-	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, m.now(), store.Transition{
+	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning,
 		Fields: map[string]string{store.FieldProvider: m.cfg.Provider.Name()}})
 	if err != nil {
@@ -291,7 +291,7 @@ func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	rec, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+	rec, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
 		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
 		Fields: map[string]string{store.FieldStopReason: protocol.StopRuntimeLost}})
 	if err != nil {
@@ -331,16 +331,30 @@ func (m *Manager) List(ctx context.Context, org string, f store.Filter, limit in
 }
 
 // Stop stops a running sandbox: every process ends, files stay. Stopping a stopped sandbox is a no-op.
-// IfExpiredBy (non-zero) is the sweeper's atomic re-check: the stop happens only if no heartbeat
-// moved the deadline past it.
-func (m *Manager) Stop(ctx context.Context, c Caller, ref, reason string, ifExpiredBy time.Time) (store.Record, error) {
-	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), store.Transition{
-		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped, IfExpiredBy: ifExpiredBy,
+func (m *Manager) Stop(ctx context.Context, c Caller, ref, reason string) (store.Record, error) {
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
+		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
 		Fields: map[string]string{store.FieldStopReason: reason}})
 	var se *store.StateError
-	if errors.As(err, &se) && se.Status == protocol.StatusStopped && ifExpiredBy.IsZero() {
+	if errors.As(err, &se) && se.Status == protocol.StatusStopped {
 		return m.Get(ctx, c.Org, ref)
 	}
+	return m.stopped(ctx, c, ref, reason, rec, err)
+}
+
+// StopExpired is the sweeper's stop (reason ttl_expired), re-checked atomically on the lease clock:
+// it happens only if no heartbeat moved the deadline meanwhile and the sandbox's expiring warning
+// was claimed at least its window (warning, or half the lease) earlier. Otherwise the error is an
+// invalid_state one.
+func (m *Manager) StopExpired(ctx context.Context, c Caller, ref string, warning time.Duration) (store.Record, error) {
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
+		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped, IfExpired: true, Warning: warning,
+		Fields: map[string]string{store.FieldStopReason: protocol.StopTTLExpired}})
+	return m.stopped(ctx, c, ref, protocol.StopTTLExpired, rec, err)
+}
+
+// stopped ends the runtime of a sandbox whose record a stop transition changed, and says so.
+func (m *Manager) stopped(ctx context.Context, c Caller, ref, reason string, rec store.Record, err error) (store.Record, error) {
 	if err != nil {
 		return store.Record{}, m.mapStoreErr(err, ref)
 	}
@@ -368,7 +382,7 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 
 // Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.
 func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
-	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), store.Transition{
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
 		From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
 		Fields: map[string]string{store.FieldStopReason: ""}})
 	var se *store.StateError
@@ -452,7 +466,7 @@ func (m *Manager) DeleteStopped(ctx context.Context, c Caller, ref string, stopp
 }
 
 func (m *Manager) delete(ctx context.Context, c Caller, ref string, t store.Transition) (store.Record, error) {
-	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, m.now(), t)
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, t)
 	if err != nil {
 		return store.Record{}, m.mapStoreErr(err, ref)
 	}
@@ -518,13 +532,13 @@ func (m *Manager) DeleteMatching(ctx context.Context, c Caller, tags map[string]
 
 // Heartbeat renews a running sandbox's lease.
 func (m *Manager) Heartbeat(ctx context.Context, org, ref string) (store.Lease, error) {
-	l, err := m.cfg.Store.Heartbeat(ctx, org, ref, m.now())
+	l, err := m.cfg.Store.Heartbeat(ctx, org, ref)
 	return l, m.mapStoreErr(err, ref)
 }
 
 // HeartbeatMany renews many leases at once; each ref gets its lease or its own error.
 func (m *Manager) HeartbeatMany(ctx context.Context, org string, refs []string) ([]store.Lease, []error) {
-	leases, errs := m.cfg.Store.HeartbeatMany(ctx, org, refs, m.now())
+	leases, errs := m.cfg.Store.HeartbeatMany(ctx, org, refs)
 	for i, err := range errs {
 		errs[i] = m.mapStoreErr(err, refs[i])
 	}
@@ -536,7 +550,7 @@ func (m *Manager) SetTTL(ctx context.Context, org, ref string, ttl time.Duration
 	if err := ValidateTTL(ttl, m.cfg.MaxTTL); err != nil {
 		return store.Lease{}, err
 	}
-	l, err := m.cfg.Store.SetTTL(ctx, org, ref, ttl, m.now())
+	l, err := m.cfg.Store.SetTTL(ctx, org, ref, ttl)
 	return l, m.mapStoreErr(err, ref)
 }
 

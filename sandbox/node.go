@@ -76,7 +76,8 @@ func (m *Manager) Run(ctx context.Context, interval time.Duration) {
 
 // Recover makes this node's runtimes match the records after a broker start: running sandboxes come
 // back running with a fresh init on the same files (their processes were lost, and the record says
-// so), half-done deletions finish, a half-done resume is stopped again and a half-done create fails.
+// so), unless their lease ran out meanwhile (they stay stopped, ttl_expired), half-done deletions
+// finish, a half-done resume is stopped again and a half-done create fails.
 func (m *Manager) Recover(ctx context.Context) error {
 	entries, err := os.ReadDir(m.cfg.IndexDir)
 	if err != nil {
@@ -114,7 +115,7 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 	case protocol.StatusProvisioning:
 		if !rec.StartedAt.IsZero() {
 			// A resume cut short: its files are whole, so it goes back to stopped, resumable.
-			got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+			got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
 				From: []string{protocol.StatusProvisioning}, To: protocol.StatusStopped,
 				Fields: map[string]string{store.FieldStopReason: protocol.StopRuntimeLost}})
 			if err == nil {
@@ -123,14 +124,17 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 			return
 		}
 		// A first start cut short: its template setup may not have run.
-		got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+		got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
 			From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed,
 			Fields: map[string]string{store.FieldFailure: "the broker restarted while the sandbox was being created; delete it and create it again"}})
 		if err == nil {
 			m.emit(c, got, protocol.EventFailed, func(e *protocol.Event) { e.Reason = protocol.ReasonBrokerRestart })
 		}
 	case protocol.StatusRunning:
-		got, err := m.cfg.Store.Transition(ctx, org, id, m.now(), store.Transition{
+		if !rec.ExpiresAt.IsZero() && m.expireOnRecover(ctx, c, rec) {
+			return
+		}
+		got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
 			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning,
 			Fields: map[string]string{store.FieldLost: strconv.FormatInt(m.now().UnixMilli(), 10)}})
 		if err != nil {
@@ -145,6 +149,28 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 			m.emit(c, got, protocol.EventResumed, func(e *protocol.Event) { e.Reason = protocol.ReasonBrokerRestart })
 		}
 	}
+}
+
+// expireOnRecover stops a sandbox whose lease ran out while this broker was down, instead of
+// bringing it back with a fresh lease: its owner stopped heartbeating, or could not reach any broker,
+// and a restart must not renew what the owner did not. Its processes are gone already; the record
+// says stopped, ttl_expired, with an expiring event first as for any expiry. A heartbeat through
+// another broker that lands first wins: the stop re-checks the deadline on the lease clock. It
+// reports whether it stopped the sandbox.
+func (m *Manager) expireOnRecover(ctx context.Context, c Caller, rec store.Record) bool {
+	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
+		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped, IfExpired: true,
+		Fields: map[string]string{store.FieldStopReason: protocol.StopTTLExpired,
+			store.FieldLost: strconv.FormatInt(m.now().UnixMilli(), 10)}})
+	if err != nil {
+		return false
+	}
+	var left int64
+	m.emit(c, rec, protocol.EventExpiring, func(e *protocol.Event) { e.SecondsLeft = &left })
+	m.emit(c, got, protocol.EventStopped, func(e *protocol.Event) { e.Reason = protocol.StopTTLExpired })
+	m.cfg.Log.Info("sandbox's lease ran out while the broker was down: it stays stopped (ttl_expired), files kept",
+		"sandbox_id", rec.ID, "org", rec.Org, "expired_at", rec.ExpiresAt)
+	return true
 }
 
 // recordMissing handles a sandbox indexed here whose record Redis does not have. Files come after

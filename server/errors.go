@@ -10,6 +10,7 @@ import (
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/store"
 )
 
 // statusOf is the one table from error code to HTTP status.
@@ -73,7 +74,7 @@ func apiError(err error) (int, *protocol.Error) {
 
 func isRedisDown(err error) bool {
 	var ne interface{ Timeout() bool }
-	return errors.Is(err, redis.ErrClosed) || errors.As(err, &ne) || errors.Is(err, redis.ErrPoolTimeout)
+	return errors.Is(err, redis.ErrClosed) || errors.As(err, &ne) || store.Unavailable(err)
 }
 
 // errorHandler is echo's HTTPErrorHandler: every error answer goes through here.

@@ -152,7 +152,7 @@ func (s *Server) getSandbox(c echo.Context) error {
 }
 
 func (s *Server) stopSandbox(c echo.Context) error {
-	rec, err := s.sandboxes.Stop(c.Request().Context(), s.caller(c), sandboxOf(c).ID, protocol.StopRequested, time.Time{})
+	rec, err := s.sandboxes.Stop(c.Request().Context(), s.caller(c), sandboxOf(c).ID, protocol.StopRequested)
 	if err != nil {
 		return err
 	}

@@ -13,7 +13,7 @@ import (
 
 // orphans is the sweep's dry run: the org's sandboxes that look abandoned, with reasons.
 func (s *Server) orphans(c echo.Context) error {
-	list, err := heartbeat.Orphans(c.Request().Context(), s.store, principal(c).Org, s.now().UTC())
+	list, err := heartbeat.Orphans(c.Request().Context(), s.store, principal(c).Org)
 	if err != nil {
 		return err
 	}

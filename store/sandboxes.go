@@ -3,8 +3,11 @@ package store
 import (
 	"context"
 	"fmt"
+	"io"
+	"log/slog"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -12,15 +15,96 @@ import (
 
 // Store is the Redis state. It is safe for concurrent use.
 type Store struct {
-	rdb    redis.UniversalClient
-	leases *leaseBatcher
+	rdb     redis.UniversalClient
+	leases  *leaseBatcher
+	clock   func() time.Time
+	health  *health
+	graceMu sync.Mutex
 }
 
-// New wraps a client. The client may point at one Redis, a Sentinel group or a Cluster.
-func New(rdb redis.UniversalClient) *Store { return &Store{rdb: rdb, leases: newLeaseBatcher(rdb)} }
+// Options tune a Store.
+type Options struct {
+	// Timeout bounds every Redis call, retries included (0: DefaultTimeout; negative: unbounded).
+	// Give the client's options the same bound with BoundOptions.
+	Timeout time.Duration
+	// Clock replaces Redis TIME as the lease clock. Tests only: see nowArg.
+	Clock func() time.Time
+	// Log receives outage and recovery notices (nil: discarded).
+	Log *slog.Logger
+}
+
+// New wraps a client with the default options. The client may point at one Redis, a Sentinel group
+// or a Cluster.
+func New(rdb redis.UniversalClient) *Store { return NewWithOptions(rdb, Options{}) }
+
+// NewWithOptions wraps a client. It adds a hook to the client that bounds every call and watches
+// for outages (see GrantGrace).
+func NewWithOptions(rdb redis.UniversalClient, o Options) *Store {
+	if o.Timeout == 0 {
+		o.Timeout = DefaultTimeout
+	}
+	if o.Log == nil {
+		o.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	s := &Store{rdb: rdb, clock: o.Clock}
+	s.health = &health{timeout: o.Timeout, log: o.Log, onRecover: func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := s.GrantGrace(ctx); err != nil {
+			o.Log.Error("granting leases their grace after a Redis outage; the sweeper tries again before it sweeps", "err", err)
+		}
+	}}
+	rdb.AddHook(s.health)
+	s.leases = newLeaseBatcher(rdb)
+	return s
+}
 
 // Client is the underlying client, for packages that keep their own keys (events, delegation).
 func (s *Store) Client() redis.UniversalClient { return s.rdb }
+
+// One clock for every lease. Deadlines, the sweeper's "has it expired" and expiry warnings are all
+// decided by Redis' clock, read with TIME inside the scripts that decide them, so every broker on
+// one Redis agrees and a broker with a wrong clock can neither cut a lease short nor stop a sandbox
+// early. (On a Cluster it is the clock of the node holding the org's keys.) Tests that move time by
+// hand give the store a Clock instead: the scripts then take "now" from ARGV, and nothing else
+// changes, so such tests stay deterministic.
+const luaClock = `
+local function clock(arg)
+  if arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+`
+
+// nowArg is the "now" ARGV of the lease scripts: "" (Redis TIME) unless a test clock is set.
+func (s *Store) nowArg() string {
+	if s.clock == nil {
+		return ""
+	}
+	return strconv.FormatInt(ms(s.clock()), 10)
+}
+
+// Now reads the lease clock: Redis TIME (or the test clock). The sweeper reads it once per sweep;
+// every decision is re-checked in a script on the same clock.
+func (s *Store) Now(ctx context.Context) (time.Time, error) {
+	if s.clock != nil {
+		return s.clock().UTC(), nil
+	}
+	t, err := s.rdb.Time(ctx).Result()
+	if err != nil {
+		return time.Time{}, fmt.Errorf("store: read Redis' clock: %w", err)
+	}
+	return t.UTC(), nil
+}
+
+// luaWindow is how long before a deadline its expiring warning comes: the configured warning, but
+// at most half the lease, so that an owner heartbeating at a sane pace (more often than every
+// ttl/2) never sees one, and a lease shorter than the warning does not warn on every heartbeat.
+const luaWindow = `
+local function window(warning, ttl)
+  return math.min(warning, math.floor(ttl * 1000 / 2))
+end
+`
 
 // Scripts take the org's key prefix in ARGV when they must reach a sandbox hash whose id they only
 // learn inside the script (a name lookup). Every such key carries the org's hash tag, so it lives in
@@ -168,13 +252,17 @@ func (s *Store) Get(ctx context.Context, org, ref string) (Record, error) {
 // transitionScript moves a sandbox between statuses if its current status is one of the allowed
 // ones, keeping the deadline and stopped indexes in step with the status.
 // KEYS: 1 names, 2 deadlines, 3 stopped, 4 warned.
-// ARGV: 1 ref, 2 sandbox key prefix, 3 allowed current statuses ("a,b"), 4 new status, 5 now (ms),
-// 6 only-if-expired-by (ms; 0 = unconditional: the sweeper passes now, so a heartbeat that moved the
-// deadline first wins), 7 only-if-stopped-by (ms; 0 = unconditional: retention passes its cutoff, so
-// a resume that lands first wins), 8.. extra field/value pairs to set.
+// ARGV: 1 ref, 2 sandbox key prefix, 3 allowed current statuses ("a,b"), 4 new status, 5 now (ms;
+// "" = Redis TIME), 6 only-if-expired ("1": the lease ran out by now, so a heartbeat that moved the
+// deadline first wins), 7 with 6, the warning (ms; 0 = none) whose window must have passed since the
+// expiring warning for this deadline was claimed, 8 only-if-stopped-by (ms; 0 = unconditional:
+// retention passes its cutoff, so a resume that lands first wins), 9.. extra field/value pairs.
 // Answers {"ok", HGETALL...} or {"err", code, detail}.
-// Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped.
-var transitionScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + `
+// Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped. A
+// sweeper's stop (6 and 7 set) comes at least the warning window after the sandbox's expiring
+// warning, whatever the deadline says: an outage or another broker's sweep can delay a stop, never
+// make one come unannounced.
+var transitionScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + luaClock + luaWindow + `
 local id = resolve(ARGV[1])
 if not id then return {'err', 'not_found', ''} end
 local key = prefix .. id
@@ -182,17 +270,24 @@ local status = redis.call('HGET', key, 'status')
 local allowed = false
 for s in string.gmatch(ARGV[3], '[^,]+') do if s == status then allowed = true end end
 if not allowed then return {'err', 'state', status} end
-local now, to, ifexp, ifstop = tonumber(ARGV[5]), ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7])
-if ifexp > 0 then
-  local exp = tonumber(redis.call('HGET', key, 'expires')) or 0
-  if exp == 0 or exp > ifexp then return {'err', 'state', 'renewed'} end
+local now, to, ifexp, warning, ifstop = clock(ARGV[5]), ARGV[4], ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8])
+if ifexp then
+  local h = redis.call('HMGET', key, 'expires', 'ttl')
+  local exp = tonumber(h[1]) or 0
+  if exp == 0 or exp > now then return {'err', 'state', 'renewed'} end
+  if warning > 0 then
+    local warned = redis.call('ZSCORE', KEYS[4], id)
+    if not warned or tonumber(warned) > now - window(warning, tonumber(h[2]) or 0) then
+      return {'err', 'state', 'unwarned'}
+    end
+  end
 end
 if ifstop > 0 then
   local stopped = tonumber(redis.call('HGET', key, 'stopped')) or 0
   if status ~= 'stopped' or stopped == 0 or stopped > ifstop then return {'err', 'state', status} end
 end
 redis.call('HSET', key, 'status', to)
-for i = 8, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+for i = 9, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 if to == 'running' then
   lease(key, id, now, tonumber(redis.call('HGET', key, 'ttl')) or 0, KEYS[2], KEYS[4])
   if (tonumber(redis.call('HGET', key, 'started')) or 0) == 0 then redis.call('HSET', key, 'started', now) end
@@ -224,9 +319,13 @@ type Transition struct {
 	To   string
 	// Fields are extra record fields to set (stop_reason, failure, lost, provider, node...).
 	Fields map[string]string
-	// IfExpiredBy makes the change conditional on the sandbox's deadline being at or before this time:
-	// the sweeper's re-check, so that a heartbeat that lands first wins.
-	IfExpiredBy time.Time
+	// IfExpired makes the change conditional on the sandbox's lease having run out by the lease
+	// clock (see Now): the sweeper's re-check, so that a heartbeat that lands first wins.
+	IfExpired bool
+	// Warning, with IfExpired, also requires the sandbox's expiring warning for this deadline to have
+	// been claimed (WarnExpiring) at least its window earlier (the warning, or half the lease when
+	// that is shorter), so that a stop always follows its warning.
+	Warning time.Duration
 	// IfStoppedBy makes the change conditional on the sandbox being stopped since this time or
 	// earlier: retention's re-check, so that a resume that lands first wins.
 	IfStoppedBy time.Time
@@ -240,11 +339,12 @@ const (
 	FieldProvider   = fProvider
 )
 
-// Transition applies t to the sandbox ref at time now and returns the updated record. Moving to
-// running starts a lease (expires = now + ttl); moving to deleting frees the name and bumps the token
-// generation, which revokes every delegation token of the sandbox.
-func (s *Store) Transition(ctx context.Context, org, ref string, now time.Time, t Transition) (Record, error) {
-	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, ms(now), ms(t.IfExpiredBy), ms(t.IfStoppedBy)}
+// Transition applies t to the sandbox ref and returns the updated record; its times come from the
+// lease clock. Moving to running starts a lease (expires = now + ttl); moving to deleting frees the
+// name and bumps the token generation, which revokes every delegation token of the sandbox.
+func (s *Store) Transition(ctx context.Context, org, ref string, t Transition) (Record, error) {
+	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, s.nowArg(), boolArg(t.IfExpired),
+		t.Warning.Milliseconds(), ms(t.IfStoppedBy)}
 	for k, v := range t.Fields {
 		args = append(args, k, v)
 	}
@@ -260,17 +360,17 @@ func (s *Store) Transition(ctx context.Context, org, ref string, now time.Time, 
 }
 
 // leaseScript renews one lease (see luaRenew).
-// KEYS: 1 names, 2 deadlines, 3 warned. ARGV: 1 ref, 2 sandbox key prefix, 3 now (ms),
-// 4 new ttl in seconds ("" keeps it).
-var leaseScript = redis.NewScript(`local prefix = ARGV[2]` + luaRenew + `
-return renew(ARGV[1], tonumber(ARGV[3]), ARGV[4])
+// KEYS: 1 names, 2 deadlines, 3 warned. ARGV: 1 ref, 2 sandbox key prefix, 3 now (ms; "" = Redis
+// TIME), 4 new ttl in seconds ("" keeps it).
+var leaseScript = redis.NewScript(`local prefix = ARGV[2]` + luaRenew + luaClock + `
+return renew(ARGV[1], clock(ARGV[3]), ARGV[4])
 `)
 
 // leaseManyScript renews many leases of one org in one call (see luaRenew).
-// KEYS: 1 names, 2 deadlines, 3 warned. ARGV: 1 sandbox key prefix, 2 now (ms), 3.. refs.
-// Answers the five-element answers of every ref, concatenated in order.
-var leaseManyScript = redis.NewScript(`local prefix = ARGV[1]` + luaRenew + `
-local now, out = tonumber(ARGV[2]), {}
+// KEYS: 1 names, 2 deadlines, 3 warned. ARGV: 1 sandbox key prefix, 2 now (ms; "" = Redis TIME),
+// 3.. refs. Answers the five-element answers of every ref, concatenated in order.
+var leaseManyScript = redis.NewScript(`local prefix = ARGV[1]` + luaRenew + luaClock + `
+local now, out = clock(ARGV[2]), {}
 for i = 3, #ARGV do
   for _, v in ipairs(renew(ARGV[i], now, '')) do out[#out + 1] = v end
 end
@@ -285,22 +385,23 @@ type Lease struct {
 	ExpiresAt time.Time // zero: no lease
 }
 
-// Heartbeat renews the lease of a running sandbox: expires = now + ttl. It is one round trip.
-func (s *Store) Heartbeat(ctx context.Context, org, ref string, now time.Time) (Lease, error) {
-	return s.lease(ctx, org, ref, now, "")
+// Heartbeat renews the lease of a running sandbox: expires = now + ttl on the lease clock. It is
+// one round trip.
+func (s *Store) Heartbeat(ctx context.Context, org, ref string) (Lease, error) {
+	return s.lease(ctx, org, ref, "")
 }
 
 // SetTTL changes a sandbox's lease length; a running sandbox's deadline moves to now + ttl.
-func (s *Store) SetTTL(ctx context.Context, org, ref string, ttl time.Duration, now time.Time) (Lease, error) {
-	return s.lease(ctx, org, ref, now, strconv.FormatInt(int64(ttl/time.Second), 10))
+func (s *Store) SetTTL(ctx context.Context, org, ref string, ttl time.Duration) (Lease, error) {
+	return s.lease(ctx, org, ref, strconv.FormatInt(int64(ttl/time.Second), 10))
 }
 
 // HeartbeatMany renews many leases of one org in one Redis call. The answers and errors are in
 // the order of refs.
-func (s *Store) HeartbeatMany(ctx context.Context, org string, refs []string, now time.Time) ([]Lease, []error) {
+func (s *Store) HeartbeatMany(ctx context.Context, org string, refs []string) ([]Lease, []error) {
 	leases, errs := make([]Lease, len(refs)), make([]error, len(refs))
 	args := make([]any, 0, len(refs)+2)
-	args = append(args, sandboxPrefix(org), ms(now))
+	args = append(args, sandboxPrefix(org), s.nowArg())
 	for _, r := range refs {
 		args = append(args, r)
 	}
@@ -327,9 +428,9 @@ func leaseFrom(v []string) (Lease, error) {
 	return Lease{ID: v[1], Status: v[2], TTL: time.Duration(atoi(v[3])) * time.Second, ExpiresAt: fromMS(v[4])}, nil
 }
 
-func (s *Store) lease(ctx context.Context, org, ref string, now time.Time, ttl string) (Lease, error) {
+func (s *Store) lease(ctx context.Context, org, ref string, ttl string) (Lease, error) {
 	keys := []string{NamesKey(org), DeadlinesKey(org), WarnedKey(org)}
-	v, err := s.leases.do(ctx, keys, []any{ref, sandboxPrefix(org), ms(now), ttl})
+	v, err := s.leases.do(ctx, keys, []any{ref, sandboxPrefix(org), s.nowArg(), ttl})
 	if err != nil {
 		return Lease{}, fmt.Errorf("store: lease %s: %w", ref, err)
 	}
@@ -396,26 +497,31 @@ func (s *Store) BumpGen(ctx context.Context, org, id string) (int64, error) {
 	return gen, nil
 }
 
-// warnScript claims the expiry warnings due in one org: running sandboxes whose deadline falls in
-// (from, to] and that were not warned about it yet, in deadline order, up to limit. Warned ones are
-// skipped inside the script, so however many were warned already, the next ones are reached (at
-// most maxWarnScan entries of the window are looked at per call).
-// KEYS: 1 deadlines, 2 warned. ARGV: 1 from (ms), 2 to (ms), 3 limit, 4 sandbox key prefix,
-// 5 scan cap. Answers {id, name, deadline, ...}.
-// Invariant: a heartbeat removes the warned entry (luaLease), so each new deadline warns once.
-var warnScript = redis.NewScript(`
-local limit, prefix, cap = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-local out, offset = {}, 0
-while #out < 3 * limit and offset < cap do
-  local zs = redis.call('ZRANGE', KEYS[1], '(' .. ARGV[1], ARGV[2], 'BYSCORE', 'LIMIT', offset, 500, 'WITHSCORES')
+// warnScript claims the expiry warnings due in one org: running sandboxes whose deadline is within
+// their warning window of now (the warning, or half the lease when shorter; overdue ones included:
+// a deadline that passed during an outage is warned about before any stop) and that were not
+// warned about it yet, in deadline order, up to limit. Warned ones are skipped inside the script,
+// so however many were warned already, the next ones are reached (at most maxWarnScan entries are
+// looked at per call).
+// KEYS: 1 deadlines, 2 warned. ARGV: 1 now (ms; "" = Redis TIME), 2 warning (ms), 3 limit,
+// 4 sandbox key prefix, 5 scan cap. Answers {now, id, name, deadline, window, ...}.
+// Invariant: the warned set holds, scored by when it was claimed, the sandboxes warned about their
+// current deadline; whatever moves a deadline (luaLease, grace) removes the entry, so each deadline
+// warns once, and a sweeper's stop needs the entry (transitionScript).
+var warnScript = redis.NewScript(luaClock + luaWindow + `
+local now, warning, limit, prefix, cap = clock(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local out, offset = {now}, 0
+while #out < 1 + 4 * limit and offset < cap do
+  local zs = redis.call('ZRANGE', KEYS[1], '-inf', now + warning, 'BYSCORE', 'LIMIT', offset, 500, 'WITHSCORES')
   if #zs == 0 then break end
   offset = offset + #zs / 2
   for i = 1, #zs, 2 do
-    local id, deadline = zs[i], zs[i + 1]
-    local h = redis.call('HMGET', prefix .. id, 'expires', 'name')
-    if tonumber(h[1]) == tonumber(deadline) and redis.call('ZADD', KEYS[2], 'NX', deadline, id) == 1 then
-      out[#out + 1], out[#out + 2], out[#out + 3] = id, h[2], deadline
-      if #out == 3 * limit then break end
+    local id, deadline = zs[i], tonumber(zs[i + 1])
+    local h = redis.call('HMGET', prefix .. id, 'expires', 'name', 'ttl')
+    local w = window(warning, tonumber(h[3]) or 0)
+    if tonumber(h[1]) == deadline and deadline - now <= w and redis.call('ZADD', KEYS[2], 'NX', now, id) == 1 then
+      out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = id, h[2], deadline, w
+      if #out == 1 + 4 * limit then break end
     end
   end
 end
@@ -429,20 +535,29 @@ const maxWarnScan = 20000
 type Warning struct {
 	ID, Name  string
 	ExpiresAt time.Time
+	// StopAt is the earliest a sweeper may stop it: the deadline, or the warning window from now
+	// when that is later (a warning claimed late, after an outage, still gives the whole window).
+	StopAt time.Time
 }
 
-// WarnExpiring claims the expiry warnings due in org: running sandboxes whose deadline falls in
-// (from, to] and that nobody warned about it yet, up to limit, in deadline order. Each deadline is
-// claimed once across every broker; the caller sends what it gets.
-func (s *Store) WarnExpiring(ctx context.Context, org string, from, to time.Time, limit int) ([]Warning, error) {
+// WarnExpiring claims the expiry warnings due in org on the lease clock: running sandboxes whose
+// deadline is at most their warning window away (warning, or half the lease when that is shorter)
+// or already past, and that nobody warned about it yet, up to limit, in deadline order. Each
+// deadline is claimed once across every broker; the caller sends what it gets. A sweeper's stop
+// (Transition with Warning) waits out the window from the claim.
+func (s *Store) WarnExpiring(ctx context.Context, org string, warning time.Duration, limit int) ([]Warning, error) {
 	v, err := warnScript.Run(ctx, s.rdb, []string{DeadlinesKey(org), WarnedKey(org)},
-		ms(from), ms(to), limit, sandboxPrefix(org), maxWarnScan).StringSlice()
+		s.nowArg(), warning.Milliseconds(), limit, sandboxPrefix(org), maxWarnScan).Slice()
 	if err != nil {
 		return nil, fmt.Errorf("store: warn expiring: %w", err)
 	}
-	out := make([]Warning, 0, len(v)/3)
-	for i := 0; i+2 < len(v); i += 3 {
-		out = append(out, Warning{ID: v[i], Name: v[i+1], ExpiresAt: time.UnixMilli(atoi(v[i+2])).UTC()})
+	now, _ := v[0].(int64)
+	out := make([]Warning, 0, len(v)/4)
+	for i := 1; i+3 < len(v); i += 4 {
+		deadline, _ := v[i+2].(int64)
+		w, _ := v[i+3].(int64)
+		out = append(out, Warning{ID: str(v[i]), Name: str(v[i+1]), ExpiresAt: time.UnixMilli(deadline).UTC(),
+			StopAt: time.UnixMilli(max(deadline, now+w)).UTC()})
 	}
 	return out, nil
 }

@@ -39,6 +39,16 @@ func backends(t *testing.T) map[string]func(t *testing.T) redis.UniversalClient 
 
 var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
 
+// clock is the lease clock the tests move by hand (store.Options.Clock), in place of Redis TIME.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *clock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+
+func (c *clock) Set(t time.Time) { c.mu.Lock(); c.t = t; c.mu.Unlock() }
+
 func newRecord(org, name string, tags map[string]string) store.Record {
 	return store.Record{
 		ID: "sb_" + uuid.NewString(), Org: org, Name: name, Template: "default", Provider: "dir",
@@ -51,10 +61,11 @@ func TestStore(t *testing.T) {
 	for name, connect := range backends(t) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			s := store.New(connect(t))
+			clk := &clock{t: t0}
+			s := store.NewWithOptions(connect(t), store.Options{Clock: clk.Now})
 			for _, tc := range []struct {
 				name string
-				fn   func(t *testing.T, s *store.Store)
+				fn   func(t *testing.T, s *store.Store, clk *clock)
 			}{
 				{"CreateReuseResume", testCreateReuseResume},
 				{"ConcurrentCreateOneName", testConcurrentCreate},
@@ -65,13 +76,13 @@ func TestStore(t *testing.T) {
 				{"APIKeys", testAPIKeys},
 				{"ExpiryWarnings", testExpiryWarnings},
 			} {
-				t.Run(tc.name, func(t *testing.T) { tc.fn(t, s) })
+				t.Run(tc.name, func(t *testing.T) { clk.Set(t0); tc.fn(t, s, clk) })
 			}
 		})
 	}
 }
 
-func testCreateReuseResume(t *testing.T, s *store.Store) {
+func testCreateReuseResume(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	rec := newRecord("acme", "dev", map[string]string{"thread_id": "t1"})
 	got, out, err := s.CreateOrReuse(ctx, rec, true)
@@ -92,11 +103,12 @@ func testCreateReuseResume(t *testing.T, s *store.Store) {
 		t.Fatalf("other template: want ErrTemplateMismatch, got %v", err)
 	}
 	// provisioning -> running starts a lease; running -> stopped ends it; reuse resumes.
-	r, err := s.Transition(ctx, "acme", "dev", t0, store.Transition{From: []string{"provisioning"}, To: "running"})
+	r, err := s.Transition(ctx, "acme", "dev", store.Transition{From: []string{"provisioning"}, To: "running"})
 	if err != nil || r.Status != "running" || !r.ExpiresAt.Equal(t0.Add(30*time.Second)) {
 		t.Fatalf("to running: %v %+v", err, r)
 	}
-	r, err = s.Transition(ctx, "acme", rec.ID, t0.Add(time.Second), store.Transition{
+	clk.Set(t0.Add(time.Second))
+	r, err = s.Transition(ctx, "acme", rec.ID, store.Transition{
 		From: []string{"running"}, To: "stopped", Fields: map[string]string{store.FieldStopReason: "requested"}})
 	if err != nil || r.Status != "stopped" || r.StopReason != "requested" || !r.ExpiresAt.IsZero() || r.StoppedAt.IsZero() {
 		t.Fatalf("to stopped: %v %+v", err, r)
@@ -109,12 +121,12 @@ func testCreateReuseResume(t *testing.T, s *store.Store) {
 	if _, out, _ := s.CreateOrReuse(ctx, newRecord("acme", "dev", nil), true); out != protocol.OutcomeReused {
 		t.Fatalf("second resumer: %v", out)
 	}
-	if _, err := s.Transition(ctx, "acme", "dev", t0, store.Transition{From: []string{"stopped"}, To: "running"}); !errors.Is(err, store.ErrWrongState) {
+	if _, err := s.Transition(ctx, "acme", "dev", store.Transition{From: []string{"stopped"}, To: "running"}); !errors.Is(err, store.ErrWrongState) {
 		t.Fatalf("wrong from-state: %v", err)
 	}
 }
 
-func testConcurrentCreate(t *testing.T, s *store.Store) {
+func testConcurrentCreate(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	var wg sync.WaitGroup
 	outcomes := make(chan store.Outcome, 50)
@@ -152,7 +164,7 @@ func testConcurrentCreate(t *testing.T, s *store.Store) {
 	}
 }
 
-func testOrgIsolation(t *testing.T, s *store.Store) {
+func testOrgIsolation(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	rec := newRecord("org-a", "secret", nil)
 	if _, _, err := s.CreateOrReuse(ctx, rec, true); err != nil {
@@ -162,10 +174,10 @@ func testOrgIsolation(t *testing.T, s *store.Store) {
 		if _, err := s.Get(ctx, "org-b", ref); !errors.Is(err, store.ErrNotFound) {
 			t.Errorf("org-b get %s: want not found, got %v", ref, err)
 		}
-		if _, err := s.Transition(ctx, "org-b", ref, t0, store.Transition{From: []string{"provisioning"}, To: "deleting"}); !errors.Is(err, store.ErrNotFound) {
+		if _, err := s.Transition(ctx, "org-b", ref, store.Transition{From: []string{"provisioning"}, To: "deleting"}); !errors.Is(err, store.ErrNotFound) {
 			t.Errorf("org-b delete %s: want not found, got %v", ref, err)
 		}
-		if _, err := s.Heartbeat(ctx, "org-b", ref, t0); !errors.Is(err, store.ErrNotFound) {
+		if _, err := s.Heartbeat(ctx, "org-b", ref); !errors.Is(err, store.ErrNotFound) {
 			t.Errorf("org-b heartbeat %s: want not found, got %v", ref, err)
 		}
 	}
@@ -174,15 +186,16 @@ func testOrgIsolation(t *testing.T, s *store.Store) {
 	}
 }
 
-func testLease(t *testing.T, s *store.Store) {
+func testLease(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	rec := newRecord("lease", "hb", nil)
 	s.CreateOrReuse(ctx, rec, true)
-	if _, err := s.Heartbeat(ctx, "lease", "hb", t0); !errors.Is(err, store.ErrWrongState) {
+	if _, err := s.Heartbeat(ctx, "lease", "hb"); !errors.Is(err, store.ErrWrongState) {
 		t.Fatalf("heartbeat of a provisioning sandbox: want wrong state, got %v", err)
 	}
-	s.Transition(ctx, "lease", "hb", t0, store.Transition{From: []string{"provisioning"}, To: "running"})
-	l, err := s.Heartbeat(ctx, "lease", "hb", t0.Add(10*time.Second))
+	s.Transition(ctx, "lease", "hb", store.Transition{From: []string{"provisioning"}, To: "running"})
+	clk.Set(t0.Add(10 * time.Second))
+	l, err := s.Heartbeat(ctx, "lease", "hb")
 	if err != nil || !l.ExpiresAt.Equal(t0.Add(40*time.Second)) {
 		t.Fatalf("heartbeat: %v %+v", err, l)
 	}
@@ -194,15 +207,17 @@ func testLease(t *testing.T, s *store.Store) {
 	}
 	// The sweeper saw the old deadline; a heartbeat landed before its stop: the heartbeat wins.
 	sweptAt := t0.Add(40 * time.Second)
-	s.Heartbeat(ctx, "lease", "hb", sweptAt)
-	_, err = s.Transition(ctx, "lease", rec.ID, sweptAt, store.Transition{
-		From: []string{"running"}, To: "stopped", IfExpiredBy: sweptAt})
+	clk.Set(sweptAt)
+	s.Heartbeat(ctx, "lease", "hb")
+	_, err = s.Transition(ctx, "lease", rec.ID, store.Transition{
+		From: []string{"running"}, To: "stopped", IfExpired: true})
 	if !errors.Is(err, store.ErrWrongState) {
 		t.Fatalf("sweep after heartbeat: want refused, got %v", err)
 	}
 	later := sweptAt.Add(31 * time.Second)
-	r, err := s.Transition(ctx, "lease", rec.ID, later, store.Transition{
-		From: []string{"running"}, To: "stopped", IfExpiredBy: later, Fields: map[string]string{store.FieldStopReason: "ttl_expired"}})
+	clk.Set(later)
+	r, err := s.Transition(ctx, "lease", rec.ID, store.Transition{
+		From: []string{"running"}, To: "stopped", IfExpired: true, Fields: map[string]string{store.FieldStopReason: "ttl_expired"}})
 	if err != nil || r.StopReason != "ttl_expired" {
 		t.Fatalf("sweep after expiry: %v %+v", err, r)
 	}
@@ -215,13 +230,13 @@ func testLease(t *testing.T, s *store.Store) {
 	// Retention saw it stopped before its cutoff, but it was stopped again after the cutoff (a
 	// resume and a stop in between): the delete is refused, and so it is for a running sandbox.
 	cutoff := later.Add(-time.Second)
-	if _, err := s.Transition(ctx, "lease", rec.ID, later, store.Transition{
+	if _, err := s.Transition(ctx, "lease", rec.ID, store.Transition{
 		From: []string{"stopped"}, To: "deleting", IfStoppedBy: cutoff}); !errors.Is(err, store.ErrWrongState) {
 		t.Fatalf("retention delete of a sandbox stopped after the cutoff: want refused, got %v", err)
 	}
 	// SetTTL 0 on a running sandbox removes its deadline.
-	s.Transition(ctx, "lease", rec.ID, later, store.Transition{From: []string{"stopped"}, To: "running"})
-	if l, err := s.SetTTL(ctx, "lease", rec.ID, 0, later); err != nil || !l.ExpiresAt.IsZero() {
+	s.Transition(ctx, "lease", rec.ID, store.Transition{From: []string{"stopped"}, To: "running"})
+	if l, err := s.SetTTL(ctx, "lease", rec.ID, 0); err != nil || !l.ExpiresAt.IsZero() {
 		t.Fatalf("ttl 0: %v %+v", err, l)
 	}
 	if ids, _ := s.Expired(ctx, "lease", later.Add(time.Hour), 10); len(ids) != 0 {
@@ -229,7 +244,7 @@ func testLease(t *testing.T, s *store.Store) {
 	}
 }
 
-func testList(t *testing.T, s *store.Store) {
+func testList(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	const n = 23
 	for i := 0; i < n; i++ {
@@ -243,7 +258,7 @@ func testList(t *testing.T, s *store.Store) {
 			t.Fatal(err)
 		}
 		if i%3 == 0 {
-			s.Transition(ctx, "lister", r.ID, t0, store.Transition{From: []string{"provisioning"}, To: "running"})
+			s.Transition(ctx, "lister", r.ID, store.Transition{From: []string{"provisioning"}, To: "running"})
 		}
 	}
 	collect := func(f store.Filter, limit int) []string {
@@ -298,11 +313,11 @@ func testList(t *testing.T, s *store.Store) {
 	}
 }
 
-func testDelete(t *testing.T, s *store.Store) {
+func testDelete(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	rec := newRecord("del", "gone", map[string]string{"k": "v"})
 	s.CreateOrReuse(ctx, rec, true)
-	r, err := s.Transition(ctx, "del", "gone", t0, store.Transition{From: []string{"provisioning", "running", "stopped", "failed"}, To: "deleting"})
+	r, err := s.Transition(ctx, "del", "gone", store.Transition{From: []string{"provisioning", "running", "stopped", "failed"}, To: "deleting"})
 	if err != nil || r.Gen != 2 {
 		t.Fatalf("deleting: %v gen=%d", err, r.Gen)
 	}
@@ -328,7 +343,7 @@ func testDelete(t *testing.T, s *store.Store) {
 	}
 }
 
-func testAPIKeys(t *testing.T, s *store.Store) {
+func testAPIKeys(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	key, k, err := s.CreateAPIKey(ctx, "keys", "ci", t0)
 	if err != nil {
@@ -400,7 +415,7 @@ func TestEmbeddedSurvivesRestart(t *testing.T) {
 func TestHeartbeatAfterScriptFlush(t *testing.T) {
 	t.Parallel()
 	rdb := redistest.StartCluster(t)
-	s := store.New(rdb)
+	s := store.NewWithOptions(rdb, store.Options{Clock: func() time.Time { return t0.Add(time.Second) }})
 	ctx := t.Context()
 	var names []string
 	for i := 0; i < 8; i++ { // orgs spread over the cluster's nodes
@@ -409,7 +424,7 @@ func TestHeartbeatAfterScriptFlush(t *testing.T) {
 		if _, _, err := s.CreateOrReuse(ctx, rec, false); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := s.Transition(ctx, org, "dev", t0, store.Transition{From: []string{"provisioning"}, To: "running"}); err != nil {
+		if _, err := s.Transition(ctx, org, "dev", store.Transition{From: []string{"provisioning"}, To: "running"}); err != nil {
 			t.Fatal(err)
 		}
 		names = append(names, org)
@@ -421,7 +436,7 @@ func TestHeartbeatAfterScriptFlush(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				if l, err := s.Heartbeat(ctx, org, "dev", t0.Add(time.Second)); err != nil || !l.ExpiresAt.Equal(t0.Add(31*time.Second)) {
+				if l, err := s.Heartbeat(ctx, org, "dev"); err != nil || !l.ExpiresAt.Equal(t0.Add(31*time.Second)) {
 					t.Errorf("heartbeat %s: %v %+v", org, err, l)
 				}
 			}()
@@ -438,7 +453,7 @@ func TestHeartbeatAfterScriptFlush(t *testing.T) {
 
 // Expiry warnings are claimed once per deadline, in deadline order, and the ones already warned
 // never hide the rest: with more due than one call takes, the next call takes the next ones.
-func testExpiryWarnings(t *testing.T, s *store.Store) {
+func testExpiryWarnings(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
 	const org, n = "warn", 250
 	for i := range n {
@@ -447,12 +462,14 @@ func testExpiryWarnings(t *testing.T, s *store.Store) {
 		if _, _, err := s.CreateOrReuse(ctx, rec, true); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := s.Transition(ctx, org, rec.ID, t0, store.Transition{From: []string{"provisioning"}, To: "running"}); err != nil {
+		if _, err := s.Transition(ctx, org, rec.ID, store.Transition{From: []string{"provisioning"}, To: "running"}); err != nil {
 			t.Fatal(err)
 		}
 	}
+	// A warning comes at most half a lease early: w-249 (279 s) is due from t0+139.5s.
+	clk.Set(t0.Add(200 * time.Second))
 	window := func() ([]store.Warning, error) {
-		return s.WarnExpiring(ctx, org, t0, t0.Add(time.Hour), 200)
+		return s.WarnExpiring(ctx, org, time.Hour, 200)
 	}
 	first, err := window()
 	if err != nil || len(first) != 200 || first[0].Name != "w-000" || !first[0].ExpiresAt.Equal(t0.Add(30*time.Second)) {
@@ -465,11 +482,17 @@ func testExpiryWarnings(t *testing.T, s *store.Store) {
 	if third, err := window(); err != nil || len(third) != 0 {
 		t.Fatalf("third call: %v %d, want none (each deadline warns once)", err, len(third))
 	}
-	// A heartbeat moves w-000's deadline: the new one is warned about once more.
-	if _, err := s.Heartbeat(ctx, org, "w-000", t0.Add(time.Second)); err != nil {
+	// A heartbeat moves w-000's deadline: the new one is warned about once more, when it is half a
+	// lease away, not at once although the warning (1h) is longer than the lease (30s).
+	if _, err := s.Heartbeat(ctx, org, "w-000"); err != nil {
 		t.Fatal(err)
 	}
-	if again, err := window(); err != nil || len(again) != 1 || again[0].Name != "w-000" {
+	if again, err := window(); err != nil || len(again) != 0 {
+		t.Fatalf("right after a heartbeat: %v %+v, want no warning", err, again)
+	}
+	clk.Set(t0.Add(215 * time.Second))
+	again, err := window()
+	if err != nil || len(again) != 1 || again[0].Name != "w-000" || !again[0].StopAt.Equal(t0.Add(230*time.Second)) {
 		t.Fatalf("after a heartbeat: %v %+v", err, again)
 	}
 }

@@ -43,8 +43,14 @@ type Options struct {
 	Provider string
 	// Redis reuses a server (two brokers on one Redis); nil starts a new one.
 	Redis *redistest.Server
-	// Now is the broker's clock (nil = time.Now).
+	// Now is the broker's clock (nil = time.Now). When set, it is the store's lease clock too, in
+	// place of Redis TIME, so tests move leases by hand (see store.Options.Clock).
 	Now func() time.Time
+	// RedisTime keeps Redis TIME as the lease clock even when Now is set: a broker whose own clock
+	// is wrong, as in production.
+	RedisTime bool
+	// RedisTimeout bounds each Redis call (0: store.DefaultTimeout).
+	RedisTimeout time.Duration
 	// DataDir reuses a data dir (a broker restart); "" makes a new one.
 	DataDir string
 	// SigningKeys is the token keyring's directory; "" keeps it in DataDir. Two brokers given the
@@ -94,8 +100,11 @@ func New(t testing.TB, opts Options) *Broker {
 	if opts.Provider == "" {
 		opts.Provider = "dir"
 	}
+	var leaseClock func() time.Time
 	if opts.Now == nil {
 		opts.Now = time.Now
+	} else if !opts.RedisTime {
+		leaseClock = opts.Now
 	}
 	if opts.Templates == nil {
 		opts.Templates = map[string]provider.Template{"default": provider.DefaultTemplate()}
@@ -107,8 +116,12 @@ func New(t testing.TB, opts Options) *Broker {
 			log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 		}
 	}
-	rdb := opts.Redis.Client(t)
-	st := store.New(rdb)
+	// The client is bounded as cmd/broker's is.
+	ropts := &redis.UniversalOptions{Addrs: []string{opts.Redis.Addr}}
+	store.BoundOptions(ropts, opts.RedisTimeout)
+	rdb := redis.NewUniversalClient(ropts)
+	t.Cleanup(func() { rdb.Close() })
+	st := store.NewWithOptions(rdb, store.Options{Timeout: opts.RedisTimeout, Clock: leaseClock, Log: log})
 	prov, report, err := provider.Preflight(context.Background(), provider.Config{DataDir: opts.DataDir}, opts.Provider)
 	if err != nil {
 		t.Fatalf("servertest: provider %s: %v", opts.Provider, err)

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -25,6 +26,9 @@ type Server struct {
 	URL    string
 	cmd    *exec.Cmd
 	exited chan struct{}
+	bin    string
+	args   []string // the command line, to restart it as it was
+	dir    string
 }
 
 // Start starts a redis-server with no persistence and returns once it answers PING. It is stopped
@@ -48,18 +52,14 @@ func start(t testing.TB, extra ...string) *Server {
 		if err != nil {
 			t.Fatalf("redistest: find a free port: %v", err)
 		}
-		s := &Server{Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port))}
+		s := &Server{Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), bin: bin, dir: dir}
 		s.URL = "redis://" + s.Addr
-		s.cmd = exec.Command(bin,
-			"--bind", "127.0.0.1", "--port", strconv.Itoa(port),
+		s.args = append([]string{"--bind", "127.0.0.1", "--port", strconv.Itoa(port),
 			"--save", "", "--appendonly", "no", "--dir", dir,
-			"--logfile", filepath.Join(dir, "redis.log"))
-		s.cmd.Args = append(s.cmd.Args, extra...)
-		if err := s.cmd.Start(); err != nil {
+			"--logfile", filepath.Join(dir, "redis.log")}, extra...)
+		if err := s.run(); err != nil {
 			t.Fatalf("redistest: start redis-server: %v", err)
 		}
-		s.exited = make(chan struct{})
-		go func() { s.cmd.Wait(); close(s.exited) }()
 		if lastErr = s.waitReady(5 * time.Second); lastErr == nil {
 			t.Cleanup(s.stop)
 			return s
@@ -99,12 +99,58 @@ func (s *Server) waitReady(limit time.Duration) error {
 	}
 }
 
+func (s *Server) run() error {
+	s.cmd = exec.Command(s.bin, s.args...)
+	if err := s.cmd.Start(); err != nil {
+		return err
+	}
+	exited := make(chan struct{})
+	s.exited = exited
+	cmd := s.cmd
+	go func() { cmd.Wait(); close(exited) }()
+	return nil
+}
+
+// Pause freezes the server with SIGSTOP, as a hung Redis: connections stay open and nothing answers.
+// Continue thaws it. The test's cleanup thaws a paused server before stopping it.
+func (s *Server) Pause() { s.cmd.Process.Signal(syscall.SIGSTOP) }
+
+// Continue thaws a server frozen by Pause.
+func (s *Server) Continue() { s.cmd.Process.Signal(syscall.SIGCONT) }
+
+// Stop shuts the server down with its data saved (SHUTDOWN SAVE), as an operator stopping Redis
+// for maintenance would; Restart brings it back on the same address with that data.
+func (s *Server) Stop(t testing.TB) {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1})
+	defer c.Close()
+	c.Do(context.Background(), "SHUTDOWN", "SAVE") // the connection closes: no answer to check
+	select {
+	case <-s.exited:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("redistest: redis-server at %s did not shut down", s.Addr)
+	}
+}
+
+// Restart starts a server stopped by Stop again, on the same address and data, and returns once it
+// answers PING.
+func (s *Server) Restart(t testing.TB) {
+	t.Helper()
+	if err := s.run(); err != nil {
+		t.Fatalf("redistest: restart redis-server: %v", err)
+	}
+	if err := s.waitReady(10 * time.Second); err != nil {
+		t.Fatalf("redistest: restarted redis-server at %s: %v (log in %s)", s.Addr, err, s.dir)
+	}
+}
+
 // Kill stops the server now, as a crash would (tests of what clients do without Redis). It is
 // safe to call before the test's own cleanup, which then does nothing.
 func (s *Server) Kill() { s.stop() }
 
 func (s *Server) stop() {
 	s.cmd.Process.Kill()
+	s.cmd.Process.Signal(syscall.SIGCONT) // a paused server dies only once thawed
 	<-s.exited
 }
 

@@ -3,6 +3,8 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -11,10 +13,20 @@ import (
 // whatever is queued as one pipeline. It never waits for a batch to fill, so a lone heartbeat costs
 // one round trip as before; under load (thousands a second) many share one, which saves a write
 // and a read on both sides per heartbeat and lets Redis read them together.
+//
+// A hung Redis must not hold every heartbeat behind one stuck pipeline: up to leaseSenders
+// pipelines are in flight at once, each bounded by the store's call timeout; a pipeline that fails
+// for want of Redis fails at once everything queued behind it (it would meet the same Redis); and
+// no caller waits longer than one timeout for its answer, queued or in flight.
 type leaseBatcher struct {
-	rdb   redis.UniversalClient
-	queue chan *leaseCall
+	rdb     redis.UniversalClient
+	timeout time.Duration // < 0: unbounded
+	queue   chan *leaseCall
+	senders chan struct{}
 }
+
+// leaseSenders bounds the pipelines in flight.
+const leaseSenders = 4
 
 type leaseCall struct {
 	ctx  context.Context
@@ -28,8 +40,8 @@ type leaseCall struct {
 // maxLeaseBatch bounds one pipeline.
 const maxLeaseBatch = 256
 
-func newLeaseBatcher(rdb redis.UniversalClient) *leaseBatcher {
-	b := &leaseBatcher{rdb: rdb, queue: make(chan *leaseCall, 4096)}
+func newLeaseBatcher(rdb redis.UniversalClient, timeout time.Duration) *leaseBatcher {
+	b := &leaseBatcher{rdb: rdb, timeout: timeout, queue: make(chan *leaseCall, 4096), senders: make(chan struct{}, leaseSenders)}
 	// One sender per CPU's worth of work is not needed: the pipeline is the parallelism.
 	go b.run()
 	return b
@@ -37,23 +49,35 @@ func newLeaseBatcher(rdb redis.UniversalClient) *leaseBatcher {
 
 func (b *leaseBatcher) do(ctx context.Context, keys []string, args []any) ([]string, error) {
 	c := &leaseCall{ctx: ctx, keys: keys, args: args, done: make(chan struct{})}
+	var late <-chan time.Time
+	if b.timeout > 0 {
+		t := time.NewTimer(b.timeout)
+		defer t.Stop()
+		late = t.C
+	}
 	select {
 	case b.queue <- c:
 	case <-ctx.Done():
 		return nil, ctx.Err()
+	case <-late:
+		return nil, b.tooLate()
 	}
 	select {
 	case <-c.done:
 		return c.res, c.err
 	case <-ctx.Done():
 		return nil, ctx.Err()
+	case <-late:
+		// The call may still land later: a lease renewed although the caller heard 503, which a
+		// retry would have done anyway.
+		return nil, b.tooLate()
 	}
 }
 
 func (b *leaseBatcher) run() {
-	batch := make([]*leaseCall, 0, maxLeaseBatch)
 	for c := range b.queue {
-		batch = append(batch[:0], c)
+		batch := make([]*leaseCall, 0, maxLeaseBatch)
+		batch = append(batch, c)
 	fill:
 		for len(batch) < maxLeaseBatch {
 			select {
@@ -63,7 +87,11 @@ func (b *leaseBatcher) run() {
 				break fill
 			}
 		}
-		b.send(batch)
+		b.senders <- struct{}{}
+		go func() {
+			defer func() { <-b.senders }()
+			b.send(batch)
+		}()
 	}
 }
 
@@ -74,7 +102,9 @@ func (b *leaseBatcher) send(batch []*leaseCall) {
 	for i, c := range batch {
 		cmds[i] = leaseScript.EvalSha(ctx, pipe, c.keys, c.args...)
 	}
-	pipe.Exec(ctx)
+	if _, err := pipe.Exec(ctx); Unavailable(err) {
+		b.failQueued(err)
+	}
 	// A Redis that lost its script cache (restarted, failed over, SCRIPT FLUSH) answers NOSCRIPT,
 	// on a Cluster for the calls of one node only: send those again with the script itself, which
 	// caches it again.
@@ -97,4 +127,22 @@ func (b *leaseBatcher) send(batch []*leaseCall) {
 		}
 		close(c.done)
 	}
+}
+
+// failQueued answers err to every call queued now: they were waiting behind a pipeline that found
+// Redis away.
+func (b *leaseBatcher) failQueued(err error) {
+	for {
+		select {
+		case c := <-b.queue:
+			c.err = err
+			close(c.done)
+		default:
+			return
+		}
+	}
+}
+
+func (b *leaseBatcher) tooLate() error {
+	return fmt.Errorf("%w: no answer within %s", ErrUnavailable, b.timeout)
 }

@@ -55,7 +55,7 @@ func NewWithOptions(rdb redis.UniversalClient, o Options) *Store {
 		}
 	}}
 	rdb.AddHook(s.health)
-	s.leases = newLeaseBatcher(rdb)
+	s.leases = newLeaseBatcher(rdb, o.Timeout)
 	return s
 }
 

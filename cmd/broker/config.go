@@ -15,12 +15,14 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/store"
 )
 
 // config is the broker's whole configuration, read once at start from flags with SBX_* env fallbacks.
 type config struct {
 	Listen          string
 	RedisURL        string
+	RedisTimeout    time.Duration
 	DataDir         string
 	Provider        string
 	ProviderReset   bool
@@ -47,7 +49,8 @@ type config struct {
 
 // envOf maps each flag to its environment fallback.
 var envOf = map[string]string{
-	"listen": "SBX_LISTEN", "redis-url": "SBX_REDIS_URL", "data-dir": "SBX_DATA_DIR", "provider": "SBX_PROVIDER",
+	"listen": "SBX_LISTEN", "redis-url": "SBX_REDIS_URL", "redis-timeout": "SBX_REDIS_TIMEOUT",
+	"data-dir": "SBX_DATA_DIR", "provider": "SBX_PROVIDER",
 	"provider-reset": "SBX_PROVIDER_RESET", "allow-unisolated": "SBX_ALLOW_UNISOLATED",
 	"advertise-url": "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
@@ -77,6 +80,7 @@ func defaultDataDir() string {
 // storageFlags are shared by serve and the admin commands (they reach the same Redis).
 func storageFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.RedisURL, "redis-url", "", "Redis to keep state in: redis://host:port, a comma list (Cluster), redis-cluster://h1,h2 or redis-sentinel://h1,h2/master; empty = an embedded redis-server with its data in --data-dir")
+	fs.DurationVar(&c.RedisTimeout, "redis-timeout", store.DefaultTimeout, "longest a Redis call may take, retries included; a Redis that does not answer in time makes requests answer 503 (retry) instead of hanging")
 	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "directory for sandboxes' files, the embedded Redis and signing keys (with the namespace provider it and its parents must be searchable, o+x, by --sandbox-uid)")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "log format: text or json")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error (request logs are debug)")
@@ -184,6 +188,9 @@ func (c *config) validate() error {
 	}
 	if c.DataDir == "" {
 		bad("data-dir", "must not be empty")
+	}
+	if c.RedisTimeout < 50*time.Millisecond || c.RedisTimeout > time.Minute {
+		bad("redis-timeout", "%s must be between 50ms and 1m", c.RedisTimeout)
 	}
 	if c.MaxTTL < time.Second {
 		bad("max-ttl", "must be at least 1s")

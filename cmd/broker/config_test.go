@@ -11,13 +11,13 @@ func TestValidateNamesTheSetting(t *testing.T) {
 	cmd := rootCmd()
 	t.Setenv("SBX_LISTEN", "nonsense")
 	t.Setenv("SBX_PROVIDER", "docker")
-	cmd.SetArgs([]string{"--log-format", "xml", "--default-ttl", "48h", "--max-ttl", "24h", "--retention", "30s", "--data-dir", t.TempDir()})
+	cmd.SetArgs([]string{"--log-format", "xml", "--default-ttl", "48h", "--max-ttl", "24h", "--retention", "30s", "--redis-timeout", "0s", "--data-dir", t.TempDir()})
 	err := cmd.Execute()
 	if err == nil {
 		t.Fatal("want a configuration error")
 	}
 	for _, want := range []string{"--listen (SBX_LISTEN)", "--provider (SBX_PROVIDER)", "--log-format (SBX_LOG_FORMAT)",
-		"--default-ttl (SBX_DEFAULT_TTL)", "--retention (SBX_RETENTION)"} {
+		"--default-ttl (SBX_DEFAULT_TTL)", "--retention (SBX_RETENTION)", "--redis-timeout (SBX_REDIS_TIMEOUT)"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error lacks %q:\n%v", want, err)
 		}

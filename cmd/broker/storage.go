@@ -83,12 +83,13 @@ func openStorage(ctx context.Context, c *config, log *slog.Logger, serving bool)
 		opts = &redis.UniversalOptions{Addrs: []string{strings.TrimSpace(string(addr))}, Password: strings.TrimSpace(string(pass))}
 		s.where = "the running broker's embedded redis-server"
 	}
+	store.BoundOptions(opts, c.RedisTimeout)
 	s.rdb = redis.NewUniversalClient(opts)
 	if err := store.CheckServer(ctx, s.rdb); err != nil {
 		s.close()
 		return nil, fmt.Errorf("--redis-url (SBX_REDIS_URL): %s: %w", s.where, err)
 	}
-	s.store = store.New(s.rdb)
+	s.store = store.NewWithOptions(s.rdb, store.Options{Timeout: c.RedisTimeout, Log: log})
 	return s, nil
 }
 

@@ -101,6 +101,8 @@ type Server struct {
 	dpExecOutput atomic.Int64
 	// maxDPConns bounds open dataplane connections (counted by hub).
 	maxDPConns int
+	// routes are the registered route paths (echo's c.Path() form), the only route labels.
+	routes map[string]bool
 }
 
 // maxBody bounds every REST request body.
@@ -164,6 +166,10 @@ func New(cfg Config) *Server {
 	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
 	e.GET("/v1/events", s.orgEvents, owner...)
 	e.GET("/v1/orphans", s.orphans, owner...)
+	s.routes = map[string]bool{}
+	for _, r := range e.Routes() {
+		s.routes[r.Path] = true
+	}
 	return s
 }
 

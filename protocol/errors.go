@@ -47,6 +47,7 @@ const (
 	CodeInvalidTag       = "invalid_tag"
 	CodeInvalidStatus    = "invalid_status"
 	CodeInvalidCursor    = "invalid_cursor"
+	CodeInvalidEventID   = "invalid_event_id"
 	CodeInvalidScope     = "invalid_scope"
 	CodeUnknownTemplate  = "unknown_template"
 	CodeTooLarge         = "payload_too_large"

@@ -3,17 +3,20 @@ package server_test
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
 )
 
@@ -120,5 +123,102 @@ func TestUnknownMethodsAndRoutesAreBounded(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), `"method":"MMMM`) {
 		t.Errorf("the access log no longer names unknown methods at all:\n%.2000s", logs.String())
+	}
+}
+
+// sseEvents reads an SSE answer's events (their data) until n have come or the stream ends.
+func sseEvents(t *testing.T, body io.Reader, n int) []protocol.Event {
+	t.Helper()
+	var out []protocol.Event
+	sc := bufio.NewScanner(body)
+	for len(out) < n && sc.Scan() {
+		if data, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
+			var e protocol.Event
+			if err := json.Unmarshal([]byte(data), &e); err != nil {
+				t.Fatalf("event data is not JSON: %q", data)
+			}
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// A resume position is the caller's to choose: one that is no event id is a clear 400 with its own
+// code, and one past the end of the log (the largest id Redis can hold among them) a reset event
+// followed by new events, never a 500 and never a stream that silently swallows every later event.
+func TestHostileLastEventIDs(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "ev"}); err != nil {
+		t.Fatal(err)
+	}
+	key := b.Client.APIKey()
+	get := func(path, lastID string, header bool) *http.Response {
+		t.Helper()
+		u := b.URL + path
+		req, _ := http.NewRequestWithContext(ctx, "GET", u, nil)
+		if header {
+			req.Header.Set("Last-Event-ID", lastID)
+		} else {
+			req.URL.RawQuery = url.Values{"last_event_id": {lastID}}.Encode() + "&" + req.URL.RawQuery
+		}
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp
+	}
+	bad := []string{
+		"garbage", "-1-0", "1--1", "1-2-3", "1-", "-1", "+1-0", "1-0 ", "0x10-0",
+		"99999999999999999999-0", "0-99999999999999999999",
+		strings.Repeat("9", 10000) + "-0",
+	}
+	for _, path := range []string{"/v1/events?follow=false", "/v1/events", "/v1/sandboxes/ev/events?follow=false", "/v1/sandboxes/ev/events"} {
+		for _, id := range bad {
+			for _, header := range []bool{true, false} {
+				if header && strings.ContainsAny(id, " ") {
+					continue // a header value's spaces are trimmed in transit
+				}
+				resp := get(path, id, header)
+				raw, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				var eb protocol.ErrorBody
+				json.Unmarshal(raw, &eb)
+				if resp.StatusCode != 400 || eb.Error.Code != protocol.CodeInvalidEventID || len(raw) > 1024 {
+					t.Errorf("%s Last-Event-ID %.30q (header %v): %d %.300s, want 400 %s", path, id, header, resp.StatusCode, raw, protocol.CodeInvalidEventID)
+				}
+			}
+		}
+	}
+	// Positions past the end of the log, the largest id there is among them.
+	for _, id := range []string{"18446744073709551615-18446744073709551615", "18446744073709551615-0", "99999999999999-5"} {
+		resp := get("/v1/events?follow=false", id, true)
+		evs := sseEvents(t, resp.Body, 10)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || len(evs) == 0 || evs[0].Type != protocol.EventReset {
+			t.Fatalf("history after %s: %d %+v, want a reset", id, resp.StatusCode, evs)
+		}
+		resp = get("/v1/sandboxes/ev/events", id, true)
+		if resp.StatusCode != 200 {
+			t.Fatalf("follow after %s: %d", id, resp.StatusCode)
+		}
+		ready := make(chan []protocol.Event, 1)
+		go func() { ready <- sseEvents(t, resp.Body, 2) }()
+		// The reset comes first; then the stream goes on with new events.
+		if _, err := b.Client.StopSandbox(ctx, "ev"); err != nil {
+			t.Fatal(err)
+		}
+		b.Client.ResumeSandbox(ctx, "ev")
+		select {
+		case evs := <-ready:
+			if len(evs) != 2 || evs[0].Type != protocol.EventReset || evs[1].Type == protocol.EventReset {
+				t.Fatalf("follow after %s: %+v, want a reset then new events", id, evs)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("follow after %s: no events: the stream swallows everything after a position past its end", id)
+		}
+		resp.Body.Close()
 	}
 }

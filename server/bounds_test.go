@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -220,5 +221,55 @@ func TestHostileLastEventIDs(t *testing.T) {
 			t.Fatalf("follow after %s: no events: the stream swallows everything after a position past its end", id)
 		}
 		resp.Body.Close()
+	}
+}
+
+// A query is read whole or refused: past 10,000 parameters Go's parser drops them all, which
+// turned a filtered list into every sandbox (and a filtered batch delete into an unfiltered one
+// but for its own check), and a misspelled or repeated parameter must not be quietly ignored.
+func TestQueryIsReadWholeOrRefused(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	for _, n := range []string{"mine", "other"} {
+		if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: n, Tags: map[string]string{"who": n}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	key := b.Client.APIKey()
+	status, _, raw := rawRequest(t, "GET", b.URL+"/v1/sandboxes?tag=who=mine", key, "")
+	if status != 200 || !strings.Contains(string(raw), `"mine"`) || strings.Contains(string(raw), `"other"`) {
+		t.Fatalf("filtered list: %d %s", status, raw)
+	}
+	padding := strings.Repeat("&x", 10001)
+	cases := []struct{ name, method, path, code, says string }{
+		{"over 10,000 parameters", "GET", "/v1/sandboxes?tag=who=mine" + padding, "invalid_argument", "parameters"},
+		{"just over our bound", "GET", "/v1/sandboxes?tag=who=mine" + strings.Repeat("&status=running", 256), "invalid_argument", "parameters"},
+		{"semicolon", "GET", "/v1/sandboxes?tag=who=mine;status=stopped", "invalid_argument", "semicolon"},
+		{"bad escape", "GET", "/v1/sandboxes?tag=who=mine&status=%zz", "invalid_argument", "escape"},
+		{"unknown parameter", "GET", "/v1/sandboxes?tags=who=mine", "invalid_argument", "tag, status, limit, cursor"},
+		{"limit twice", "GET", "/v1/sandboxes?limit=1&limit=500", "invalid_argument", "once"},
+		{"cursor twice", "GET", "/v1/sandboxes?cursor=a&cursor=b", "invalid_argument", "once"},
+		{"one tag two values", "GET", "/v1/sandboxes?tag=who=mine&tag=who=other", "invalid_tag", "twice"},
+		{"batch delete, over 10,000", "DELETE", "/v1/sandboxes?tag=who=mine" + padding, "invalid_argument", "parameters"},
+		{"batch delete, misspelled dry run", "DELETE", "/v1/sandboxes?tag=who=mine&dryrun=true", "invalid_argument", "dry_run"},
+		{"batch delete, dry run twice", "DELETE", "/v1/sandboxes?tag=who=mine&dry_run=true&dry_run=false", "invalid_argument", "once"},
+		{"delete one with a dry run", "DELETE", "/v1/sandboxes/mine?dry_run=true", "invalid_argument", "no query parameters"},
+		{"events, unknown", "GET", "/v1/events?follow=false&lastEventId=1-0", "invalid_argument", "last_event_id"},
+	}
+	for _, tc := range cases {
+		before := b.RedisSnapshot()
+		status, eb, raw := rawRequest(t, tc.method, b.URL+tc.path, key, "")
+		if status != 400 || eb.Error.Code != tc.code || !strings.Contains(eb.Error.Message, tc.says) || len(raw) > 1024 {
+			t.Errorf("%s: %d %.300s, want 400 %s saying %q", tc.name, status, raw, tc.code, tc.says)
+		}
+		if after := b.RedisSnapshot(); !maps.Equal(before, after) {
+			t.Errorf("%s: a refused request changed Redis", tc.name)
+		}
+	}
+	// Repeatable parameters still repeat, and one selector given twice is one selector.
+	status, _, raw = rawRequest(t, "GET", b.URL+"/v1/sandboxes?tag=who=mine&tag=who=mine&status=running&status=stopped", key, "")
+	if status != 200 || !strings.Contains(string(raw), `"mine"`) || strings.Contains(string(raw), `"other"`) {
+		t.Fatalf("repeated selectors: %d %s", status, raw)
 	}
 }

@@ -125,7 +125,7 @@ func New(cfg Config) *Server {
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler
-	e.Use(withRequestID, s.withAccessLog, s.recoverPanics)
+	e.Use(withRequestID, s.withAccessLog, s.recoverPanics, checkQuery)
 	s.e = e
 	s.bgCtx, s.stopBackground = context.WithCancel(context.Background())
 	s.http = &http.Server{

@@ -273,3 +273,25 @@ func TestQueryIsReadWholeOrRefused(t *testing.T) {
 		t.Fatalf("repeated selectors: %d %s", status, raw)
 	}
 }
+
+// The dataplane_url handed out is built by one function from the hosting broker's base URL,
+// whatever case its scheme was registered in.
+func TestDataplaneURLFromAnyCaseScheme(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dp"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Store.RegisterNode(ctx, "node-test", "HTTPS://Broker.example:8443"); err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(ctx, "dp", protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "wss://Broker.example:8443/v1/sandboxes/" + res.Sandbox.ID + "/dataplane"; m.Sandbox.DataplaneURL != want {
+		t.Fatalf("dataplane_url %q, want %q", m.Sandbox.DataplaneURL, want)
+	}
+}

@@ -5,16 +5,15 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/url"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -181,9 +180,8 @@ func (c *config) validate() error {
 		bad("log-level", "%v", err)
 	}
 	if c.AdvertiseURL != "" {
-		u, err := url.Parse(c.AdvertiseURL)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || (u.Path != "" && u.Path != "/") {
-			bad("advertise-url", "%q must be a base URL like http://broker.internal:7070", c.AdvertiseURL)
+		if _, err := protocol.BrokerBaseURL(c.AdvertiseURL); err != nil {
+			bad("advertise-url", "%v", err)
 		}
 	}
 	if c.DataDir == "" {
@@ -257,7 +255,10 @@ func (c *config) advertiseWarning() string {
 // advertise is the base URL of this broker as others reach it.
 func (c *config) advertise() string {
 	if c.AdvertiseURL != "" {
-		return strings.TrimRight(c.AdvertiseURL, "/")
+		if u, err := protocol.BrokerBaseURL(c.AdvertiseURL); err == nil {
+			return u // validate refused anything else
+		}
+		return c.AdvertiseURL
 	}
 	host, port, _ := net.SplitHostPort(c.Listen)
 	if host == "" || host == "0.0.0.0" || host == "::" {

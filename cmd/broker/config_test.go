@@ -44,3 +44,24 @@ func TestEnvFallbackAndFlagPrecedence(t *testing.T) {
 		t.Fatalf("a bad env value must name the variable: %v", err)
 	}
 }
+
+// --advertise-url is checked and normalised by the one base-URL rule: a scheme in capitals is
+// still http(s), and the dataplane URLs built from it are ws(s)://, never ws://HTTPS://.
+func TestAdvertiseURLIsNormalised(t *testing.T) {
+	for in, want := range map[string]string{
+		"HTTPS://broker.example:8443/": "https://broker.example:8443",
+		"Http://10.0.0.5:7070":         "http://10.0.0.5:7070",
+	} {
+		c := &config{AdvertiseURL: in}
+		if got := c.advertise(); got != want {
+			t.Errorf("--advertise-url %s: advertised %q, want %q", in, got, want)
+		}
+	}
+	for _, in := range []string{"ws://b:1", "http://user:pw@b", "http://b/prefix", "http://b?q=1", "b:7070"} {
+		cmd := rootCmd()
+		cmd.SetArgs([]string{"--advertise-url", in, "--data-dir", t.TempDir()})
+		if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "--advertise-url (SBX_ADVERTISE_URL)") {
+			t.Errorf("--advertise-url %s: %v, want a configuration error naming it", in, err)
+		}
+	}
+}

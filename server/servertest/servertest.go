@@ -7,6 +7,7 @@ package servertest
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -18,6 +19,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/delegation"
@@ -30,11 +32,28 @@ import (
 )
 
 // Main is TestMain for packages that start brokers: the test binary doubles as the sandbox init.
+// When every test passed it also fails the run if goroutines outlive the tests (goleak): a broker
+// that Shutdown does not fully stop, a subscription nobody closes.
 func Main(m *testing.M) {
 	if len(os.Args) > 1 && os.Args[1] == provider.InitArg {
 		provider.RunInit()
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if code == 0 {
+		// Keep-alive connections of tests' plain HTTP requests are the client's, not a leak.
+		http.DefaultClient.CloseIdleConnections()
+		if err := goleak.Find(leakOptions...); err != nil {
+			fmt.Fprintf(os.Stderr, "servertest: goroutines outlived the tests:\n%v\n", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// leakOptions are the goroutines that may outlive a package's tests: the provider's spawner, which
+// lives as long as the process by design (sandbox/provider's spawn).
+var leakOptions = []goleak.Option{
+	goleak.IgnoreTopFunction("github.com/sbxbroker/broker/sandbox/provider.spawn.func1.1"),
 }
 
 // Options change the broker a test gets.
@@ -156,6 +175,7 @@ func New(t testing.TB, opts Options) *Broker {
 			defer cancel()
 			br.Shutdown(sctx)
 			<-served
+			st.Close()
 		})
 	}
 	t.Cleanup(b.stop)

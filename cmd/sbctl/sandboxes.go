@@ -83,7 +83,7 @@ A sandbox the broker cannot isolate (its dir provider) comes with a warning on s
 			}
 			if res.Sandbox.Isolation == protocol.IsolationNone {
 				// On stderr, whatever the output format: a script piping -o json still shows it.
-				fmt.Fprintf(g.stderr, "sbctl: warning: sandbox %s is not isolated: the broker runs it as a plain directory on its host (the dir provider), where its commands see the host's files, processes and network\n", res.Sandbox.Name)
+				fmt.Fprintf(g.stderr, "sbctl: warning: sandbox %s is not isolated: the broker runs it as a plain directory on its host (the dir provider), where its commands see the host's files, processes and network\n", termSafe(res.Sandbox.Name))
 			}
 			if g.quiet {
 				fmt.Fprintln(g.stdout, res.Sandbox.ID)

@@ -95,10 +95,13 @@ type Server struct {
 	apiKeys        *keyCache
 	// streams are the open SSE streams, ended when their API key is revoked.
 	streams *streams
-	// dpHeavy bounds operations with large answers broker-wide.
-	dpHeavy chan struct{}
-	// dpExecOutput is the output of non-streamed execs held in memory broker-wide.
-	dpExecOutput atomic.Int64
+	// dpHeavy bounds operations with large answers broker-wide, with a share per org.
+	dpHeavy *quota
+	// dpExecOutput is the output of non-streamed execs held in memory broker-wide, with a share
+	// per org.
+	dpExecOutput *quota
+	// dpQueued is the bytes waiting for dataplane clients, every connection's queue together.
+	dpQueued atomic.Int64
 	// maxDPConns bounds open dataplane connections (counted by hub).
 	maxDPConns int
 	// routes are the registered route paths (echo's c.Path() form), the only route labels.
@@ -114,8 +117,9 @@ func New(cfg Config) *Server {
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count, cfg.Provider), hub: h,
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
-		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: make(chan struct{}, dpHeavyPerBroker),
-		maxDPConns: cfg.MaxDataplaneConnections}
+		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
+		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg),
+		maxDPConns:   cfg.MaxDataplaneConnections}
 	if s.maxDPConns <= 0 {
 		s.maxDPConns = 4096
 	}

@@ -9,13 +9,16 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
 )
 
 // bigOutput is a shell command that prints n bytes of 'x' (no newline).
@@ -118,4 +121,141 @@ func deref(s *string) string {
 		return ""
 	}
 	return *s
+}
+
+// Non-streamed exec output that clients do not read stays inside the broker-wide budget, counted
+// from the first byte until the answer is written: its buffers while the command runs, then the
+// encoded answer. Before, only the bytes written into the buffers were counted and the budget was
+// given back when the writer took the answer: six connections with 64 unread 8 MiB execs each held
+// 1.5 to 1.8 GiB against a 256 MiB budget (buffers grown by doubling, a string copy and the
+// encoded answer each, for every answer waiting to be queued).
+func TestDataplaneUnreadExecsStayInBudget(t *testing.T) {
+	// Not parallel: it measures this process's heap and fills the broker-wide budget.
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	const conns, execs, size = 6, 64, 8 << 20
+	base := heapInuse()
+	var clients []*rawConn
+	var peak server.DataplaneUsage
+	var peakHeap uint64
+	sample := func() {
+		u := server.Usage(b.Server)
+		peak.ExecOutputBytes = max(peak.ExecOutputBytes, u.ExecOutputBytes)
+		peak.QueuedBytes = max(peak.QueuedBytes, u.QueuedBytes)
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		peakHeap = max(peakHeap, m.HeapInuse)
+	}
+	for i := 0; i < conns; i++ {
+		// One org each, so that the broker-wide budget, not an org's share, is what binds.
+		cl := b.NewClient("execorg" + strconv.Itoa(i))
+		res, err := cl.CreateSandbox(context.Background(), protocol.CreateSandboxRequest{Name: "x"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := dialRaw(t, dataplaneURL(b, res.Sandbox.ID), cl.APIKey())
+		for j := uint32(1); j <= execs; j++ {
+			c.sendJSON(protocol.Request{ID: j, Op: "exec", Args: map[string]any{"command": bigOutput(size), "max_output": size}})
+		}
+		clients = append(clients, c)
+	}
+	// Until every command has run (each exec event is emitted when its command ends).
+	var events int
+	for end := time.Now().Add(60 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		sample()
+		events = 0
+		for i := 0; i < conns; i++ {
+			events += execEvents(t, b, "execorg"+strconv.Itoa(i))
+		}
+		if events >= conns*execs {
+			break
+		}
+	}
+	sample()
+	held := heapInuse() // live: what the broker holds for the clients once everything ran
+	t.Logf("%d connections x %d unread %d MiB execs (%d ran): peak exec output %d MiB, peak queued %d MiB; heap %d MiB before, %d MiB live after (peak with garbage %d MiB)",
+		conns, execs, size>>20, events, peak.ExecOutputBytes>>20, peak.QueuedBytes>>20, base>>20, held>>20, peakHeap>>20)
+	if events < conns*execs {
+		t.Fatalf("only %d of %d execs ran", events, conns*execs)
+	}
+	// Encoding adds a few bytes per answer to output that was within the budget.
+	if peak.ExecOutputBytes > 256<<20+conns*execs*1024 {
+		t.Errorf("exec output held peaked at %d MiB, over the 256 MiB budget", peak.ExecOutputBytes>>20)
+	}
+	// The live heap is the budget and little else (the queues' answers are in the budget too).
+	if grew := int64(held) - int64(base); grew > 256<<20+64<<20 {
+		t.Errorf("the broker holds %d MiB for the clients, over the 256 MiB budget", grew>>20)
+	}
+	for _, c := range clients {
+		c.ws.Close()
+	}
+	if !waitFor(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+		t.Errorf("after the clients left the broker still holds %+v", server.Usage(b.Server))
+	}
+}
+
+// execEvents counts the exec events in org's event stream: one per command that ended.
+func execEvents(t testing.TB, b *servertest.Broker, org string) int {
+	t.Helper()
+	msgs, err := b.RDB.XRange(context.Background(), store.EventsKey(org), "-", "+").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, m := range msgs {
+		if data, _ := m.Values["data"].(string); strings.Contains(data, `"type":"exec"`) {
+			n++
+		}
+	}
+	return n
+}
+
+// Downloads that their clients do not read hold what their connection's queue allows, every chunk
+// counted from before it is read from the file. Before, each connection held about 11 MiB: eight
+// queued chunks, the one being written and the ones being read, none of them counted.
+func TestDataplaneUnreadDownloadsAreCounted(t *testing.T) {
+	// Not parallel: it measures this process's heap.
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	id, url := newSandbox(t, b, "dl")
+	f, err := os.Create(filepath.Join(workspaceDir(b, id), "huge.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Truncate(256 << 20) // sparse: far more than any buffer on the way
+	f.Close()
+	key := b.Client.APIKey()
+	const conns = 8
+	base := heapInuse()
+	var clients []*rawConn
+	for i := 0; i < conns; i++ {
+		c := dialRaw(t, url, key)
+		c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
+		c.sendJSON(protocol.Request{ID: 2, Op: "download", Args: map[string]any{"path": "huge.bin"}})
+		clients = append(clients, c)
+	}
+	// The queues fill, then nothing moves: the counter stops changing.
+	var last int64 = -1
+	for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
+		q := server.Usage(b.Server).QueuedBytes
+		if q > 0 && q == last {
+			break
+		}
+		last = q
+	}
+	held := heapInuse()
+	perConn := (int64(held) - int64(base)) / conns
+	t.Logf("%d connections with 2 unread downloads each: %d MiB queued in all, %.1f MiB of heap per connection",
+		conns, server.Usage(b.Server).QueuedBytes>>20, float64(perConn)/(1<<20))
+	if q := server.Usage(b.Server).QueuedBytes; q == 0 || q > conns*4<<20 {
+		t.Errorf("%d bytes queued for %d connections, want some and at most 4 MiB each", q, conns)
+	}
+	// The queue, and the test client's own 2 MiB write buffer (it is in this process too).
+	if perConn > 8<<20 {
+		t.Errorf("each connection holds %.1f MiB of heap, want at most its 4 MiB queue and the test client's buffer", float64(perConn)/(1<<20))
+	}
+	for _, c := range clients {
+		c.ws.Close()
+	}
+	if !waitFor(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+		t.Errorf("after the clients left the broker still holds %+v", server.Usage(b.Server))
+	}
 }

@@ -259,3 +259,54 @@ func TestDataplaneUnreadDownloadsAreCounted(t *testing.T) {
 		t.Errorf("after the clients left the broker still holds %+v", server.Usage(b.Server))
 	}
 }
+
+// One org whose clients never read their answers holds at most its share of the broker-wide slots
+// of read, ls, glob and grep, so another org's are still answered. Before, eight such connections
+// held all sixteen and every other org's reads waited until they read.
+func TestDataplaneHeavySlotsSharedFairly(t *testing.T) {
+	// Not parallel: it fills the broker-wide slots on purpose.
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	id, url := newSandbox(t, b, "hog")
+	big := bytes.Repeat([]byte("0123456789abcdef"), 4<<20/16)
+	if err := os.WriteFile(filepath.Join(workspaceDir(b, id), "big.txt"), big, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	key := b.Client.APIKey()
+	for i := 0; i < 8; i++ {
+		c := dialRaw(t, url, key)
+		for j := uint32(1); j <= 16; j++ {
+			c.sendJSON(protocol.Request{ID: j, Op: "read", Args: map[string]any{"path": "big.txt"}})
+		}
+	}
+	// The hog's connections take every slot they can get and keep them.
+	var last int64 = -1
+	for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
+		n := server.OrgUsage(b.Server, b.Org).HeavySlots
+		if n > 0 && n == last {
+			break
+		}
+		last = n
+	}
+	t.Logf("an org that does not read holds %d of the broker's heavy slots", server.OrgUsage(b.Server, b.Org).HeavySlots)
+
+	other := b.NewClient("fair-org")
+	res, err := other.CreateSandbox(context.Background(), protocol.CreateSandboxRequest{Name: "reader"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(workspaceDir(b, res.Sandbox.ID), "small.txt"), []byte("hi\n"), 0o644)
+	c := dialRaw(t, dataplaneURL(b, res.Sandbox.ID), other.APIKey())
+	for i := uint32(1); i <= 4; i++ { // as many at once as the other org may hold
+		c.sendJSON(protocol.Request{ID: i, Op: "read", Args: map[string]any{"path": "small.txt"}})
+	}
+	for i := uint32(1); i <= 4; i++ {
+		if err := c.readOne(5 * time.Second); err != nil {
+			t.Fatalf("another org's read behind an org that does not read: %v", err)
+		}
+	}
+	for i := uint32(1); i <= 4; i++ {
+		if got := c.await(i); got.Error != nil {
+			t.Fatalf("read %d: %s", i, got)
+		}
+	}
+}

@@ -95,9 +95,11 @@ const (
 	CodeNoMatch           = "no_match"
 	CodeNotUnique         = "not_unique"
 	CodeTooManyRequests   = "too_many_requests"
-	CodeUnknownOp         = "unknown_op"
-	CodeTimeout           = "timeout"
-	CodeCancelled         = "cancelled"
+	// CodeTooManyConnections refuses a dataplane connection over its credential's or org's cap.
+	CodeTooManyConnections = "too_many_connections"
+	CodeUnknownOp          = "unknown_op"
+	CodeTimeout            = "timeout"
+	CodeCancelled          = "cancelled"
 
 	// Server side.
 	CodeInternal    = "internal"

@@ -45,6 +45,8 @@ type BrokerConfig struct {
 	SweepInterval, ExpiryWarning, Retention time.Duration
 	AllowedOrigins                          []string
 	DataplaneRenewsLease                    bool
+	// Dataplane bounds dataplane connections (zero values: the defaults).
+	Dataplane DataplaneLimits
 }
 
 // Broker is one running broker: its lifecycle manager, delegation, sweeper, event writer and HTTP
@@ -116,7 +118,8 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
-		Provider: prov,
+		Provider:  prov,
+		Dataplane: cfg.Dataplane,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {

@@ -53,6 +53,8 @@ const (
 	// (the connection's reader too: a client that does not read stops being read), so a client
 	// that does not read holds at most this much, or one answer larger than it. dpWriteQueue bounds
 	// the frames in the queue as well, for tiny ones.
+	// dpRetryAfter is the Retry-After (seconds) of an upgrade refused for too many connections.
+	dpRetryAfter   = "5"
 	dpQueueBytes   = 4 << 20
 	dpWriteQueue   = 64
 	dpWriteTimeout = 30 * time.Second
@@ -85,9 +87,10 @@ func (s *Server) dataplane(c echo.Context) error {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane takes no query parameters (and never credentials in the URL): send Authorization: Bearer, or the %s<credential> subprotocol", protocol.BearerSubprotocolPrefix)
 	}
 	// Counted from here, before any work, so that concurrent upgrades cannot overshoot the bound.
-	release, ok := s.hub.reserve(s.maxDPConns)
+	release, ok := s.hub.reserve(s.dpLimits.MaxConnections)
 	if !ok {
-		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.maxDPConns)
+		c.Response().Header().Set("Retry-After", dpRetryAfter)
+		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.dpLimits.MaxConnections)
 	}
 	defer release()
 	if err := s.checkOrigin(r); err != nil {
@@ -123,6 +126,18 @@ func (s *Server) dataplane(c echo.Context) error {
 			conn.scopes[sc] = true
 		}
 	}
+	// The credential and its org are known from here: count the connection against their caps
+	// before anything else is looked up on its behalf.
+	holder := "key:" + conn.keyID
+	if conn.claims != nil {
+		holder = "token:" + conn.claims.ID
+	}
+	releaseShare, err := s.hub.admit(conn.org, holder, s.dpLimits)
+	if err != nil {
+		c.Response().Header().Set("Retry-After", dpRetryAfter)
+		return err
+	}
+	defer releaseShare()
 	rec, err := s.dataplaneSandbox(ctx, conn, c.Param("ref"))
 	if err != nil {
 		return err
@@ -1227,12 +1242,45 @@ type hub struct {
 	// closeAll waits for it, since http.Server.Shutdown does not wait for hijacked connections and
 	// after closeAll the broker closes its event writer, which a connection still ending would emit
 	// into.
-	open   int
-	closed bool          // closeAll ran: a connection upgraded later is closed at once
-	idle   chan struct{} // closed when open drops to 0 after closeAll
+	open int
+	// byOrg and byCred count connections that passed authentication, by org and by credential
+	// (admit), against the per-org and per-credential caps.
+	byOrg, byCred map[string]int
+	closed        bool          // closeAll ran: a connection upgraded later is closed at once
+	idle          chan struct{} // closed when open drops to 0 after closeAll
 }
 
-func newHub() *hub { return &hub{conns: map[string]map[*dpConn]struct{}{}} }
+func newHub() *hub {
+	return &hub{conns: map[string]map[*dpConn]struct{}{}, byOrg: map[string]int{}, byCred: map[string]int{}}
+}
+
+// admit counts an authenticated connection against its org's and its credential's caps, or
+// refuses it with too_many_connections. release uncounts it, once.
+func (h *hub) admit(org, cred string, l DataplaneLimits) (release func(), err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.byCred[cred] >= l.PerCredential {
+		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this credential has %d dataplane connections open on this broker, its maximum: close one, or retry later", l.PerCredential)
+	}
+	if h.byOrg[org] >= l.PerOrg {
+		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this org has %d dataplane connections open on this broker, its maximum: close one, or retry later", l.PerOrg)
+	}
+	h.byCred[cred]++
+	h.byOrg[org]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			h.mu.Lock()
+			defer h.mu.Unlock()
+			if h.byCred[cred]--; h.byCred[cred] <= 0 {
+				delete(h.byCred, cred)
+			}
+			if h.byOrg[org]--; h.byOrg[org] <= 0 {
+				delete(h.byOrg, org)
+			}
+		})
+	}, nil
+}
 
 // reserve counts a connection being opened, unless max are counted already. release uncounts it,
 // once; call it when the connection has ended (or was refused).

@@ -7,6 +7,7 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -14,6 +15,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/gorilla/websocket"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
@@ -308,5 +311,67 @@ func TestDataplaneHeavySlotsSharedFairly(t *testing.T) {
 		if got := c.await(i); got.Error != nil {
 			t.Fatalf("read %d: %s", i, got)
 		}
+	}
+}
+
+// dialRefusal tries an upgrade with cred and returns the refusal's status, Retry-After and body
+// (101 when it was accepted; that connection is closed when t ends).
+func dialRefusal(t testing.TB, url, cred string) (int, string, protocol.ErrorBody) {
+	t.Helper()
+	d := websocket.Dialer{Subprotocols: []string{protocol.Subprotocol}, HandshakeTimeout: 10 * time.Second}
+	ws, resp, err := d.Dial(url, authHeader(cred))
+	if err == nil {
+		t.Cleanup(func() { ws.Close() })
+		return 101, "", protocol.ErrorBody{}
+	}
+	if resp == nil {
+		t.Fatalf("dial %s: %v", url, err)
+	}
+	var eb protocol.ErrorBody
+	json.NewDecoder(resp.Body).Decode(&eb)
+	return resp.StatusCode, resp.Header.Get("Retry-After"), eb
+}
+
+// One credential, or one org, cannot take every dataplane connection: past its cap an upgrade is
+// refused with 429, a Retry-After and a stable code, and the other orgs still connect. Before, one
+// token opened all 4096 and every other org got 503.
+func TestDataplaneConnectionCaps(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Dataplane: server.DataplaneLimits{MaxConnections: 20, PerOrg: 6, PerCredential: 4}})
+	_, url := newSandbox(t, b, "capped")
+	key := b.Client.APIKey()
+	tok, err := b.Client.Delegate(context.Background(), "capped", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := func(cred, code string) {
+		t.Helper()
+		status, retry, eb := dialRefusal(t, url, cred)
+		if status != 429 || eb.Error.Code != code || retry == "" || !strings.Contains(eb.Error.Message, "retry") {
+			t.Fatalf("over the cap: %d Retry-After %q %+v, want 429 %s with Retry-After and a message", status, retry, eb.Error, code)
+		}
+	}
+	var conns []*rawConn
+	for i := 0; i < 4; i++ {
+		conns = append(conns, dialRaw(t, url, key))
+	}
+	refused(key, protocol.CodeTooManyConnections) // the key's cap
+	for i := 0; i < 2; i++ {
+		dialRaw(t, url, tok.Token)
+	}
+	refused(tok.Token, protocol.CodeTooManyConnections) // the org's cap, with the token under its own
+
+	// Another org is not affected.
+	other := b.NewClient("uncapped-org")
+	res, err := other.CreateSandbox(context.Background(), protocol.CreateSandboxRequest{Name: "free"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dialRaw(t, dataplaneURL(b, res.Sandbox.ID), other.APIKey()).ping()
+
+	// A connection that ends gives its place back.
+	conns[0].ws.Close()
+	if !waitFor(5*time.Second, func() bool { s, _, _ := dialRefusal(t, url, key); return s == 101 }) {
+		t.Fatal("the key could not connect again after one of its connections closed")
 	}
 }

@@ -30,7 +30,7 @@ var statusOf = map[string]int{
 	protocol.CodeMethodNotAllowed: 405,
 	protocol.CodeNameConflict:     409, protocol.CodeInvalidState: 409, protocol.CodeSandboxFailed: 409,
 	protocol.CodeNotRunning: 409, protocol.CodeWrongNode: 409,
-	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429,
+	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429, protocol.CodeTooManyConnections: 429,
 	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503,
 }
 

@@ -40,8 +40,8 @@ type Config struct {
 	// DataplaneRenewsLease lets dataplane activity renew a sandbox's lease (off by default: a lease
 	// is the owner's heartbeat, and an agent left running must not keep a sandbox alive).
 	DataplaneRenewsLease bool
-	// MaxDataplaneConnections bounds open dataplane connections (default 4096).
-	MaxDataplaneConnections int
+	// Dataplane bounds the dataplane connections this broker serves.
+	Dataplane DataplaneLimits
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.
@@ -58,6 +58,36 @@ type ProviderInfo struct {
 	// Fallback is why preflight fell back to the dir provider (on this start or the one that set up
 	// the data dir), empty if it did not.
 	Fallback string `json:"fallback,omitempty"`
+}
+
+// DataplaneLimits bound the dataplane connections one broker serves, so that one credential or one
+// org cannot take them all (0: the default).
+type DataplaneLimits struct {
+	// MaxConnections bounds them all (default 4096); past it an upgrade is 503 unavailable.
+	MaxConnections int
+	// PerOrg and PerCredential bound one org's, and one API key's or delegation token's (default
+	// 1024 and 256); past them an upgrade is 429 too_many_connections.
+	PerOrg, PerCredential int
+}
+
+// Default dataplane connection limits.
+const (
+	DefaultMaxDataplaneConnections     = 4096
+	DefaultDataplaneConnsPerOrg        = 1024
+	DefaultDataplaneConnsPerCredential = 256
+)
+
+func (l DataplaneLimits) withDefaults() DataplaneLimits {
+	if l.MaxConnections <= 0 {
+		l.MaxConnections = DefaultMaxDataplaneConnections
+	}
+	if l.PerOrg <= 0 {
+		l.PerOrg = DefaultDataplaneConnsPerOrg
+	}
+	if l.PerCredential <= 0 {
+		l.PerCredential = DefaultDataplaneConnsPerCredential
+	}
+	return l
 }
 
 // ReadyReport is the /readyz body.
@@ -106,6 +136,8 @@ type Server struct {
 	maxDPConns int
 	// routes are the registered route paths (echo's c.Path() form), the only route labels.
 	routes map[string]bool
+	// dpLimits bound open dataplane connections (counted by hub).
+	dpLimits DataplaneLimits
 }
 
 // maxBody bounds every REST request body.
@@ -119,10 +151,7 @@ func New(cfg Config) *Server {
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg),
-		maxDPConns:   cfg.MaxDataplaneConnections}
-	if s.maxDPConns <= 0 {
-		s.maxDPConns = 4096
-	}
+		dpLimits:     cfg.Dataplane.withDefaults()}
 	if s.events == nil {
 		s.events = events.Discard
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/server"
 )
 
 // config is the broker's whole configuration, read once at start from flags with SBX_* env fallbacks.
@@ -44,6 +45,8 @@ type config struct {
 	DataplaneRenews bool
 	AllowedOrigins  []string
 	DebugListen     string
+	// MaxDPConns, MaxDPConnsPerOrg and MaxDPConnsPerCredential bound dataplane connections.
+	MaxDPConns, MaxDPConnsPerOrg, MaxDPConnsPerCredential int
 }
 
 // envOf maps each flag to its environment fallback.
@@ -57,7 +60,9 @@ var envOf = map[string]string{
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
-	"debug-listen": "SBX_DEBUG_LISTEN",
+	"debug-listen": "SBX_DEBUG_LISTEN", "max-dataplane-connections": "SBX_MAX_DATAPLANE_CONNECTIONS",
+	"max-dataplane-connections-per-org":        "SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG",
+	"max-dataplane-connections-per-credential": "SBX_MAX_DATAPLANE_CONNECTIONS_PER_CREDENTIAL",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -135,6 +140,9 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
+	fs.IntVar(&c.MaxDPConns, "max-dataplane-connections", server.DefaultMaxDataplaneConnections, "dataplane connections this broker serves at once; past it an upgrade is 503")
+	fs.IntVar(&c.MaxDPConnsPerOrg, "max-dataplane-connections-per-org", server.DefaultDataplaneConnsPerOrg, "dataplane connections one org may have open on this broker; past it an upgrade is 429 too_many_connections")
+	fs.IntVar(&c.MaxDPConnsPerCredential, "max-dataplane-connections-per-credential", server.DefaultDataplaneConnsPerCredential, "dataplane connections one API key or delegation token may have open on this broker; past it an upgrade is 429 too_many_connections")
 }
 
 // applyEnv fills every flag not given on the command line from its SBX_* variable.
@@ -226,6 +234,15 @@ func (c *config) validate() error {
 	}
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")
+	}
+	for _, l := range []struct {
+		flag string
+		n    int
+	}{{"max-dataplane-connections", c.MaxDPConns}, {"max-dataplane-connections-per-org", c.MaxDPConnsPerOrg},
+		{"max-dataplane-connections-per-credential", c.MaxDPConnsPerCredential}} {
+		if l.n < 1 {
+			bad(l.flag, "must be at least 1 (it is %d)", l.n)
+		}
 	}
 	if c.Templates != "" {
 		if _, err := os.Stat(c.Templates); err != nil {

@@ -65,3 +65,29 @@ func TestAdvertiseURLIsNormalised(t *testing.T) {
 		}
 	}
 }
+
+// The dataplane connection caps take their SBX_* fallbacks and refuse nonsense by name.
+func TestDataplaneConnectionCapFlags(t *testing.T) {
+	cmd := rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "12")
+	if err := cmd.ParseFlags([]string{"--max-dataplane-connections-per-credential", "3"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyEnv(cmd); err != nil {
+		t.Fatal(err)
+	}
+	org, _ := cmd.Flags().GetInt("max-dataplane-connections-per-org")
+	cred, _ := cmd.Flags().GetInt("max-dataplane-connections-per-credential")
+	all, _ := cmd.Flags().GetInt("max-dataplane-connections")
+	if org != 12 || cred != 3 || all != 4096 {
+		t.Fatalf("per org %d, per credential %d, all %d; want 12, 3 and the default 4096", org, cred, all)
+	}
+
+	cmd = rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "0")
+	cmd.SetArgs([]string{"--data-dir", t.TempDir()})
+	err := cmd.Execute()
+	if err == nil || !strings.Contains(err.Error(), "--max-dataplane-connections-per-org (SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG)") {
+		t.Fatalf("want a configuration error naming the setting: %v", err)
+	}
+}

@@ -80,6 +80,8 @@ type Options struct {
 	Templates map[string]provider.Template
 	// Log receives the broker's logs (default: discarded unless -v).
 	Log *slog.Logger
+	// Dataplane bounds dataplane connections (zero values: the broker's defaults).
+	Dataplane server.DataplaneLimits
 }
 
 // Broker is a running in-process broker.
@@ -159,6 +161,7 @@ func New(t testing.TB, opts Options) *Broker {
 		Store: st, Provider: prov, ProviderReport: report, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
 		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid,
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
+		Dataplane: opts.Dataplane,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -247,6 +247,10 @@ type dpConn struct {
 	inflight map[uint32]*request
 	closing  bool
 	closeMsg []byte // the close frame to send, set once
+	// drained, once set (the broker is shutting down), refuses new requests and is closed when
+	// no request is in flight any more (stopNew).
+	drained       chan struct{}
+	drainedClosed bool
 
 	// running counts request goroutines, which serve waits for: they may still emit events.
 	running sync.WaitGroup
@@ -364,7 +368,7 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.running.Wait()
 	// Frames queued after the writer left (a producer that raced the close) are given back here:
 	// nothing produces any more.
-	c.drain()
+	c.dropQueued()
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventDisconnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
 	log.Info("dataplane disconnected", "jti", c.jti())
 	unregister()
@@ -489,7 +493,7 @@ func (c *dpConn) writer() {
 	ping := time.NewTicker(dpPingEvery)
 	defer ping.Stop()
 	// Whatever is still queued when the writer leaves is never written: give it back now.
-	defer c.drain()
+	defer c.dropQueued()
 	for {
 		select {
 		case f := <-c.out:
@@ -570,8 +574,8 @@ func (c *dpConn) dropped(f outFrame) {
 	c.written(f)
 }
 
-// drain drops every frame left in the queue.
-func (c *dpConn) drain() {
+// dropQueued drops every frame left in the queue.
+func (c *dpConn) dropQueued() {
 	for {
 		select {
 		case f := <-c.out:
@@ -728,8 +732,29 @@ func (c *dpConn) finish(id uint32) {
 	if r := c.inflight[id]; r != nil {
 		r.cancel()
 		delete(c.inflight, id)
+		c.checkDrained()
 	}
 	c.mu.Unlock()
+}
+
+// stopNew makes the connection refuse new requests (the broker is shutting down) and returns a
+// channel that is closed once no request is in flight.
+func (c *dpConn) stopNew() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.drained == nil {
+		c.drained = make(chan struct{})
+		c.checkDrained()
+	}
+	return c.drained
+}
+
+// checkDrained closes drained when the last request in flight is gone. c.mu is held.
+func (c *dpConn) checkDrained() {
+	if c.drained != nil && !c.drainedClosed && len(c.inflight) == 0 {
+		close(c.drained)
+		c.drainedClosed = true
+	}
 }
 
 // forget is finish for request req only: by the time it runs, its id may name a newer request.
@@ -738,6 +763,7 @@ func (c *dpConn) forget(id uint32, req *request) {
 	c.mu.Lock()
 	if c.inflight[id] == req {
 		delete(c.inflight, id)
+		c.checkDrained()
 	}
 	c.mu.Unlock()
 }
@@ -777,6 +803,11 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 	case c.closing:
 		c.mu.Unlock()
 		cancel()
+		return
+	case c.drained != nil:
+		c.mu.Unlock()
+		cancel()
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: request %d was not started; reconnect (the sandbox's broker will be back) and send it again", id)})
 		return
 	case c.inflight[id] != nil:
 		c.mu.Unlock()
@@ -1366,6 +1397,29 @@ func (h *hub) keyRevoked(keyID string) {
 // revoked applies an announced revocation to the connections it concerns.
 func (h *hub) revoked(r delegation.Revocation) {
 	h.each(r.Org+"/"+r.SandboxID, func(c *dpConn) { c.revoked(r) })
+}
+
+// drain begins a graceful shutdown: connections upgraded from now on are closed at once, open ones
+// refuse new requests, and drain waits until those in flight are answered or ctx ends (closeAll
+// then cuts the rest).
+func (h *hub) drain(ctx context.Context) {
+	h.mu.Lock()
+	h.closed = true
+	h.mu.Unlock()
+	type waiting struct {
+		drained <-chan struct{}
+		ended   <-chan struct{}
+	}
+	var list []waiting
+	h.each("", func(c *dpConn) { list = append(list, waiting{c.stopNew(), c.ctx.Done()}) })
+	for _, w := range list {
+		select {
+		case <-w.drained:
+		case <-w.ended: // the connection is ending anyway
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // closeAll closes every connection (broker shutdown) and waits, up to dpCloseWait, until each has

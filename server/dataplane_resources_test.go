@@ -375,3 +375,51 @@ func TestDataplaneConnectionCaps(t *testing.T) {
 		t.Fatal("the key could not connect again after one of its connections closed")
 	}
 }
+
+// A graceful shutdown lets the dataplane requests in flight finish (up to the shutdown timeout),
+// refuses new ones with unavailable, then closes with 1001. Before, it cancelled them at once: an
+// agent's command that was about to finish was killed by every broker restart.
+func TestDataplaneShutdownDrainsInflight(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	_, url := newSandbox(t, b, "drain")
+	c := dialRaw(t, url, b.Client.APIKey())
+	c.sendJSON(protocol.Request{ID: 1, Op: "exec", Args: map[string]any{"command": "sleep 1.5; echo done"}})
+	c.ping() // the exec is in flight
+	stopped := make(chan time.Duration, 1)
+	start := time.Now()
+	go func() { b.StopWithin(20 * time.Second); stopped <- time.Since(start) }()
+
+	// Requests sent once the shutdown began are refused, not started.
+	var refused answer
+	for id := uint32(100); ; id++ {
+		got := c.call(id, "stat", map[string]any{"path": "."})
+		if got.Error != nil {
+			refused = got
+			break
+		}
+		if time.Since(start) > 5*time.Second {
+			t.Fatal("the shutdown never refused a new request")
+		}
+	}
+	if refused.code() != protocol.CodeUnavailable || !strings.Contains(refused.Error.Message, "shutting down") {
+		t.Errorf("a request during the shutdown: %s, want unavailable", refused)
+	}
+	// The request in flight is answered in full.
+	got := c.await(1)
+	var er protocol.ExecResult
+	if got.Error != nil || got.decode(&er) != nil || er.ExitCode != 0 || deref(er.Stdout) != "done\n" {
+		t.Fatalf("the exec in flight during the shutdown: %s", got)
+	}
+	select {
+	case got := <-closeWatch(c):
+		if got.code != websocket.CloseGoingAway {
+			t.Errorf("closed by %d %q (%v), want 1001", got.code, got.reason, got.err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the connection stayed open after its requests were answered")
+	}
+	if took := <-stopped; took > 10*time.Second {
+		t.Errorf("the shutdown took %s with nothing left in flight after 1.5 s", took)
+	}
+}

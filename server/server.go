@@ -251,10 +251,15 @@ func (s *Server) Serve(l net.Listener) error {
 
 // Shutdown stops accepting, lets in-flight requests finish until ctx ends, then closes the rest.
 func (s *Server) Shutdown(ctx context.Context) error {
+	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: the hub drains them,
+	// meanwhile. Revocations are still followed while they drain; event streams (which
+	// http.Server.Shutdown would wait for) end after.
+	httpDone := make(chan error, 1)
+	go func() { httpDone <- s.http.Shutdown(ctx) }()
+	s.hub.drain(ctx)
 	s.stopBackground()
-	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: close them ourselves.
 	s.hub.closeAll()
-	return s.http.Shutdown(ctx)
+	return <-httpDone
 }
 
 func (s *Server) healthz(c echo.Context) error {

@@ -101,6 +101,8 @@ type Broker struct {
 	DataDir string
 	t       testing.TB
 	stop    func()
+	// stopWithin is the shutdown timeout Stop gives the broker.
+	stopWithin time.Duration
 }
 
 // New starts a broker and stops it when t ends.
@@ -170,11 +172,11 @@ func New(t testing.TB, opts Options) *Broker {
 	go func() { defer close(served); br.Serve(l) }()
 
 	b := &Broker{URL: url, Redis: opts.Redis, RDB: rdb, Store: st, Manager: br.Sandboxes, Keys: br.Keys, Server: br.Server,
-		Sweeper: br.Sweeper, DataDir: opts.DataDir, t: t, now: opts.Now}
+		Sweeper: br.Sweeper, DataDir: opts.DataDir, t: t, now: opts.Now, stopWithin: 10 * time.Second}
 	var once sync.Once
 	b.stop = func() {
 		once.Do(func() {
-			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			sctx, cancel := context.WithTimeout(context.Background(), b.stopWithin)
 			defer cancel()
 			br.Shutdown(sctx)
 			<-served
@@ -199,8 +201,15 @@ func DataDir(t testing.TB) string {
 	return d
 }
 
-// Stop stops the broker now (a restart test starts another on the same DataDir and Redis).
+// Stop stops the broker now (a restart test starts another on the same DataDir and Redis), with a
+// shutdown timeout of 10 s.
 func (b *Broker) Stop() { b.stop() }
+
+// StopWithin is Stop with shutdown timeout d: how long requests in flight may take to finish.
+func (b *Broker) StopWithin(d time.Duration) {
+	b.stopWithin = d
+	b.stop()
+}
 
 // NewClient makes an API key for org (created if new) and returns a client using it.
 func (b *Broker) NewClient(org string) *client.Client {

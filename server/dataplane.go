@@ -53,6 +53,10 @@ const (
 	// (the connection's reader too: a client that does not read stops being read), so a client
 	// that does not read holds at most this much, or one answer larger than it. dpWriteQueue bounds
 	// the frames in the queue as well, for tiny ones.
+	// dpQueuedBudget bounds the bytes waiting for every client together, and dpQueuedPerOrg one
+	// org's: an org whose clients do not read fills its share and then waits, alone.
+	dpQueuedBudget = 1 << 30
+	dpQueuedPerOrg = dpQueuedBudget / 4
 	// dpRetryAfter is the Retry-After (seconds) of an upgrade refused for too many connections.
 	dpRetryAfter   = "5"
 	dpQueueBytes   = 4 << 20
@@ -526,13 +530,16 @@ func (c *dpConn) charge(n int64) bool {
 	if c.queued.acquire(c.ctx, "", n) != nil {
 		return false
 	}
-	c.s.dpQueued.Add(n)
+	if c.s.dpQueued.acquire(c.ctx, c.org, n) != nil {
+		c.queued.release("", n)
+		return false
+	}
 	return true
 }
 
 func (c *dpConn) uncharge(n int64) {
 	c.queued.release("", n)
-	c.s.dpQueued.Add(-n)
+	c.s.dpQueued.release(c.org, n)
 }
 
 // enqueue hands a frame to the writer, counting its bytes against the connection's queue first.

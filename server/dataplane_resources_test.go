@@ -423,3 +423,51 @@ func TestDataplaneShutdownDrainsInflight(t *testing.T) {
 		t.Errorf("the shutdown took %s with nothing left in flight after 1.5 s", took)
 	}
 }
+
+// The bytes waiting for clients that do not read are bounded broker-wide, not only per connection,
+// and one org holds at most its share of them (256 MiB): another org's transfers still run. Before,
+// an org's queues were bounded only by its connection count (1024 connections x 4 MiB).
+func TestDataplaneUnreadQueuesShareFairly(t *testing.T) {
+	// Not parallel: it fills an org's share of the broker's queue memory.
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, url := newSandbox(t, b, "hoard")
+	f, err := os.Create(filepath.Join(workspaceDir(b, id), "huge.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Truncate(256 << 20) // sparse: far more than any buffer on the way
+	f.Close()
+	key := b.Client.APIKey()
+	const conns = 100 // 100 queues of three 1 MiB chunks: more than the org's 256 MiB share
+	for i := 0; i < conns; i++ {
+		c := dialRaw(t, url, key)
+		c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
+	}
+	var last int64 = -1
+	for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(300 * time.Millisecond) {
+		q := server.OrgUsage(b.Server, b.Org).QueuedBytes
+		if q > 0 && q == last {
+			break
+		}
+		last = q
+	}
+	held := server.OrgUsage(b.Server, b.Org).QueuedBytes
+	t.Logf("%d connections of one org with an unread download each: %d MiB queued for the org", conns, held>>20)
+	if held > 256<<20 {
+		t.Errorf("one org's unread queues hold %d MiB, over its 256 MiB share", held>>20)
+	}
+
+	// Another org's download runs to the end meanwhile.
+	other := b.NewClient("moving-org")
+	res, err := other.CreateSandbox(context.Background(), protocol.CreateSandboxRequest{Name: "mover"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(workspaceDir(b, res.Sandbox.ID), "f.bin"), bytes.Repeat([]byte("z"), 3<<20), 0o644)
+	c := dialRaw(t, dataplaneURL(b, res.Sandbox.ID), other.APIKey())
+	got := c.call(1, "download", map[string]any{"path": "f.bin"})
+	var dr protocol.DownloadResult
+	if got.Error != nil || got.decode(&dr) != nil || dr.Size != 3<<20 {
+		t.Fatalf("another org's download: %s", got)
+	}
+}

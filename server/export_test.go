@@ -18,12 +18,14 @@ type DataplaneUsage struct {
 func Usage(s *Server) DataplaneUsage {
 	heavy, _ := s.dpHeavy.inUse("")
 	exec, _ := s.dpExecOutput.inUse("")
-	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: s.dpQueued.Load()}
+	queued, _ := s.dpQueued.inUse("")
+	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued}
 }
 
-// OrgUsage is Usage's heavy slots and exec output for one org.
+// OrgUsage is Usage for one org.
 func OrgUsage(s *Server, org string) DataplaneUsage {
 	_, heavy := s.dpHeavy.inUse(org)
 	_, exec := s.dpExecOutput.inUse(org)
-	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec}
+	_, queued := s.dpQueued.inUse(org)
+	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued}
 }

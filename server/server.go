@@ -13,7 +13,6 @@ import (
 	"runtime/debug"
 	"sort"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -130,10 +129,9 @@ type Server struct {
 	// dpExecOutput is the output of non-streamed execs held in memory broker-wide, with a share
 	// per org.
 	dpExecOutput *quota
-	// dpQueued is the bytes waiting for dataplane clients, every connection's queue together.
-	dpQueued atomic.Int64
-	// maxDPConns bounds open dataplane connections (counted by hub).
-	maxDPConns int
+	// dpQueued is the bytes waiting for dataplane clients, every connection's queue together,
+	// with a share per org.
+	dpQueued *quota
 	// routes are the registered route paths (echo's c.Path() form), the only route labels.
 	routes map[string]bool
 	// dpLimits bound open dataplane connections (counted by hub).
@@ -150,8 +148,8 @@ func New(cfg Config) *Server {
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count, cfg.Provider), hub: h,
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
-		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg),
-		dpLimits:     cfg.Dataplane.withDefaults()}
+		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
+		dpLimits: cfg.Dataplane.withDefaults()}
 	if s.events == nil {
 		s.events = events.Discard
 	}

@@ -14,8 +14,8 @@ import (
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/server"
+	"github.com/sbxbroker/broker/store"
 )
 
 // config is the broker's whole configuration, read once at start from flags with SBX_* env fallbacks.

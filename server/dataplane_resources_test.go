@@ -8,6 +8,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -469,5 +471,48 @@ func TestDataplaneUnreadQueuesShareFairly(t *testing.T) {
 	var dr protocol.DownloadResult
 	if got.Error != nil || got.decode(&dr) != nil || dr.Size != 3<<20 {
 		t.Fatalf("another org's download: %s", got)
+	}
+}
+
+// The accounting is on /metrics, so an operator sees what clients that do not read hold.
+func TestDataplaneAccountingMetrics(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, url := newSandbox(t, b, "metered")
+	f, err := os.Create(filepath.Join(workspaceDir(b, id), "huge.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Truncate(64 << 20)
+	f.Close()
+	c := dialRaw(t, url, b.Client.APIKey())
+	c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
+	metric := func(name string) float64 {
+		resp, err := http.Get(b.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(resp.Body)
+		for _, line := range strings.Split(string(raw), "\n") {
+			if v, ok := strings.CutPrefix(line, name+" "); ok {
+				n, _ := strconv.ParseFloat(v, 64)
+				return n
+			}
+		}
+		t.Fatalf("no %s metric", name)
+		return 0
+	}
+	if !waitFor(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") > 0 }) {
+		t.Fatal("an unread download shows no queued bytes")
+	}
+	for _, name := range []string{"sbx_dataplane_heavy_slots", "sbx_dataplane_exec_output_bytes"} {
+		if v := metric(name); v != 0 {
+			t.Errorf("%s = %v with nothing holding it", name, v)
+		}
+	}
+	c.ws.Close()
+	if !waitFor(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") == 0 }) {
+		t.Error("the queued bytes stay after the client left")
 	}
 }

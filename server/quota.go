@@ -3,6 +3,8 @@ package server
 import (
 	"context"
 	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // quota is an amount shared by many holders (slots, bytes): at most max is in use, and at most share
@@ -100,4 +102,20 @@ func (q *quota) inUse(key string) (all, byKey int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.used, q.byKey[key]
+}
+
+// dataplaneGauges export the dataplane's accounting: what clients hold of the shared slots, the
+// exec output budget and the queues.
+func (s *Server) dataplaneGauges() []prometheus.Collector {
+	gauge := func(name, help string, q *quota) prometheus.Collector {
+		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
+			all, _ := q.inUse("")
+			return float64(all)
+		})
+	}
+	return []prometheus.Collector{
+		gauge("sbx_dataplane_heavy_slots", "Broker-wide read/ls/glob/grep slots held, until their answers are written.", s.dpHeavy),
+		gauge("sbx_dataplane_exec_output_bytes", "Non-streamed exec output held against the broker-wide budget, until written.", s.dpExecOutput),
+		gauge("sbx_dataplane_queued_bytes", "Bytes waiting to be written to dataplane clients.", s.dpQueued),
+	}
 }

@@ -150,6 +150,7 @@ func New(cfg Config) *Server {
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
 		dpLimits: cfg.Dataplane.withDefaults()}
+	s.metrics.reg.MustRegister(s.dataplaneGauges()...)
 	if s.events == nil {
 		s.events = events.Discard
 	}

@@ -66,6 +66,8 @@ type Namespace struct {
 	hostShell  string
 	initInterp string // the init binary's ELF interpreter, "" when static
 	noUserns   bool   // bwrap has --disable-userns (0.8.0 and later)
+	pasta      string // the network helper for network: true templates (network.go)
+	pastaErr   error  // why there is none; a network: true sandbox then fails to start
 	running    running
 }
 
@@ -103,6 +105,9 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 		return nil, err
 	}
 	n.initInterp = elfInterp(cfg.InitPath)
+	if n.pasta, err = exec.LookPath(cfg.PastaPath); err != nil {
+		n.pastaErr = fmt.Errorf("sandbox network: the template allows the network and pasta was not found (%s): install it: apt-get install -y passt", cfg.PastaPath)
+	}
 	return n, nil
 }
 
@@ -255,6 +260,16 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		shell = loginShell(spec.Template.Rootfs)
 	}
 	env := sandboxEnv(WorkspacePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
+	var network func(context.Context, int) (func(), error)
+	if spec.Template.Network {
+		network = func(ctx context.Context, pid int) (func(), error) {
+			h, err := n.startNetwork(ctx, spec.ID, pid)
+			if err != nil {
+				return nil, err
+			}
+			return h.stop, nil
+		}
+	}
 	in, err := launch(ctx, launchSpec{
 		kind:    kindNamespace,
 		cmd:     cmd,
@@ -263,6 +278,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		limits:  limits,
 		release: release,
 		info:    info,
+		network: network,
 	})
 	if err != nil {
 		return nil, err
@@ -339,9 +355,9 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		// pin every user namespace the host allows, and then no sandbox could start.
 		a = append(a, "--disable-userns")
 	}
-	if !t.Network {
-		a = append(a, "--unshare-net")
-	}
+	// Every sandbox has its own network namespace; with network: true, pasta attaches to it
+	// (network.go). The host's is never shared: its loopback is where the broker and Redis listen.
+	a = append(a, "--unshare-net")
 	bindIdentity := true
 	if t.Rootfs == "" {
 		a = append(a, n.hostRoot...)

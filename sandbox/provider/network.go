@@ -1,0 +1,186 @@
+package provider
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// A network: true sandbox has a network namespace of its own, like every other sandbox (bwrap
+// --unshare-net), and reaches the outside through pasta, a user-mode network stack (Debian package
+// passt) attached to that namespace from the host. pasta turns the sandbox's TCP, UDP and ICMP echo
+// into ordinary sockets of its own on the host, so:
+//   - the sandbox's 127.0.0.1 is its own loopback: the host's (the broker, Redis, /metrics, pprof,
+//     other sandboxes' services) is not reachable, because pasta forwards no port either way
+//     (-t/-u/-T/-U none) and does not map the gateway to the host (--no-map-gw);
+//   - the sandbox gets a copy of the host's address on the outbound interface, so that address is
+//     the sandbox's own too, and a connection to it stays inside;
+//   - any other destination is reached as the host would reach it (that includes addresses of the
+//     host's other interfaces, which no pasta option hides: docs/ARCHITECTURE.md says so).
+//
+// pasta runs as the sandbox's host uid, never root, as a child of the broker that is killed with the
+// sandbox (and with the broker: Pdeathsig). If it cannot start, neither does the sandbox: there is no
+// fallback to the host's network.
+
+// pastaReadyTimeout bounds how long Start waits for pasta to have configured the namespace.
+const pastaReadyTimeout = 10 * time.Second
+
+// Fds pasta inherits: the sandbox's user and network namespaces, opened by the broker (the init is
+// not dumpable, so pasta, running as the sandbox's uid, could not open its /proc/PID/ns files).
+const (
+	pastaUserNSFD = 3
+	pastaNetNSFD  = 4
+)
+
+// netHelper is a running pasta.
+type netHelper struct {
+	cmd  *exec.Cmd
+	done chan struct{} // closed once pasta is reaped
+}
+
+// pastaArgs is pasta's command line for a namespace it finds at its fds 3 and 4.
+func pastaArgs(pidFile string) []string {
+	return []string{
+		"--config-net", // addresses, routes and the link up inside, copied from the host's
+		"--foreground", // our child: its lifetime is the sandbox's
+		"--quiet",
+		"--no-map-gw",                                          // the gateway address is the real gateway, never the host
+		"-t", "none", "-u", "none", "-T", "none", "-U", "none", // no port forwarded either way
+		"--pid", pidFile, // written once the namespace is configured: our ready signal
+		"--userns", "/proc/self/fd/" + strconv.Itoa(pastaUserNSFD),
+		"--netns", "/proc/self/fd/" + strconv.Itoa(pastaNetNSFD),
+		"--no-netns-quit",
+	}
+}
+
+// startNetwork attaches pasta to the network namespace of the sandbox whose init is host pid pid,
+// and returns once the namespace is configured. On error nothing is left running.
+func (n *Namespace) startNetwork(ctx context.Context, id string, pid int) (*netHelper, error) {
+	if n.pastaErr != nil {
+		return nil, n.pastaErr
+	}
+	var nsFiles []*os.File
+	defer func() {
+		for _, f := range nsFiles {
+			f.Close()
+		}
+	}()
+	// The network namespace belongs to bwrap's outer user namespace, not to the init's (bwrap's
+	// --disable-userns nests one more): pasta must join the owner, which the kernel names.
+	netns, err := os.Open(fmt.Sprintf("/proc/%d/ns/net", pid))
+	if err != nil {
+		return nil, fmt.Errorf("sandbox network: network namespace of the init: %w", err)
+	}
+	nsFiles = append(nsFiles, netns)
+	userns, err := unix.IoctlRetInt(int(netns.Fd()), unix.NS_GET_USERNS)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox network: owner of the network namespace: %w", err)
+	}
+	nsFiles = []*os.File{os.NewFile(uintptr(userns), "userns"), netns}
+	// pasta writes its pid into this file when the namespace is ready. It runs as the sandbox uid,
+	// so the file is made for it; the state dir is not visible inside the sandbox.
+	pidFile := filepath.Join(n.layout.stateDir(id), "pasta.pid")
+	os.Remove(pidFile)
+	pf, err := os.OpenFile(pidFile, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox network: %w", err)
+	}
+	attr := &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if n.asRoot {
+		if err := pf.Chown(n.cfg.UID, n.cfg.GID); err != nil {
+			pf.Close()
+			return nil, fmt.Errorf("sandbox network: %w", err)
+		}
+		// The user namespace's owner: pasta has the capabilities it needs inside the sandbox's
+		// namespaces and none on the host.
+		attr.Credential = &syscall.Credential{Uid: uint32(n.cfg.UID), Gid: uint32(n.cfg.GID), Groups: []uint32{}}
+	}
+	pf.Close()
+	defer os.Remove(pidFile)
+	stderr := &headBuffer{max: 4 << 10}
+	cmd := &exec.Cmd{
+		Path:        n.pasta,
+		Args:        append([]string{"pasta"}, pastaArgs(pidFile)...),
+		Dir:         "/",
+		Env:         []string{},
+		Stderr:      stderr,
+		ExtraFiles:  nsFiles,
+		SysProcAttr: attr,
+		WaitDelay:   time.Second,
+	}
+	if err := spawn(cmd); err != nil {
+		return nil, fmt.Errorf("sandbox network: start %s: %w: install pasta: apt-get install -y passt", n.pasta, err)
+	}
+	h := &netHelper{cmd: cmd, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		close(h.done)
+	}()
+	fail := func(err error) (*netHelper, error) {
+		h.stop()
+		if msg := pastaMessage(stderr.String()); msg != "" {
+			err = fmt.Errorf("%w: %s", err, msg)
+		}
+		return nil, err
+	}
+	deadline := time.NewTimer(pastaReadyTimeout)
+	defer deadline.Stop()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for {
+		if b, err := os.ReadFile(pidFile); err == nil && len(bytes.TrimSpace(b)) > 0 {
+			return h, nil
+		}
+		select {
+		case <-tick.C:
+		case <-h.done:
+			<-h.done
+			return fail(errors.New("sandbox network: pasta exited before the sandbox's network was up"))
+		case <-deadline.C:
+			return fail(fmt.Errorf("sandbox network: pasta did not configure the network within %v", pastaReadyTimeout))
+		case <-ctx.Done():
+			return fail(fmt.Errorf("sandbox network: %w", ctx.Err()))
+		}
+	}
+}
+
+// pastaMessage is what pasta said on stderr, without its complaints about a missing syslog.
+func pastaMessage(s string) string {
+	var keep []string
+	for _, line := range strings.Split(s, "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "Failed to send") && strings.HasSuffix(line, "to syslog") {
+			continue
+		}
+		keep = append(keep, line)
+	}
+	msg := strings.Join(keep, "; ")
+	if strings.Contains(msg, "tun") {
+		msg += " (pasta needs /dev/net/tun readable and writable by the sandbox uid: chmod 0666 /dev/net/tun, the kernel's default)"
+	}
+	return msg
+}
+
+// stop kills pasta and waits until it is reaped. It is safe to call more than once.
+func (h *netHelper) stop() {
+	if h == nil {
+		return
+	}
+	select {
+	case <-h.done:
+		return
+	default:
+	}
+	_ = h.cmd.Process.Signal(unix.SIGKILL)
+	<-h.done
+}

@@ -114,7 +114,7 @@ func BenchmarkCreateToReady(b *testing.B) { benchCreateToReady(b, DefaultTemplat
 // BenchmarkCreateToReadyNetwork is BenchmarkCreateToReady for a network: true template: the same
 // plus pasta attached to the sandbox's network namespace and the namespace configured.
 func BenchmarkCreateToReadyNetwork(b *testing.B) {
-	benchCreateToReady(b, Template{Name: "net", Network: true})
+	benchCreateToReady(b, Template{Name: "net", Network: NetworkOn})
 }
 
 func benchCreateToReady(b *testing.B, tmpl Template) {

@@ -52,9 +52,9 @@ var (
 	_ Instance = (*instance)(nil)
 )
 
-// Namespace is the bubblewrap provider: each sandbox is one bwrap (pid, ipc, uts, mount, user and,
-// unless the template allows the network, net namespaces) running the resident init as pid 1, with
-// memory, pids and cpu limits from cgroups.
+// Namespace is the bubblewrap provider: each sandbox is one bwrap (pid, ipc, uts, mount, user, cgroup
+// and net namespaces; a network template adds pasta, network.go) running the resident init as pid 1,
+// with memory, pids and cpu limits from cgroups.
 type Namespace struct {
 	cfg        Config
 	layout     layout
@@ -261,9 +261,9 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	}
 	env := sandboxEnv(WorkspacePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
 	var network func(context.Context, int) (func(), error)
-	if spec.Template.Network {
+	if spec.Template.Network.Enabled {
 		network = func(ctx context.Context, pid int) (func(), error) {
-			h, err := n.startNetwork(ctx, spec.ID, pid)
+			h, err := n.startNetwork(ctx, spec.ID, pid, spec.Template.Network)
 			if err != nil {
 				return nil, err
 			}
@@ -361,7 +361,7 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 	bindIdentity := true
 	if t.Rootfs == "" {
 		a = append(a, n.hostRoot...)
-		if t.Network {
+		if t.Network.Enabled {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}
 	} else {
@@ -440,7 +440,7 @@ func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
 			return a, false, nil
 		}
 	}
-	if t.Network {
+	if t.Network.Enabled {
 		if _, err := os.Stat(filepath.Join(t.Rootfs, "etc", "resolv.conf")); err == nil {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}

@@ -3,8 +3,10 @@ package provider
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,8 +27,10 @@ import (
 //     (-t/-u/-T/-U none) and does not map the gateway to the host (--no-map-gw);
 //   - the sandbox gets a copy of the host's address on the outbound interface, so that address is
 //     the sandbox's own too, and a connection to it stays inside;
-//   - any other destination is reached as the host would reach it (that includes addresses of the
-//     host's other interfaces, which no pasta option hides: docs/ARCHITECTURE.md says so).
+//   - pasta would reach the host's addresses on its other interfaces like any local process (no
+//     pasta option hides them), so the sandbox's egress firewall (egress.go) refuses them, and
+//     applies the template's allowlist if it has one;
+//   - any other destination is reached as the host would reach it.
 //
 // pasta runs as the sandbox's host uid, never root, as a child of the broker that is killed with the
 // sandbox (and with the broker: Pdeathsig). If it cannot start, neither does the sandbox: there is no
@@ -65,9 +69,16 @@ func pastaArgs(pidFile string) []string {
 
 // startNetwork attaches pasta to the network namespace of the sandbox whose init is host pid pid,
 // and returns once the namespace is configured. On error nothing is left running.
-func (n *Namespace) startNetwork(ctx context.Context, id string, pid int) (*netHelper, error) {
+func (n *Namespace) startNetwork(ctx context.Context, id string, pid int, net Network) (*netHelper, error) {
 	if n.pastaErr != nil {
 		return nil, n.pastaErr
+	}
+	var allow []egressRule
+	if len(net.Allow) > 0 {
+		var err error
+		if allow, err = parseAllow(net.Allow); err != nil {
+			return nil, err
+		}
 	}
 	var nsFiles []*os.File
 	defer func() {
@@ -87,6 +98,19 @@ func (n *Namespace) startNetwork(ctx context.Context, id string, pid int) (*netH
 		return nil, fmt.Errorf("sandbox network: owner of the network namespace: %w", err)
 	}
 	nsFiles = []*os.File{os.NewFile(uintptr(userns), "userns"), netns}
+	// The firewall goes in before pasta: there is no moment with egress and without the rules.
+	if n.asRoot {
+		hostAddrs, err := localAddrs()
+		if err != nil {
+			return nil, fmt.Errorf("sandbox network: %w", err)
+		}
+		if err := applyEgress(int(netns.Fd()), hostAddrs, allow); err != nil {
+			return nil, fmt.Errorf("sandbox network: %w", err)
+		}
+	} else if allow != nil {
+		// Entering another network namespace to install rules needs CAP_SYS_ADMIN on the host.
+		return nil, errors.New("sandbox network: an egress allowlist (network.allow) needs the broker to run as root, to install the sandbox's firewall: run the broker as root or remove network.allow from the template")
+	}
 	// pasta writes its pid into this file when the namespace is ready. It runs as the sandbox uid,
 	// so the file is made for it; the state dir is not visible inside the sandbox.
 	pidFile := filepath.Join(n.layout.stateDir(id), "pasta.pid")
@@ -183,4 +207,117 @@ func (h *netHelper) stop() {
 	}
 	_ = h.cmd.Process.Signal(unix.SIGKILL)
 	<-h.done
+}
+
+// Network is a template's network setting. In a templates file it is `false` (the default), `true`
+// (egress to any destination), or `{allow: ["10.0.0.0/8:443", "192.0.2.7:53", "2001:db8::/32"]}`
+// (egress only to those destinations; implies true).
+type Network struct {
+	// Enabled gives the sandbox egress through pasta.
+	Enabled bool
+	// Allow, when not empty, is the egress allowlist: each entry an IP address or CIDR prefix, with
+	// an optional port or port range (":443", ":8000-8999"; IPv6 in brackets when a port follows).
+	// TCP and UDP to a listed destination pass; everything else leaving the sandbox is refused.
+	Allow []string
+}
+
+// NetworkOn is the template setting `network: true`.
+var NetworkOn = Network{Enabled: true}
+
+// MarshalJSON writes false, true, or {"allow": [...]}.
+func (n Network) MarshalJSON() ([]byte, error) {
+	if !n.Enabled || len(n.Allow) == 0 {
+		return json.Marshal(n.Enabled)
+	}
+	return json.Marshal(struct {
+		Allow []string `json:"allow"`
+	}{n.Allow})
+}
+
+// UnmarshalJSON reads true, false or {"allow": [...]}.
+func (n *Network) UnmarshalJSON(b []byte) error {
+	var on bool
+	if err := json.Unmarshal(b, &on); err == nil {
+		*n = Network{Enabled: on}
+		return nil
+	}
+	var v struct {
+		Allow []string `json:"allow"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&v); err != nil {
+		return fmt.Errorf("network: want true, false or {allow: [\"10.0.0.0/8:443\", ...]}: %v", strings.TrimPrefix(err.Error(), "json: "))
+	}
+	if len(v.Allow) == 0 {
+		return errors.New("network: allow is empty: list destinations (\"10.0.0.0/8:443\"), or use network: false for no network")
+	}
+	*n = Network{Enabled: true, Allow: v.Allow}
+	return nil
+}
+
+// egressRule is one parsed allowlist entry: a prefix and an inclusive port range (0-65535 for any).
+type egressRule struct {
+	prefix   netip.Prefix
+	from, to uint16
+}
+
+// parseAllow parses the allowlist; an error names the entry and says what is wrong.
+func parseAllow(allow []string) ([]egressRule, error) {
+	var out []egressRule
+	for i, e := range allow {
+		r, err := parseEgress(e)
+		if err != nil {
+			return nil, fmt.Errorf("network.allow[%d] %q: %v", i, e, err)
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+func parseEgress(e string) (egressRule, error) {
+	host, ports := e, ""
+	switch {
+	case strings.HasPrefix(e, "["):
+		end := strings.Index(e, "]")
+		if end < 0 {
+			return egressRule{}, errors.New("missing ']'")
+		}
+		host, ports = e[1:end], strings.TrimPrefix(e[end+1:], ":")
+		if e[end+1:] != "" && !strings.HasPrefix(e[end+1:], ":") {
+			return egressRule{}, errors.New("want [IPv6]:PORT")
+		}
+	case strings.Count(e, ":") == 1:
+		host, ports, _ = strings.Cut(e, ":")
+	}
+	r := egressRule{from: 0, to: 65535}
+	var err error
+	if strings.Contains(host, "/") {
+		r.prefix, err = netip.ParsePrefix(host)
+	} else {
+		var a netip.Addr
+		if a, err = netip.ParseAddr(host); err == nil {
+			r.prefix = netip.PrefixFrom(a, a.BitLen())
+		}
+	}
+	if err != nil {
+		return egressRule{}, errors.New("want an IP address or CIDR prefix (host names are not supported: the rule is enforced on addresses), with an optional :PORT or :FROM-TO")
+	}
+	r.prefix = r.prefix.Masked()
+	if r.prefix.Addr().Is4In6() {
+		return egressRule{}, errors.New("write IPv4 addresses in dotted form")
+	}
+	if ports != "" {
+		lo, hi, isRange := strings.Cut(ports, "-")
+		if !isRange {
+			hi = lo
+		}
+		a, err1 := strconv.ParseUint(lo, 10, 16)
+		b, err2 := strconv.ParseUint(hi, 10, 16)
+		if err1 != nil || err2 != nil || a == 0 || a > b {
+			return egressRule{}, errors.New("port: want a number 1-65535 or a range FROM-TO")
+		}
+		r.from, r.to = uint16(a), uint16(b)
+	}
+	return r, nil
 }

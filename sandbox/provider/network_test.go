@@ -75,11 +75,12 @@ func hostAddrs(t *testing.T) []string {
 }
 
 // A network sandbox has a network of its own: nothing that listens on the host's loopback (the
-// broker, Redis, /metrics, pprof, other sandboxes' services) nor on the host's own address is
-// reachable from inside.
+// broker, Redis, /metrics, pprof, other sandboxes' services) nor on any of the host's addresses
+// (here also one on a second interface, a veth) is reachable from inside.
 func TestNetworkSandboxCannotReachHost(t *testing.T) {
 	n := newNamespace(t, Config{})
-	in, _ := startSandbox(t, n, Template{Network: true})
+	peerNetns(t) // the host gets 10.213.N.1 on a second interface
+	in, _ := startSandbox(t, n, Template{Network: NetworkOn})
 	for _, host := range append([]string{"127.0.0.1"}, hostAddrs(t)...) {
 		addr, accepted := listenOn(t, net.JoinHostPort(host, "0"))
 		res, out := sh(t, in, bashConnect(addr))
@@ -91,8 +92,8 @@ func TestNetworkSandboxCannotReachHost(t *testing.T) {
 
 // peerNetns makes a network namespace joined to the host by a veth pair, the host's end
 // 10.213.N.1/30 and the peer's 10.213.N.2/30: an "outside" host that needs no internet. It returns
-// the peer's address and a listener inside the peer namespace.
-func peerNetns(t *testing.T) (string, func() bool) {
+// the peer's address and a function that opens a listener inside the peer namespace.
+func peerNetns(t *testing.T) (string, func() (string, func() bool)) {
 	t.Helper()
 	name := fmt.Sprintf("sbxtest%d", os.Getpid()%100000)
 	octet := os.Getpid()%200 + 20
@@ -117,38 +118,42 @@ func peerNetns(t *testing.T) (string, func() bool) {
 	run("-n", name, "link", "set", peerIf, "up")
 	run("-n", name, "link", "set", "lo", "up")
 
-	// A listening socket stays in the namespace it was made in.
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	self, err := os.Open("/proc/thread-self/ns/net")
-	if err != nil {
-		t.Fatal(err)
+	return peerIP, func() (string, func() bool) {
+		t.Helper()
+		// A listening socket stays in the namespace it was made in.
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		self, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer self.Close()
+		peer, err := os.Open("/run/netns/" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer peer.Close()
+		if err := unix.Setns(int(peer.Fd()), unix.CLONE_NEWNET); err != nil {
+			t.Fatal(err)
+		}
+		l, lerr := net.Listen("tcp", peerIP+":0")
+		if err := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); err != nil {
+			panic(err) // this thread is in the wrong namespace; it must not run anything else
+		}
+		if lerr != nil {
+			t.Fatal(lerr)
+		}
+		return serve(t, l)
 	}
-	defer self.Close()
-	peer, err := os.Open("/run/netns/" + name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer peer.Close()
-	if err := unix.Setns(int(peer.Fd()), unix.CLONE_NEWNET); err != nil {
-		t.Fatal(err)
-	}
-	l, lerr := net.Listen("tcp", peerIP+":0")
-	if err := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); err != nil {
-		panic(err) // this thread is in the wrong namespace; it must not run anything else
-	}
-	if lerr != nil {
-		t.Fatal(lerr)
-	}
-	return serve(t, l)
 }
 
 // A network sandbox reaches the outside (here a namespace behind a veth pair, standing for the
 // internet this machine may not have) through pasta.
 func TestNetworkSandboxEgress(t *testing.T) {
 	n := newNamespace(t, Config{})
-	addr, accepted := peerNetns(t)
-	in, _ := startSandbox(t, n, Template{Network: true})
+	_, listenPeer := peerNetns(t)
+	addr, accepted := listenPeer()
+	in, _ := startSandbox(t, n, Template{Network: NetworkOn})
 	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode != 0 || !accepted() {
 		t.Fatalf("a network sandbox could not reach %s: %+v %q", addr, res, out)
 	}
@@ -162,7 +167,7 @@ func TestNetworkSandboxEgress(t *testing.T) {
 // pasta lives exactly as long as its sandbox: stopping the sandbox reaps it.
 func TestNetworkHelperEndsWithSandbox(t *testing.T) {
 	n := newNamespace(t, Config{})
-	spec := Spec{ID: NewID(), Template: Template{Name: "net", Network: true}}
+	spec := Spec{ID: NewID(), Template: Template{Name: "net", Network: NetworkOn}}
 	ctx := context.Background()
 	if err := n.Create(ctx, spec); err != nil {
 		t.Fatal(err)
@@ -220,7 +225,7 @@ func TestNetworkHelperFailureFailsStart(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			n := newNamespace(t, Config{PastaPath: pasta})
-			spec := Spec{ID: NewID(), Template: Template{Name: "net", Network: true}}
+			spec := Spec{ID: NewID(), Template: Template{Name: "net", Network: NetworkOn}}
 			ctx := context.Background()
 			if err := n.Create(ctx, spec); err != nil {
 				t.Fatal(err)
@@ -235,5 +240,44 @@ func TestNetworkHelperFailureFailsStart(t *testing.T) {
 				t.Fatalf("a failed start left the sandbox running: %v", err)
 			}
 		})
+	}
+}
+
+// An egress allowlist lets through only what it lists, and the sandbox cannot lift it.
+func TestNetworkAllowlist(t *testing.T) {
+	n := newNamespace(t, Config{})
+	peer, listenPeer := peerNetns(t)
+	allowed, allowedAccepted := listenPeer()
+	other, otherAccepted := listenPeer()
+	_, port, _ := net.SplitHostPort(allowed)
+	in, _ := startSandbox(t, n, Template{Network: Network{Enabled: true, Allow: []string{peer + ":" + port}}})
+	if res, out := sh(t, in, bashConnect(allowed)); res.ExitCode != 0 || !allowedAccepted() {
+		t.Errorf("an allowed destination %s was refused: %+v %q", allowed, res, out)
+	}
+	if res, out := sh(t, in, bashConnect(other)); res.ExitCode == 0 || otherAccepted() {
+		t.Errorf("a destination %s off the allowlist was reached: %+v %q", other, res, out)
+	} else if !strings.Contains(out, "refused") {
+		t.Errorf("a refused connect should fail at once with connection refused: %q", out)
+	}
+	// Nothing inside may change the firewall: no capability over the namespace, so netlink
+	// requests to nftables are refused (python's socket module speaks raw netlink).
+	res, out := sh(t, in, `python3 -c '
+import socket
+s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETLINK_NETFILTER
+# NFT_MSG_DELTABLE (subsys 10, msg 2) for table "sbx", family inet (1), with NLM_F_REQUEST|NLM_F_ACK
+import struct
+name = b"sbx\0"
+attr = struct.pack("=HH", 4 + len(name), 1) + name + b"\0" * ((4 - len(name) % 4) % 4)
+body = struct.pack("=BBH", 1, 0, 0) + attr
+hdr = struct.pack("=IHHII", 16 + len(body), (10 << 8) | 2, 1 | 4, 1, 0)
+s.send(hdr + body)
+r = s.recv(4096)
+print(struct.unpack("=i", r[16:20])[0])
+'`)
+	if res.ExitCode != 0 || strings.TrimSpace(out) != "-1" {
+		t.Errorf("deleting the firewall from inside: want -1 (EPERM), got %+v %q", res, out)
+	}
+	if res, out := sh(t, in, bashConnect(other)); res.ExitCode == 0 || otherAccepted() {
+		t.Errorf("after the attempt, %s off the allowlist was reached: %+v %q", other, res, out)
 	}
 }

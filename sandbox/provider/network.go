@@ -55,12 +55,21 @@ type netHelper struct {
 // pastaArgs is pasta's command line for a namespace it finds at its fds 3 and 4.
 func pastaArgs(pidFile string) []string {
 	return []string{
-		"--config-net", // addresses, routes and the link up inside, copied from the host's
-		"--foreground", // our child: its lifetime is the sandbox's
-		"--quiet",
-		"--no-map-gw",                                          // the gateway address is the real gateway, never the host
-		"-t", "none", "-u", "none", "-T", "none", "-U", "none", // no port forwarded either way
-		"--pid", pidFile, // written once the namespace is configured: our ready signal
+		// Addresses, routes and the link up inside, copied from the host's.
+		"--config-net",
+		// Our child, not a daemon: its lifetime is the sandbox's.
+		"--foreground", "--quiet",
+		// The gateway address is the real gateway, never the host.
+		"--no-map-gw",
+		// No port forwarded either way: "auto" would bind the host's listening ports inside the
+		// sandbox and carry connections to them back to the host.
+		"-t", "none", "-u", "none", "-T", "none", "-U", "none",
+		// --config-net sets the addresses itself: no DHCP, DHCPv6 or router advertisements for the
+		// sandbox to talk to (ARP and NDP answers stay: the sandbox needs its gateway's address).
+		"--no-dhcp", "--no-dhcpv6", "--no-ra",
+		// Written once the namespace is configured: our ready signal.
+		"--pid", pidFile,
+		// The namespaces as fds the broker opened (see pastaUserNSFD).
 		"--userns", "/proc/self/fd/" + strconv.Itoa(pastaUserNSFD),
 		"--netns", "/proc/self/fd/" + strconv.Itoa(pastaNetNSFD),
 		"--no-netns-quit",

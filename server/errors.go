@@ -30,7 +30,7 @@ var statusOf = map[string]int{
 	protocol.CodeMethodNotAllowed: 405,
 	protocol.CodeNameConflict:     409, protocol.CodeInvalidState: 409, protocol.CodeSandboxFailed: 409,
 	protocol.CodeNotRunning: 409, protocol.CodeWrongNode: 409,
-	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429,
+	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429, protocol.CodeQuotaExceeded: 429, protocol.CodeRateLimited: 429,
 	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503,
 }
 
@@ -88,6 +88,9 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 		s.log.Error("request failed", "request_id", pe.RequestID, "route", c.Path(), "err", err)
 	} else {
 		c.Set(ctxErrCode, pe.Code)
+	}
+	if status == http.StatusTooManyRequests {
+		c.Response().Header().Set("Retry-After", retryAfter(err))
 	}
 	if c.Request().Method == http.MethodHead {
 		c.NoContent(status)

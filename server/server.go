@@ -42,6 +42,10 @@ type Config struct {
 	DataplaneRenewsLease bool
 	// MaxDataplaneConnections bounds open dataplane connections (default 4096).
 	MaxDataplaneConnections int
+	// AuthFailures failed authentications from one source address within AuthFailureWindow make
+	// that source wait out the window (429 rate_limited); 0 = no limit.
+	AuthFailures      int
+	AuthFailureWindow time.Duration
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.

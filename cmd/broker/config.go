@@ -45,6 +45,8 @@ type config struct {
 	DataplaneRenews bool
 	AllowedOrigins  []string
 	DebugListen     string
+	// Limits are the default org limits (limitFlags).
+	Limits store.Limits
 }
 
 // envOf maps each flag to its environment fallback.
@@ -58,7 +60,7 @@ var envOf = map[string]string{
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
-	"debug-listen": "SBX_DEBUG_LISTEN",
+	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -226,6 +228,7 @@ func (c *config) validate() error {
 			bad("debug-listen", "%q must be a loopback address: profiles expose the broker's internals", c.DebugListen)
 		}
 	}
+	c.validateLimits(bad)
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")
 	}

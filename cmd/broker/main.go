@@ -62,6 +62,7 @@ from it, and without it points at 127.0.0.1.`,
 	}
 	storageFlags(root.PersistentFlags(), c)
 	serveFlags(root.Flags(), c)
+	limitFlags(root.Flags(), c)
 	root.AddCommand(keysCmd(c))
 	annotateEnv(root)
 	return root

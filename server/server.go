@@ -105,6 +105,10 @@ type Server struct {
 	dpExecOutput atomic.Int64
 	// maxDPConns bounds open dataplane connections (counted by hub).
 	maxDPConns int
+	// Rate limits (ratelimit.go): per credential, and failed authentications per source.
+	buckets   *credBuckets
+	orgLimits *orgLimitsCache
+	authGuard *authGuard
 }
 
 // maxBody bounds every REST request body.
@@ -124,10 +128,11 @@ func New(cfg Config) *Server {
 	if s.events == nil {
 		s.events = events.Discard
 	}
+	s.newLimiters(cfg)
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler
-	e.Use(withRequestID, s.withAccessLog, s.recoverPanics)
+	e.Use(withRequestID, s.withAccessLog, s.recoverPanics, s.guardAuth)
 	s.e = e
 	s.bgCtx, s.stopBackground = context.WithCancel(context.Background())
 	s.http = &http.Server{

@@ -47,6 +47,9 @@ type config struct {
 	DebugListen     string
 	// Limits are the default org limits (limitFlags).
 	Limits store.Limits
+	// AuthFailures per AuthFailureWindow from one source address are allowed (authFlags).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
 }
 
 // envOf maps each flag to its environment fallback.
@@ -61,6 +64,8 @@ var envOf = map[string]string{
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
 	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING",
+	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
+	"auth-failure-window": "SBX_AUTH_FAILURE_WINDOW",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an

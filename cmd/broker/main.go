@@ -63,6 +63,7 @@ from it, and without it points at 127.0.0.1.`,
 	storageFlags(root.PersistentFlags(), c)
 	serveFlags(root.Flags(), c)
 	limitFlags(root.Flags(), c)
+	authFlags(root.Flags(), c)
 	root.AddCommand(keysCmd(c))
 	annotateEnv(root)
 	return root

@@ -69,6 +69,7 @@ func serve(parent context.Context, c *config) error {
 		Log: log, DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, TokenTTL: c.TokenTTL, TokenMaxTTL: c.TokenMaxTTL,
 		SweepInterval: c.SweepInterval, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention,
 		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.Limits,
+		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow,
 	})
 	if err != nil {
 		return err

@@ -91,6 +91,7 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 	}
 	if status == http.StatusTooManyRequests {
 		c.Response().Header().Set("Retry-After", retryAfter(err))
+		s.countRefusal(c, err)
 	}
 	if c.Request().Method == http.MethodHead {
 		c.NoContent(status)

@@ -144,6 +144,10 @@ func TestMaxRunningQuota(t *testing.T) {
 	if _, err := c.ResumeSandbox(ctx, created[0]); err != nil {
 		t.Fatalf("resume under the raised limit: %v", err)
 	}
+	lim, err := c.Limits(ctx)
+	if err != nil || lim.Org != b.Org || lim.Limits.MaxRunning != 3 || lim.Usage.Running != 3 || len(lim.Own) != 1 || lim.Own[0] != "max_running" {
+		t.Fatalf("GET /v1/limits: %v %+v", err, lim)
+	}
 	other := b.NewClient("other-org")
 	for i := range 2 {
 		if _, err := other.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: fmt.Sprint("o", i)}); err != nil {

@@ -22,6 +22,8 @@ import (
 type retryError struct {
 	pe    *protocol.Error
 	after time.Duration
+	// limit and org name what refused, for the metrics.
+	limit, org string
 }
 
 func (e *retryError) Error() string { return e.pe.Error() }
@@ -180,7 +182,7 @@ func (s *Server) limitCredential(ctx context.Context, org, cred string) error {
 	if ok {
 		return nil
 	}
-	return &retryError{after: wait, pe: protocol.Errorf(protocol.CodeRateLimited,
+	return &retryError{after: wait, limit: limitRPS, org: org, pe: protocol.Errorf(protocol.CodeRateLimited,
 		"this credential sent more than %d requests per second, org %s's rps limit on this broker: slow down and retry after the Retry-After seconds, or ask the broker's operator to raise it (broker orgs set-limits %s --rps N)",
 		l.RPS, org, org)}
 }
@@ -293,7 +295,7 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 		return next
 	}
 	refuse := func(wait time.Duration) error {
-		return &retryError{after: wait, pe: protocol.Errorf(protocol.CodeRateLimited,
+		return &retryError{after: wait, limit: limitAuthFailures, pe: protocol.Errorf(protocol.CodeRateLimited,
 			"too many failed authentications from this address: retry after the Retry-After seconds with a valid API key (sbctl reads it from --api-key, SBX_API_KEY or its config file)")}
 	}
 	return func(c echo.Context) error {

@@ -106,9 +106,10 @@ type Server struct {
 	// maxDPConns bounds open dataplane connections (counted by hub).
 	maxDPConns int
 	// Rate limits (ratelimit.go): per credential, and failed authentications per source.
-	buckets   *credBuckets
-	orgLimits *orgLimitsCache
-	authGuard *authGuard
+	buckets      *credBuckets
+	orgLimits    *orgLimitsCache
+	authGuard    *authGuard
+	limitMetrics *limitMetrics
 }
 
 // maxBody bounds every REST request body.
@@ -129,6 +130,7 @@ func New(cfg Config) *Server {
 		s.events = events.Discard
 	}
 	s.newLimiters(cfg)
+	s.registerLimitMetrics(s.metrics.reg)
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler
@@ -173,6 +175,7 @@ func New(cfg Config) *Server {
 	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
 	e.GET("/v1/events", s.orgEvents, owner...)
 	e.GET("/v1/orphans", s.orphans, owner...)
+	e.GET("/v1/limits", s.getLimits, owner...)
 	return s
 }
 

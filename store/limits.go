@@ -46,6 +46,14 @@ func (l Limits) Get(name string) int {
 	return 0
 }
 
+// With is l with an org's own limits (OrgLimits) in place of its values.
+func (l Limits) With(own map[string]int) Limits {
+	for name, v := range own {
+		l.set(name, v)
+	}
+	return l
+}
+
 func (l *Limits) set(name string, v int) {
 	switch name {
 	case LimitMaxRunning:
@@ -133,11 +141,7 @@ func (s *Store) EffectiveLimits(ctx context.Context, org string) (Limits, error)
 	if err != nil {
 		return Limits{}, err
 	}
-	l := s.DefaultLimits()
-	for name, v := range own {
-		l.set(name, v)
-	}
-	return l, nil
+	return s.DefaultLimits().With(own), nil
 }
 
 // SetOrgLimits gives org limits of its own (set) and returns the names in clear to the defaults.
@@ -219,4 +223,28 @@ func (s *Store) RecountRunning(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// RunningByOrg counts the sandboxes provisioning or running of every org (of at most maxOrgs), in
+// one pipeline.
+func (s *Store) RunningByOrg(ctx context.Context, maxOrgs int) (map[string]int, error) {
+	orgs, err := s.rdb.SRandMemberN(ctx, OrgsKey, int64(maxOrgs)).Result()
+	if err != nil {
+		return nil, fmt.Errorf("store: orgs: %w", err)
+	}
+	cmds := make([]*redis.IntCmd, len(orgs))
+	_, err = s.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, org := range orgs {
+			cmds[i] = p.SCard(ctx, ActiveKey(org))
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("store: running by org: %w", err)
+	}
+	out := make(map[string]int, len(orgs))
+	for i, org := range orgs {
+		out[org] = int(cmds[i].Val())
+	}
+	return out, nil
 }

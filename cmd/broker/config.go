@@ -234,6 +234,7 @@ func (c *config) validate() error {
 		}
 	}
 	c.validateLimits(bad)
+	c.validateAuth(bad)
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")
 	}

@@ -268,6 +268,12 @@ func (g *authGuard) size() int {
 	return len(g.m)
 }
 
+// provenToken are the refusals of delegation tokens that this broker's keys signed (expired,
+// revoked, early): an agent server retrying a stale token is not guessing credentials, and counting
+// it would lock out every other agent on its host.
+var provenToken = map[string]bool{protocol.CodeTokenExpired: true, protocol.CodeTokenRevoked: true,
+	protocol.CodeTokenNotYet: true, protocol.CodeTokenIssuedAt: true}
+
 // sourceOf is the address a request came from: the peer's IP (never a forwarding header, which the
 // client writes), an IPv6 peer's /64, since one host commonly holds a whole /64.
 func sourceOf(r *http.Request) string {
@@ -308,11 +314,13 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 			return refuse(wait)
 		}
 		err := next(c)
-		status := c.Response().Status
+		status, guess := c.Response().Status, true
 		if err != nil {
-			status, _ = apiError(err)
+			var pe *protocol.Error
+			status, pe = apiError(err)
+			guess = !provenToken[pe.Code]
 		}
-		if status == http.StatusUnauthorized {
+		if status == http.StatusUnauthorized && guess {
 			if wait, over := s.authGuard.failed(src); over && !c.Response().Committed {
 				return refuse(wait)
 			}

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -26,6 +27,9 @@ func get(t *testing.T, base, path, cred, src string) (int, string, string) {
 	req, _ := http.NewRequestWithContext(t.Context(), http.MethodGet, base+path, nil)
 	if cred != "" {
 		req.Header.Set("Authorization", "Bearer "+cred)
+	}
+	if strings.HasSuffix(path, "/dataplane") {
+		req.Header.Set("Sec-WebSocket-Protocol", protocol.Subprotocol)
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
@@ -135,6 +139,27 @@ func TestFailedAuthPerSource(t *testing.T) {
 	}
 	if status, _, _ := get(t, b.URL, "/healthz", "", "127.0.0.7"); status != 200 {
 		t.Fatalf("healthz from a blocked source: %d", status)
+	}
+	// A revoked token retried is not a guess (the broker signed it): it never blocks its source,
+	// which may be an agent server's host running other agents.
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev"}); err != nil {
+		t.Fatal(err)
+	}
+	tok, err := b.Client.Delegate(ctx, "dev", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.Revoke(ctx, "dev", tok.JTI); err != nil {
+		t.Fatal(err)
+	}
+	for range 25 {
+		if status, errCode, _ := get(t, b.URL, "/v1/sandboxes/dev/dataplane", tok.Token, "127.0.0.9"); status != 401 || errCode != protocol.CodeTokenRevoked {
+			t.Fatalf("revoked token: %d %s", status, errCode)
+		}
+	}
+	if status, _, _ := get(t, b.URL, "/v1/sandboxes", good, "127.0.0.9"); status != 200 {
+		t.Fatalf("a source retrying a revoked token must not be blocked: %d", status)
 	}
 	clock.Advance(30 * time.Second)
 	if _, _, after := get(t, b.URL, "/v1/sandboxes", good, "127.0.0.7"); after != "30" {

@@ -63,3 +63,13 @@ func TestSourceOf(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkCredBucketTake is the limiter's cost per request: one bucket, many goroutines.
+func BenchmarkCredBucketTake(b *testing.B) {
+	cb := newCredBuckets(time.Now)
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			cb.take("key:bench", 1<<30, 1<<30)
+		}
+	})
+}

@@ -231,8 +231,9 @@ func (g *authGuard) blocked(src string) (time.Duration, bool) {
 }
 
 // failed counts a failed authentication from src and answers whether it is past max (the answer
-// then is a 429 like a blocked source's, not a verdict on the credential).
-func (g *authGuard) failed(src string) (time.Duration, bool) {
+// then is a 429 like a blocked source's, not a verdict on the credential), and whether this is the
+// failure that crossed it.
+func (g *authGuard) failed(src string) (wait time.Duration, over, crossed bool) {
 	now := g.now()
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -257,9 +258,9 @@ func (g *authGuard) failed(src string) (time.Duration, bool) {
 	}
 	f.n++
 	if f.n > g.max {
-		return f.start.Add(g.window).Sub(now), true
+		return f.start.Add(g.window).Sub(now), true, f.n == g.max+1
 	}
-	return 0, false
+	return 0, false, false
 }
 
 func (g *authGuard) size() int {
@@ -321,7 +322,12 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 			guess = !provenToken[pe.Code]
 		}
 		if status == http.StatusUnauthorized && guess {
-			if wait, over := s.authGuard.failed(src); over && !c.Response().Committed {
+			wait, over, crossed := s.authGuard.failed(src)
+			if crossed {
+				s.log.Warn("too many failed authentications: refusing the source until its window ends",
+					"source", src, "failures", s.authGuard.max, "retry_after_s", int(math.Ceil(wait.Seconds())), "request_id", requestID(c))
+			}
+			if over && !c.Response().Committed {
 				return refuse(wait)
 			}
 		}

@@ -24,7 +24,7 @@ func TestAuthGuardIsBounded(t *testing.T) {
 	}
 	// Once the windows end, their entries make room again.
 	now = now.Add(time.Minute)
-	if _, over := g.failed("192.0.2.1"); over {
+	if _, over, _ := g.failed("192.0.2.1"); over {
 		t.Fatal("a first failure after the windows ended")
 	}
 	if n := g.size(); n > 2 {

@@ -63,7 +63,16 @@ func TestOrgLimits(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if _, err := s.Transition(ctx, "acme", rec.ID, store.Transition{From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed}); err != nil {
+			// A status change into running counts the sandbox even if the count lost it (a record an
+			// older broker moved).
+			s.Client().Del(ctx, store.ActiveKey("acme"))
+			if _, err := s.Transition(ctx, "acme", rec.ID, store.Transition{From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning}); err != nil {
+				t.Fatal(err)
+			}
+			if n, _ := s.Running(ctx, "acme"); n != 1 {
+				t.Fatalf("a move to running must count the sandbox: %d", n)
+			}
+			if _, err := s.Transition(ctx, "acme", rec.ID, store.Transition{From: []string{protocol.StatusRunning}, To: protocol.StatusFailed}); err != nil {
 				t.Fatal(err)
 			}
 			if err := s.RecountRunning(ctx); err != nil {

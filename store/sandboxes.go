@@ -304,7 +304,9 @@ local active = {provisioning = true, running = true}
 if active[to] and not active[status] then
   local over = claim(KEYS[5], KEYS[6], ARGV[9], id)
   if over then return {'err', 'quota', over} end
-elseif not active[to] then
+elseif active[to] then
+  redis.call('SADD', KEYS[5], id) -- idempotent; heals a record an older broker moved
+else
   redis.call('SREM', KEYS[5], id)
 end
 redis.call('HSET', key, 'status', to)

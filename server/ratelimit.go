@@ -33,6 +33,9 @@ func (e *retryError) Unwrap() error { return e.pe }
 // deletes a sandbox, so this is how often a waiting client may look again.
 const quotaRetryAfter = 10 * time.Second
 
+// seconds is d in whole seconds, at least 1: Retry-After's unit.
+func seconds(d time.Duration) string { return strconv.Itoa(max(1, int(math.Ceil(d.Seconds())))) }
+
 // retryAfter is the Retry-After header value (whole seconds, at least 1) of a 429 answer.
 func retryAfter(err error) string {
 	d := time.Second
@@ -44,7 +47,7 @@ func retryAfter(err error) string {
 	case errors.As(err, &pe) && pe.Code == protocol.CodeQuotaExceeded:
 		d = quotaRetryAfter
 	}
-	return strconv.Itoa(max(1, int(math.Ceil(d.Seconds()))))
+	return seconds(d)
 }
 
 // newLimiters sets up the rate limits of cfg (called by New).
@@ -183,8 +186,8 @@ func (s *Server) limitCredential(ctx context.Context, org, cred string) error {
 		return nil
 	}
 	return &retryError{after: wait, limit: limitRPS, org: org, pe: protocol.Errorf(protocol.CodeRateLimited,
-		"this credential sent more than %d requests per second, org %s's rps limit on this broker: slow down and retry after the Retry-After seconds, or ask the broker's operator to raise it (broker orgs set-limits %s --rps N)",
-		l.RPS, org, org)}
+		"this credential sent more than %d requests per second, org %s's rps limit on this broker: slow down and retry in %s s, or ask the broker's operator to raise it (broker orgs set-limits %s --rps N)",
+		l.RPS, org, seconds(wait), org)}
 }
 
 // authGuard counts failed authentications per source address in a window; a source with max of
@@ -303,7 +306,8 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 	}
 	refuse := func(wait time.Duration) error {
 		return &retryError{after: wait, limit: limitAuthFailures, pe: protocol.Errorf(protocol.CodeRateLimited,
-			"too many failed authentications from this address: retry after the Retry-After seconds with a valid API key (sbctl reads it from --api-key, SBX_API_KEY or its config file)")}
+			"too many failed authentications from this address: retry in %s s with a valid API key (sbctl reads it from --api-key, SBX_API_KEY or its config file)",
+			seconds(wait))}
 	}
 	return func(c echo.Context) error {
 		r := c.Request()

@@ -54,7 +54,8 @@ func TestRateLimitPerCredential(t *testing.T) {
 			t.Fatalf("request %d of a burst of 5: %v", i+1, err)
 		}
 	}
-	if _, err := c.ListSandboxes(ctx, client.ListOptions{}); code(err) != protocol.CodeRateLimited {
+	if _, err := c.ListSandboxes(ctx, client.ListOptions{}); code(err) != protocol.CodeRateLimited ||
+		!strings.Contains(err.Error(), "retry in 1 s") || !strings.Contains(err.Error(), "broker orgs set-limits "+b.Org+" --rps") {
 		t.Fatalf("the 6th request at once: %v", err)
 	}
 	status, errCode, after := get(t, b.URL, "/v1/sandboxes", c.APIKey(), "127.0.0.1")

@@ -11,8 +11,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/google/uuid"
-
 	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
@@ -154,7 +152,7 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	}
 	now := m.now()
 	rec := store.Record{
-		ID: "sb_" + uuid.NewString(), Org: c.Org, Name: req.Name, Template: req.Template,
+		ID: protocol.NewSandboxID(), Org: c.Org, Name: req.Name, Template: req.Template,
 		Provider: m.cfg.Provider.Name(), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
 		Tags: req.Tags, TTL: ttl, CreatedAt: now, CreatedBy: c.Actor, Heartbeat: now,
 	}

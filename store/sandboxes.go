@@ -62,6 +62,11 @@ func NewWithOptions(rdb redis.UniversalClient, o Options) *Store {
 	return s
 }
 
+// Close stops the store's heartbeat sender (New starts it); heartbeats after it fail with
+// ErrClosed. It does not close the Redis client, which the caller owns. Call it once nothing uses
+// the store any more (after the broker's Shutdown).
+func (s *Store) Close() { s.leases.close() }
+
 // Client is the underlying client, for packages that keep their own keys (events, delegation).
 func (s *Store) Client() redis.UniversalClient { return s.rdb }
 

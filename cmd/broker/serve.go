@@ -70,6 +70,7 @@ func serve(parent context.Context, c *config) error {
 		SweepInterval: c.SweepInterval, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention,
 		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.Limits,
 		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow,
+		Dataplane: server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},
 	})
 	if err != nil {
 		return err

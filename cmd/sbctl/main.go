@@ -93,7 +93,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		}
 		return 128 + int(syscall.SIGINT)
 	}
-	fmt.Fprintln(stderr, "sbctl:", describe(err))
+	fmt.Fprintln(stderr, "sbctl:", termSafe(describe(err)))
 	return exitCodeOf(err)
 }
 
@@ -204,7 +204,7 @@ func (g *globals) print(v any, table func(w io.Writer)) error {
 		_, err = g.stdout.Write(b)
 		return err
 	}
-	table(g.stdout)
+	safeTable(g.stdout, table)
 	return nil
 }
 

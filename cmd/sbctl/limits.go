@@ -63,4 +63,5 @@ broker orgs set-limits.`,
 }
 
 // limitedCodes are the codes of answers refused by a limit (exit 7).
-var limitedCodes = map[string]bool{protocol.CodeQuotaExceeded: true, protocol.CodeRateLimited: true}
+var limitedCodes = map[string]bool{protocol.CodeQuotaExceeded: true, protocol.CodeRateLimited: true,
+	protocol.CodeTooManyConnections: true}

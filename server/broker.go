@@ -45,6 +45,12 @@ type BrokerConfig struct {
 	SweepInterval, ExpiryWarning, Retention time.Duration
 	AllowedOrigins                          []string
 	DataplaneRenewsLease                    bool
+	// Limits are the default limits of orgs without their own (docs/operations.md).
+	Limits store.Limits
+	// AuthFailures failed authentications from one source within AuthFailureWindow make it wait
+	// out the window (0: no limit).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
 	// Dataplane bounds dataplane connections (zero values: the defaults).
 	Dataplane DataplaneLimits
 }
@@ -68,6 +74,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	cfg.Store.SetDefaultLimits(cfg.Limits)
 	b := &Broker{events: events.NewWriter(cfg.Store.Client(), cfg.Log)}
 	// Once Recover has restarted sandboxes, a failure must stop them again: nothing else would.
 	fail := func(err error) (*Broker, error) {
@@ -98,6 +105,10 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if err != nil {
 		return fail(err)
 	}
+	// Before Recover, which claims places for the sandboxes it restarts.
+	if err := cfg.Store.RecountRunning(ctx); err != nil {
+		cfg.Log.Error("counting the orgs' running sandboxes for their max_running limits", "err", err)
+	}
 	if err := b.Sandboxes.Recover(ctx); err != nil {
 		cfg.Log.Error("recovering this node's sandboxes", "err", err)
 	}
@@ -118,8 +129,8 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
-		Provider:  prov,
-		Dataplane: cfg.Dataplane,
+		Provider: prov, Dataplane: cfg.Dataplane,
+		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {

@@ -31,6 +31,7 @@ var statusOf = map[string]int{
 	protocol.CodeNameConflict:     409, protocol.CodeInvalidState: 409, protocol.CodeSandboxFailed: 409,
 	protocol.CodeNotRunning: 409, protocol.CodeWrongNode: 409,
 	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429, protocol.CodeTooManyConnections: 429,
+	protocol.CodeQuotaExceeded: 429, protocol.CodeRateLimited: 429,
 	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503,
 }
 
@@ -88,6 +89,12 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 		s.log.Error("request failed", "request_id", pe.RequestID, "route", c.Path(), "err", err)
 	} else {
 		c.Set(ctxErrCode, pe.Code)
+	}
+	if status == http.StatusTooManyRequests {
+		if c.Response().Header().Get("Retry-After") == "" { // the dataplane sets its own
+			c.Response().Header().Set("Retry-After", retryAfter(err))
+		}
+		s.countRefusal(c, err)
 	}
 	if c.Request().Method == http.MethodHead {
 		c.NoContent(status)

@@ -161,6 +161,9 @@ func (s *Server) ownerKey(ctx context.Context, cred string) (Principal, error) {
 	if err != nil {
 		return Principal{}, err
 	}
+	if err := s.limitCredential(ctx, k.Org, "key:"+k.ID); err != nil {
+		return Principal{}, err
+	}
 	return Principal{Org: k.Org, KeyID: k.ID}, nil
 }
 

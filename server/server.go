@@ -39,6 +39,10 @@ type Config struct {
 	// DataplaneRenewsLease lets dataplane activity renew a sandbox's lease (off by default: a lease
 	// is the owner's heartbeat, and an agent left running must not keep a sandbox alive).
 	DataplaneRenewsLease bool
+	// AuthFailures failed authentications from one source address within AuthFailureWindow make
+	// that source wait out the window (429 rate_limited); 0 = no limit.
+	AuthFailures      int
+	AuthFailureWindow time.Duration
 	// Dataplane bounds the dataplane connections this broker serves.
 	Dataplane DataplaneLimits
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
@@ -124,6 +128,11 @@ type Server struct {
 	apiKeys        *keyCache
 	// streams are the open SSE streams, ended when their API key is revoked.
 	streams *streams
+	// Rate limits (ratelimit.go): per credential, and failed authentications per source.
+	buckets      *credBuckets
+	orgLimits    *orgLimitsCache
+	authGuard    *authGuard
+	limitMetrics *limitMetrics
 	// dpHeavy bounds operations with large answers broker-wide, with a share per org.
 	dpHeavy *quota
 	// dpExecOutput is the output of non-streamed execs held in memory broker-wide, with a share
@@ -154,10 +163,12 @@ func New(cfg Config) *Server {
 	if s.events == nil {
 		s.events = events.Discard
 	}
+	s.newLimiters(cfg)
+	s.registerLimitMetrics(s.metrics.reg)
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler
-	e.Use(withRequestID, s.withAccessLog, s.recoverPanics, checkQuery)
+	e.Use(withRequestID, s.withAccessLog, s.recoverPanics, s.guardAuth, checkQuery)
 	s.e = e
 	s.bgCtx, s.stopBackground = context.WithCancel(context.Background())
 	s.http = &http.Server{
@@ -198,6 +209,7 @@ func New(cfg Config) *Server {
 	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
 	e.GET("/v1/events", s.orgEvents, owner...)
 	e.GET("/v1/orphans", s.orphans, owner...)
+	e.GET("/v1/limits", s.getLimits, owner...)
 	s.routes = map[string]bool{}
 	for _, r := range e.Routes() {
 		s.routes[r.Path] = true

@@ -45,6 +45,11 @@ type config struct {
 	DataplaneRenews bool
 	AllowedOrigins  []string
 	DebugListen     string
+	// Limits are the default org limits (limitFlags).
+	Limits store.Limits
+	// AuthFailures per AuthFailureWindow from one source address are allowed (authFlags).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
 	// MaxDPConns, MaxDPConnsPerOrg and MaxDPConnsPerCredential bound dataplane connections.
 	MaxDPConns, MaxDPConnsPerOrg, MaxDPConnsPerCredential int
 }
@@ -60,7 +65,10 @@ var envOf = map[string]string{
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
-	"debug-listen": "SBX_DEBUG_LISTEN", "max-dataplane-connections": "SBX_MAX_DATAPLANE_CONNECTIONS",
+	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING",
+	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
+	"auth-failure-window":                      "SBX_AUTH_FAILURE_WINDOW",
+	"max-dataplane-connections":                "SBX_MAX_DATAPLANE_CONNECTIONS",
 	"max-dataplane-connections-per-org":        "SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG",
 	"max-dataplane-connections-per-credential": "SBX_MAX_DATAPLANE_CONNECTIONS_PER_CREDENTIAL",
 }
@@ -232,6 +240,8 @@ func (c *config) validate() error {
 			bad("debug-listen", "%q must be a loopback address: profiles expose the broker's internals", c.DebugListen)
 		}
 	}
+	c.validateLimits(bad)
+	c.validateAuth(bad)
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")
 	}

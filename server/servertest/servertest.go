@@ -80,6 +80,11 @@ type Options struct {
 	Templates map[string]provider.Template
 	// Log receives the broker's logs (default: discarded unless -v).
 	Log *slog.Logger
+	// Limits are the broker's default org limits (zero: none).
+	Limits store.Limits
+	// AuthFailures per AuthFailureWindow from one source are allowed (0: no limit).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
 	// Dataplane bounds dataplane connections (zero values: the broker's defaults).
 	Dataplane server.DataplaneLimits
 }
@@ -163,6 +168,7 @@ func New(t testing.TB, opts Options) *Broker {
 		Store: st, Provider: prov, ProviderReport: report, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
 		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid,
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
+		Limits: opts.Limits, AuthFailures: opts.AuthFailures, AuthFailureWindow: opts.AuthFailureWindow,
 		Dataplane: opts.Dataplane,
 	})
 	if err != nil {

@@ -56,8 +56,8 @@ func (l *local) Ls(_ context.Context, p string) ([]protocol.FileInfo, error) {
 	return entries, err
 }
 
-func (l *local) Read(_ context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
-	return l.files.Read(a)
+func (l *local) Read(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
+	return l.files.ReadContext(ctx, a)
 }
 
 func (l *local) Write(_ context.Context, a protocol.WriteArgs) (protocol.WriteResult, error) {

@@ -67,7 +67,11 @@ type ReadResult struct {
 	Size int64 `json:"size"`
 	// TotalLines is the file's line count; set for line-window reads.
 	TotalLines int `json:"total_lines,omitempty"`
-	// Truncated says the answer stopped at the read cap before the requested end.
+	// TotalLinesPartial says the broker stopped counting at its scan cap (a line window scans at
+	// most the first 64 MiB of a file): the file has at least TotalLines lines.
+	TotalLinesPartial bool `json:"total_lines_partial,omitempty"`
+	// Truncated says the answer stopped at the read cap (or, for a line window, the scan cap)
+	// before the requested end.
 	Truncated bool `json:"truncated,omitempty"`
 }
 

@@ -797,7 +797,7 @@ func (c *dpConn) run(ctx context.Context, id uint32, req *request, op string, ra
 		if err := decodeArgs(raw, &a); err != nil {
 			return nil, err
 		}
-		return c.files.Read(a)
+		return c.files.ReadContext(ctx, a)
 	case protocol.OpWrite:
 		var a protocol.WriteArgs
 		if err := decodeArgs(raw, &a); err != nil {

@@ -230,8 +230,8 @@ func ctxErr(ctx context.Context) error {
 	case err == nil:
 		return nil
 	case errors.Is(err, context.DeadlineExceeded):
-		return protocol.Errorf(protocol.CodeTimeout, "the search ran out of time; narrow path or pattern")
+		return protocol.Errorf(protocol.CodeTimeout, "the operation ran out of time; narrow it (a smaller window, path or pattern) and retry")
 	default:
-		return protocol.Errorf(protocol.CodeCancelled, "the search was cancelled")
+		return protocol.Errorf(protocol.CodeCancelled, "the operation was cancelled")
 	}
 }

@@ -27,6 +27,7 @@ const (
 	DefaultMaxGlobResults   = 10000
 	DefaultMaxGrepMatches   = 1000
 	DefaultMaxGrepFileBytes = 8 << 20
+	DefaultMaxScanBytes     = 64 << 20
 )
 
 // Options configures a Workspace. The zero value is usable: no ownership change and the default caps.
@@ -46,6 +47,9 @@ type Options struct {
 	MaxGrepMatches int
 	// MaxGrepFileBytes: Grep skips larger files (default 8 MiB).
 	MaxGrepFileBytes int64
+	// MaxScanBytes bounds the bytes a line-window Read scans to find its window and count lines
+	// (default 64 MiB): a window deep in a huge (or sparse) file is refused instead of read through.
+	MaxScanBytes int64
 }
 
 func (o Options) withDefaults() Options {
@@ -63,6 +67,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxGrepFileBytes <= 0 {
 		o.MaxGrepFileBytes = DefaultMaxGrepFileBytes
+	}
+	if o.MaxScanBytes <= 0 {
+		o.MaxScanBytes = DefaultMaxScanBytes
 	}
 	return o
 }

@@ -167,6 +167,8 @@ export interface ReadResult {
   encoding: "utf-8" | "base64" | string;
   size: number;
   total_lines?: number;
+  /** The broker stopped counting at its scan cap (64 MiB): the file has at least total_lines lines. */
+  total_lines_partial?: boolean;
   truncated?: boolean;
 }
 export interface WriteResult {
@@ -332,6 +334,7 @@ export const resultSchemas = {
     encoding: r("string"),
     size: r("int"),
     total_lines: o("int"),
+    total_lines_partial: o("bool"),
     truncated: o("bool"),
   },
   write: writeResult,

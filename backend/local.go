@@ -48,8 +48,9 @@ func (l *local) ID() string { return "local:" + l.root }
 
 func (l *local) Stat(_ context.Context, p string) (protocol.FileInfo, error) { return l.files.Stat(p) }
 
-func (l *local) Ls(_ context.Context, p string) ([]protocol.FileInfo, error) {
-	entries, err := l.files.List(p)
+func (l *local) Ls(ctx context.Context, p string) ([]protocol.FileInfo, error) {
+	res, err := l.files.ListContext(ctx, p)
+	entries := res.Entries
 	if err == nil && entries == nil {
 		entries = []protocol.FileInfo{}
 	}

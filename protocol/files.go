@@ -41,9 +41,12 @@ type LsArgs struct {
 	Path string `json:"path"`
 }
 
-// LsResult is a directory listing.
+// LsResult is a directory listing: at most the broker's cap (10,000) of entries, the first by name.
 type LsResult struct {
 	Entries []FileInfo `json:"entries"`
+	// Truncated says the directory has more entries than the answer holds (or more than the broker
+	// reads for one listing); narrow it with glob.
+	Truncated bool `json:"truncated,omitempty"`
 }
 
 // ReadArgs reads a regular file, either a byte range (Offset, Length) or a line window (LineOffset,

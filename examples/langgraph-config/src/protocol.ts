@@ -160,6 +160,8 @@ export interface ExecArgs {
 
 export interface LsResult {
   entries: FileInfo[] | null;
+  /** The directory has more entries than the broker's cap (10,000); narrow with glob. */
+  truncated?: boolean;
 }
 export interface ReadResult {
   path: string;
@@ -327,7 +329,7 @@ const writeResult: Schema = { path: r("string"), size: r("int"), created: r("boo
 export const resultSchemas = {
   ping: {} as Schema,
   stat: fileInfo,
-  ls: { entries: r({ array: fileInfo, nullable: true }) },
+  ls: { entries: r({ array: fileInfo, nullable: true }), truncated: o("bool") },
   read: {
     path: r("string"),
     content: r("string"),

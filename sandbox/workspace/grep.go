@@ -208,10 +208,11 @@ func (g *grepper) wanted(name string, next states) bool {
 }
 
 // file searches one regular file. Files that vanish, change type or cannot be read are skipped
-// silently: a search reports matches, not the churn of a live tree.
+// silently: a search reports matches, not the churn of a live tree. An empty file is not opened:
+// it has no line to match.
 func (g *grepper) file(rel string, fi fs.FileInfo) error {
 	limit := g.w.opts.MaxGrepFileBytes
-	if fi.Size() > limit {
+	if fi.Size() > limit || fi.Size() == 0 {
 		return nil
 	}
 	f, err := g.w.root.OpenFile(rel, openReadFlags, 0)

@@ -939,17 +939,17 @@ func (c *dpConn) run(ctx context.Context, id uint32, req *request, op string, ra
 		if err := decodeArgs(raw, &a); err != nil {
 			return nil, err
 		}
-		entries, err := c.files.List(a.Path)
-		if entries == nil {
-			entries = []protocol.FileInfo{}
+		res, err := c.files.ListContext(ctx, a.Path)
+		if res.Entries == nil {
+			res.Entries = []protocol.FileInfo{}
 		}
-		return protocol.LsResult{Entries: entries}, err
+		return res, err
 	case protocol.OpRead:
 		var a protocol.ReadArgs
 		if err := decodeArgs(raw, &a); err != nil {
 			return nil, err
 		}
-		return c.files.Read(a)
+		return c.files.ReadContext(ctx, a)
 	case protocol.OpWrite:
 		var a protocol.WriteArgs
 		if err := decodeArgs(raw, &a); err != nil {

@@ -575,6 +575,13 @@ func (m *Manager) Workspace(rec store.Record) (*workspace.Workspace, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.ws == nil {
+		if wm, ok := m.cfg.Provider.(provider.WorkspaceMounter); ok {
+			// A disk quota's image is mounted on the workspace dir; after a host reboot nothing
+			// has mounted it yet, and opening the bare dir would put files under the mount point.
+			if err := wm.MountWorkspace(provider.Spec{ID: rec.ID}); err != nil {
+				return nil, fmt.Errorf("sandbox %s: open workspace: %w", rec.ID, err)
+			}
+		}
 		dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: rec.ID})
 		ws, err := workspace.Open(dir, m.cfg.Workspace)
 		if err != nil {

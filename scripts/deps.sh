@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the broker and its tests need when it is missing: redis-server (the embedded Redis
 # and the tests' real Redis), bubblewrap (the namespace sandbox provider), pasta (package passt: the
-# user-mode network stack of network: true sandboxes), and the toolchains the sandbox tests run
+# user-mode network stack of network: true sandboxes), e2fsprogs (mkfs.ext4: per-sandbox disk
+# quotas), and the toolchains the sandbox tests run
 # inside a sandbox, from Debian packages.
 set -euo pipefail
 
@@ -9,6 +10,8 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v pasta >/dev/null 2>&1 || missing+=(passt)
+# mkfs.ext4 makes each namespace sandbox's workspace filesystem (its disk quota; volume.go).
+command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] || missing+=(e2fsprogs)
 # pasta runs as the sandbox's uid and opens /dev/net/tun inside the sandbox's namespaces; the kernel
 # makes it 0666, some container runtimes 0600. Opening it grants nothing by itself (creating a tap
 # needs CAP_NET_ADMIN in a network namespace).

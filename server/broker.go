@@ -121,7 +121,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	}
 	rdb := cfg.Store.Client()
 	prov := ProviderInfo{Name: cfg.Provider.Name(), Isolation: sandbox.Isolation(cfg.Provider.Name()),
-		LimitsEnforced: cfg.ProviderReport.LimitsEnforced, Fallback: cfg.ProviderReport.Fallback}
+		LimitsEnforced: cfg.ProviderReport.LimitsEnforced, DiskQuota: cfg.ProviderReport.DiskQuota, Fallback: cfg.ProviderReport.Fallback}
 	var warnings []string
 	if cfg.ProviderReport.Warning != "" {
 		warnings = []string{cfg.ProviderReport.Warning}

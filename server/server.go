@@ -58,6 +58,8 @@ type ProviderInfo struct {
 	Isolation string `json:"isolation"`
 	// LimitsEnforced says whether memory, pids and cpu limits apply to sandboxes.
 	LimitsEnforced bool `json:"limits_enforced"`
+	// DiskQuota says whether each sandbox's workspace is a filesystem of its own size.
+	DiskQuota bool `json:"disk_quota"`
 	// Fallback is why preflight fell back to the dir provider (on this start or the one that set up
 	// the data dir), empty if it did not.
 	Fallback string `json:"fallback,omitempty"`

@@ -14,6 +14,7 @@ import (
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/store"
 )
@@ -35,6 +36,7 @@ type config struct {
 	DefaultTTL      time.Duration
 	MaxTTL          time.Duration
 	SandboxUID      int
+	DiskReserve     string
 	ShutdownTimeout time.Duration
 	SigningKeys     string
 	TokenTTL        time.Duration
@@ -61,7 +63,7 @@ var envOf = map[string]string{
 	"provider-reset": "SBX_PROVIDER_RESET", "allow-unisolated": "SBX_ALLOW_UNISOLATED",
 	"advertise-url": "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
-	"sandbox-uid": "SBX_SANDBOX_UID", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
+	"sandbox-uid": "SBX_SANDBOX_UID", "disk-reserve": "SBX_DISK_RESERVE", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
@@ -139,6 +141,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.DurationVar(&c.DefaultTTL, "default-ttl", 30*time.Minute, "lease of a sandbox created without ttl_seconds: no heartbeat for this long and it is stopped")
 	fs.DurationVar(&c.MaxTTL, "max-ttl", 7*24*time.Hour, "largest lease a client may ask for")
 	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "host uid, and gid, that sandboxes run as when the broker runs as root (inside namespace sandboxes they are uid 1000; dir sandboxes run as it too, never as root)")
+	fs.StringVar(&c.DiskReserve, "disk-reserve", "", "free space the data dir's filesystem keeps for the broker and Redis: below it a create or resume is refused (e.g. 2GiB; 0 turns the check off; default the smaller of 1GiB and 5% of the filesystem)")
 	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
 	fs.DurationVar(&c.TokenMaxTTL, "token-max-ttl", 24*time.Hour, "longest lifetime a delegation token may be minted with (recorded in the signing-keys directory for keys rotate-signing)")
 	fs.DurationVar(&c.SweepInterval, "sweep-interval", 2*time.Second, "how often the sweeper looks for expired leases (one broker sweeps at a time)")
@@ -214,6 +217,11 @@ func (c *config) validate() error {
 	}
 	if c.SandboxUID < 1 || c.SandboxUID > 1<<31 {
 		bad("sandbox-uid", "%d is not a valid non-root uid", c.SandboxUID)
+	}
+	if c.DiskReserve != "" {
+		if _, err := provider.ParseByteSize(c.DiskReserve); err != nil {
+			bad("disk-reserve", "%v", err)
+		}
 	}
 	if c.Node != "" && !nodeRE.MatchString(c.Node) {
 		bad("node", "%q must be 1-63 letters, digits, '-' or '_'", c.Node)

@@ -135,7 +135,7 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 		return nil, provider.Report{}, fmt.Errorf("--provider dir (SBX_PROVIDER): the data dir %s was set up for namespace sandboxes, and the dir provider would run them with no isolation, as a user of this host; "+
 			"to do that knowingly, confirm with --allow-unisolated (SBX_ALLOW_UNISOLATED=true)", c.DataDir)
 	}
-	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log)}
+	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log), DiskReserve: c.diskReserve()}
 	prov, report, err := provider.Preflight(ctx, cfg, choice)
 	if err != nil {
 		switch {
@@ -321,4 +321,16 @@ func initPath(log *slog.Logger) string {
 	}
 	log.Info("sbx-init is not installed next to the broker; sandboxes use the broker binary as their init (each start takes ~4 ms longer)", "want", small)
 	return self
+}
+
+// diskReserve is --disk-reserve for the provider: 0 (the default) when unset, -1 (off) for "0".
+func (c *config) diskReserve() provider.ByteSize {
+	if c.DiskReserve == "" {
+		return 0
+	}
+	v, _ := provider.ParseByteSize(c.DiskReserve) // validated with the other flags
+	if v == 0 {
+		return -1
+	}
+	return v
 }

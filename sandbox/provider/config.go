@@ -32,6 +32,10 @@ type Config struct {
 	// CgroupParent is the cgroup, under each hierarchy's root, that holds one child per sandbox.
 	// Default "sbx-broker".
 	CgroupParent string
+	// DiskReserve is the free space the data dir's filesystem must keep: below it, a create or a
+	// start is refused, so the broker and the embedded Redis stay writable. 0 means the smaller of
+	// DefaultDiskReserve and 5% of the filesystem; negative turns the check off.
+	DiskReserve ByteSize
 	// Defaults are the limits that a template's zero values fall back to. Zero fields here fall back
 	// to the built-in defaults (see DefaultLimits).
 	Defaults Limits

@@ -77,6 +77,10 @@ func (d *Dir) WorkspaceDir(spec Spec) string {
 // run as.
 func (d *Dir) Create(ctx context.Context, spec Spec) error {
 	uid, gid := d.ids()
+	// No disk quota here (volume.go is the namespace provider's), but the broker-wide reserve holds.
+	if err := checkReserve(d.cfg.DataDir, int64(d.cfg.DiskReserve)); err != nil {
+		return fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+	}
 	return d.layout.create(spec.ID, uid, gid)
 }
 
@@ -93,6 +97,9 @@ func (d *Dir) Start(ctx context.Context, spec Spec) (Instance, error) {
 	t := spec.Template
 	if err := t.validateContent(); err != nil {
 		return nil, fmt.Errorf("template %q: %w", t.Name, err)
+	}
+	if err := checkReserve(d.cfg.DataDir, int64(d.cfg.DiskReserve)); err != nil {
+		return nil, fmt.Errorf("start sandbox %s: %w", spec.ID, err)
 	}
 	if t.Rootfs != "" || len(t.Mounts) > 0 {
 		// Running such a template on the host filesystem would run it against the wrong files.

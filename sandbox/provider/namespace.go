@@ -69,6 +69,7 @@ type Namespace struct {
 	pasta      string // the network helper for network: true templates (network.go)
 	pastaErr   error  // why there is none; a network: true sandbox then fails to start
 	running    running
+	vol        volumes // disk quotas (volume.go)
 }
 
 // NewNamespace checks what the provider needs on this host (bwrap, a reachable data dir, cgroups)
@@ -105,6 +106,9 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 		return nil, err
 	}
 	n.initInterp = elfInterp(cfg.InitPath)
+	if err := n.initVolumes(); err != nil {
+		return nil, err
+	}
 	if n.pasta, err = exec.LookPath(cfg.PastaPath); err != nil {
 		n.pastaErr = fmt.Errorf("sandbox network: the template allows the network and pasta was not found (%s): install it: apt-get install -y passt", cfg.PastaPath)
 	}
@@ -149,7 +153,13 @@ func (n *Namespace) Create(ctx context.Context, spec Spec) error {
 	if n.asRoot {
 		uid, gid = n.cfg.UID, n.cfg.GID
 	}
+	if err := checkReserve(n.cfg.DataDir, n.vol.reserve); err != nil {
+		return fmt.Errorf("create sandbox %s: %w", spec.ID, err)
+	}
 	if err := n.layout.create(spec.ID, uid, gid); err != nil {
+		return err
+	}
+	if err := n.createVolume(spec.ID, spec.Template.Disk, uid, gid); err != nil {
 		return err
 	}
 	return n.writeIdentity(spec)
@@ -183,6 +193,15 @@ func (n *Namespace) writeIdentity(spec Spec) error {
 
 // Destroy removes the sandbox's directories. It refuses invalid ids and running sandboxes.
 func (n *Namespace) Destroy(ctx context.Context, spec Spec) error {
+	if !validID(spec.ID) {
+		return fmt.Errorf("%w: %q", ErrInvalidID, spec.ID)
+	}
+	if n.running.isRunning(spec.ID) {
+		return fmt.Errorf("%w: %s", ErrRunning, spec.ID)
+	}
+	if err := n.unmountVolume(spec.ID); err != nil {
+		return err
+	}
 	return n.layout.destroy(spec.ID, &n.running)
 }
 
@@ -197,6 +216,12 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	}
 	if _, err := os.Stat(n.layout.workspaceDir(spec.ID)); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
+	}
+	if err := checkReserve(n.cfg.DataDir, n.vol.reserve); err != nil {
+		return nil, fmt.Errorf("start sandbox %s: %w", spec.ID, err)
+	}
+	if err := n.mountVolume(spec.ID); err != nil {
+		return nil, err
 	}
 	if _, err := os.Stat(filepath.Join(n.layout.stateDir(spec.ID), "passwd")); err != nil {
 		if err := n.writeIdentity(spec); err != nil {
@@ -379,9 +404,13 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 	}
 	a = append(a, "--proc", "/proc")
 	a = append(a, n.procMasks...)
+	// /tmp and /dev/shm are sized (volume.go): their pages count against the memory limit, and a
+	// full one must answer ENOSPC rather than have the limit kill the sandbox.
+	tmpSize := strconv.FormatInt(tmpfsSize(t, resolveLimits(n.cfg.Defaults, t.Limits)), 10)
 	a = append(a,
 		"--dev", "/dev",
-		"--tmpfs", "/tmp",
+		"--size", tmpSize, "--tmpfs", "/dev/shm",
+		"--size", tmpSize, "--tmpfs", "/tmp",
 		"--bind", n.layout.workspaceDir(spec.ID), WorkspacePath)
 	for _, m := range t.Mounts {
 		a = append(a, "--ro-bind", m.Source, path.Clean(m.Target))

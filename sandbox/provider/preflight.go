@@ -29,6 +29,10 @@ type Report struct {
 	// why not.
 	LimitsEnforced bool   `json:"limits_enforced"`
 	LimitsReason   string `json:"limits_reason,omitempty"`
+	// DiskQuota says whether each sandbox's workspace is a filesystem of its own size (volume.go);
+	// DiskQuotaReason says why not.
+	DiskQuota       bool   `json:"disk_quota"`
+	DiskQuotaReason string `json:"disk_quota_reason,omitempty"`
 	// Cgroups is the cgroup version limits use: "v1", "v2", or "" for none.
 	Cgroups string `json:"cgroups,omitempty"`
 	// Fallback is why "auto" chose dir: the host cannot run namespace sandboxes. Empty when it did
@@ -85,6 +89,13 @@ func Preflight(ctx context.Context, cfg Config, choice string) (Provider, Report
 		if !r.LimitsEnforced {
 			r.Warning = "namespace provider: resource limits are not enforced: " + r.LimitsReason
 		}
+		r.DiskQuota, r.DiskQuotaReason = n.DiskQuotaEnforced()
+		if !r.DiskQuota {
+			if r.Warning == "" {
+				r.Warning = "namespace provider"
+			}
+			r.Warning += ": disk quotas are not enforced: " + r.DiskQuotaReason
+		}
 		return n, r, nil
 	}
 	err = classify(err, cfg)
@@ -129,10 +140,11 @@ func dirReport(cfg Config, prefix string, start time.Time) Report {
 		w = prefix + "; " + w
 	}
 	return Report{
-		Provider:     kindDir,
-		Warning:      w,
-		LimitsReason: "the dir provider enforces no limits (exec timeouts only)",
-		Took:         time.Since(start),
+		Provider:        kindDir,
+		Warning:         w,
+		LimitsReason:    "the dir provider enforces no limits (exec timeouts only)",
+		DiskQuotaReason: "the dir provider has no disk quota",
+		Took:            time.Since(start),
 	}
 }
 
@@ -159,14 +171,29 @@ func probeNamespace(ctx context.Context, n *Namespace) error {
 		hostShell:  n.hostShell,
 		initInterp: n.initInterp,
 	}
+	probe.vol.enabled, probe.vol.reason, probe.vol.mkfs, probe.vol.reserve, probe.vol.log =
+		n.vol.enabled, n.vol.reason, n.vol.mkfs, n.vol.reserve, n.vol.log
 	if err := probe.prepareDataDir(); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	spec := Spec{ID: NewID(), Template: DefaultTemplate()}
+	tmpl := DefaultTemplate()
+	tmpl.Disk = 2 * MinDisk
+	spec := Spec{ID: NewID(), Template: tmpl}
 	if err := probe.Create(ctx, spec); err != nil {
-		return err
+		var re *ResourceError
+		if !probe.vol.enabled || errors.As(err, &re) {
+			return err
+		}
+		// The host cannot make or mount a filesystem image: sandboxes run without disk quotas
+		// (reported), not without isolation.
+		_ = probe.Destroy(context.Background(), spec)
+		n.vol.enabled, n.vol.reason = false, "a test sandbox's disk image could not be made or mounted: "+err.Error()
+		probe.vol.enabled = false
+		if err := probe.Create(ctx, spec); err != nil {
+			return err
+		}
 	}
 	defer probe.Destroy(context.Background(), spec)
 	in, err := probe.Start(ctx, spec)

@@ -120,6 +120,11 @@ type Template struct {
 	// the host's network namespace (network.go).
 	Network Network `json:"network,omitzero"`
 	Limits  Limits  `json:"limits,omitempty"`
+	// Disk is the size of the workspace's own filesystem (namespace provider run as root; see
+	// volume.go): "2GiB", "512MiB". 0 means DefaultDisk. Inodes come with it, one per 16 KiB.
+	Disk ByteSize `json:"disk,omitempty"`
+	// Tmp is the size of /tmp and of /dev/shm, each; 0 means a quarter of the memory limit.
+	Tmp ByteSize `json:"tmp,omitempty"`
 	// Setup is a shell command run once at create, in the workspace; a non-zero exit marks the sandbox
 	// failed with the command's output.
 	Setup string `json:"setup,omitempty"`

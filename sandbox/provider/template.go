@@ -213,6 +213,12 @@ func (t Template) validateContent() error {
 	if err := t.Limits.validate(); err != nil {
 		return fmt.Errorf("limits: %w", err)
 	}
+	if t.Disk != 0 && t.Disk < MinDisk {
+		return fmt.Errorf("disk %s: must be at least %s", t.Disk, ByteSize(MinDisk))
+	}
+	if t.Tmp < 0 || t.Tmp != 0 && t.Tmp < 1<<20 {
+		return fmt.Errorf("tmp %s: must be at least 1MiB", t.Tmp)
+	}
 	return nil
 }
 

@@ -63,9 +63,12 @@ func TestIsolationIsVisible(t *testing.T) {
 				Provider       string `json:"provider"`
 				Isolation      string `json:"isolation"`
 				LimitsEnforced *bool  `json:"limits_enforced"`
+				DiskQuota      *bool  `json:"disk_quota"`
 			}
 			json.Unmarshal(raw, &ready)
-			if ready.Provider != tc.provider || ready.Isolation != tc.isolation || ready.LimitsEnforced == nil || *ready.LimitsEnforced != tc.limits {
+			// The tests run as root, where a namespace broker gives each sandbox a filesystem.
+			if ready.Provider != tc.provider || ready.Isolation != tc.isolation || ready.LimitsEnforced == nil || *ready.LimitsEnforced != tc.limits ||
+				ready.DiskQuota == nil || *ready.DiskQuota != tc.limits {
 				t.Errorf("/readyz: %s", raw)
 			}
 

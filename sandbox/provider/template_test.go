@@ -30,6 +30,8 @@ func TestLoadTemplates(t *testing.T) {
 		Network: NetworkOn,
 		Limits:  Limits{MemoryBytes: 1 << 30, Pids: 256, CPUs: 1.5, ExecTimeout: Duration(30 * time.Second), ExecTimeoutMax: Duration(10 * time.Minute)},
 		Setup:   "pip install -r requirements.txt",
+		Disk:    2 << 30,
+		Tmp:     256 << 20,
 	}
 	body := `
   rootfs: ` + kb + `
@@ -46,6 +48,8 @@ func TestLoadTemplates(t *testing.T) {
     exec_timeout: 30s
     exec_timeout_max: 10m
   setup: pip install -r requirements.txt
+  disk: 2GiB
+  tmp: 256MiB
 `
 	jsonBody, _ := json.Marshal([]Template{want})
 	for name, content := range map[string]string{
@@ -85,6 +89,8 @@ func TestLoadTemplatesErrors(t *testing.T) {
 	file := writeFile(t, "f", "x")
 	for _, tc := range []struct{ content, want string }{
 		{"- name: a\n  bogus: 1\n", `template "a": unknown field "bogus"`},
+		{"- name: a\n  disk: 2 GB please\n", `template "a": size "2 GB please"`},
+		{"- name: a\n  disk: 1MiB\n", `template "a": disk 1MiB: must be at least 8MiB`},
 		{"a:\n  limits:\n    bogus: 1\n", `template "a": unknown field "bogus"`},
 		{"- env: {}\n", "template #1: name: required"},
 		{"- name: a/b\n", `template "a/b": name "a/b"`},

@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/sbxbroker/broker/sandbox/provider"
 )
 
 // Every invalid setting is reported with its flag and environment variable, all at once.
@@ -11,13 +13,14 @@ func TestValidateNamesTheSetting(t *testing.T) {
 	cmd := rootCmd()
 	t.Setenv("SBX_LISTEN", "nonsense")
 	t.Setenv("SBX_PROVIDER", "docker")
+	t.Setenv("SBX_DISK_RESERVE", "lots")
 	cmd.SetArgs([]string{"--log-format", "xml", "--default-ttl", "48h", "--max-ttl", "24h", "--retention", "30s", "--redis-timeout", "0s", "--data-dir", t.TempDir()})
 	err := cmd.Execute()
 	if err == nil {
 		t.Fatal("want a configuration error")
 	}
 	for _, want := range []string{"--listen (SBX_LISTEN)", "--provider (SBX_PROVIDER)", "--log-format (SBX_LOG_FORMAT)",
-		"--default-ttl (SBX_DEFAULT_TTL)", "--retention (SBX_RETENTION)", "--redis-timeout (SBX_REDIS_TIMEOUT)"} {
+		"--default-ttl (SBX_DEFAULT_TTL)", "--retention (SBX_RETENTION)", "--redis-timeout (SBX_REDIS_TIMEOUT)", "--disk-reserve (SBX_DISK_RESERVE)"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error lacks %q:\n%v", want, err)
 		}
@@ -89,5 +92,14 @@ func TestDataplaneConnectionCapFlags(t *testing.T) {
 	err := cmd.Execute()
 	if err == nil || !strings.Contains(err.Error(), "--max-dataplane-connections-per-org (SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG)") {
 		t.Fatalf("want a configuration error naming the setting: %v", err)
+	}
+}
+
+// --disk-reserve: unset is the provider's default (0), "0" turns the check off (-1), a size is that.
+func TestDiskReserveFlag(t *testing.T) {
+	for in, want := range map[string]provider.ByteSize{"": 0, "0": -1, "2GiB": 2 << 30} {
+		if got := (&config{DiskReserve: in}).diskReserve(); got != want {
+			t.Errorf("--disk-reserve %q: %d, want %d", in, got, want)
+		}
 	}
 }

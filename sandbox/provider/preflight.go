@@ -171,13 +171,15 @@ func probeNamespace(ctx context.Context, n *Namespace) error {
 		hostShell:  n.hostShell,
 		initInterp: n.initInterp,
 	}
-	probe.vol.enabled, probe.vol.reason, probe.vol.mkfs, probe.vol.reserve, probe.vol.log =
-		n.vol.enabled, n.vol.reason, n.vol.mkfs, n.vol.reserve, n.vol.log
+	probe.vol.enabled, probe.vol.reason, probe.vol.mkfs, probe.vol.reserve, probe.vol.log, probe.vol.imagesDir =
+		n.vol.enabled, n.vol.reason, n.vol.mkfs, n.vol.reserve, n.vol.log, n.vol.imagesDir
 	if err := probe.prepareDataDir(); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
+	// A small disk: its base image is made once for the data dir (the probe shares the provider's
+	// disk-images), and mounting and unmounting it is cheaper than the default size's.
 	tmpl := DefaultTemplate()
 	tmpl.Disk = 2 * MinDisk
 	spec := Spec{ID: NewID(), Template: tmpl}

@@ -113,9 +113,12 @@ type volumes struct {
 	reserve int64 // Config.DiskReserve: 0 the default, <0 off
 	log     *slog.Logger
 
-	mu     sync.Mutex          // serializes mounting: a sandbox's image is never mounted twice
-	baseMu sync.Mutex          // serializes making base images
-	legacy map[string]struct{} // sandboxes already logged as having no image
+	mu     sync.Mutex // serializes mounting: a sandbox's image is never mounted twice
+	baseMu sync.Mutex // serializes making base images
+	// imagesDir holds the base images (<DataDir>/disk-images); preflight's probe shares its
+	// provider's, so that a broker start makes the default one once for the data dir.
+	imagesDir string
+	legacy    map[string]struct{} // sandboxes already logged as having no image
 }
 
 var warnNoQuotaOnce sync.Once
@@ -128,6 +131,7 @@ func (n *Namespace) initVolumes() error {
 	v := &n.vol
 	v.reserve = int64(n.cfg.DiskReserve)
 	v.log = slog.Default()
+	v.imagesDir = filepath.Join(n.cfg.DataDir, "disk-images")
 	switch mkfs, err := exec.LookPath("mkfs.ext4"); {
 	case !n.asRoot:
 		v.reason = "the broker is not root and cannot mount a filesystem per sandbox: a sandbox can fill the data dir's disk (run the broker as root to enforce disk quotas)"
@@ -326,10 +330,10 @@ func tmpfsSize(t Template, limits Limits) int64 {
 }
 
 // baseImage is a freshly made, empty ext4 image of the given size, made once per size with
-// mkfs.ext4 under <DataDir>/disk-images and copied (holes kept) for each sandbox: a copy of its few
+// mkfs.ext4 under <DataDir>/disk-images (the preflight at start makes the default size's) and copied (holes kept) for each sandbox: a copy of its few
 // MiB of metadata costs a few ms, where mkfs costs tens (a fork, an exec and its writes).
 func (n *Namespace) baseImage(size ByteSize) (string, error) {
-	dir := filepath.Join(n.cfg.DataDir, "disk-images")
+	dir := n.vol.imagesDir
 	p := filepath.Join(dir, fmt.Sprintf("ext4-%d.img", int64(size)))
 	n.vol.baseMu.Lock()
 	defer n.vol.baseMu.Unlock()

@@ -401,7 +401,7 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
 	if n.initInterp != "" {
 		if _, err := os.Stat(filepath.Join(t.Rootfs, n.initInterp)); err != nil {
-			return nil, false, fmt.Errorf("template %q: the init binary %s is dynamically linked and the rootfs has no %s: build the broker with CGO_ENABLED=0 or add the host's libc to the rootfs", t.Name, n.cfg.InitPath, n.initInterp)
+			return nil, false, fmt.Errorf("template %q: the init binary %s is dynamically linked and the rootfs has no %s: install sbx-init (static: CGO_ENABLED=0 go build ./cmd/sbx-init) next to the broker, or add the host's libc to the rootfs", t.Name, n.cfg.InitPath, n.initInterp)
 		}
 	}
 	entries, err := os.ReadDir(t.Rootfs)

@@ -124,6 +124,10 @@ func (s *Server) dataplane(c echo.Context) error {
 		if err != nil {
 			return err
 		}
+		// A token is a credential like a key: its upgrades spend its own bucket of the org's rps.
+		if err := s.limitCredential(ctx, claims.Org, "token:"+claims.ID); err != nil {
+			return err
+		}
 		conn.org, conn.claims, conn.actor = claims.Org, claims, "token:"+claims.ID
 		conn.scopes = map[string]bool{}
 		for _, sc := range claims.Scopes() {

@@ -74,6 +74,10 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	if cfg.Limits.Connections == 0 {
+		// The per-org connection cap always has a default: the dataplane's.
+		cfg.Limits.Connections = cfg.Dataplane.withDefaults().PerOrg
+	}
 	cfg.Store.SetDefaultLimits(cfg.Limits)
 	b := &Broker{events: events.NewWriter(cfg.Store.Client(), cfg.Log)}
 	// Once Recover has restarted sandboxes, a failure must stop them again: nothing else would.

@@ -149,7 +149,6 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
 	fs.IntVar(&c.MaxDPConns, "max-dataplane-connections", server.DefaultMaxDataplaneConnections, "dataplane connections this broker serves at once; past it an upgrade is 503")
-	fs.IntVar(&c.MaxDPConnsPerOrg, "max-dataplane-connections-per-org", server.DefaultDataplaneConnsPerOrg, "dataplane connections one org may have open on this broker; past it an upgrade is 429 too_many_connections")
 	fs.IntVar(&c.MaxDPConnsPerCredential, "max-dataplane-connections-per-credential", server.DefaultDataplaneConnsPerCredential, "dataplane connections one API key or delegation token may have open on this broker; past it an upgrade is 429 too_many_connections")
 }
 

@@ -564,14 +564,14 @@ func testUIDs(t *testing.T, s *store.Store, clk *clock) {
 		t.Fatalf("second allocation for sb_0: %d, %v; want %d", again, err, uid0)
 	}
 	// Release is owner-checked and idempotent.
-	if err := s.ReleaseUID(ctx, uid0, "o1", "sb_other"); err != nil {
+	if err := s.ReleaseUID(ctx, "o1", "sb_other"); err != nil {
 		t.Fatal(err)
 	}
 	if owner, _ := s.UIDOwner(ctx, uid0); owner != "o1/sb_0" {
 		t.Fatalf("a release by a sandbox that does not hold uid %d freed it (owner now %q)", uid0, owner)
 	}
 	for range 2 {
-		if err := s.ReleaseUID(ctx, uid0, "o1", "sb_0"); err != nil {
+		if err := s.ReleaseUID(ctx, "o1", "sb_0"); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -581,7 +581,7 @@ func testUIDs(t *testing.T, s *store.Store, clk *clock) {
 	// A wider range: a released uid is not the next one handed out.
 	wide := store.UIDRange{First: 300000, Last: 300009}
 	a, _ := s.AllocateUID(ctx, wide, "o1", "sb_a")
-	if err := s.ReleaseUID(ctx, a, "o1", "sb_a"); err != nil {
+	if err := s.ReleaseUID(ctx, "o1", "sb_a"); err != nil {
 		t.Fatal(err)
 	}
 	if b, _ := s.AllocateUID(ctx, wide, "o1", "sb_b"); b == a {

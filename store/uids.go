@@ -67,13 +67,14 @@ end
 return -1
 `)
 
-// releaseUIDScript frees uid ARGV[1] if sandbox ARGV[2] holds it. KEYS: 1 owners, 2 by-owner.
-// Answers 1 when it freed the uid, 0 when the sandbox did not hold it (already released).
+// releaseUIDScript frees the uid sandbox ARGV[1] holds. KEYS: 1 owners, 2 by-owner.
+// Answers the uid it freed, or 0 when the sandbox held none (already released).
 var releaseUIDScript = redis.NewScript(`
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[2])
-return 1
+local u = redis.call('HGET', KEYS[2], ARGV[1])
+if not u then return 0 end
+if redis.call('HGET', KEYS[1], u) == ARGV[1] then redis.call('HDEL', KEYS[1], u) end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return tonumber(u)
 `)
 
 func uidOwner(org, id string) string { return org + "/" + id }
@@ -96,14 +97,12 @@ func (s *Store) AllocateUID(ctx context.Context, r UIDRange, org, id string) (in
 	return uid, nil
 }
 
-// ReleaseUID frees uid if sandbox id of org holds it; it is idempotent. Call it only once nothing of
-// the sandbox is left on its host (processes ended, files removed).
-func (s *Store) ReleaseUID(ctx context.Context, uid int, org, id string) error {
-	if uid <= 0 {
-		return nil
-	}
-	if err := releaseUIDScript.Run(ctx, s.rdb, []string{uidOwnersKey, uidByOwnerKey}, uid, uidOwner(org, id)).Err(); err != nil {
-		return fmt.Errorf("store: release uid %d of %s: %w", uid, id, err)
+// ReleaseUID frees the uid sandbox id of org holds, whether or not its record names it (a start
+// that took one and crashed before recording it); it is idempotent. Call it only once nothing of the
+// sandbox is left on its host (processes ended, files removed).
+func (s *Store) ReleaseUID(ctx context.Context, org, id string) error {
+	if err := releaseUIDScript.Run(ctx, s.rdb, []string{uidOwnersKey, uidByOwnerKey}, uidOwner(org, id)).Err(); err != nil {
+		return fmt.Errorf("store: release the uid of %s: %w", id, err)
 	}
 	return nil
 }

@@ -95,6 +95,22 @@ func TestSandboxUIDs(t *testing.T) {
 		if got := ownerOf(t, b.Manager.Provider().WorkspaceDir(provider.Spec{ID: id})); got != uid {
 			t.Errorf("%s: workspace belongs to host uid %d, want its own %d", id, got, uid)
 		}
+		// What the broker creates in a workspace (a dataplane mkdir, write, upload) is the
+		// sandbox's own too.
+		rec, err := b.Store.Get(ctx, b.Org, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws, err := b.Manager.Workspace(rec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ws.Mkdir(protocol.MkdirArgs{Path: "/workspace/by-broker"}); err != nil {
+			t.Fatal(err)
+		}
+		if got := ownerOf(t, b.Manager.Provider().WorkspaceDir(provider.Spec{ID: id})+"/by-broker"); got != uid {
+			t.Errorf("%s: a directory the broker made belongs to %d, want %d", id, got, uid)
+		}
 	}
 
 	// Kept across stop and resume, and across a broker restart.

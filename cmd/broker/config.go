@@ -84,7 +84,7 @@ func defaultDataDir() string {
 func storageFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.RedisURL, "redis-url", "", "Redis to keep state in: redis://host:port, a comma list (Cluster), redis-cluster://h1,h2 or redis-sentinel://h1,h2/master; empty = an embedded redis-server with its data in --data-dir")
 	fs.DurationVar(&c.RedisTimeout, "redis-timeout", store.DefaultTimeout, "longest a Redis call may take, retries included; a Redis that does not answer in time makes requests answer 503 (retry) instead of hanging")
-	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "directory for sandboxes' files, the embedded Redis and signing keys (with the namespace provider it and its parents must be searchable, o+x, by --sandbox-uid)")
+	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "directory for sandboxes' files, the embedded Redis and signing keys (with the namespace provider it and its parents must be searchable, o+x, by the sandbox uids)")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "log format: text or json")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error (request logs are debug)")
 	fs.StringVar(&c.SigningKeys, "signing-keys", "", "directory of the Ed25519 keys that sign delegation tokens (default <data-dir>/signing; brokers sharing one Redis must share it)")

@@ -103,6 +103,9 @@ func (d *Dir) Start(ctx context.Context, spec Spec) (Instance, error) {
 			return nil, err
 		}
 	}
+	if err := d.layout.secure(spec.ID, uid, gid); err != nil {
+		return nil, err
+	}
 	if err := d.running.claim(spec.ID); err != nil {
 		return nil, err
 	}

@@ -208,12 +208,16 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if _, err := os.Stat(ws); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
 	}
-	if uid, gid := n.ids(spec); uid >= 0 {
+	uid, gid := n.ids(spec)
+	if uid >= 0 {
 		// A sandbox that ran as the shared uid and now has its own (or moved uids) gets its files:
 		// inside, files of another host uid would be nobody's and read-only.
 		if err := adoptWorkspace(ws, uid, gid); err != nil {
 			return nil, err
 		}
+	}
+	if err := n.layout.secure(spec.ID, uid, gid); err != nil {
+		return nil, err
 	}
 	if _, err := os.Stat(filepath.Join(n.layout.stateDir(spec.ID), "passwd")); err != nil {
 		if err := n.writeIdentity(spec); err != nil {
@@ -261,6 +265,9 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 			cmd.ExtraFiles = append([]*os.File{exe}, files...)
 			if infoW != nil {
 				cmd.ExtraFiles = append(cmd.ExtraFiles, infoW)
+			}
+			if err = hideArgs(cmd); err != nil {
+				exe.Close()
 			}
 		}
 	}

@@ -210,3 +210,34 @@ func TestSandboxUIDMigration(t *testing.T) {
 		t.Errorf("the old file inside: %q", got)
 	}
 }
+
+// A Redis that lost everything (flushed) loses the uid table with the records; the broker keeps
+// the files of sandboxes it hosts, and now the uid they belong to as well, so that no new sandbox
+// is given it and with it those files.
+func TestSandboxUIDKeptForFilesAfterFlush(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 234000, Last: 234001}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids})
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "kept"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, uid := res.Sandbox.ID, recordUID(t, b, res.Sandbox.ID)
+	b.Stop()
+	if err := b.RDB.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	b2 := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, Redis: b.Redis, DataDir: b.DataDir})
+	if owner, err := b2.Store.UIDOwner(ctx, uid); err != nil || owner != b.Org+"/"+id {
+		t.Fatalf("uid %d of the kept files after a flush and a restart: owner %q, %v; want %s/%s", uid, owner, err, b.Org, id)
+	}
+	res, err = b2.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "new"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := recordUID(t, b2, res.Sandbox.ID); got == uid {
+		t.Fatalf("a new sandbox got uid %d, which the kept files of %s belong to", uid, id)
+	}
+}

@@ -587,6 +587,16 @@ func testUIDs(t *testing.T, s *store.Store, clk *clock) {
 	if b, _ := s.AllocateUID(ctx, wide, "o1", "sb_b"); b == a {
 		t.Errorf("uid %d was handed out again at once after its release", a)
 	}
+	// A reservation (files on disk that belong to a uid) holds it, unless another sandbox does.
+	if got, err := s.ReserveUID(ctx, 300009, "o1", "sb_files"); err != nil || got != 300009 {
+		t.Fatalf("reserve a free uid: %d, %v", got, err)
+	}
+	if owner, _ := s.UIDOwner(ctx, 300009); owner != "o1/sb_files" {
+		t.Fatalf("reserved uid's owner: %q", owner)
+	}
+	if _, err := s.ReserveUID(ctx, 300009, "o1", "sb_intruder"); err == nil {
+		t.Fatal("reserved a uid another sandbox holds")
+	}
 	// The uid is kept with the record.
 	rec := newRecord("o1", "with-uid", nil)
 	rec.UID = 300001

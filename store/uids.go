@@ -77,6 +77,32 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 return tonumber(u)
 `)
 
+// reserveUIDScript gives uid ARGV[1] to sandbox ARGV[2] unless another sandbox holds it.
+// KEYS: 1 owners, 2 by-owner. Answers the uid the sandbox holds now, or -1 when another holds
+// ARGV[1]. Same invariant as allocUIDScript.
+var reserveUIDScript = redis.NewScript(`
+local have = redis.call('HGET', KEYS[2], ARGV[2])
+if have then return tonumber(have) end
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return -1 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[1])
+return tonumber(ARGV[1])
+`)
+
+// ReserveUID records that sandbox id of org holds uid: for files on disk that belong to it while
+// Redis lost the table (flushed, replaced), so that the uid is not handed to another sandbox. It
+// answers the uid the sandbox holds (its old one if the table still has it) and an error when
+// another sandbox holds uid.
+func (s *Store) ReserveUID(ctx context.Context, uid int, org, id string) (int, error) {
+	got, err := reserveUIDScript.Run(ctx, s.rdb, []string{uidOwnersKey, uidByOwnerKey}, uid, uidOwner(org, id)).Int()
+	if err != nil {
+		return 0, fmt.Errorf("store: reserve uid %d for %s: %w", uid, id, err)
+	}
+	if got < 0 {
+		return 0, fmt.Errorf("store: uid %d, which %s's files belong to, is held by another sandbox", uid, id)
+	}
+	return got, nil
+}
+
 func uidOwner(org, id string) string { return org + "/" + id }
 
 // AllocateUID gives sandbox id of org a host uid of r that no other sandbox holds, atomically across

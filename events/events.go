@@ -8,6 +8,7 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -40,6 +41,10 @@ type Writer struct {
 	queue   chan queued
 	dropped atomic.Int64
 	done    chan struct{}
+	// mu orders Emit's send against Close's close of queue: Emits hold it shared (they never block
+	// under it), Close exclusively, so no Emit sends on a closed queue.
+	mu     sync.RWMutex
+	closed bool
 }
 
 type queued struct {
@@ -60,6 +65,16 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 	if e.Time.IsZero() {
 		e.Time = time.Now().UTC()
 	}
+	w.mu.RLock()
+	defer w.mu.RUnlock()
+	if w.closed {
+		// A straggler of a slow shutdown (a dataplane call finishing after the writer closed):
+		// dropped and counted, like an event that finds the queue full.
+		if w.dropped.Add(1)%1000 == 1 {
+			w.log.Warn("event emitted after the event log closed: dropped", "type", e.Type, "dropped_total", w.dropped.Load())
+		}
+		return
+	}
 	select {
 	case w.queue <- queued{org, e}:
 	default:
@@ -69,9 +84,15 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 	}
 }
 
-// Close writes what is queued and stops the writer.
+// Close writes what is queued and stops the writer. Later Emits are dropped (and counted); a second
+// Close waits like the first.
 func (w *Writer) Close() {
-	close(w.queue)
+	w.mu.Lock()
+	if !w.closed {
+		w.closed = true
+		close(w.queue)
+	}
+	w.mu.Unlock()
 	<-w.done
 }
 
@@ -149,3 +170,7 @@ func (w *Writer) wake(ctx context.Context, orgs map[string]bool) {
 		w.log.Warn("event wake-up failed; readers will find the events on their next poll", "err", err)
 	}
 }
+
+// Dropped is how many events were lost: queue full, Redis failing past the retries, or emitted
+// after Close.
+func (w *Writer) Dropped() int64 { return w.dropped.Load() }

@@ -47,6 +47,7 @@ const (
 	CodeInvalidTag       = "invalid_tag"
 	CodeInvalidStatus    = "invalid_status"
 	CodeInvalidCursor    = "invalid_cursor"
+	CodeInvalidEventID   = "invalid_event_id"
 	CodeInvalidScope     = "invalid_scope"
 	CodeUnknownTemplate  = "unknown_template"
 	CodeTooLarge         = "payload_too_large"
@@ -96,9 +97,11 @@ const (
 	CodeNoMatch           = "no_match"
 	CodeNotUnique         = "not_unique"
 	CodeTooManyRequests   = "too_many_requests"
-	CodeUnknownOp         = "unknown_op"
-	CodeTimeout           = "timeout"
-	CodeCancelled         = "cancelled"
+	// CodeTooManyConnections refuses a dataplane connection over its credential's or org's cap.
+	CodeTooManyConnections = "too_many_connections"
+	CodeUnknownOp          = "unknown_op"
+	CodeTimeout            = "timeout"
+	CodeCancelled          = "cancelled"
 
 	// Server side.
 	CodeInternal    = "internal"

@@ -12,8 +12,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/google/uuid"
-
 	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
@@ -161,7 +159,7 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	var err error
 	now := m.now()
 	rec := store.Record{
-		ID: "sb_" + uuid.NewString(), Org: c.Org, Name: req.Name, Template: req.Template,
+		ID: protocol.NewSandboxID(), Org: c.Org, Name: req.Name, Template: req.Template,
 		Provider: m.cfg.Provider.Name(), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
 		Tags: req.Tags, TTL: ttl, CreatedAt: now, CreatedBy: c.Actor, Heartbeat: now,
 	}
@@ -674,6 +672,7 @@ func NotFound(ref string) error {
 func (m *Manager) mapStoreErr(err error, ref string) error {
 	var se *store.StateError
 	var tm *store.TemplateMismatchError
+	var qe *store.QuotaError
 	switch {
 	case err == nil:
 		return nil
@@ -683,6 +682,10 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
 	case errors.As(err, &tm):
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists with another template (%q): delete it or pick another name", clip(ref), clip(tm.Template))
+	case errors.As(err, &qe):
+		return protocol.Errorf(protocol.CodeQuotaExceeded,
+			"org %s already has %d sandboxes running or starting, its max_running limit: stop or delete one first (sbctl list --status running; sbctl stop REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-running N); sbctl limits shows the org's limits",
+			qe.Org, qe.Limit, qe.Org)
 	case errors.Is(err, store.ErrBadCursor):
 		return protocol.Errorf(protocol.CodeInvalidCursor, "the cursor is not one this broker gave out: start again without it")
 	case errors.As(err, &se):

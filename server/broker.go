@@ -7,13 +7,13 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/heartbeat"
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -48,6 +48,14 @@ type BrokerConfig struct {
 	SweepInterval, ExpiryWarning, Retention time.Duration
 	AllowedOrigins                          []string
 	DataplaneRenewsLease                    bool
+	// Limits are the default limits of orgs without their own (docs/operations.md).
+	Limits store.Limits
+	// AuthFailures failed authentications from one source within AuthFailureWindow make it wait
+	// out the window (0: no limit).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
+	// Dataplane bounds dataplane connections (zero values: the defaults).
+	Dataplane DataplaneLimits
 }
 
 // Broker is one running broker: its lifecycle manager, delegation, sweeper, event writer and HTTP
@@ -69,6 +77,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	cfg.Store.SetDefaultLimits(cfg.Limits)
 	b := &Broker{events: events.NewWriter(cfg.Store.Client(), cfg.Log)}
 	// Once Recover has restarted sandboxes, a failure must stop them again: nothing else would.
 	fail := func(err error) (*Broker, error) {
@@ -100,10 +109,18 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if err != nil {
 		return fail(err)
 	}
+	// Before Recover, which claims places for the sandboxes it restarts.
+	if err := cfg.Store.RecountRunning(ctx); err != nil {
+		cfg.Log.Error("counting the orgs' running sandboxes for their max_running limits", "err", err)
+	}
 	if err := b.Sandboxes.Recover(ctx); err != nil {
 		cfg.Log.Error("recovering this node's sandboxes", "err", err)
 	}
-	if err := cfg.Store.RegisterNode(ctx, cfg.Node, cfg.AdvertiseURL); err != nil {
+	advertise, err := protocol.BrokerBaseURL(cfg.AdvertiseURL)
+	if err != nil {
+		return fail(fmt.Errorf("advertise URL: %w", err))
+	}
+	if err := cfg.Store.RegisterNode(ctx, cfg.Node, advertise); err != nil {
 		return fail(err)
 	}
 	rdb := cfg.Store.Client()
@@ -116,7 +133,8 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
-		Provider: prov,
+		Provider: prov, Dataplane: cfg.Dataplane,
+		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {
@@ -184,11 +202,12 @@ func dataplaneURL(st *store.Store) func(ctx context.Context, rec store.Record) (
 		if err != nil {
 			return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
 		}
-		if rest, ok := strings.CutPrefix(base, "https://"); ok {
-			base = "wss://" + rest
-		} else {
-			base = "ws://" + strings.TrimPrefix(base, "http://")
+		// Built, scheme case and all, by the one function; a record written by an older broker
+		// with HTTPS:// in capitals still gives wss://.
+		u, err := protocol.DataplaneURL(base, rec.ID)
+		if err != nil {
+			return "", fmt.Errorf("the broker hosting sandbox %s (%s) registered a bad URL: %w", rec.ID, rec.Node, err)
 		}
-		return base + "/v1/sandboxes/" + rec.ID + "/dataplane", nil
+		return u, nil
 	}
 }

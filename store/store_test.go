@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -496,6 +498,35 @@ func testExpiryWarnings(t *testing.T, s *store.Store, clk *clock) {
 	if err != nil || len(again) != 1 || again[0].Name != "w-000" || !again[0].StopAt.Equal(t0.Add(230*time.Second)) {
 		t.Fatalf("after a heartbeat: %v %+v", err, again)
 	}
+}
+
+// batchers counts the goroutines sending heartbeat pipelines.
+func batchers() int {
+	buf := make([]byte, 1<<20)
+	return strings.Count(string(buf[:runtime.Stack(buf, true)]), "store.(*leaseBatcher).run(")
+}
+
+// Close ends the goroutine New starts; heartbeats after it fail with ErrClosed at once instead of
+// waiting on a sender that is gone. Not parallel: it counts goroutines.
+func TestStoreClose(t *testing.T) {
+	rdb := redistest.Start(t).Client(t)
+	before := batchers()
+	s := store.New(rdb)
+	// Any answer of the script will do (this sandbox does not exist): it went through the sender.
+	if _, err := s.Heartbeat(t.Context(), "acme", "dev"); err == nil || errors.Is(err, store.ErrClosed) {
+		t.Fatalf("heartbeat of a missing sandbox: %v", err)
+	}
+	if got := batchers(); got != before+1 {
+		t.Fatalf("%d heartbeat senders after New, want %d", got, before+1)
+	}
+	s.Close()
+	if got := batchers(); got != before {
+		t.Fatalf("%d heartbeat senders after Close, want %d: Close leaves its goroutine running", got, before)
+	}
+	if _, err := s.Heartbeat(t.Context(), "acme", "dev"); !errors.Is(err, store.ErrClosed) {
+		t.Fatalf("heartbeat after Close: %v, want ErrClosed", err)
+	}
+	s.Close() // twice is harmless
 }
 
 // testUIDs: two brokers (two Store values) on one Redis, racing, never hand out one uid twice; a

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -16,6 +15,8 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -48,6 +49,13 @@ type config struct {
 	DataplaneRenews bool
 	AllowedOrigins  []string
 	DebugListen     string
+	// Limits are the default org limits (limitFlags).
+	Limits store.Limits
+	// AuthFailures per AuthFailureWindow from one source address are allowed (authFlags).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
+	// MaxDPConns, MaxDPConnsPerOrg and MaxDPConnsPerCredential bound dataplane connections.
+	MaxDPConns, MaxDPConnsPerOrg, MaxDPConnsPerCredential int
 }
 
 // envOf maps each flag to its environment fallback.
@@ -61,7 +69,12 @@ var envOf = map[string]string{
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
-	"debug-listen": "SBX_DEBUG_LISTEN",
+	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING",
+	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
+	"auth-failure-window":                      "SBX_AUTH_FAILURE_WINDOW",
+	"max-dataplane-connections":                "SBX_MAX_DATAPLANE_CONNECTIONS",
+	"max-dataplane-connections-per-org":        "SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG",
+	"max-dataplane-connections-per-credential": "SBX_MAX_DATAPLANE_CONNECTIONS_PER_CREDENTIAL",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -140,6 +153,9 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
+	fs.IntVar(&c.MaxDPConns, "max-dataplane-connections", server.DefaultMaxDataplaneConnections, "dataplane connections this broker serves at once; past it an upgrade is 503")
+	fs.IntVar(&c.MaxDPConnsPerOrg, "max-dataplane-connections-per-org", server.DefaultDataplaneConnsPerOrg, "dataplane connections one org may have open on this broker; past it an upgrade is 429 too_many_connections")
+	fs.IntVar(&c.MaxDPConnsPerCredential, "max-dataplane-connections-per-credential", server.DefaultDataplaneConnsPerCredential, "dataplane connections one API key or delegation token may have open on this broker; past it an upgrade is 429 too_many_connections")
 }
 
 // applyEnv fills every flag not given on the command line from its SBX_* variable.
@@ -185,9 +201,8 @@ func (c *config) validate() error {
 		bad("log-level", "%v", err)
 	}
 	if c.AdvertiseURL != "" {
-		u, err := url.Parse(c.AdvertiseURL)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || (u.Path != "" && u.Path != "/") {
-			bad("advertise-url", "%q must be a base URL like http://broker.internal:7070", c.AdvertiseURL)
+		if _, err := protocol.BrokerBaseURL(c.AdvertiseURL); err != nil {
+			bad("advertise-url", "%v", err)
 		}
 	}
 	if c.DataDir == "" {
@@ -236,8 +251,19 @@ func (c *config) validate() error {
 			bad("debug-listen", "%q must be a loopback address: profiles expose the broker's internals", c.DebugListen)
 		}
 	}
+	c.validateLimits(bad)
+	c.validateAuth(bad)
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")
+	}
+	for _, l := range []struct {
+		flag string
+		n    int
+	}{{"max-dataplane-connections", c.MaxDPConns}, {"max-dataplane-connections-per-org", c.MaxDPConnsPerOrg},
+		{"max-dataplane-connections-per-credential", c.MaxDPConnsPerCredential}} {
+		if l.n < 1 {
+			bad(l.flag, "must be at least 1 (it is %d)", l.n)
+		}
 	}
 	if c.Templates != "" {
 		if _, err := os.Stat(c.Templates); err != nil {
@@ -267,7 +293,10 @@ func (c *config) advertiseWarning() string {
 // advertise is the base URL of this broker as others reach it.
 func (c *config) advertise() string {
 	if c.AdvertiseURL != "" {
-		return strings.TrimRight(c.AdvertiseURL, "/")
+		if u, err := protocol.BrokerBaseURL(c.AdvertiseURL); err == nil {
+			return u // validate refused anything else
+		}
+		return c.AdvertiseURL
 	}
 	host, port, _ := net.SplitHostPort(c.Listen)
 	if host == "" || host == "0.0.0.0" || host == "::" {

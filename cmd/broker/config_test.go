@@ -46,6 +46,53 @@ func TestEnvFallbackAndFlagPrecedence(t *testing.T) {
 	}
 }
 
+// --advertise-url is checked and normalised by the one base-URL rule: a scheme in capitals is
+// still http(s), and the dataplane URLs built from it are ws(s)://, never ws://HTTPS://.
+func TestAdvertiseURLIsNormalised(t *testing.T) {
+	for in, want := range map[string]string{
+		"HTTPS://broker.example:8443/": "https://broker.example:8443",
+		"Http://10.0.0.5:7070":         "http://10.0.0.5:7070",
+	} {
+		c := &config{AdvertiseURL: in}
+		if got := c.advertise(); got != want {
+			t.Errorf("--advertise-url %s: advertised %q, want %q", in, got, want)
+		}
+	}
+	for _, in := range []string{"ws://b:1", "http://user:pw@b", "http://b/prefix", "http://b?q=1", "b:7070"} {
+		cmd := rootCmd()
+		cmd.SetArgs([]string{"--advertise-url", in, "--data-dir", t.TempDir()})
+		if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "--advertise-url (SBX_ADVERTISE_URL)") {
+			t.Errorf("--advertise-url %s: %v, want a configuration error naming it", in, err)
+		}
+	}
+}
+
+// The dataplane connection caps take their SBX_* fallbacks and refuse nonsense by name.
+func TestDataplaneConnectionCapFlags(t *testing.T) {
+	cmd := rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "12")
+	if err := cmd.ParseFlags([]string{"--max-dataplane-connections-per-credential", "3"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyEnv(cmd); err != nil {
+		t.Fatal(err)
+	}
+	org, _ := cmd.Flags().GetInt("max-dataplane-connections-per-org")
+	cred, _ := cmd.Flags().GetInt("max-dataplane-connections-per-credential")
+	all, _ := cmd.Flags().GetInt("max-dataplane-connections")
+	if org != 12 || cred != 3 || all != 4096 {
+		t.Fatalf("per org %d, per credential %d, all %d; want 12, 3 and the default 4096", org, cred, all)
+	}
+
+	cmd = rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "0")
+	cmd.SetArgs([]string{"--data-dir", t.TempDir()})
+	err := cmd.Execute()
+	if err == nil || !strings.Contains(err.Error(), "--max-dataplane-connections-per-org (SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG)") {
+		t.Fatalf("want a configuration error naming the setting: %v", err)
+	}
+}
+
 // --sandbox-uids takes FIRST-LAST or shared, never a range holding root, nobody or a host user,
 // and never hands out --sandbox-uid, the uid sandboxes shared before.
 func TestSandboxUIDsSetting(t *testing.T) {

@@ -73,7 +73,9 @@ func serve(parent context.Context, c *config) error {
 		Node: node, AdvertiseURL: c.advertise(), DataDir: c.DataDir, SigningKeys: c.signingDir(), WorkspaceUID: uid, SandboxUIDs: uids,
 		Log: log, DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, TokenTTL: c.TokenTTL, TokenMaxTTL: c.TokenMaxTTL,
 		SweepInterval: c.SweepInterval, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention,
-		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews,
+		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.Limits,
+		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow,
+		Dataplane: server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},
 	})
 	if err != nil {
 		return err

@@ -1,8 +1,6 @@
 package provider
 
 import (
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,46 +9,16 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+
+	"github.com/sbxbroker/broker/protocol"
 )
 
-// validID reports whether id is "sb_" followed by a UUID in its canonical 8-4-4-4-12 hex form. Every
-// host path and cgroup name is built from the id, so nothing else (no "/", no "..") may pass.
-func validID(id string) bool {
-	const prefix = "sb_"
-	if !strings.HasPrefix(id, prefix) {
-		return false
-	}
-	u := id[len(prefix):]
-	if len(u) != 36 {
-		return false
-	}
-	for i := 0; i < len(u); i++ {
-		c := u[i]
-		switch i {
-		case 8, 13, 18, 23:
-			if c != '-' {
-				return false
-			}
-		default:
-			if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F') {
-				return false
-			}
-		}
-	}
-	return true
-}
+// validID is protocol.ValidSandboxID: every host path and cgroup name is built from the id, so
+// nothing else (no "/", no "..") may pass.
+func validID(id string) bool { return protocol.ValidSandboxID(id) }
 
-// NewID returns a fresh sandbox id ("sb_" + a random UUID v4).
-func NewID() string {
-	var b [16]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		panic(err) // crypto/rand never fails on Linux
-	}
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	h := hex.EncodeToString(b[:])
-	return "sb_" + h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
-}
+// NewID is protocol.NewSandboxID (preflight's probe sandbox and the provider's tests).
+func NewID() string { return protocol.NewSandboxID() }
 
 // layout is where a provider keeps sandboxes on disk: <dataDir>/sandboxes/<id>/{workspace,state}.
 type layout struct {

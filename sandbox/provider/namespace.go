@@ -52,9 +52,9 @@ var (
 	_ Instance = (*instance)(nil)
 )
 
-// Namespace is the bubblewrap provider: each sandbox is one bwrap (pid, ipc, uts, mount, user and,
-// unless the template allows the network, net namespaces) running the resident init as pid 1, with
-// memory, pids and cpu limits from cgroups.
+// Namespace is the bubblewrap provider: each sandbox is one bwrap (pid, ipc, uts, mount, user, cgroup
+// and net namespaces; a network template adds pasta, network.go) running the resident init as pid 1,
+// with memory, pids and cpu limits from cgroups.
 type Namespace struct {
 	cfg        Config
 	layout     layout
@@ -66,6 +66,8 @@ type Namespace struct {
 	hostShell  string
 	initInterp string // the init binary's ELF interpreter, "" when static
 	noUserns   bool   // bwrap has --disable-userns (0.8.0 and later)
+	pasta      string // the network helper for network: true templates (network.go)
+	pastaErr   error  // why there is none; a network: true sandbox then fails to start
 	running    running
 }
 
@@ -103,6 +105,9 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 		return nil, err
 	}
 	n.initInterp = elfInterp(cfg.InitPath)
+	if n.pasta, err = exec.LookPath(cfg.PastaPath); err != nil {
+		n.pastaErr = fmt.Errorf("sandbox network: the template allows the network and pasta was not found (%s): install it: apt-get install -y passt", cfg.PastaPath)
+	}
 	return n, nil
 }
 
@@ -284,6 +289,16 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		shell = loginShell(spec.Template.Rootfs)
 	}
 	env := sandboxEnv(WorkspacePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
+	var network func(context.Context, int) (func(), error)
+	if spec.Template.Network.Enabled {
+		network = func(ctx context.Context, pid int) (func(), error) {
+			h, err := n.startNetwork(ctx, spec, pid, spec.Template.Network)
+			if err != nil {
+				return nil, err
+			}
+			return h.stop, nil
+		}
+	}
 	in, err := launch(ctx, launchSpec{
 		kind:    kindNamespace,
 		cmd:     cmd,
@@ -292,6 +307,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		limits:  limits,
 		release: release,
 		info:    info,
+		network: network,
 	})
 	if err != nil {
 		return nil, err
@@ -370,13 +386,13 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		// pin every user namespace the host allows, and then no sandbox could start.
 		a = append(a, "--disable-userns")
 	}
-	if !t.Network {
-		a = append(a, "--unshare-net")
-	}
+	// Every sandbox has its own network namespace; with network: true, pasta attaches to it
+	// (network.go). The host's is never shared: its loopback is where the broker and Redis listen.
+	a = append(a, "--unshare-net")
 	bindIdentity := true
 	if t.Rootfs == "" {
 		a = append(a, n.hostRoot...)
-		if t.Network {
+		if t.Network.Enabled {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}
 	} else {
@@ -455,7 +471,7 @@ func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
 			return a, false, nil
 		}
 	}
-	if t.Network {
+	if t.Network.Enabled {
 		if _, err := os.Stat(filepath.Join(t.Rootfs, "etc", "resolv.conf")); err == nil {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}

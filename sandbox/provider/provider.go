@@ -119,9 +119,11 @@ type Template struct {
 	Mounts []Mount `json:"mounts,omitempty"`
 	// Env is added to every command's environment.
 	Env map[string]string `json:"env,omitempty"`
-	// Network lets the sandbox reach the host's network; off means a private loopback only.
-	Network bool   `json:"network,omitempty"`
-	Limits  Limits `json:"limits,omitempty"`
+	// Network is the sandbox's egress: none (false, the default: a private loopback only), any
+	// destination (true), or only the destinations listed ({allow: [...]}). The sandbox never shares
+	// the host's network namespace (network.go).
+	Network Network `json:"network,omitzero"`
+	Limits  Limits  `json:"limits,omitempty"`
 	// Setup is a shell command run once at create, in the workspace; a non-zero exit marks the sandbox
 	// failed with the command's output.
 	Setup string `json:"setup,omitempty"`

@@ -13,13 +13,15 @@ func TestNamespacePathsNotInPs(t *testing.T) {
 	t.Parallel()
 	n := newNamespace(t, Config{})
 	_, spec := startSandbox(t, n, Template{})
+	// A network sandbox has a pasta beside its bwrap.
+	_, netSpec := startSandbox(t, n, Template{Network: NetworkOn})
 	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 	for _, p := range procs {
 		b, err := os.ReadFile(p)
 		if err != nil {
 			continue
 		}
-		if bytes.Contains(b, []byte(spec.ID)) || bytes.Contains(b, []byte(n.cfg.DataDir)) {
+		if bytes.Contains(b, []byte(spec.ID)) || bytes.Contains(b, []byte(netSpec.ID)) || bytes.Contains(b, []byte(n.cfg.DataDir)) {
 			t.Errorf("%s names the sandbox: %q", p, bytes.ReplaceAll(b, []byte{0}, []byte{' '}))
 		}
 	}

@@ -99,10 +99,38 @@ func TestNamespacePerUIDKernelObjects(t *testing.T) {
 	}
 }
 
+// A network sandbox's pasta runs as the sandbox's own uid, the owner of its user namespace (as any
+// other uid it would have no capability there and the sandbox no network).
+func TestNamespaceNetworkHelperRunsAsSandboxUID(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("sandboxes run as their own host uid only under a root broker")
+	}
+	t.Parallel()
+	n := newNamespace(t, Config{})
+	in, spec := startSandboxWith(t, n, Template{Name: "net", Network: NetworkOn}, 240011)
+	pids := pastaPids(t, spec.ID)
+	if len(pids) != 1 {
+		t.Fatalf("want one pasta, found %v", pids)
+	}
+	var pid int
+	fmt.Sscan(pids[0], &pid)
+	if got := hostUIDs(t, pid); got != "240011 240011 240011 240011" {
+		t.Errorf("pasta's host uids: %q, want the sandbox's 240011", got)
+	}
+	if res, out := sh(t, in, "ip -o addr show 2>/dev/null | grep -v ' lo ' | head -1 || cat /proc/net/dev"); res.ExitCode != 0 {
+		t.Errorf("network inside: %s", out)
+	}
+}
+
 // startSandboxAs is startSandbox for a sandbox that runs as host uid uid.
 func startSandboxAs(t *testing.T, p Provider, uid int) (Instance, Spec) {
+	return startSandboxWith(t, p, Template{Name: "test"}, uid)
+}
+
+// startSandboxWith is startSandboxAs for a template.
+func startSandboxWith(t *testing.T, p Provider, tmpl Template, uid int) (Instance, Spec) {
 	t.Helper()
-	spec := Spec{ID: NewID(), Template: Template{Name: "test"}, UID: uid}
+	spec := Spec{ID: NewID(), Template: tmpl, UID: uid}
 	ctx := context.Background()
 	if err := p.Create(ctx, spec); err != nil {
 		t.Fatal(err)

@@ -17,6 +17,8 @@ type OrgLimits struct {
 	// RPS is the requests per second each credential may make, per broker; Burst how many at once.
 	RPS   int `json:"rps"`
 	Burst int `json:"burst"`
+	// Connections bounds the org's open dataplane connections, per broker.
+	Connections int `json:"connections"`
 }
 
 // LimitsUsage is what the org uses of its limits now.

@@ -124,6 +124,10 @@ func (s *Server) dataplane(c echo.Context) error {
 		if err != nil {
 			return err
 		}
+		// A token is a credential like a key: its upgrades spend its own bucket of the org's rps.
+		if err := s.limitCredential(ctx, claims.Org, "token:"+claims.ID); err != nil {
+			return err
+		}
 		conn.org, conn.claims, conn.actor = claims.Org, claims, "token:"+claims.ID
 		conn.scopes = map[string]bool{}
 		for _, sc := range claims.Scopes() {
@@ -136,7 +140,7 @@ func (s *Server) dataplane(c echo.Context) error {
 	if conn.claims != nil {
 		holder = "token:" + conn.claims.ID
 	}
-	releaseShare, err := s.hub.admit(conn.org, holder, s.dpLimits)
+	releaseShare, err := s.hub.admit(conn.org, holder, s.orgLimits.get(ctx, conn.org).Connections, s.dpLimits.PerCredential)
 	if err != nil {
 		c.Response().Header().Set("Retry-After", dpRetryAfter)
 		return err
@@ -1292,16 +1296,16 @@ func newHub() *hub {
 	return &hub{conns: map[string]map[*dpConn]struct{}{}, byOrg: map[string]int{}, byCred: map[string]int{}}
 }
 
-// admit counts an authenticated connection against its org's and its credential's caps, or
-// refuses it with too_many_connections. release uncounts it, once.
-func (h *hub) admit(org, cred string, l DataplaneLimits) (release func(), err error) {
+// admit counts an authenticated connection against its org's cap (the org's connections limit; 0:
+// none) and its credential's, or refuses it with too_many_connections. release uncounts it, once.
+func (h *hub) admit(org, cred string, perOrg, perCred int) (release func(), err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.byCred[cred] >= l.PerCredential {
-		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this credential has %d dataplane connections open on this broker, its maximum: close one, or retry later", l.PerCredential)
+	if h.byCred[cred] >= perCred {
+		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this credential has %d dataplane connections open on this broker, its maximum: close one, or retry later", perCred)
 	}
-	if h.byOrg[org] >= l.PerOrg {
-		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this org has %d dataplane connections open on this broker, its maximum: close one, or retry later", l.PerOrg)
+	if perOrg > 0 && h.byOrg[org] >= perOrg {
+		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this org has %d dataplane connections open on this broker, its connections limit: close one, or retry later (broker orgs set-limits %s --connections N raises it)", perOrg, org)
 	}
 	h.byCred[cred]++
 	h.byOrg[org]++

@@ -32,7 +32,7 @@ func (s *Server) getLimits(c echo.Context) error {
 			res.Own = append(res.Own, name)
 		}
 	}
-	res.Limits = protocol.OrgLimits{MaxRunning: l.MaxRunning, RPS: l.RPS, Burst: l.Burst}
+	res.Limits = protocol.OrgLimits{MaxRunning: l.MaxRunning, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections}
 	return c.JSON(http.StatusOK, res)
 }
 

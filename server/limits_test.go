@@ -6,12 +6,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
 )
@@ -187,5 +189,41 @@ func TestMaxRunningRecount(t *testing.T) {
 	}
 	if _, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "c"}); code(err) != protocol.CodeQuotaExceeded {
 		t.Fatalf("after the recount the limit holds: %v", err)
+	}
+}
+
+// An org's own connections limit replaces the broker's per-org dataplane cap: past it an upgrade
+// is 429 too_many_connections naming the limit, other orgs keep the default, and /v1/limits shows it.
+func TestOrgConnectionsLimit(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Dataplane: server.DataplaneLimits{PerOrg: 50}})
+	ctx := t.Context()
+	if err := b.Store.SetOrgLimits(ctx, b.Org, map[string]int{store.LimitConnections: 2}, nil); err != nil {
+		t.Fatal(err)
+	}
+	_, url := newSandbox(t, b, "few")
+	for range 2 {
+		dialRaw(t, url, b.Client.APIKey())
+	}
+	// Another key of the org: the org's cap, not the credential's, refuses it.
+	status, retry, eb := dialRefusal(t, url, b.NewClient(b.Org).APIKey())
+	if status != 429 || eb.Error.Code != protocol.CodeTooManyConnections || retry == "" ||
+		!strings.Contains(eb.Error.Message, "--connections") {
+		t.Fatalf("third connection of an org limited to 2: %d Retry-After %q %+v", status, retry, eb.Error)
+	}
+	other := b.NewClient("other-org")
+	res, err := other.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "many"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		dialRaw(t, dataplaneURL(b, res.Sandbox.ID), other.APIKey())
+	}
+	lim, err := b.Client.Limits(ctx)
+	if err != nil || lim.Limits.Connections != 2 || !slices.Contains(lim.Own, store.LimitConnections) {
+		t.Fatalf("limits: %+v %v, want connections 2 of the org's own", lim, err)
+	}
+	if lim, err := other.Limits(ctx); err != nil || lim.Limits.Connections != 50 {
+		t.Fatalf("another org's limits: %+v %v, want the broker's per-org cap 50", lim, err)
 	}
 }

@@ -171,3 +171,35 @@ func TestFailedAuthPerSource(t *testing.T) {
 		t.Fatalf("after the window: %d", status)
 	}
 }
+
+// A delegation token is rate limited like an API key: its dataplane upgrades spend its own bucket,
+// so a delegate redialling in a loop gets 429 rate_limited and its owner's key is not slowed.
+func TestRateLimitPerToken(t *testing.T) {
+	t.Parallel()
+	clock := servertest.NewClock(time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC))
+	b := servertest.New(t, servertest.Options{Now: clock.Now, Limits: store.Limits{RPS: 3, Burst: 3}})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev"}); err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(ctx, "dev", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := strings.TrimPrefix(m.Sandbox.DataplaneURL, strings.Replace(b.URL, "http", "ws", 1))
+	var codes []string
+	for range 4 {
+		_, errCode, _ := get(t, b.URL, path, m.Token, "127.0.0.1")
+		codes = append(codes, errCode)
+	}
+	// The first three are spent on the token's bucket (a plain GET is no upgrade, so each answers
+	// a handshake error after the checks); the fourth is refused by the limiter first.
+	if codes[3] != protocol.CodeRateLimited || codes[2] == protocol.CodeRateLimited {
+		t.Fatalf("codes of four upgrades with one token at rps 3: %v, want the fourth %s", codes, protocol.CodeRateLimited)
+	}
+	// The owner's key has its own bucket (create and delegate spent two of its three): its third
+	// request in the same instant still goes through.
+	if _, err := b.Client.ListSandboxes(ctx, client.ListOptions{}); err != nil {
+		t.Fatalf("owner request while the token is limited: %v", err)
+	}
+}

@@ -18,17 +18,20 @@ type Limits struct {
 	RPS int
 	// Burst is how many requests a credential may make at once before RPS paces it.
 	Burst int
+	// Connections bounds the org's open dataplane connections, per broker.
+	Connections int
 }
 
 // Limit names: the fields of the org's limits hash, the flags' and the API's names.
 const (
-	LimitMaxRunning = "max_running"
-	LimitRPS        = "rps"
-	LimitBurst      = "burst"
+	LimitMaxRunning  = "max_running"
+	LimitRPS         = "rps"
+	LimitBurst       = "burst"
+	LimitConnections = "connections"
 )
 
 // LimitNames lists the limits an org can have, in display order.
-var LimitNames = []string{LimitMaxRunning, LimitRPS, LimitBurst}
+var LimitNames = []string{LimitMaxRunning, LimitRPS, LimitBurst, LimitConnections}
 
 // MaxLimit bounds any one limit's value, so that a typo cannot overflow anything downstream.
 const MaxLimit = 1_000_000
@@ -42,6 +45,8 @@ func (l Limits) Get(name string) int {
 		return l.RPS
 	case LimitBurst:
 		return l.Burst
+	case LimitConnections:
+		return l.Connections
 	}
 	return 0
 }
@@ -62,6 +67,8 @@ func (l *Limits) set(name string, v int) {
 		l.RPS = v
 	case LimitBurst:
 		l.Burst = v
+	case LimitConnections:
+		l.Connections = v
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -23,6 +24,7 @@ func limitFlags(fs *pflag.FlagSet, c *config) {
 	fs.IntVar(&c.Limits.MaxRunning, "org-max-running", 100, "default limit on each org's sandboxes provisioning or running at once, on every broker sharing the Redis (0: no limit; `broker orgs set-limits` sets an org's own)")
 	fs.IntVar(&c.Limits.RPS, "org-rps", 100, "default requests per second each credential (API key) of an org may make, per broker (0: no limit)")
 	fs.IntVar(&c.Limits.Burst, "org-burst", 200, "default requests a credential may make at once before --org-rps paces it (0: as many as --org-rps)")
+	fs.IntVar(&c.MaxDPConnsPerOrg, "max-dataplane-connections-per-org", server.DefaultDataplaneConnsPerOrg, "default dataplane connections one org may have open on this broker; past it an upgrade is 429 too_many_connections (`broker orgs set-limits ORG --connections N` sets an org's own)")
 }
 
 // authFlags bound failed authentications per source address.
@@ -59,9 +61,10 @@ func orgsCmd(c *config) *cobra.Command {
 		Use:   "orgs",
 		Short: "Show and set orgs' limits",
 		Long: `Each org has limits: max_running (sandboxes provisioning or running at once, on every broker),
-rps and burst (requests per second of each of its API keys, per broker). An org without limits of
-its own gets the serving brokers' defaults (--org-max-running, --org-rps, --org-burst). 0 means no
-limit. Changes reach max_running at once and the rate limits of every broker within 5 seconds.`,
+rps and burst (requests per second of each of its credentials, per broker), connections (its open
+dataplane connections, per broker). An org without limits of its own gets the serving brokers'
+defaults (--org-max-running, --org-rps, --org-burst, --max-dataplane-connections-per-org). 0 means
+no limit. Changes reach max_running at once and the rate limits of every broker within 5 seconds.`,
 	}
 	orgs.AddCommand(orgsSetLimitsCmd(c), orgsGetLimitsCmd(c))
 	// The defaults, to show beside an org's own: give the same flags or SBX_* variables as serve.
@@ -101,7 +104,7 @@ func (l *limitValue) Type() string { return "N|default" }
 func orgsSetLimitsCmd(c *config) *cobra.Command {
 	vals := map[string]*limitValue{}
 	cmd := &cobra.Command{
-		Use:   "set-limits ORG [--max-running N] [--rps N] [--burst N]",
+		Use:   "set-limits ORG [--max-running N] [--rps N] [--burst N] [--connections N]",
 		Short: "Give an org limits of its own (N, 0 for no limit, or default for the brokers' default)",
 		Example: `  broker orgs set-limits acme --max-running 20 --rps 50
   broker orgs set-limits acme --rps default     # back to --org-rps`,
@@ -118,7 +121,7 @@ func orgsSetLimitsCmd(c *config) *cobra.Command {
 				}
 			}
 			if len(set)+len(clear) == 0 {
-				return errors.New("nothing to set: give --max-running, --rps or --burst (see --help)")
+				return errors.New("nothing to set: give --max-running, --rps, --burst or --connections (see --help)")
 			}
 			org := args[0]
 			return withStore(cmd, c, func(s *store.Store) error {
@@ -142,9 +145,18 @@ func orgsSetLimitsCmd(c *config) *cobra.Command {
 }
 
 var limitHelp = map[string]string{
-	store.LimitMaxRunning: "sandboxes provisioning or running at once, on every broker",
-	store.LimitRPS:        "requests per second of each API key of the org, per broker",
-	store.LimitBurst:      "requests an API key may make at once before --rps paces it",
+	store.LimitMaxRunning:  "sandboxes provisioning or running at once, on every broker",
+	store.LimitRPS:         "requests per second of each API key of the org, per broker",
+	store.LimitBurst:       "requests an API key may make at once before --rps paces it",
+	store.LimitConnections: "dataplane connections the org may have open, per broker",
+}
+
+// orgDefaults are the limits of orgs without their own: the --org-* flags, and the dataplane's
+// per-org connection cap, whose one default is --max-dataplane-connections-per-org.
+func (c *config) orgDefaults() store.Limits {
+	l := c.Limits
+	l.Connections = c.MaxDPConnsPerOrg
+	return l
 }
 
 func orgsGetLimitsCmd(c *config) *cobra.Command {
@@ -187,8 +199,8 @@ func printLimits(cmd *cobra.Command, c *config, s *store.Store, org, output stri
 	if err != nil {
 		return err
 	}
-	l := c.Limits.With(own)
-	res := protocol.LimitsResponse{Org: org, Limits: protocol.OrgLimits{MaxRunning: l.MaxRunning, RPS: l.RPS, Burst: l.Burst},
+	l := c.orgDefaults().With(own)
+	res := protocol.LimitsResponse{Org: org, Limits: protocol.OrgLimits{MaxRunning: l.MaxRunning, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections},
 		Usage: protocol.LimitsUsage{Running: running}, Own: []string{}}
 	for _, name := range store.LimitNames {
 		if _, ok := own[name]; ok {

@@ -46,6 +46,7 @@ broker orgs set-limits.`,
 					{"max_running", res.Limits.MaxRunning, strconv.Itoa(res.Usage.Running)},
 					{"rps", res.Limits.RPS, ""},
 					{"burst", res.Limits.Burst, ""},
+					{"connections", res.Limits.Connections, ""},
 				} {
 					v, from := "none", "default"
 					if r.value > 0 {

@@ -241,12 +241,8 @@ func (n *Namespace) createVolume(id string, size ByteSize, uid, gid int) error {
 	}
 	// mkfs makes lost+found; the workspace starts empty (e2fsck makes it again if it needs it).
 	_ = os.Remove(filepath.Join(ws, "lost+found"))
-	if uid >= 0 {
-		if err := os.Lchown(ws, uid, gid); err != nil {
-			return fmt.Errorf("create sandbox %s: chown workspace: %w", id, err)
-		}
-	}
-	return nil
+	// The filesystem's root is the workspace now: the sandbox's, 0700, like the directory under it.
+	return n.layout.secure(id, uid, gid)
 }
 
 // mountVolume mounts the sandbox's image on its workspace directory unless it is mounted already (a

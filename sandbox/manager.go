@@ -230,6 +230,9 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			return fail(protocol.ReasonCreateFailed, "the provider could not create it", err)
 		}
 	}
+	if _, err := m.openWorkspace(ctx, h, rec.ID, true); err != nil {
+		m.cfg.Log.Warn("opening the workspace to sweep it failed", "sandbox_id", rec.ID, "err", err)
+	}
 	inst, err := m.cfg.Provider.Start(ctx, spec)
 	if err != nil {
 		return fail(protocol.ReasonStartFailed, "the provider could not start it: "+err.Error(), err)
@@ -574,15 +577,7 @@ func (m *Manager) Workspace(rec store.Record) (*workspace.Workspace, error) {
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.ws == nil {
-		dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: rec.ID})
-		ws, err := workspace.Open(dir, m.cfg.Workspace)
-		if err != nil {
-			return nil, fmt.Errorf("sandbox %s: open workspace: %w", rec.ID, err)
-		}
-		h.ws = ws
-	}
-	return h.ws, nil
+	return m.openWorkspace(context.Background(), h, rec.ID, false)
 }
 
 // Environment is what printenv shows inside a running sandbox.

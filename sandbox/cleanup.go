@@ -1,0 +1,44 @@
+package sandbox
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+)
+
+// sweepTimeout bounds the temporary-file sweep when a workspace is opened: a huge workspace is
+// swept in part rather than holding up its start or first file operation.
+const sweepTimeout = 5 * time.Second
+
+// openWorkspace opens the sandbox's workspace into h.ws if it is not open and then, or always when
+// sweep is set (a start), removes the upload temporary files a dead broker left in it, so none
+// outlives the broker that wrote it; uploads in progress through h.ws are kept. The caller holds
+// h.mu. A failed sweep is logged and changes nothing else: the files stay hidden from listings
+// and the next start tries again.
+func (m *Manager) openWorkspace(ctx context.Context, h *hosted, id string, sweep bool) (*workspace.Workspace, error) {
+	if h.ws != nil && !sweep {
+		return h.ws, nil
+	}
+	if h.ws == nil {
+		dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: id})
+		ws, err := workspace.Open(dir, m.cfg.Workspace)
+		if err != nil {
+			return nil, fmt.Errorf("sandbox %s: open workspace: %w", id, err)
+		}
+		h.ws = ws
+	}
+	ws := h.ws
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), sweepTimeout)
+	defer cancel()
+	n, err := ws.SweepTemps(ctx)
+	if err != nil {
+		m.cfg.Log.Warn("sweeping temporary upload files failed", "sandbox_id", id, "err", err)
+	}
+	if n > 0 {
+		m.cfg.Log.Info("removed temporary upload files left by an earlier broker", "sandbox_id", id, "files", n)
+	}
+	return ws, nil
+}

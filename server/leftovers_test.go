@@ -1,0 +1,119 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server/servertest"
+)
+
+// tempFiles lists the upload temporary files under dir (the workspace's ".sbx-tmp-" names).
+func tempFiles(t testing.TB, dir string) []string {
+	t.Helper()
+	var found []string
+	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err == nil && strings.HasPrefix(d.Name(), ".sbx-tmp-") {
+			found = append(found, p)
+		}
+		return nil
+	})
+	return found
+}
+
+// An upload cut by a hang-up mid-stream: while it runs, its temporary file is in no ls, glob or
+// grep answer, and after the hang-up it is gone from disk.
+func TestDataplaneInterruptedUploadLeavesNothing(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, url := newSandbox(t, b, "upload-cut")
+	ws := workspaceDir(b, id)
+	key := b.Client.APIKey()
+	if err := os.MkdirAll(filepath.Join(ws, "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+
+	up := dialRaw(t, url, key)
+	up.sendJSON(protocol.Request{ID: 1, Op: "upload", Args: map[string]any{"path": "sub/big.txt"}})
+	up.sendBinary(dataFrame(protocol.FrameData, 1, bytes.Repeat([]byte("needle\n"), 100000)))
+	if !waitFor(10*time.Second, func() bool {
+		for _, p := range tempFiles(t, ws) {
+			if fi, err := os.Stat(p); err == nil && fi.Size() == 700000 {
+				return true
+			}
+		}
+		return false
+	}) {
+		t.Fatalf("the upload's temporary file never held the first frame: %v", tempFiles(t, ws))
+	}
+
+	c := dialRaw(t, url, key)
+	for i, q := range []struct {
+		op   string
+		args any
+	}{
+		{"ls", map[string]any{"path": "sub"}},
+		{"glob", map[string]any{"pattern": "**"}},
+		{"glob", map[string]any{"pattern": "sub/.*"}},
+		{"grep", map[string]any{"pattern": "needle"}},
+	} {
+		got := c.call(uint32(10+i), q.op, q.args)
+		if got.Error != nil {
+			t.Fatalf("%s %v: %s", q.op, q.args, got)
+		}
+		if strings.Contains(string(got.Result), ".sbx-tmp-") {
+			t.Errorf("%s %v lists the upload's temporary file: %.300s", q.op, q.args, got.Result)
+		}
+	}
+
+	// The agent's process dies: the socket closes with no close frame and no cancel.
+	up.ws.NetConn().Close()
+	if !waitFor(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 0 }) {
+		t.Errorf("temporary files left after the hang-up: %v", tempFiles(t, ws))
+	}
+	if _, err := os.Lstat(filepath.Join(ws, "sub", "big.txt")); !os.IsNotExist(err) {
+		t.Errorf("the cut upload's target exists: %v", err)
+	}
+}
+
+// Temporary files a dead broker left (it could not remove them) are swept when the sandbox
+// starts again; a tenant's own file with a similar name stays.
+func TestStaleUploadTempsSweptAtStart(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, _ := newSandbox(t, b, "sweep")
+	ws := workspaceDir(b, id)
+	ctx := context.Background()
+	if _, err := b.Client.StopSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	stale := []string{".sbx-tmp-0123456789abcdef", "a/b/.sbx-tmp-fedcba9876543210"}
+	keep := []string{".sbx-tmp-notes", "a/keep.txt"}
+	for _, p := range append(stale, keep...) {
+		full := filepath.Join(ws, p)
+		if err := os.MkdirAll(filepath.Dir(full), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(full, []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := b.Client.ResumeSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range stale {
+		if _, err := os.Lstat(filepath.Join(ws, p)); !os.IsNotExist(err) {
+			t.Errorf("stale temporary file %s survived the start: %v", p, err)
+		}
+	}
+	for _, p := range keep {
+		if _, err := os.Lstat(filepath.Join(ws, p)); err != nil {
+			t.Errorf("%s was removed: %v", p, err)
+		}
+	}
+}

@@ -42,3 +42,13 @@ func (m *Manager) openWorkspace(ctx context.Context, h *hosted, id string, sweep
 	}
 	return ws, nil
 }
+
+// closeWorkspace closes h.ws, if open, so a sandbox that is not running holds no descriptor (its
+// workspace root and directory): a broker hosting many stopped sandboxes would otherwise run out.
+// The next file operation or start opens it again. The caller holds h.mu.
+func (h *hosted) closeWorkspace() {
+	if h.ws != nil {
+		h.ws.Close()
+		h.ws = nil
+	}
+}

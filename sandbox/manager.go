@@ -68,10 +68,7 @@ func (h *hosted) release(ctx context.Context) {
 		h.inst.Stop(ctx)
 		h.inst = nil
 	}
-	if h.ws != nil {
-		h.ws.Close()
-		h.ws = nil
-	}
+	h.closeWorkspace()
 }
 
 // NewManager builds a Manager; call Recover before serving.
@@ -208,6 +205,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			h.inst.Stop(ctx)
 			h.inst = nil
 		}
+		h.closeWorkspace()
 		to, reason := protocol.StatusFailed, code
 		fields := map[string]string{store.FieldFailure: why}
 		if !first {
@@ -252,6 +250,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		// Deleted (or otherwise moved) while we provisioned: the other action wins.
 		inst.Stop(ctx)
 		h.inst = nil
+		h.closeWorkspace()
 		return rec, m.mapStoreErr(err, rec.Name)
 	}
 	go m.watch(rec.Org, rec.ID, h, inst)
@@ -282,6 +281,7 @@ func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
 	lost := h.inst == inst
 	if lost {
 		h.inst = nil
+		h.closeWorkspace()
 	}
 	h.mu.Unlock()
 	m.mu.Lock()
@@ -379,6 +379,7 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 		}
 		h.inst = nil
 	}
+	h.closeWorkspace()
 }
 
 // Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.

@@ -3,6 +3,7 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -115,5 +116,62 @@ func TestStaleUploadTempsSweptAtStart(t *testing.T) {
 		if _, err := os.Lstat(filepath.Join(ws, p)); err != nil {
 			t.Errorf("%s was removed: %v", p, err)
 		}
+	}
+}
+
+// fdsUnder counts this process's open descriptors on files under dir.
+func fdsUnder(t testing.TB, dir string) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && strings.HasPrefix(target, dir+"/") {
+			n++
+		}
+	}
+	return n
+}
+
+// A stopped sandbox holds no descriptor, whether or not its files were used while it ran or
+// after it stopped; resuming it and using its files opens what they need again.
+func TestStoppedSandboxesHoldNoDescriptors(t *testing.T) {
+	// Not parallel: it counts the whole process's descriptors.
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	ctx := context.Background()
+	const n = 20
+	var ids []string
+	for i := 0; i < n; i++ {
+		id, url := newSandbox(t, b, fmt.Sprintf("fd-%d", i))
+		ids = append(ids, id)
+		c := dialRaw(t, url, b.Client.APIKey())
+		if got := c.call(1, "write", map[string]any{"path": "a.txt", "content": "x"}); got.Error != nil {
+			t.Fatalf("write: %s", got)
+		}
+		c.ws.Close()
+		if _, err := b.Client.StopSandbox(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := fdsUnder(t, b.DataDir); got != 0 {
+		t.Errorf("%d stopped sandboxes hold %d descriptors under the data dir", n, got)
+	}
+	// A stopped sandbox's files can still be listed, and that holds nothing once it is stopped again.
+	res, err := b.Client.ResumeSandbox(ctx, ids[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := dialRaw(t, dataplaneURL(b, res.ID), b.Client.APIKey())
+	if got := c.call(1, "read", map[string]any{"path": "a.txt"}); got.Error != nil || !strings.Contains(string(got.Result), `"x"`) {
+		t.Fatalf("read after resume: %s", got)
+	}
+	c.ws.Close()
+	if _, err := b.Client.StopSandbox(ctx, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	if got := fdsUnder(t, b.DataDir); got != 0 {
+		t.Errorf("after a resume, a read and a stop: %d descriptors under the data dir", got)
 	}
 }

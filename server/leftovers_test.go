@@ -10,7 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 )
 
@@ -173,5 +175,69 @@ func TestStoppedSandboxesHoldNoDescriptors(t *testing.T) {
 	}
 	if got := fdsUnder(t, b.DataDir); got != 0 {
 		t.Errorf("after a resume, a read and a stop: %d descriptors under the data dir", got)
+	}
+}
+
+// sandboxCgroups lists the cgroup directories of sandbox id under the broker's default cgroup
+// parent, in every hierarchy.
+func sandboxCgroups(id string) []string {
+	found, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", provider.DefaultCgroupParent, id))
+	more, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", provider.DefaultCgroupParent, id))
+	return append(found, more...)
+}
+
+// The cgroups of a sandbox whose setup fails, of one that is stopped and of one that is deleted
+// are gone.
+func TestSandboxCgroupsRemoved(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "namespace", Templates: map[string]provider.Template{
+		"default": provider.DefaultTemplate(),
+		"broken":  {Name: "broken", Setup: "exit 7"},
+	}})
+	if l, ok := b.Manager.Provider().(interface{ LimitsEnforced() (bool, string) }); !ok {
+		t.Fatal("the namespace provider reports no limits")
+	} else if ok, why := l.LimitsEnforced(); !ok {
+		t.Fatalf("this test needs cgroups: %s", why)
+	}
+	ctx := context.Background()
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "broken", Template: "broken"})
+	if err == nil {
+		t.Fatalf("a sandbox whose setup exits 7 was created: %+v", res)
+	}
+	list, err := b.Client.ListSandboxes(ctx, client.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var failedID string
+	for _, s := range list.Items {
+		if s.Name == "broken" {
+			failedID = s.ID
+		}
+	}
+	if failedID == "" {
+		t.Fatal("no record of the failed sandbox")
+	}
+	if left := sandboxCgroups(failedID); len(left) > 0 {
+		t.Errorf("cgroups of a failed sandbox: %v", left)
+	}
+
+	id, _ := newSandbox(t, b, "deleted")
+	if len(sandboxCgroups(id)) == 0 {
+		t.Fatal("a running sandbox has no cgroup (is the cgroup parent the default?)")
+	}
+	if _, err := b.Client.StopSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if left := sandboxCgroups(id); len(left) > 0 {
+		t.Errorf("cgroups of a stopped sandbox: %v", left)
+	}
+	if _, err := b.Client.ResumeSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.DeleteSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if !waitFor(10*time.Second, func() bool { return len(sandboxCgroups(id)) == 0 }) {
+		t.Errorf("cgroups of a deleted sandbox: %v", sandboxCgroups(id))
 	}
 }

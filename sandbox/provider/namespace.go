@@ -181,9 +181,13 @@ func (n *Namespace) writeIdentity(spec Spec) error {
 	return nil
 }
 
-// Destroy removes the sandbox's directories. It refuses invalid ids and running sandboxes.
+// Destroy removes the sandbox's directories and any cgroup of it still there. It refuses invalid
+// ids and running sandboxes.
 func (n *Namespace) Destroy(ctx context.Context, spec Spec) error {
-	return n.layout.destroy(spec.ID, &n.running)
+	if err := n.layout.destroy(spec.ID, &n.running); err != nil {
+		return err
+	}
+	return n.cg.removeLeftover(spec.ID)
 }
 
 // Start starts bwrap with the init, moves it into the sandbox's cgroups and takes the environment

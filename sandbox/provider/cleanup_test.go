@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -126,5 +127,67 @@ func TestDestroyRemovesLeftoverCgroups(t *testing.T) {
 	}
 	if left := cgroupDirsOf(n, spec.ID); len(left) > 0 {
 		t.Errorf("cgroups left after Destroy: %v", left)
+	}
+}
+
+// orphanBwrap starts the bwrap n would start for a new sandbox running `sleep N`, but as the
+// orphan of bubblewrap issue 633: without the parent-death signal, so nothing ends it with its
+// parent. It returns the sleep's marker.
+func orphanBwrap(t *testing.T, n *Namespace) string {
+	t.Helper()
+	spec := Spec{ID: NewID(), Template: DefaultTemplate()}
+	if err := n.Create(context.Background(), spec); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.writeIdentity(spec); err != nil {
+		t.Fatal(err)
+	}
+	m := marker()
+	cmd, err := n.command(spec, nil, strings.Fields(m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.SysProcAttr.Pdeathsig = 0
+	files, err := n.startFiles(spec) // what bwrap reads from seccompFD on
+	if err != nil {
+		t.Fatal(err)
+	}
+	null, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.ExtraFiles = append([]*os.File{null, null}, files...) // fds 3 and 4: the init's, unused here
+	err = cmd.Start()
+	null.Close()
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	go cmd.Wait() // reaps it once killed
+	t.Cleanup(func() { cmd.Process.Kill() })
+	waitHostRunning(t, m)
+	return m
+}
+
+// A restarted provider ends the bwraps (and what they started) that a broker killed while starting
+// them left behind, and leaves another data dir's alone.
+func TestNewNamespaceReapsOrphanedBwraps(t *testing.T) {
+	t.Parallel()
+	data, other := testDataDir(t), testDataDir(t)
+	orphan := orphanBwrap(t, newNamespace(t, Config{DataDir: data}))
+	bystander := orphanBwrap(t, newNamespace(t, Config{DataDir: other}))
+
+	newNamespace(t, Config{DataDir: data}) // the broker's next start
+	waitHostGone(t, orphan)
+	if len(hostPids(bystander)) == 0 {
+		t.Error("another data dir's sandbox was ended")
+	}
+
+	// The marker is the broker's: commands in a sandbox do not see it.
+	in, _ := startSandbox(t, newNamespace(t, Config{}), Template{})
+	if _, out := sh(t, in, "env; cat /proc/1/environ 2>/dev/null; true"); strings.Contains(out, orphanEnv) {
+		t.Errorf("a command sees the marker: %s", out)
 	}
 }

@@ -74,6 +74,8 @@ type Namespace struct {
 // NewNamespace checks what the provider needs on this host (bwrap, a reachable data dir, cgroups)
 // and returns it. Cgroups that are not usable are not an error: sandboxes then run without limits,
 // and LimitsEnforced says why. Preflight also starts a throwaway sandbox; NewNamespace does not.
+// It ends the sandbox processes an earlier broker on the same data dir left orphaned (see
+// reapOrphans), so only one provider may use a data dir at a time: the broker's lock on it.
 func NewNamespace(cfg Config) (*Namespace, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
@@ -96,6 +98,7 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 	if err := n.prepareDataDir(); err != nil {
 		return nil, err
 	}
+	reapOrphans(orphanMarker(cfg.DataDir)) // before the cgroup sweep, which then finds them empty
 	n.cg = detectCgroups(cfg.CgroupParent)
 	n.cg.sweepStale(staleCgroupAge)
 	n.hostRoot = hostRootArgs()
@@ -334,7 +337,7 @@ func (n *Namespace) command(spec Spec, pre, argv []string) (*exec.Cmd, error) {
 		Path:        n.bwrap,
 		Args:        append([]string{"bwrap"}, args...),
 		Dir:         "/",
-		Env:         []string{},
+		Env:         []string{orphanMarker(n.cfg.DataDir)}, // found by reapOrphans if orphaned
 		SysProcAttr: attr,
 	}, nil
 }
@@ -395,6 +398,8 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		"--remount-ro", "/",
 		"--chdir", WorkspacePath,
 		"--clearenv",
+		// The init keeps the marker bwrap started with, so reapOrphans finds it after bwrap is gone.
+		"--setenv", orphanEnv, orphanValue(n.cfg.DataDir),
 		"--")
 	return append(a, argv...), nil
 }

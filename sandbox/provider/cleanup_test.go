@@ -1,9 +1,16 @@
 package provider
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"fmt"
+	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -189,5 +196,113 @@ func TestNewNamespaceReapsOrphanedBwraps(t *testing.T) {
 	in, _ := startSandbox(t, newNamespace(t, Config{}), Template{})
 	if _, out := sh(t, in, "env; cat /proc/1/environ 2>/dev/null; true"); strings.Contains(out, orphanEnv) {
 		t.Errorf("a command sees the marker: %s", out)
+	}
+}
+
+// crashStartLoop is the helper mode that starts sandboxes one after another until it is killed.
+const crashStartLoop = "startloop"
+
+// startLoopHelper starts namespace sandboxes in a loop, printing a line as each begins, so that a
+// kill lands at every moment of a start.
+func startLoopHelper(cfg Config) {
+	p, err := NewNamespace(cfg)
+	if err != nil {
+		fmt.Println("error:", err)
+		os.Exit(1)
+	}
+	ctx := context.Background()
+	for {
+		spec := Spec{ID: NewID(), Template: DefaultTemplate()}
+		if err := p.Create(ctx, spec); err != nil {
+			fmt.Println("error:", err)
+			os.Exit(1)
+		}
+		fmt.Println("start")
+		if _, err := p.Start(ctx, spec); err != nil {
+			fmt.Println("error:", err)
+			os.Exit(1)
+		}
+	}
+}
+
+// markedPids lists the live processes carrying the marker of dataDir.
+func markedPids(dataDir string) []int {
+	want := []byte(orphanMarker(dataDir))
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		env, err := os.ReadFile("/proc/" + e.Name() + "/environ")
+		if err != nil || len(env) == 0 { // a zombie has none
+			continue
+		}
+		if slices.ContainsFunc(bytes.Split(env, []byte{0}), func(kv []byte) bool { return bytes.Equal(kv, want) }) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// A broker killed at any moment of starting sandboxes leaves nothing of them running once it has
+// started again: kill -9 lands at random points of bwrap's and the init's start, round after round.
+func TestKillDuringStartLeavesNoOrphans(t *testing.T) {
+	t.Parallel()
+	requireBwrap(t)
+	data := testDataDir(t)
+	parent := testCgroupParent + "/startloop"
+	const rounds = 15
+	for r := 0; r < rounds; r++ {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), helperEnv+"="+crashStartLoop, "SBX_HELPER_DATA="+data, "SBX_HELPER_CGROUP="+parent)
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		// The next start broker reaps the last one's orphans; here the helper is that broker too.
+		rd := bufio.NewReader(out)
+		for i := 0; i < 1+r%3; i++ {
+			line, err := rd.ReadString('\n')
+			if err != nil || strings.HasPrefix(line, "error") {
+				cmd.Process.Kill()
+				cmd.Wait()
+				t.Fatalf("helper: %q %v", line, err)
+			}
+		}
+		time.Sleep(time.Duration(rand.IntN(20)) * time.Millisecond)
+		cmd.Process.Kill()
+		cmd.Wait()
+	}
+	restarted := newNamespace(t, Config{DataDir: data, CgroupParent: parent})
+	// Marked processes, and bwraps by their command line (which names the data dir), marker or not.
+	left := func() []int { return append(markedPids(data), hostPids(data)...) }
+	deadline := time.Now().Add(5 * time.Second)
+	for len(left()) > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if l := left(); len(l) > 0 {
+		t.Errorf("processes of the killed broker's sandboxes still running after a restart: %v", l)
+	}
+	// Their cgroups are empty now and swept (at once here, after a minute in a broker).
+	for {
+		restarted.cg.sweepStale(0)
+		var cgs []string
+		for _, p := range restarted.cg.parents {
+			found, _ := filepath.Glob(filepath.Join(p, "sb_*"))
+			cgs = append(cgs, found...)
+		}
+		if len(cgs) == 0 {
+			break
+		}
+		if time.Now().After(deadline.Add(5 * time.Second)) {
+			t.Errorf("cgroups left: %v", cgs)
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

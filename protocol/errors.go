@@ -82,6 +82,8 @@ const (
 	CodeSandboxFailed = "sandbox_failed"
 	CodeNotRunning    = "sandbox_not_running"
 	CodeWrongNode     = "wrong_node"
+	// CodeCapacity: the broker cannot host another sandbox (every host uid of its range is in use).
+	CodeCapacity = "capacity_exhausted"
 
 	// Dataplane operations.
 	CodeScopeDenied       = "scope_denied"

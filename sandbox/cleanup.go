@@ -7,6 +7,7 @@ import (
 
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/store"
 )
 
 // sweepTimeout bounds the temporary-file sweep when a workspace is opened: a huge workspace is
@@ -18,13 +19,20 @@ const sweepTimeout = 5 * time.Second
 // outlives the broker that wrote it; uploads in progress through h.ws are kept. The caller holds
 // h.mu. A failed sweep is logged and changes nothing else: the files stay hidden from listings
 // and the next start tries again.
-func (m *Manager) openWorkspace(ctx context.Context, h *hosted, id string, sweep bool) (*workspace.Workspace, error) {
+func (m *Manager) openWorkspace(ctx context.Context, h *hosted, rec store.Record, sweep bool) (*workspace.Workspace, error) {
+	id := rec.ID
 	if h.ws != nil && !sweep {
 		return h.ws, nil
 	}
 	if h.ws == nil {
 		dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: id})
-		ws, err := workspace.Open(dir, m.cfg.Workspace)
+		opts := m.cfg.Workspace
+		if rec.UID > 0 && opts.UID > 0 {
+			// Files the broker creates belong to the sandbox's own uid (a broker that runs
+			// sandboxes as its own user has no Workspace.UID and changes no owner).
+			opts.UID, opts.GID = rec.UID, rec.UID
+		}
+		ws, err := workspace.Open(dir, opts)
 		if err != nil {
 			return nil, fmt.Errorf("sandbox %s: open workspace: %w", id, err)
 		}

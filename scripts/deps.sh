@@ -23,6 +23,8 @@ fi
 [ -x /usr/bin/python3 ] || missing+=(python3)
 [ -x /usr/bin/pip3 ] || missing+=(python3-pip)
 /usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+# A static shell for the test of a template whose rootfs holds no libc (sandbox/provider).
+[ -x /bin/busybox ] || missing+=(busybox-static)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""

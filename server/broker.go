@@ -36,7 +36,10 @@ type BrokerConfig struct {
 	SigningKeys string
 	// WorkspaceUID owns the files the broker creates in workspaces (-1: leave ownership alone).
 	WorkspaceUID int
-	Log          *slog.Logger
+	// SandboxUIDs is the host uid range each sandbox gets its own uid from (zero: none, sandboxes
+	// share the provider's uid).
+	SandboxUIDs store.UIDRange
+	Log         *slog.Logger
 	// Now is the clock of every lease, deadline and token (nil: time.Now).
 	Now                                       func() time.Time
 	DefaultTTL, MaxTTL, TokenTTL, TokenMaxTTL time.Duration
@@ -105,6 +108,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		Store: cfg.Store, Provider: cfg.Provider, Templates: cfg.Templates, Node: cfg.Node, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, DefaultTTL: cfg.DefaultTTL, MaxTTL: cfg.MaxTTL,
 		IndexDir: filepath.Join(cfg.DataDir, "hosted"), Workspace: workspace.Options{UID: cfg.WorkspaceUID, GID: cfg.WorkspaceUID},
+		UIDs: cfg.SandboxUIDs,
 	})
 	if err != nil {
 		return fail(err)

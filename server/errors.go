@@ -32,7 +32,7 @@ var statusOf = map[string]int{
 	protocol.CodeNotRunning: 409, protocol.CodeWrongNode: 409,
 	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429, protocol.CodeTooManyConnections: 429,
 	protocol.CodeQuotaExceeded: 429, protocol.CodeRateLimited: 429,
-	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503,
+	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503, protocol.CodeCapacity: 503,
 }
 
 // apiError maps any error to the one JSON error shape, for REST answers and dataplane answers alike.

@@ -51,6 +51,10 @@ type Record struct {
 	LostAt     time.Time // processes lost in a broker restart
 	StartedAt  time.Time // first time it ran: zero while its first provisioning is under way
 	Gen        int64     // delegation token generation
+	// UID is the host uid (and gid) the sandbox's processes and files have, from the broker's
+	// range (AllocateUID); 0 for a sandbox recorded before each got its own, or on a broker that
+	// runs them as its own user.
+	UID int
 }
 
 // Hash field names. Lua scripts spell the same names.
@@ -58,7 +62,7 @@ const (
 	fID, fOrg, fName, fTemplate, fProvider, fNode, fStatus = "id", "org", "name", "template", "provider", "node", "status"
 	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
 	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
-	fStarted                                               = "started"
+	fStarted, fUID                                         = "started", "uid"
 )
 
 // fields flattens a new record into HSET arguments.
@@ -69,7 +73,7 @@ func (r *Record) fields() []any {
 		fNode, r.Node, fStatus, r.Status, fTags, string(tags), fTTL, int64(r.TTL / time.Second),
 		fCreated, ms(r.CreatedAt), fCreatedBy, r.CreatedBy, fHeartbeat, ms(r.Heartbeat),
 		fExpires, ms(r.ExpiresAt), fStopped, ms(r.StoppedAt), fStopReason, r.StopReason,
-		fFailure, r.Failure, fLost, ms(r.LostAt), fStarted, ms(r.StartedAt), fGen, max(r.Gen, 1),
+		fFailure, r.Failure, fLost, ms(r.LostAt), fStarted, ms(r.StartedAt), fGen, max(r.Gen, 1), fUID, r.UID,
 	}
 }
 
@@ -99,6 +103,7 @@ func recordFromMap(m map[string]string) (Record, error) {
 		TTL:       time.Duration(atoi(m[fTTL])) * time.Second,
 		CreatedAt: fromMS(m[fCreated]), Heartbeat: fromMS(m[fHeartbeat]), ExpiresAt: fromMS(m[fExpires]),
 		StoppedAt: fromMS(m[fStopped]), LostAt: fromMS(m[fLost]), StartedAt: fromMS(m[fStarted]), Gen: atoi(m[fGen]),
+		UID: int(atoi(m[fUID])),
 	}
 	if t := m[fTags]; t != "" && t != "null" {
 		if err := json.Unmarshal([]byte(t), &r.Tags); err != nil {

@@ -365,6 +365,7 @@ const (
 	FieldFailure    = fFailure
 	FieldLost       = fLost
 	FieldProvider   = fProvider
+	FieldUID        = fUID
 )
 
 // Transition applies t to the sandbox ref and returns the updated record; its times come from the

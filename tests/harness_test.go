@@ -29,6 +29,9 @@ func TestMain(m *testing.M) {
 	for _, name := range []string{"broker", "sbctl", "sbx-init"} {
 		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, name), "../cmd/"+name)
 		cmd.Stderr = os.Stderr
+		if name == "sbx-init" {
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0") // as scripts/broker.sh builds it: static
+		}
 		if err := cmd.Run(); err != nil {
 			fmt.Fprintln(os.Stderr, "building", name, "failed:", err)
 			os.Exit(1)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -89,5 +90,51 @@ func TestDataplaneConnectionCapFlags(t *testing.T) {
 	err := cmd.Execute()
 	if err == nil || !strings.Contains(err.Error(), "--max-dataplane-connections-per-org (SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG)") {
 		t.Fatalf("want a configuration error naming the setting: %v", err)
+	}
+}
+
+// --sandbox-uids takes FIRST-LAST or shared, never a range holding root, nobody or a host user,
+// and never hands out --sandbox-uid, the uid sandboxes shared before.
+func TestSandboxUIDsSetting(t *testing.T) {
+	for _, tc := range []struct {
+		v    string
+		want string // "" = valid
+	}{
+		{v: "100000-165535"},
+		{v: "shared"},
+		{v: "200000-200000"},
+		{v: "abc", want: "is not FIRST-LAST"},
+		{v: "100-50000", want: "at least 1000"},
+		{v: "300000-200000", want: "first to last"},
+		{v: "60000-70000", want: "nobody"},
+	} {
+		cmd := rootCmd()
+		t.Setenv("SBX_SANDBOX_UIDS", tc.v)
+		cmd.SetArgs([]string{"--listen", "nonsense", "--data-dir", t.TempDir()})
+		err := cmd.Execute()
+		hasErr := err != nil && strings.Contains(err.Error(), "--sandbox-uids (SBX_SANDBOX_UIDS)")
+		switch {
+		case tc.want == "" && hasErr:
+			t.Errorf("%q: %v", tc.v, err)
+		case tc.want != "" && (!hasErr || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%q: %v, want an error saying %q", tc.v, err, tc.want)
+		}
+	}
+	r, err := parseUIDRange("100000-100009")
+	if err != nil || r.First != 100000 || r.Last != 100009 {
+		t.Fatal(r, err)
+	}
+}
+
+func TestSandboxUIDsNotAHostUser(t *testing.T) {
+	f := t.TempDir() + "/passwd"
+	if err := os.WriteFile(f, []byte("root:x:0:0::/root:/bin/sh\nalice:x:100005:100005::/home/alice:/bin/sh\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if name, id := firstIDIn(f, 100000, 165535); name != "alice" || id != 100005 {
+		t.Fatalf("firstIDIn: %q %d, want alice 100005", name, id)
+	}
+	if name, _ := firstIDIn(f, 200000, 265535); name != "" {
+		t.Fatalf("firstIDIn found %q outside the range", name)
 	}
 }

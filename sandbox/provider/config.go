@@ -14,7 +14,7 @@ import (
 // Config is what both providers take from the broker's configuration.
 type Config struct {
 	// DataDir holds every sandbox: <DataDir>/sandboxes/<id>/workspace and .../state. Required and
-	// absolute. For the namespace provider it and its parents must be searchable (o+x) by UID:
+	// absolute. For the namespace provider it and its parents must be searchable (o+x) by every sandbox uid:
 	// bubblewrap runs as that user and resolves its bind sources by path.
 	DataDir string
 	// InitPath is the executable re-run as the resident init (default os.Executable()). Its main must

@@ -1,7 +1,8 @@
 // Package provider owns the host side of sandboxes: the two runtimes that turn a template into a
-// running sandbox ("namespace" on bubblewrap, "dir" without isolation), the resident init that runs
-// inside every sandbox and forks commands on request, the per-sandbox cgroups that enforce limits,
-// template files, and the preflight that picks a runtime for this host.
+// running sandbox ("namespace" on bubblewrap, "dir" without isolation), the broker's end of the
+// resident init that runs inside every sandbox and forks commands on request (the init itself is the
+// leaf package sbxinit), the per-sandbox cgroups that enforce limits, template files, and the
+// preflight that picks a runtime for this host.
 //
 // On disk a provider owns <Config.DataDir>/sandboxes/<id>/{workspace,state} and nothing else; in the
 // cgroup hierarchies it owns <mount>/<Config.CgroupParent>/<id>. It must not touch anything outside
@@ -11,8 +12,9 @@
 //
 // # The resident init
 //
-// The init is the broker's own executable re-run with the single argument InitArg. Every main that may
-// start sandboxes must dispatch it before doing anything else:
+// The init (package sbxinit) is Config.InitPath run with the single argument InitArg: cmd/sbx-init, a
+// small static binary, or the broker's own executable. Every main that may start sandboxes must
+// dispatch it before doing anything else:
 //
 //	if len(os.Args) > 1 && os.Args[1] == provider.InitArg {
 //		provider.RunInit()

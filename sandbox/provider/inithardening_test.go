@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
 )
 
 // TestInitWithstandsTenant: nothing a command can do from inside takes the resident init down or
@@ -56,7 +58,7 @@ func TestInitWithstandsTenant(t *testing.T) {
 		if string(b) != string(self) {
 			t.Errorf("the init's oom_score_adj is %q, want the broker's %q", b, self)
 		}
-		want := string(commandOOMScoreAdj) + "\n"
+		want := string(sbxinit.CommandOOMScoreAdj) + "\n"
 		if _, out := sh(t, in, "cat /proc/self/oom_score_adj"); out != want {
 			t.Errorf("a command's oom_score_adj is %q, want %q", out, want)
 		}

@@ -145,13 +145,27 @@ func (n *Namespace) WorkspaceDir(spec Spec) string {
 	return n.layout.workspaceDir(spec.ID)
 }
 
+// ids are the host uid and gid the sandbox runs as, -1 when it runs as the broker's user.
+func (n *Namespace) ids(spec Spec) (int, int) {
+	return hostIDs(n.asRoot, n.cfg, spec)
+}
+
+// hostIDs is the sandbox's own uid (spec.UID) under a root broker, the shared Config.UID/GID for a
+// sandbox that has none, and -1, -1 (the broker's user) under any other broker.
+func hostIDs(asRoot bool, cfg Config, spec Spec) (int, int) {
+	switch {
+	case !asRoot:
+		return -1, -1
+	case spec.UID > 0:
+		return spec.UID, spec.UID
+	}
+	return cfg.UID, cfg.GID
+}
+
 // Create makes the workspace (owned by the sandbox uid) and the state dir with the sandbox's
 // /etc/passwd and /etc/group.
 func (n *Namespace) Create(ctx context.Context, spec Spec) error {
-	uid, gid := -1, -1
-	if n.asRoot {
-		uid, gid = n.cfg.UID, n.cfg.GID
-	}
+	uid, gid := n.ids(spec)
 	if err := n.layout.create(spec.ID, uid, gid); err != nil {
 		return err
 	}
@@ -202,8 +216,20 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if err := spec.Template.validateContent(); err != nil {
 		return nil, fmt.Errorf("template %q: %w", spec.Template.Name, err)
 	}
-	if _, err := os.Stat(n.layout.workspaceDir(spec.ID)); err != nil {
+	ws := n.layout.workspaceDir(spec.ID)
+	if _, err := os.Stat(ws); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
+	}
+	uid, gid := n.ids(spec)
+	if uid >= 0 {
+		// A sandbox that ran as the shared uid and now has its own (or moved uids) gets its files:
+		// inside, files of another host uid would be nobody's and read-only.
+		if err := adoptWorkspace(ws, uid, gid); err != nil {
+			return nil, err
+		}
+	}
+	if err := n.layout.secure(spec.ID, uid, gid); err != nil {
+		return nil, err
 	}
 	if _, err := os.Stat(filepath.Join(n.layout.stateDir(spec.ID), "passwd")); err != nil {
 		if err := n.writeIdentity(spec); err != nil {
@@ -252,6 +278,9 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 			if infoW != nil {
 				cmd.ExtraFiles = append(cmd.ExtraFiles, infoW)
 			}
+			if err = hideArgs(cmd); err != nil {
+				exe.Close()
+			}
 		}
 	}
 	if err != nil {
@@ -270,7 +299,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	var network func(context.Context, int) (func(), error)
 	if spec.Template.Network.Enabled {
 		network = func(ctx context.Context, pid int) (func(), error) {
-			h, err := n.startNetwork(ctx, spec.ID, pid, spec.Template.Network)
+			h, err := n.startNetwork(ctx, spec, pid, spec.Template.Network)
 			if err != nil {
 				return nil, err
 			}
@@ -328,10 +357,12 @@ func (n *Namespace) command(spec Spec, pre, argv []string) (*exec.Cmd, error) {
 		// the whole pid namespace.
 		Pdeathsig: syscall.SIGKILL,
 	}
-	if n.asRoot {
+	if uid, gid := n.ids(spec); uid >= 0 {
 		// bwrap then runs unprivileged and maps this uid to 1000 inside its user namespace, so
 		// nothing in the sandbox is root on the host, not even through a kernel bug in the mapping.
-		attr.Credential = &syscall.Credential{Uid: uint32(n.cfg.UID), Gid: uint32(n.cfg.GID), Groups: []uint32{}}
+		// Each sandbox has its own uid, so no per-uid kernel object (keyrings, inotify and user
+		// namespace counts, RLIMIT_NPROC, signals) is shared with another sandbox.
+		attr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}
 	}
 	return &exec.Cmd{
 		Path:        n.bwrap,
@@ -410,7 +441,7 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
 	if n.initInterp != "" {
 		if _, err := os.Stat(filepath.Join(t.Rootfs, n.initInterp)); err != nil {
-			return nil, false, fmt.Errorf("template %q: the init binary %s is dynamically linked and the rootfs has no %s: build the broker with CGO_ENABLED=0 or add the host's libc to the rootfs", t.Name, n.cfg.InitPath, n.initInterp)
+			return nil, false, fmt.Errorf("template %q: the init binary %s is dynamically linked and the rootfs has no %s: install sbx-init (static: CGO_ENABLED=0 go build ./cmd/sbx-init) next to the broker, or add the host's libc to the rootfs", t.Name, n.cfg.InitPath, n.initInterp)
 		}
 	}
 	entries, err := os.ReadDir(t.Rootfs)

@@ -44,6 +44,8 @@ const pastaReadyTimeout = 10 * time.Second
 const (
 	pastaUserNSFD = 3
 	pastaNetNSFD  = 4
+	// pastaPidFD is the pid file pasta writes once the namespace is ready (startNetwork).
+	pastaPidFD = 5
 )
 
 // netHelper is a running pasta.
@@ -78,7 +80,8 @@ func pastaArgs(pidFile string) []string {
 
 // startNetwork attaches pasta to the network namespace of the sandbox whose init is host pid pid,
 // and returns once the namespace is configured. On error nothing is left running.
-func (n *Namespace) startNetwork(ctx context.Context, id string, pid int, net Network) (*netHelper, error) {
+func (n *Namespace) startNetwork(ctx context.Context, spec Spec, pid int, net Network) (*netHelper, error) {
+	id := spec.ID
 	if n.pastaErr != nil {
 		return nil, n.pastaErr
 	}
@@ -129,21 +132,23 @@ func (n *Namespace) startNetwork(ctx context.Context, id string, pid int, net Ne
 		return nil, fmt.Errorf("sandbox network: %w", err)
 	}
 	attr := &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if n.asRoot {
-		if err := pf.Chown(n.cfg.UID, n.cfg.GID); err != nil {
+	if uid, gid := n.ids(spec); uid >= 0 {
+		if err := pf.Chown(uid, gid); err != nil {
 			pf.Close()
 			return nil, fmt.Errorf("sandbox network: %w", err)
 		}
-		// The user namespace's owner: pasta has the capabilities it needs inside the sandbox's
-		// namespaces and none on the host.
-		attr.Credential = &syscall.Credential{Uid: uint32(n.cfg.UID), Gid: uint32(n.cfg.GID), Groups: []uint32{}}
+		// The user namespace's owner, the sandbox's own uid: pasta has the capabilities it needs
+		// inside the sandbox's namespaces and none on the host.
+		attr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}
 	}
-	pf.Close()
 	defer os.Remove(pidFile)
+	// pasta reaches the pid file through an fd it inherits (fd 5, after the namespaces): the state
+	// dir is closed to the sandbox uid, and a path would put the sandbox's id in ps.
+	nsFiles = append(nsFiles, pf) // pastaPidFD
 	stderr := &headBuffer{max: 4 << 10}
 	cmd := &exec.Cmd{
 		Path:        n.pasta,
-		Args:        append([]string{"pasta"}, pastaArgs(pidFile)...),
+		Args:        append([]string{"pasta"}, pastaArgs("/proc/self/fd/"+strconv.Itoa(pastaPidFD))...),
 		Dir:         "/",
 		Env:         []string{},
 		Stderr:      stderr,

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -196,7 +197,7 @@ func TestNetworkHelperEndsWithSandbox(t *testing.T) {
 	}
 }
 
-// pastaPids are the pasta processes whose command line names the sandbox's state dir.
+// pastaPids are the pasta processes of the sandbox.
 func pastaPids(t *testing.T, id string) []string {
 	t.Helper()
 	ents, err := os.ReadDir("/proc")
@@ -209,7 +210,10 @@ func pastaPids(t *testing.T, id string) []string {
 		if err != nil {
 			continue
 		}
-		if strings.HasPrefix(string(b), "pasta\x00") && strings.Contains(string(b), id) {
+		// The command line names no sandbox (ps shows it to every user); the pid file pasta
+		// inherits, in the sandbox's state dir, does.
+		pidFile, _ := os.Readlink("/proc/" + e.Name() + "/fd/" + strconv.Itoa(pastaPidFD))
+		if strings.HasPrefix(string(b), "pasta\x00") && strings.Contains(pidFile, id) {
 			out = append(out, e.Name())
 		}
 	}

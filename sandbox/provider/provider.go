@@ -33,6 +33,10 @@ type Spec struct {
 	// ID is the sandbox id (sb_...). Providers name host resources (directories, cgroups) after it.
 	ID       string
 	Template Template
+	// UID is the host uid, and gid, the sandbox runs as and its workspace belongs to when the broker
+	// is root: its own, from the broker's range. 0 means Config.UID, the uid sandboxes shared
+	// before each got its own. It is ignored when the broker is not root.
+	UID int
 }
 
 // Instance is one running sandbox: a resident init inside the sandbox's namespaces that forks

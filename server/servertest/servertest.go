@@ -80,6 +80,10 @@ type Options struct {
 	Templates map[string]provider.Template
 	// Log receives the broker's logs (default: discarded unless -v).
 	Log *slog.Logger
+	// SandboxUIDs is the range sandboxes get their own host uid from under a root broker; nil
+	// means the broker's default (DefaultSandboxUIDs), a zero range none (they share
+	// provider.DefaultUID, as before each got its own).
+	SandboxUIDs *store.UIDRange
 	// Limits are the broker's default org limits (zero: none).
 	Limits store.Limits
 	// AuthFailures per AuthFailureWindow from one source are allowed (0: no limit).
@@ -88,6 +92,9 @@ type Options struct {
 	// Dataplane bounds dataplane connections (zero values: the broker's defaults).
 	Dataplane server.DataplaneLimits
 }
+
+// DefaultSandboxUIDs is cmd/broker's default --sandbox-uids, without its shared --sandbox-uid.
+var DefaultSandboxUIDs = store.UIDRange{First: 100000, Last: 165535, Skip: provider.DefaultUID}
 
 // Broker is a running in-process broker.
 type Broker struct {
@@ -155,8 +162,13 @@ func New(t testing.TB, opts Options) *Broker {
 		t.Fatalf("servertest: provider %s: %v", opts.Provider, err)
 	}
 	uid := -1
-	if os.Geteuid() == 0 { // both providers run sandboxes as this uid under a root broker
+	var uids store.UIDRange
+	if os.Geteuid() == 0 { // both providers run sandboxes as their own uid under a root broker
 		uid = provider.DefaultUID
+		uids = DefaultSandboxUIDs
+		if opts.SandboxUIDs != nil {
+			uids = *opts.SandboxUIDs
+		}
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -166,7 +178,7 @@ func New(t testing.TB, opts Options) *Broker {
 	// The same wiring as cmd/broker; the sweeper is left to the test (SweepOnce on its clock).
 	br, err := server.NewBroker(context.Background(), server.BrokerConfig{
 		Store: st, Provider: prov, ProviderReport: report, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
-		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid,
+		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid, SandboxUIDs: uids,
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
 		Limits: opts.Limits, AuthFailures: opts.AuthFailures, AuthFailureWindow: opts.AuthFailureWindow,
 		Dataplane: opts.Dataplane,

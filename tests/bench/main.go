@@ -341,6 +341,9 @@ func startBroker() (*brokerProc, error) {
 	for _, name := range []string{"broker", "sbx-init"} {
 		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, name), "./cmd/"+name)
 		cmd.Dir, cmd.Stderr = root, os.Stderr
+		if name == "sbx-init" {
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0") // as scripts/broker.sh builds it: static
+		}
 		if err := cmd.Run(); err != nil {
 			return nil, fmt.Errorf("build %s: %w", name, err)
 		}

@@ -9,7 +9,10 @@ package deps
 import (
 	"bufio"
 	"bytes"
+	"debug/elf"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"sort"
 	"strings"
 	"testing"
@@ -143,4 +146,65 @@ func reach(imports map[string][]string, from string) map[string][]string {
 		}
 	}
 	return chains
+}
+
+// initForbidden are packages the resident init must not link: each one grows every sandbox's pid 1,
+// and os/user and net pull in cgo, which makes the binary need the host's libc (a template's own
+// rootfs may have none).
+var initForbidden = []string{
+	"gopkg.in/yaml", "go.yaml.in/yaml", "sigs.k8s.io/yaml", "regexp", "os/user", "net", "runtime/cgo",
+	module + "/server", module + "/store", module + "/delegation", module + "/heartbeat", module + "/events",
+	module + "/protocol",
+}
+
+// initMaxSize bounds bin/sbx-init (3.4 MiB when the init became a leaf package; 4.7 MiB before,
+// with YAML, regexp and cgo linked in).
+const initMaxSize = 4 << 20
+
+// TestInitIsLeaf: cmd/sbx-init links only the init (sandbox/provider/sbxinit) and is a small static
+// binary whatever CGO_ENABLED the builder has, so it runs in any template's rootfs.
+func TestInitIsLeaf(t *testing.T) {
+	out, err := exec.Command("go", "list", "-deps", module+"/cmd/sbx-init").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	for _, p := range strings.Fields(string(out)) {
+		for _, f := range initForbidden {
+			if p == f || strings.HasPrefix(p, f+"/") {
+				t.Errorf("cmd/sbx-init links %s; the init must stay a leaf (see sandbox/provider/sbxinit)", p)
+			}
+		}
+		if r, ok := rel(p); ok && r != "cmd/sbx-init" && !under(r, "sandbox/provider/sbxinit") {
+			t.Errorf("cmd/sbx-init links %s: it may link nothing of the broker's but sandbox/provider/sbxinit", r)
+		}
+	}
+
+	// Built as a developer would, with the environment's CGO_ENABLED (1 where gcc is installed):
+	// static only if nothing it links uses cgo. The repo's scripts build it with CGO_ENABLED=0 too.
+	bin := filepath.Join(t.TempDir(), "sbx-init")
+	build := exec.Command("go", "build", "-o", bin, module+"/cmd/sbx-init")
+	if b, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build cmd/sbx-init: %v\n%s", err, b)
+	}
+	f, err := elf.Open(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			t.Error("sbx-init has a program interpreter (PT_INTERP): it is dynamically linked and fails in a rootfs without libc")
+		}
+	}
+	if libs, err := f.ImportedLibraries(); err != nil || len(libs) > 0 {
+		t.Errorf("sbx-init needs shared libraries %v (%v): it must be static", libs, err)
+	}
+	st, err := os.Stat(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("sbx-init: %d bytes", st.Size())
+	if st.Size() > initMaxSize {
+		t.Errorf("sbx-init is %d bytes, more than %d: what made it grow?", st.Size(), initMaxSize)
+	}
 }

@@ -1,4 +1,4 @@
-package provider
+package sbxinit
 
 import (
 	"encoding/json"
@@ -40,7 +40,7 @@ type initProc struct {
 	host    bool // dir provider: shares the host's pid space
 	self    int
 	// oomAdj is our /proc/self/oom_score_adj open for writing (-1 in the dir provider), and oomBase
-	// the score we started with: every command is forked with commandOOMScoreAdj, and we go back
+	// the score we started with: every command is forked with CommandOOMScoreAdj, and we go back
 	// to oomBase after the fork (see exec).
 	oomAdj  int
 	oomBase []byte
@@ -66,14 +66,14 @@ func runInit() error {
 	unix.CloseOnExec(ctlFD)
 	closeInherited(ctlFD + 1)
 	ctl := newBlockingCtlConn(ctlFD)
-	buf := make([]byte, maxMessage+4096)
+	buf := make([]byte, MaxMessage+4096)
 	oob := make([]byte, unix.CmsgSpace(8*4)) // the broker sends at most 3 fds; room to spare
-	var cfg request
+	var cfg Request
 	n, _, _, err := ctl.recv(buf, oob)
 	if err != nil || n == 0 {
 		return fmt.Errorf("read config: %v", err)
 	}
-	if err := json.Unmarshal(buf[:n], &cfg); err != nil || cfg.Op != opConfig {
+	if err := json.Unmarshal(buf[:n], &cfg); err != nil || cfg.Op != OpConfig {
 		return fmt.Errorf("bad config message")
 	}
 	// Orphans (a command's background children whose parent exited) come back to us, so they stay
@@ -112,7 +112,7 @@ func runInit() error {
 	warmThreads(4)
 	p.handleSignals()
 	go p.reap()
-	if err := p.reply(&reply{Op: opReady, Pid: p.self}); err != nil {
+	if err := p.reply(&Reply{Op: OpReady, Pid: p.self}); err != nil {
 		return fmt.Errorf("send ready: %w", err)
 	}
 
@@ -126,31 +126,31 @@ func runInit() error {
 			}
 			return nil
 		}
-		fds, _ := parseRights(oob[:oobn])
-		var req request
+		fds, _ := ParseRights(oob[:oobn])
+		var req Request
 		if flags&unix.MSG_TRUNC != 0 || json.Unmarshal(buf[:n], &req) != nil {
 			// Not a request we can answer (the broker never sends these); drop it.
-			closeFDs(fds)
+			CloseFDs(fds)
 			continue
 		}
 		if flags&unix.MSG_CTRUNC != 0 {
-			closeFDs(fds)
-			p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: "too many file descriptors"})
+			CloseFDs(fds)
+			p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "too many file descriptors"})
 			continue
 		}
 		switch req.Op {
-		case opExec:
+		case OpExec:
 			p.exec(&req, fds)
-		case opKill:
-			closeFDs(fds)
+		case OpKill:
+			CloseFDs(fds)
 			p.kill(req.ID)
 		default:
-			closeFDs(fds)
+			CloseFDs(fds)
 		}
 	}
 }
 
-// commandOOMScoreAdj is every command's oom_score_adj, so that when the sandbox hits its memory
+// CommandOOMScoreAdj is every command's oom_score_adj, so that when the sandbox hits its memory
 // limit (or the host runs out) the OOM killer takes a command, not the init that runs them all: the
 // init (a few MB) keeps the score it inherited and would only be chosen over a command more than
 // half the limit smaller than itself (it carries the command's score only from a fork to the write
@@ -159,7 +159,7 @@ func runInit() error {
 // would pass to every command, which could then make itself unkillable for the whole host. As
 // under Kubernetes (whose best-effort pods get 1000), tenant work goes before host services. Going
 // back down after the fork needs no privilege: our floor is the score we started with.
-var commandOOMScoreAdj = []byte("500")
+var CommandOOMScoreAdj = []byte("500")
 
 // handleSignals keeps the init alive when a command signals it (`kill -TERM 1`, `kill -HUP $PPID`,
 // `kill -SEGV 1`): the Go runtime's default is to exit on them, or to crash with a stack dump, which
@@ -227,7 +227,7 @@ func closeInherited(from int) {
 	}
 }
 
-func (p *initProc) reply(r *reply) error {
+func (p *initProc) reply(r *Reply) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
@@ -237,10 +237,10 @@ func (p *initProc) reply(r *reply) error {
 
 // exec starts one command. fds are the passed stdio ends; they are closed here once the child has
 // its copies, so the broker sees EOF exactly when the command (and whatever inherited them) is done.
-func (p *initProc) exec(req *request, fds []int) {
-	defer closeFDs(fds)
+func (p *initProc) exec(req *Request, fds []int) {
+	defer CloseFDs(fds)
 	if len(req.Argv) == 0 || req.Argv[0] == "" {
-		p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: "empty argv"})
+		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "empty argv"})
 		return
 	}
 	var files [3]uintptr
@@ -275,7 +275,7 @@ func (p *initProc) exec(req *request, fds []int) {
 	for try := 0; ; try++ {
 		p.mu.Lock()
 		if p.oomAdj >= 0 {
-			unix.Pwrite(p.oomAdj, commandOOMScoreAdj, 0)
+			unix.Pwrite(p.oomAdj, CommandOOMScoreAdj, 0)
 		}
 		pid, err = syscall.ForkExec(prog, req.Argv, attr)
 		if p.oomAdj >= 0 {
@@ -305,10 +305,10 @@ func (p *initProc) exec(req *request, fds []int) {
 	if err != nil {
 		if req.Dir != "" && (errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EACCES)) {
 			if fi, serr := os.Stat(req.Dir); serr != nil {
-				p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindCwd, Err: fmt.Sprintf("cwd %s: %v", req.Dir, unwrapPathErr(serr))})
+				p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindCwd, Err: fmt.Sprintf("cwd %s: %v", req.Dir, unwrapPathErr(serr))})
 				return
 			} else if !fi.IsDir() {
-				p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindCwd, Err: fmt.Sprintf("cwd %s is not a directory", req.Dir)})
+				p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindCwd, Err: fmt.Sprintf("cwd %s is not a directory", req.Dir)})
 				return
 			}
 		}
@@ -316,17 +316,17 @@ func (p *initProc) exec(req *request, fds []int) {
 			p.notRunnable(req, files[2], req.Argv[0], err)
 			return
 		}
-		p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: "start " + req.Argv[0] + ": " + err.Error()})
+		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "start " + req.Argv[0] + ": " + err.Error()})
 		return
 	}
 	if req.Bg {
-		p.reply(&reply{Op: opStarted, ID: req.ID, Pid: pid})
+		p.reply(&Reply{Op: OpStarted, ID: req.ID, Pid: pid})
 	}
 }
 
 // notRunnable reports a program that cannot be run the way a shell does: a message on the command's
 // stderr and exit status 127 (not found) or 126 (found, not executable).
-func (p *initProc) notRunnable(req *request, stderr uintptr, prog string, err error) {
+func (p *initProc) notRunnable(req *Request, stderr uintptr, prog string, err error) {
 	code, what := 126, err.Error()
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, errNotFound) {
 		code, what = 127, "command not found"
@@ -335,10 +335,10 @@ func (p *initProc) notRunnable(req *request, stderr uintptr, prog string, err er
 		unix.Write(int(stderr), []byte(prog+": "+what+"\n"))
 	}
 	if req.Bg {
-		p.reply(&reply{Op: opError, ID: req.ID, Kind: errKindStart, Err: prog + ": " + what})
+		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: prog + ": " + what})
 		return
 	}
-	p.reply(&reply{Op: opExit, ID: req.ID, Code: code})
+	p.reply(&Reply{Op: OpExit, ID: req.ID, Code: code})
 }
 
 // reap collects every exited child, registered or an orphan handed to us, and reports foreground
@@ -384,7 +384,7 @@ func (p *initProc) reapExited() {
 		if c == nil || c.bg {
 			continue
 		}
-		r := reply{Op: opExit, ID: c.id, Pid: pid}
+		r := Reply{Op: OpExit, ID: c.id, Pid: pid}
 		if ws.Signaled() {
 			r.Signal = int(ws.Signal())
 		} else {
@@ -403,7 +403,7 @@ func (p *initProc) kill(id uint64) {
 	if c == nil {
 		return // already exited; its exit report is on the way
 	}
-	killTree(c.pid, c.pid, 0, p.self)
+	KillTree(c.pid, c.pid, 0, p.self)
 }
 
 // killAll ends every process we started and every orphan handed to us: our descendants (we are
@@ -412,7 +412,7 @@ func (p *initProc) killAll() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	sid, _ := unix.Getsid(0)
-	killTree(p.self, 0, sid, p.self)
+	KillTree(p.self, 0, sid, p.self)
 }
 
 var errNotFound = errors.New("executable file not found in $PATH")

@@ -1,4 +1,4 @@
-package provider
+package sbxinit
 
 import (
 	"bytes"
@@ -65,7 +65,7 @@ func readStat(pid int, buf []byte) (procInfo, bool) {
 	return procInfo{pid: pid, ppid: ppid, pgrp: pgrp, sid: sid}, true
 }
 
-// killTree ends a process tree that may be forking while we look at it: root (0 for none), every
+// KillTree ends a process tree that may be forking while we look at it: root (0 for none), every
 // member of process group pgid and of session sid (0 for none), and all their descendants, whatever
 // group they moved to. It never touches exclude (the caller).
 //
@@ -73,7 +73,7 @@ func readStat(pid int, buf []byte) (procInfo, bool) {
 // another group would escape; so it first freezes with SIGSTOP (a stopped process cannot fork or
 // exit, so pids are not reused), rescans until no new member appears, then SIGKILLs the lot. root
 // is stopped first, so when it is the reaper (the dir provider's init) nothing gets reaped meanwhile.
-func killTree(root, pgid, sid, exclude int) {
+func KillTree(root, pgid, sid, exclude int) {
 	stopped := map[int]bool{}
 	stop := func(pid int) {
 		if pid <= 0 || pid == exclude || stopped[pid] {

@@ -21,6 +21,10 @@ const (
 	// EventReset is sent to a resuming subscriber whose Last-Event-ID fell out of the stream: events
 	// between it and the first event that follows were lost.
 	EventReset = "reset"
+	// EventNodeLost: the broker hosting the sandbox stopped renewing its liveness record and
+	// another broker declared it lost; EventNodeReturned: it is back and serves the sandbox again.
+	EventNodeLost     = "node_lost"
+	EventNodeReturned = "node_returned"
 )
 
 // Reasons of failed (and, for broker_restart, resumed) events. They are codes, never the failure's

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -43,9 +44,21 @@ type BrokerConfig struct {
 	// SweepInterval runs the sweeper in the background; 0 leaves it to the caller (tests call
 	// Sweeper.SweepOnce).
 	SweepInterval, ExpiryWarning, Retention time.Duration
-	AllowedOrigins                          []string
-	DataplaneRenewsLease                    bool
+	// NodeHeartbeat is how often this broker renews its node record (its URL and liveness) in
+	// Redis; NodeLostAfter is how long a node may be silent before another broker declares it
+	// lost. Zero: DefaultNodeHeartbeat, DefaultNodeLostAfter.
+	NodeHeartbeat, NodeLostAfter time.Duration
+	AllowedOrigins               []string
+	DataplaneRenewsLease         bool
 }
+
+// Node liveness defaults: a broker renews its node record every DefaultNodeHeartbeat, and one
+// silent for DefaultNodeLostAfter is declared lost (Nomad's default heartbeat grace is of the same
+// order; Kubernetes waits 40 s).
+const (
+	DefaultNodeHeartbeat = 5 * time.Second
+	DefaultNodeLostAfter = 30 * time.Second
+)
 
 // Broker is one running broker: its lifecycle manager, delegation, sweeper, event writer and HTTP
 // server, wired together once, here, for cmd/broker and for servertest alike.
@@ -83,7 +96,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Delegation, err = delegation.NewService(delegation.ServiceConfig{
 		Keys: b.Keys, Store: cfg.Store, Events: b.events, Log: cfg.Log,
 		Token:        delegation.Config{DefaultTTL: cfg.TokenTTL, MaxTTL: cfg.TokenMaxTTL, Now: cfg.Now},
-		DataplaneURL: dataplaneURL(cfg.Store),
+		DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, cfg.AdvertiseURL),
 	})
 	if err != nil {
 		return fail(err)
@@ -99,7 +112,10 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if err := b.Sandboxes.Recover(ctx); err != nil {
 		cfg.Log.Error("recovering this node's sandboxes", "err", err)
 	}
-	if err := cfg.Store.RegisterNode(ctx, cfg.Node, cfg.AdvertiseURL); err != nil {
+	// The node record is renewed every beat from here on, so one lost with Redis' data comes back.
+	live := &sandbox.Liveness{URL: cfg.AdvertiseURL, Every: cmp.Or(cfg.NodeHeartbeat, DefaultNodeHeartbeat),
+		LostAfter: cmp.Or(cfg.NodeLostAfter, DefaultNodeLostAfter)}
+	if err := b.Sandboxes.Beat(ctx, live); err != nil {
 		return fail(err)
 	}
 	rdb := cfg.Store.Client()
@@ -128,6 +144,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.stop = stop
 	b.loop(func() { b.Sandboxes.Run(loopCtx, 5*time.Second) })
 	b.loop(func() { reloadKeys(loopCtx, b.Keys, cfg.Log) })
+	b.loop(func() { b.Sandboxes.RunLiveness(loopCtx, live) })
 	if cfg.SweepInterval > 0 {
 		b.loop(func() { b.Sweeper.Run(loopCtx) })
 	}
@@ -173,12 +190,17 @@ func reloadKeys(ctx context.Context, keys *delegation.Keyring, log *slog.Logger)
 	}
 }
 
-// dataplaneURL builds a sandbox's dataplane URL from the base URL of the broker hosting it.
-func dataplaneURL(st *store.Store) func(ctx context.Context, rec store.Record) (string, error) {
+// dataplaneURL builds a sandbox's dataplane URL from the base URL of the broker hosting it: this
+// broker's own without asking Redis (so a node record lost with Redis' data costs nothing here),
+// another's from its node record, which that broker renews every node heartbeat.
+func dataplaneURL(st *store.Store, self, selfURL string) func(ctx context.Context, rec store.Record) (string, error) {
 	return func(ctx context.Context, rec store.Record) (string, error) {
-		base, err := st.NodeURL(ctx, rec.Node)
-		if err != nil {
-			return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
+		base := selfURL
+		if rec.Node != self {
+			var err error
+			if base, err = st.NodeURL(ctx, rec.Node); err != nil {
+				return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
+			}
 		}
 		if rest, ok := strings.CutPrefix(base, "https://"); ok {
 			base = "wss://" + rest

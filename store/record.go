@@ -51,6 +51,9 @@ type Record struct {
 	LostAt     time.Time // processes lost in a broker restart
 	StartedAt  time.Time // first time it ran: zero while its first provisioning is under way
 	Gen        int64     // delegation token generation
+	// NodeLostAt is when another broker declared the hosting node lost (zero: it was not, or it
+	// came back since).
+	NodeLostAt time.Time
 }
 
 // Hash field names. Lua scripts spell the same names.
@@ -58,7 +61,7 @@ const (
 	fID, fOrg, fName, fTemplate, fProvider, fNode, fStatus = "id", "org", "name", "template", "provider", "node", "status"
 	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
 	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
-	fStarted                                               = "started"
+	fStarted, fNodeLost                                    = "started", "node_lost"
 )
 
 // fields flattens a new record into HSET arguments.
@@ -99,6 +102,7 @@ func recordFromMap(m map[string]string) (Record, error) {
 		TTL:       time.Duration(atoi(m[fTTL])) * time.Second,
 		CreatedAt: fromMS(m[fCreated]), Heartbeat: fromMS(m[fHeartbeat]), ExpiresAt: fromMS(m[fExpires]),
 		StoppedAt: fromMS(m[fStopped]), LostAt: fromMS(m[fLost]), StartedAt: fromMS(m[fStarted]), Gen: atoi(m[fGen]),
+		NodeLostAt: fromMS(m[fNodeLost]),
 	}
 	if t := m[fTags]; t != "" && t != "null" {
 		if err := json.Unmarshal([]byte(t), &r.Tags); err != nil {

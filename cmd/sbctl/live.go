@@ -231,6 +231,9 @@ func attach(ctx context.Context, g *globals, c *client.Client, refs []string) er
 					}
 					parts = append(parts, fmt.Sprintf("%s expires in %s", it.Ref, time.Until(*it.Lease.ExpiresAt).Round(time.Second)))
 				}
+				if it.Lease.NodeStatus == protocol.NodeLost {
+					parts = append(parts, it.Ref+"'s broker is lost (its files and processes are out of reach until it is back)")
+				}
 			}
 			every = max(minTTL/3, time.Second)
 			g.status("lease renewed at %s: %s (beat every %s; Ctrl-C to detach)", time.Now().Format(time.TimeOnly), strings.Join(parts, ", "), every)

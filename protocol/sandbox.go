@@ -73,6 +73,9 @@ type Sandbox struct {
 	// back. NodeLostAt says since when.
 	NodeStatus string     `json:"node_status,omitempty"`
 	NodeLostAt *time.Time `json:"node_lost_at,omitempty"`
+	// DataplaneURL is the sandbox's dataplane on the broker hosting it (GET of one sandbox only):
+	// an owner's client dials it there, since any other broker answers wrong_node.
+	DataplaneURL string `json:"dataplane_url,omitempty"`
 }
 
 // NodeLost is the node_status of a sandbox whose hosting broker was declared lost.

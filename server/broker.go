@@ -128,7 +128,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
-		Provider: prov,
+		Provider: prov, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, cfg.AdvertiseURL),
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {

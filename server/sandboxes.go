@@ -148,7 +148,17 @@ func filterFromQuery(c echo.Context) (store.Filter, error) {
 }
 
 func (s *Server) getSandbox(c echo.Context) error {
-	return c.JSON(http.StatusOK, sandbox.View(sandboxOf(c)))
+	rec := sandboxOf(c)
+	v := sandbox.View(rec)
+	if s.dataplaneURL != nil {
+		// Clients dial the hosting broker's dataplane from here: another broker's answers wrong_node.
+		if u, err := s.dataplaneURL(c.Request().Context(), rec); err == nil {
+			v.DataplaneURL = u
+		} else {
+			s.log.Warn("sandbox view without its dataplane URL", "request_id", requestID(c), "sandbox_id", rec.ID, "err", err)
+		}
+	}
+	return c.JSON(http.StatusOK, v)
 }
 
 func (s *Server) stopSandbox(c echo.Context) error {

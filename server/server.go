@@ -46,6 +46,9 @@ type Config struct {
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.
 	Provider ProviderInfo
+	// DataplaneURL is a sandbox's dataplane URL on the broker hosting it, for the sandbox view
+	// (nil: views carry none).
+	DataplaneURL func(ctx context.Context, rec store.Record) (string, error)
 }
 
 // ProviderInfo says which provider runs this broker's sandboxes and what it holds.
@@ -101,6 +104,9 @@ type Server struct {
 	dpExecOutput atomic.Int64
 	// maxDPConns bounds open dataplane connections (counted by hub).
 	maxDPConns int
+
+	// dataplaneURL is Config.DataplaneURL.
+	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
 }
 
 // maxBody bounds every REST request body.
@@ -114,6 +120,7 @@ func New(cfg Config) *Server {
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: make(chan struct{}, dpHeavyPerBroker),
 		maxDPConns: cfg.MaxDataplaneConnections}
+	s.dataplaneURL = cfg.DataplaneURL
 	if s.maxDPConns <= 0 {
 		s.maxDPConns = 4096
 	}

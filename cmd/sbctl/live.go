@@ -72,7 +72,12 @@ from it.`,
 					a.Env[k] = v
 				}
 			}
-			r, err := backend.Dial(cmd.Context(), backend.Config{URL: c.DataplaneURL(args[0]), Credential: c.APIKey(), Reconnects: 1})
+			// The sandbox's own broker: another one answers wrong_node.
+			dp, err := c.SandboxDataplaneURL(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			r, err := backend.Dial(cmd.Context(), backend.Config{URL: dp, Credential: c.APIKey(), Reconnects: 1})
 			if err != nil {
 				return err
 			}

@@ -48,16 +48,17 @@ func (l *local) ID() string { return "local:" + l.root }
 
 func (l *local) Stat(_ context.Context, p string) (protocol.FileInfo, error) { return l.files.Stat(p) }
 
-func (l *local) Ls(_ context.Context, p string) ([]protocol.FileInfo, error) {
-	entries, err := l.files.List(p)
+func (l *local) Ls(ctx context.Context, p string) ([]protocol.FileInfo, error) {
+	res, err := l.files.ListContext(ctx, p)
+	entries := res.Entries
 	if err == nil && entries == nil {
 		entries = []protocol.FileInfo{}
 	}
 	return entries, err
 }
 
-func (l *local) Read(_ context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
-	return l.files.Read(a)
+func (l *local) Read(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
+	return l.files.ReadContext(ctx, a)
 }
 
 func (l *local) Write(_ context.Context, a protocol.WriteArgs) (protocol.WriteResult, error) {

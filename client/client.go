@@ -270,10 +270,11 @@ func (c *Client) SandboxDataplaneURL(ctx context.Context, ref string) (string, e
 func (c *Client) DataplaneURL(ref string) string {
 	u := *c.base
 	u.User = nil
-	if u.Scheme == "https" {
-		u.Scheme = "wss"
-	} else {
-		u.Scheme = "ws"
+	dp, err := protocol.DataplaneURL(u.String(), ref)
+	if err != nil {
+		// New accepted a base that DataplaneURL does not (a query or fragment): drop them.
+		u.RawQuery, u.Fragment, u.ForceQuery = "", "", false
+		dp, _ = protocol.DataplaneURL(u.String(), ref)
 	}
-	return u.String() + sandboxPath(ref, "dataplane")
+	return dp
 }

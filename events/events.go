@@ -48,10 +48,14 @@ type Writer struct {
 	buffer  int
 	dropped atomic.Int64
 	done    chan struct{}
+	// mu orders Emit's send against Close's close of queue: Emits hold it shared (they never block
+	// under it), Close exclusively, so no Emit sends on a closed queue.
+	mu     sync.RWMutex
+	closed bool
 
 	// overflow counts, per sandbox, events Emit dropped because the queue was full; the writer
 	// turns them into gap events like its own losses.
-	mu       sync.Mutex
+	overMu   sync.Mutex
 	overflow map[lostKey]int64
 }
 
@@ -88,22 +92,38 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 	if e.Time.IsZero() {
 		e.Time = time.Now().UTC()
 	}
+	w.mu.RLock()
+	defer w.mu.RUnlock()
+	if w.closed {
+		// A straggler of a slow shutdown (a dataplane call finishing after the writer closed):
+		// dropped and counted, like an event that finds the queue full.
+		if w.dropped.Add(1)%1000 == 1 {
+			w.log.Warn("event emitted after the event log closed: dropped", "type", e.Type, "dropped_total", w.dropped.Load())
+		}
+		return
+	}
 	select {
 	case w.queue <- queued{org, e}:
 	default:
-		w.mu.Lock()
+		w.overMu.Lock()
 		w.overflow[lostKey{org, e.SandboxID, e.Name}]++
-		w.mu.Unlock()
+		w.overMu.Unlock()
 		if w.dropped.Add(1)%1000 == 1 {
 			w.log.Warn("event queue full: dropping events", "dropped_total", w.dropped.Load())
 		}
 	}
 }
 
-// Close writes what is queued and stops the writer. With Redis away it tries for closeWait, then
-// gives up on what is left (and logs how many).
+// Close writes what is queued and stops the writer. Later Emits are dropped (and counted); a second
+// Close waits like the first. With Redis away it tries for closeWait, then gives up on what is
+// left (and logs how many).
 func (w *Writer) Close() {
-	close(w.queue)
+	w.mu.Lock()
+	if !w.closed {
+		w.closed = true
+		close(w.queue)
+	}
+	w.mu.Unlock()
 	<-w.done
 }
 
@@ -145,8 +165,8 @@ func (p *pending) lose(k lostKey, n int64) {
 
 // takeOverflow moves what Emit dropped into the writer's losses, at the current position.
 func (w *Writer) takeOverflow(p *pending) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	w.overMu.Lock()
+	defer w.overMu.Unlock()
 	for k, n := range w.overflow {
 		p.lose(k, n)
 	}
@@ -286,3 +306,7 @@ func (w *Writer) wake(ctx context.Context, orgs map[string]bool) {
 		w.log.Warn("event wake-up failed; readers will find the events on their next poll", "err", err)
 	}
 }
+
+// Dropped is how many events were lost: queue full, Redis failing past the retries, or emitted
+// after Close.
+func (w *Writer) Dropped() int64 { return w.dropped.Load() }

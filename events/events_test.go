@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"sync"
 	"testing"
 	"time"
 
@@ -242,5 +243,39 @@ func BenchmarkEventDelivery(b *testing.B) {
 	for b.Loop() {
 		w.Emit("bench", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1"})
 		<-sub.C
+	}
+}
+
+// Emit after Close (a slow shutdown's stragglers) drops the event and counts it instead of
+// panicking on the closed queue; Emits racing Close are safe too, and Close twice is harmless.
+func TestWriterEmitAfterClose(t *testing.T) {
+	t.Parallel()
+	rdb := redistest.Start(t).Client(t)
+	w := events.NewWriter(rdb, quiet)
+	w.Emit("acme", protocol.Event{Type: protocol.EventCreated, SandboxID: "sb_1"})
+	var emitters sync.WaitGroup
+	start := make(chan struct{})
+	for i := 0; i < 8; i++ {
+		emitters.Add(1)
+		go func() {
+			defer emitters.Done()
+			<-start
+			for j := 0; j < 2000; j++ {
+				w.Emit("acme", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1"})
+			}
+		}()
+	}
+	close(start)
+	w.Close()
+	emitters.Wait()
+	before := w.Dropped()
+	w.Emit("acme", protocol.Event{Type: protocol.EventDeleted, SandboxID: "sb_1"})
+	if got := w.Dropped(); got != before+1 {
+		t.Fatalf("an Emit after Close counted %d drops, want 1", got-before)
+	}
+	w.Close()
+	// What was queued before Close was written.
+	if n, err := rdb.XLen(t.Context(), store.EventsKey("acme")).Result(); err != nil || n < 1 {
+		t.Fatalf("events queued before Close were not written: %d %v", n, err)
 	}
 }

@@ -94,7 +94,7 @@ type SubscribeOptions struct {
 // from the stream, the first event is a reset: events were lost before what follows.
 func (h *Hub) Subscribe(ctx context.Context, org string, opts SubscribeOptions) (*Subscription, error) {
 	if opts.After != "" && !validID(opts.After) {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "Last-Event-ID %q is not an event id", clip(opts.After))
+		return nil, badEventID(opts.After)
 	}
 	key := store.EventsKey(org)
 	s := &Subscription{C: make(chan protocol.Event, subscriberBuffer), done: make(chan struct{}), sandboxID: opts.SandboxID,
@@ -189,8 +189,10 @@ func (s *Subscription) sendWait(m redis.XMessage) bool {
 	}
 }
 
-// trimmedSince says whether events after `after` may have been trimmed from the bounded log, and
-// returns the reset event and the position to continue from.
+// trimmedSince says whether events after `after` may have been trimmed from the bounded log, or
+// whether `after` lies past the log's end (the stream was recreated, or the caller made the id up),
+// and returns the reset event and the position to continue from. A position past the end would
+// otherwise swallow every later event, each of which has a smaller id.
 //
 // Trimming drops the oldest entries; Redis 7.0 does not record their ids (max-deleted-entry-id
 // only counts XDEL), so the test is: the position is older than the oldest entry left, and some
@@ -200,9 +202,15 @@ func (h *Hub) trimmedSince(ctx context.Context, key, after string) (*protocol.Ev
 	info, err := h.rdb.XInfoStream(ctx, key).Result()
 	if err != nil {
 		if strings.Contains(err.Error(), "no such key") {
-			return nil, after, nil
+			if after == "0-0" {
+				return nil, after, nil
+			}
+			return aheadReset(after, "0-0"), "0-0", nil
 		}
 		return nil, "", err
+	}
+	if last := info.LastGeneratedID; idLess(last, after) {
+		return aheadReset(after, last), last, nil
 	}
 	first := info.FirstEntry.ID
 	if first == "" || info.EntriesAdded <= info.Length || !idLess(after, first) {
@@ -212,6 +220,12 @@ func (h *Hub) trimmedSince(ctx context.Context, key, after string) (*protocol.Ev
 	// without a second reset.
 	return &protocol.Event{ID: before(first), Type: protocol.EventReset, Time: time.Now().UTC(),
 		Reason: "the log no longer reaches back to " + after + ": events after it may have been lost; what follows is the oldest that remain"}, before(first), nil
+}
+
+// aheadReset is the reset for a position past the log's end: what follows is new events.
+func aheadReset(after, end string) *protocol.Event {
+	return &protocol.Event{ID: end, Type: protocol.EventReset, Time: time.Now().UTC(),
+		Reason: "the log has no event " + clip(after) + " yet: it was reset or the id is not one of its own; what follows is new events"}
 }
 
 // before is the stream id just before id.
@@ -470,6 +484,12 @@ func validID(id string) bool {
 	return e1 == nil && e2 == nil
 }
 
+// badEventID is the answer to a resume position that is no stream id.
+func badEventID(id string) error {
+	return protocol.Errorf(protocol.CodeInvalidEventID,
+		"Last-Event-ID %q is not an event id (two decimal numbers, MS-SEQ, as sent in the stream's id: lines); drop it to start with new events", clip(id))
+}
+
 func clip(s string) string {
 	if len(s) > 60 {
 		s = s[:60]
@@ -486,7 +506,7 @@ func (h *Hub) History(ctx context.Context, org string, opts SubscribeOptions) ([
 		return out, err
 	}
 	if !validID(opts.After) {
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "Last-Event-ID %q is not an event id", clip(opts.After))
+		return nil, badEventID(opts.After)
 	}
 	reset, from, err := h.trimmedSince(ctx, key, opts.After)
 	if err != nil {

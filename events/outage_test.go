@@ -51,7 +51,9 @@ func TestEventsSurviveARedisOutage(t *testing.T) {
 			store.BoundOptions(ropts, 0)
 			raw := redis.NewUniversalClient(ropts)
 			t.Cleanup(func() { raw.Close() })
-			rdb := store.NewWithOptions(raw, store.Options{Log: quiet}).Client()
+			st := store.NewWithOptions(raw, store.Options{Log: quiet})
+			t.Cleanup(st.Close)
+			rdb := st.Client()
 			w := events.NewWriterWithOptions(rdb, quiet, events.WriterOptions{Buffer: tc.buffer})
 			defer w.Close()
 			org := "o"

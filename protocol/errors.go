@@ -47,6 +47,7 @@ const (
 	CodeInvalidTag       = "invalid_tag"
 	CodeInvalidStatus    = "invalid_status"
 	CodeInvalidCursor    = "invalid_cursor"
+	CodeInvalidEventID   = "invalid_event_id"
 	CodeInvalidScope     = "invalid_scope"
 	CodeUnknownTemplate  = "unknown_template"
 	CodeTooLarge         = "payload_too_large"
@@ -81,6 +82,8 @@ const (
 	CodeSandboxFailed = "sandbox_failed"
 	CodeNotRunning    = "sandbox_not_running"
 	CodeWrongNode     = "wrong_node"
+	// CodeCapacity: the broker cannot host another sandbox (every host uid of its range is in use).
+	CodeCapacity = "capacity_exhausted"
 
 	// Dataplane operations.
 	CodeScopeDenied       = "scope_denied"
@@ -94,9 +97,11 @@ const (
 	CodeNoMatch           = "no_match"
 	CodeNotUnique         = "not_unique"
 	CodeTooManyRequests   = "too_many_requests"
-	CodeUnknownOp         = "unknown_op"
-	CodeTimeout           = "timeout"
-	CodeCancelled         = "cancelled"
+	// CodeTooManyConnections refuses a dataplane connection over its credential's or org's cap.
+	CodeTooManyConnections = "too_many_connections"
+	CodeUnknownOp          = "unknown_op"
+	CodeTimeout            = "timeout"
+	CodeCancelled          = "cancelled"
 
 	// Server side.
 	CodeInternal    = "internal"

@@ -41,9 +41,12 @@ type LsArgs struct {
 	Path string `json:"path"`
 }
 
-// LsResult is a directory listing.
+// LsResult is a directory listing: at most the broker's cap (10,000) of entries, the first by name.
 type LsResult struct {
 	Entries []FileInfo `json:"entries"`
+	// Truncated says the directory has more entries than the answer holds (or more than the broker
+	// reads for one listing); narrow it with glob.
+	Truncated bool `json:"truncated,omitempty"`
 }
 
 // ReadArgs reads a regular file, either a byte range (Offset, Length) or a line window (LineOffset,
@@ -67,7 +70,11 @@ type ReadResult struct {
 	Size int64 `json:"size"`
 	// TotalLines is the file's line count; set for line-window reads.
 	TotalLines int `json:"total_lines,omitempty"`
-	// Truncated says the answer stopped at the read cap before the requested end.
+	// TotalLinesPartial says the broker stopped counting at its scan cap (a line window scans at
+	// most the first 64 MiB of a file): the file has at least TotalLines lines.
+	TotalLinesPartial bool `json:"total_lines_partial,omitempty"`
+	// Truncated says the answer stopped at the read cap (or, for a line window, the scan cap)
+	// before the requested end.
 	Truncated bool `json:"truncated,omitempty"`
 }
 

@@ -74,6 +74,8 @@ func DecodeFlat(b []byte, v any) bool {
 				return p.int64(&t.Size)
 			case "total_lines":
 				return p.int(&t.TotalLines)
+			case "total_lines_partial":
+				return p.bool(&t.TotalLinesPartial)
 			case "truncated":
 				return p.bool(&t.Truncated)
 			}

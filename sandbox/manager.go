@@ -8,10 +8,9 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"time"
-
-	"github.com/google/uuid"
 
 	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
@@ -36,8 +35,13 @@ type Config struct {
 	// IndexDir remembers which sandboxes this node hosts (file name = id, content = org), so that a
 	// restarted broker finds them without scanning every org.
 	IndexDir string
-	// Workspace options (the sandbox user that owns created files, caps).
+	// Workspace options (the sandbox user that owns created files, caps). A sandbox with its own
+	// uid gets that uid in place of Workspace.UID/GID.
 	Workspace workspace.Options
+	// UIDs is the range each sandbox gets its own host uid from (allocated at create, or at the
+	// next start of a sandbox recorded without one, released on delete). The zero value gives none:
+	// sandboxes then share the provider's uid, which only makes sense when the broker is not root.
+	UIDs store.UIDRange
 }
 
 // Caller is who acts: the org whose sandboxes are in reach, and the actor recorded in events.
@@ -152,9 +156,10 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if err := ValidateTags(req.Tags); err != nil {
 		return store.Record{}, "", err
 	}
+	var err error
 	now := m.now()
 	rec := store.Record{
-		ID: "sb_" + uuid.NewString(), Org: c.Org, Name: req.Name, Template: req.Template,
+		ID: protocol.NewSandboxID(), Org: c.Org, Name: req.Name, Template: req.Template,
 		Provider: m.cfg.Provider.Name(), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
 		Tags: req.Tags, TTL: ttl, CreatedAt: now, CreatedBy: c.Actor, Heartbeat: now,
 	}
@@ -163,9 +168,21 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if err := m.index(rec.ID, c.Org); err != nil {
 		return store.Record{}, "", err
 	}
+	// The uid is taken before the record exists, so that the record never lacks it; a create that
+	// ends up reusing another sandbox gives it back.
+	if rec.UID, err = m.allocateUID(ctx, c.Org, rec.ID); err != nil {
+		// With every uid taken, a reuse of a sandbox that exists still works: it needs none.
+		var pe *protocol.Error
+		capacity := errors.As(err, &pe) && pe.Code == protocol.CodeCapacity
+		if _, gerr := m.cfg.Store.Get(ctx, c.Org, req.Name); !capacity || !req.Reuse || gerr != nil {
+			m.unindex(rec.ID)
+			return store.Record{}, "", err
+		}
+	}
 	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, req.Reuse)
 	if err != nil || got.ID != rec.ID {
 		m.unindex(rec.ID)
+		m.releaseUID(context.WithoutCancel(ctx), rec)
 	}
 	if err != nil {
 		return store.Record{}, "", m.mapStoreErr(err, req.Name)
@@ -200,9 +217,9 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	spec := provider.Spec{ID: rec.ID, Template: tmpl}
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
+	spec := provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID}
 	// fail records why (for the owner, on the record) and emits code (the event carries no text).
 	fail := func(code, why string, cause error) (store.Record, error) {
 		m.cfg.Log.Error("sandbox provisioning failed", "sandbox_id", rec.ID, "org", rec.Org, "why", why, "err", cause)
@@ -227,6 +244,22 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		})
 		return got, protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %s could not start: %s", rec.Name, why)
 	}
+	fields := map[string]string{store.FieldProvider: m.cfg.Provider.Name()}
+	if rec.UID == 0 && m.cfg.UIDs.Size() > 0 {
+		// A sandbox recorded before each got its own uid gets one now; the provider gives it its
+		// files. Keeping it on the shared uid would keep it sharing keyrings and limits with every
+		// other such sandbox. A failure here leaves the sandbox as it was, to start again later.
+		uid, err := m.allocateUID(ctx, rec.Org, rec.ID)
+		if err != nil {
+			return fail(protocol.ReasonStartFailed, "no host uid for it: "+err.Error(), err)
+		}
+		rec.UID, spec.UID = uid, uid
+		fields[store.FieldUID] = strconv.Itoa(uid)
+		if h.ws != nil { // opened for the shared uid
+			h.ws.Close()
+			h.ws = nil
+		}
+	}
 	if first {
 		if err := m.cfg.Provider.Create(ctx, spec); err != nil {
 			return fail(protocol.ReasonCreateFailed, "the provider could not create it", err)
@@ -245,8 +278,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	// The record names the provider that runs the sandbox now: after a data dir moved providers, the
 	// one it was created with would claim an isolation it no longer has.
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
-		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning,
-		Fields: map[string]string{store.FieldProvider: m.cfg.Provider.Name()}})
+		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning, Fields: fields})
 	if err != nil {
 		// Deleted (or otherwise moved) while we provisioned: the other action wins.
 		inst.Stop(ctx)
@@ -255,6 +287,28 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	}
 	go m.watch(rec.Org, rec.ID, h, inst)
 	return got, nil
+}
+
+// allocateUID takes a host uid for the sandbox from the range, or answers 0 when there is none.
+func (m *Manager) allocateUID(ctx context.Context, org, id string) (int, error) {
+	if m.cfg.UIDs.Size() == 0 {
+		return 0, nil
+	}
+	uid, err := m.cfg.Store.AllocateUID(ctx, m.cfg.UIDs, org, id)
+	if errors.Is(err, store.ErrUIDsExhausted) {
+		m.cfg.Log.Error("no sandbox uid left", "sandbox_id", id, "first", m.cfg.UIDs.First, "last", m.cfg.UIDs.Last)
+		return 0, protocol.Errorf(protocol.CodeCapacity,
+			"the broker has no host uid left for a new sandbox (all %d of its --sandbox-uids range are in use): delete sandboxes you no longer need, or ask the operator to widen the range",
+			m.cfg.UIDs.Size())
+	}
+	return uid, err
+}
+
+// releaseUID gives back the uid of a sandbox that never came to exist.
+func (m *Manager) releaseUID(ctx context.Context, rec store.Record) {
+	if err := m.cfg.Store.ReleaseUID(ctx, rec.Org, rec.ID); err != nil {
+		m.cfg.Log.Error("releasing the uid of a sandbox that was not created failed; it stays taken", "sandbox_id", rec.ID, "uid", rec.UID, "err", err)
+	}
 }
 
 // runSetup runs the template's setup command and returns why it failed, or "".
@@ -489,9 +543,15 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 	defer h.mu.Unlock()
 	h.release(ctx)
 	tmpl := m.cfg.Templates[rec.Template]
-	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: rec.ID, Template: tmpl}); err != nil {
+	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID}); err != nil {
 		m.cfg.Log.Error("removing sandbox files failed; it stays deleting and is retried at next start", "sandbox_id", rec.ID, "err", err)
 		return fmt.Errorf("sandbox %s: remove files: %w", rec.ID, err)
+	}
+	// The uid goes back only now that its processes ended and its files are gone, and before the
+	// record: if this fails, the record stays deleting and the release is retried with it.
+	if err := m.cfg.Store.ReleaseUID(ctx, rec.Org, rec.ID); err != nil {
+		m.cfg.Log.Error("releasing the sandbox uid failed; it stays deleting and is retried at next start", "sandbox_id", rec.ID, "uid", rec.UID, "err", err)
+		return fmt.Errorf("sandbox %s: release uid: %w", rec.ID, err)
 	}
 	if err := m.cfg.Store.Purge(ctx, rec); err != nil && !errors.Is(err, store.ErrWrongState) {
 		return err
@@ -578,7 +638,13 @@ func (m *Manager) Workspace(rec store.Record) (*workspace.Workspace, error) {
 	defer h.mu.Unlock()
 	if h.ws == nil {
 		dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: rec.ID})
-		ws, err := workspace.Open(dir, m.cfg.Workspace)
+		opts := m.cfg.Workspace
+		if rec.UID > 0 && opts.UID > 0 {
+			// Files the broker creates belong to the sandbox's own uid (a broker that runs
+			// sandboxes as its own user has no Workspace.UID and changes no owner).
+			opts.UID, opts.GID = rec.UID, rec.UID
+		}
+		ws, err := workspace.Open(dir, opts)
 		if err != nil {
 			return nil, fmt.Errorf("sandbox %s: open workspace: %w", rec.ID, err)
 		}
@@ -606,6 +672,7 @@ func NotFound(ref string) error {
 func (m *Manager) mapStoreErr(err error, ref string) error {
 	var se *store.StateError
 	var tm *store.TemplateMismatchError
+	var qe *store.QuotaError
 	switch {
 	case err == nil:
 		return nil
@@ -615,6 +682,10 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
 	case errors.As(err, &tm):
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists with another template (%q): delete it or pick another name", clip(ref), clip(tm.Template))
+	case errors.As(err, &qe):
+		return protocol.Errorf(protocol.CodeQuotaExceeded,
+			"org %s already has %d sandboxes running or starting, its max_running limit: stop or delete one first (sbctl list --status running; sbctl stop REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-running N); sbctl limits shows the org's limits",
+			qe.Org, qe.Limit, qe.Org)
 	case errors.Is(err, store.ErrBadCursor):
 		return protocol.Errorf(protocol.CodeInvalidCursor, "the cursor is not one this broker gave out: start again without it")
 	case errors.As(err, &se):

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -191,9 +192,27 @@ func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 	m.mu.Lock()
 	delete(m.host, id)
 	m.mu.Unlock()
+	m.keepUID(ctx, org, id, dir)
 	m.cfg.Log.Warn("a sandbox on this broker has no record in Redis (was Redis flushed or replaced?): its files are kept; "+
 		"copy out what you need, then remove the directory and its index entry",
 		"sandbox_id", id, "org", org, "files", dir, "index_entry", filepath.Join(m.cfg.IndexDir, id))
+}
+
+// keepUID holds the uid that the kept files of a sandbox with no record belong to: had Redis lost
+// the uid table with the record, the uid would go to a new sandbox, which would then own them.
+func (m *Manager) keepUID(ctx context.Context, org, id, ws string) {
+	var st syscall.Stat_t
+	if m.cfg.UIDs.Size() == 0 || syscall.Lstat(ws, &st) != nil {
+		return
+	}
+	uid := int(st.Uid)
+	if uid < m.cfg.UIDs.First || uid > m.cfg.UIDs.Last || uid == m.cfg.UIDs.Skip {
+		return
+	}
+	if _, err := m.cfg.Store.ReserveUID(ctx, uid, org, id); err != nil {
+		m.cfg.Log.Error("the kept files of a sandbox with no record belong to a uid another sandbox now has: remove them",
+			"sandbox_id", id, "org", org, "uid", uid, "files", ws, "err", err)
+	}
 }
 
 // reconcileAll checks every sandbox this node runs against its record.

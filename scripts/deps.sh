@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Installs what the broker and its tests need when it is missing: redis-server (the embedded Redis
-# and the tests' real Redis), bubblewrap (the namespace sandbox provider), and the toolchains the
-# sandbox tests run inside a sandbox, from Debian packages.
+# and the tests' real Redis), bubblewrap (the namespace sandbox provider), pasta (package passt: the
+# user-mode network stack of network: true sandboxes), and the toolchains the sandbox tests run
+# inside a sandbox, from Debian packages.
 set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v pasta >/dev/null 2>&1 || missing+=(passt)
+# pasta runs as the sandbox's uid and opens /dev/net/tun inside the sandbox's namespaces; the kernel
+# makes it 0666, some container runtimes 0600. Opening it grants nothing by itself (creating a tap
+# needs CAP_NET_ADMIN in a network namespace).
+if [ -c /dev/net/tun ] && [ "$(stat -c %a /dev/net/tun)" != 666 ] && [ "$(id -u)" -eq 0 ]; then
+  chmod 0666 /dev/net/tun
+fi
 # What the sandbox tests run inside a sandbox, from the host's /usr (the tests name what is missing).
 [ -x /usr/bin/gcc ] || missing+=(gcc)
 [ -x /usr/bin/git ] || missing+=(git)

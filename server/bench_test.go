@@ -10,6 +10,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
 )
 
 // In-process benchmarks of the dataplane's hot paths (tests/bench measures the real binary over
@@ -54,8 +55,16 @@ func BenchmarkDataplaneWriteRead4KiB(b *testing.B) {
 	}
 }
 
-func BenchmarkHeartbeatHTTP(b *testing.B) {
-	br := servertest.New(b, servertest.Options{})
+func BenchmarkHeartbeatHTTP(b *testing.B) { benchHeartbeats(b, store.Limits{}) }
+
+// BenchmarkHeartbeatHTTPRateLimited is BenchmarkHeartbeatHTTP with an rps limit that is never
+// reached: the cost of the per-credential bucket on the hottest route.
+func BenchmarkHeartbeatHTTPRateLimited(b *testing.B) {
+	benchHeartbeats(b, store.Limits{RPS: store.MaxLimit, Burst: store.MaxLimit})
+}
+
+func benchHeartbeats(b *testing.B, limits store.Limits) {
+	br := servertest.New(b, servertest.Options{Limits: limits})
 	res, err := br.Client.CreateSandbox(b.Context(), protocol.CreateSandboxRequest{Name: "hb"})
 	if err != nil {
 		b.Fatal(err)

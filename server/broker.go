@@ -8,13 +8,13 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/heartbeat"
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -37,19 +37,30 @@ type BrokerConfig struct {
 	SigningKeys string
 	// WorkspaceUID owns the files the broker creates in workspaces (-1: leave ownership alone).
 	WorkspaceUID int
-	Log          *slog.Logger
+	// SandboxUIDs is the host uid range each sandbox gets its own uid from (zero: none, sandboxes
+	// share the provider's uid).
+	SandboxUIDs store.UIDRange
+	Log         *slog.Logger
 	// Now is the clock of every lease, deadline and token (nil: time.Now).
 	Now                                       func() time.Time
 	DefaultTTL, MaxTTL, TokenTTL, TokenMaxTTL time.Duration
 	// SweepInterval runs the sweeper in the background; 0 leaves it to the caller (tests call
 	// Sweeper.SweepOnce).
 	SweepInterval, ExpiryWarning, Retention time.Duration
+	AllowedOrigins                          []string
+	DataplaneRenewsLease                    bool
 	// NodeHeartbeat is how often this broker renews its node record (its URL and liveness) in
 	// Redis; NodeLostAfter is how long a node may be silent before another broker declares it
 	// lost. Zero: DefaultNodeHeartbeat, DefaultNodeLostAfter.
 	NodeHeartbeat, NodeLostAfter time.Duration
-	AllowedOrigins               []string
-	DataplaneRenewsLease         bool
+	// Limits are the default limits of orgs without their own (docs/operations.md).
+	Limits store.Limits
+	// AuthFailures failed authentications from one source within AuthFailureWindow make it wait
+	// out the window (0: no limit).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
+	// Dataplane bounds dataplane connections (zero values: the defaults).
+	Dataplane DataplaneLimits
 }
 
 // Node liveness defaults: a broker renews its node record every DefaultNodeHeartbeat, and one
@@ -79,6 +90,11 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	if cfg.Limits.Connections == 0 {
+		// The per-org connection cap always has a default: the dataplane's.
+		cfg.Limits.Connections = cfg.Dataplane.withDefaults().PerOrg
+	}
+	cfg.Store.SetDefaultLimits(cfg.Limits)
 	b := &Broker{events: events.NewWriter(cfg.Store.Client(), cfg.Log)}
 	// Once Recover has restarted sandboxes, a failure must stop them again: nothing else would.
 	fail := func(err error) (*Broker, error) {
@@ -105,15 +121,24 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		Store: cfg.Store, Provider: cfg.Provider, Templates: cfg.Templates, Node: cfg.Node, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, DefaultTTL: cfg.DefaultTTL, MaxTTL: cfg.MaxTTL,
 		IndexDir: filepath.Join(cfg.DataDir, "hosted"), Workspace: workspace.Options{UID: cfg.WorkspaceUID, GID: cfg.WorkspaceUID},
+		UIDs: cfg.SandboxUIDs,
 	})
 	if err != nil {
 		return fail(err)
 	}
+	// Before Recover, which claims places for the sandboxes it restarts.
+	if err := cfg.Store.RecountRunning(ctx); err != nil {
+		cfg.Log.Error("counting the orgs' running sandboxes for their max_running limits", "err", err)
+	}
 	if err := b.Sandboxes.Recover(ctx); err != nil {
 		cfg.Log.Error("recovering this node's sandboxes", "err", err)
 	}
+	advertise, err := protocol.BrokerBaseURL(cfg.AdvertiseURL)
+	if err != nil {
+		return fail(fmt.Errorf("advertise URL: %w", err))
+	}
 	// The node record is renewed every beat from here on, so one lost with Redis' data comes back.
-	live := &sandbox.Liveness{URL: cfg.AdvertiseURL, Every: cmp.Or(cfg.NodeHeartbeat, DefaultNodeHeartbeat),
+	live := &sandbox.Liveness{URL: advertise, Every: cmp.Or(cfg.NodeHeartbeat, DefaultNodeHeartbeat),
 		LostAfter: cmp.Or(cfg.NodeLostAfter, DefaultNodeLostAfter)}
 	if err := b.Sandboxes.Beat(ctx, live); err != nil {
 		return fail(err)
@@ -128,7 +153,8 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
-		Provider: prov, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, cfg.AdvertiseURL),
+		Provider: prov, Dataplane: cfg.Dataplane, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, advertise),
+		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
 			if err := rdb.Ping(ctx).Err(); err != nil {
@@ -198,15 +224,19 @@ func dataplaneURL(st *store.Store, self, selfURL string) func(ctx context.Contex
 		base := selfURL
 		if rec.Node != self {
 			var err error
-			if base, err = st.NodeURL(ctx, rec.Node); err != nil {
+			if base, err = st.NodeURL(ctx, rec.Node); errors.Is(err, store.ErrNotFound) {
+				// Its record went with Redis' data; that broker writes it again within a node beat.
+				return "", protocol.Errorf(protocol.CodeUnavailable, "the broker hosting sandbox %s (%s) has no node record in Redis yet; retry shortly", rec.Name, rec.Node)
+			} else if err != nil {
 				return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
 			}
 		}
-		if rest, ok := strings.CutPrefix(base, "https://"); ok {
-			base = "wss://" + rest
-		} else {
-			base = "ws://" + strings.TrimPrefix(base, "http://")
+		// Built, scheme case and all, by the one function; a record written by an older broker
+		// with HTTPS:// in capitals still gives wss://.
+		u, err := protocol.DataplaneURL(base, rec.ID)
+		if err != nil {
+			return "", fmt.Errorf("the broker hosting sandbox %s (%s) registered a bad URL: %w", rec.ID, rec.Node, err)
 		}
-		return base + "/v1/sandboxes/" + rec.ID + "/dataplane", nil
+		return u, nil
 	}
 }

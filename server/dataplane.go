@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -31,24 +30,40 @@ const (
 	dpMaxFrameBytes = dpChunkBytes + 64<<10
 	dpMaxInflight   = 64
 	// File operations whose answer can be large (read, ls, glob, grep, download) hold a heavy slot
-	// until the writer takes their answer: this many per connection. read, ls, glob and grep also
-	// hold one of dpHeavyPerBroker across every connection, which bounds the memory their answers
-	// take however many connections or tokens a client opens; a slot is held only until the writer
-	// takes the answer, but a client that does not read makes that wait as long as it likes, so at
-	// most dpHeavyPerBroker such answers can be stuck at once. A download takes no broker-wide slot:
-	// it streams, so it holds a chunk at a time (its memory is bounded by the connection's write
-	// queue, as for a streamed exec), and it lasts as long as its reader is slow: broker-wide slots
-	// held by slow downloads would stall every other connection's reads.
+	// until their answer is written to the client (or dropped): this many per connection. read, ls,
+	// glob and grep also hold one of dpHeavyPerBroker across every connection, which bounds the
+	// memory their answers take however many connections or tokens a client opens; a client that
+	// does not read makes that wait as long as it likes, so one org holds at most dpHeavyPerOrg of
+	// them and the others are still served. A download takes no broker-wide slot: it streams, so it
+	// holds a chunk at a time (its memory is bounded by the connection's write queue, as for a
+	// streamed exec), and it lasts as long as its reader is slow: broker-wide slots held by slow
+	// downloads would stall every other connection's reads.
 	dpHeavyPerConn   = 2
 	dpHeavyPerBroker = 16
+	dpHeavyPerOrg    = dpHeavyPerBroker / 4
 	// dpExecOutputBudget bounds the output of non-streamed execs held in memory broker-wide (a
-	// command may run for minutes, so it cannot hold a slot). Past it, output is dropped and the
-	// result says truncated.
+	// command may run for minutes, so it cannot hold a slot), from its first byte until its answer
+	// is written to the client: the buffers' capacity while the command runs, then the encoded
+	// answer. Past it, output is dropped and the result says truncated. One org holds at most
+	// dpExecOutputPerOrg of it.
 	dpExecOutputBudget = 256 << 20
-	dpWriteQueue       = 8
-	dpWriteTimeout     = 30 * time.Second
-	dpPingEvery        = 30 * time.Second
-	dpPongWait         = 75 * time.Second
+	dpExecOutputPerOrg = dpExecOutputBudget / 4
+	// dpQueueBytes bounds the bytes waiting for one client: answers and stream chunks queued, the
+	// frame being written, and a download's chunk being read. A producer that would pass it waits
+	// (the connection's reader too: a client that does not read stops being read), so a client
+	// that does not read holds at most this much, or one answer larger than it. dpWriteQueue bounds
+	// the frames in the queue as well, for tiny ones.
+	// dpQueuedBudget bounds the bytes waiting for every client together, and dpQueuedPerOrg one
+	// org's: an org whose clients do not read fills its share and then waits, alone.
+	dpQueuedBudget = 1 << 30
+	dpQueuedPerOrg = dpQueuedBudget / 4
+	// dpRetryAfter is the Retry-After (seconds) of an upgrade refused for too many connections.
+	dpRetryAfter   = "5"
+	dpQueueBytes   = 4 << 20
+	dpWriteQueue   = 64
+	dpWriteTimeout = 30 * time.Second
+	dpPingEvery    = 30 * time.Second
+	dpPongWait     = 75 * time.Second
 	// dpRecheckEvery re-verifies each connection's credential, a backstop for revocation
 	// announcements lost while a broker was disconnected from Redis.
 	dpRecheckEvery = 30 * time.Second
@@ -76,9 +91,10 @@ func (s *Server) dataplane(c echo.Context) error {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane takes no query parameters (and never credentials in the URL): send Authorization: Bearer, or the %s<credential> subprotocol", protocol.BearerSubprotocolPrefix)
 	}
 	// Counted from here, before any work, so that concurrent upgrades cannot overshoot the bound.
-	release, ok := s.hub.reserve(s.maxDPConns)
+	release, ok := s.hub.reserve(s.dpLimits.MaxConnections)
 	if !ok {
-		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.maxDPConns)
+		c.Response().Header().Set("Retry-After", dpRetryAfter)
+		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.dpLimits.MaxConnections)
 	}
 	defer release()
 	if err := s.checkOrigin(r); err != nil {
@@ -108,12 +124,28 @@ func (s *Server) dataplane(c echo.Context) error {
 		if err != nil {
 			return err
 		}
+		// A token is a credential like a key: its upgrades spend its own bucket of the org's rps.
+		if err := s.limitCredential(ctx, claims.Org, "token:"+claims.ID); err != nil {
+			return err
+		}
 		conn.org, conn.claims, conn.actor = claims.Org, claims, "token:"+claims.ID
 		conn.scopes = map[string]bool{}
 		for _, sc := range claims.Scopes() {
 			conn.scopes[sc] = true
 		}
 	}
+	// The credential and its org are known from here: count the connection against their caps
+	// before anything else is looked up on its behalf.
+	holder := "key:" + conn.keyID
+	if conn.claims != nil {
+		holder = "token:" + conn.claims.ID
+	}
+	releaseShare, err := s.hub.admit(conn.org, holder, s.orgLimits.get(ctx, conn.org).Connections, s.dpLimits.PerCredential)
+	if err != nil {
+		c.Response().Header().Set("Retry-After", dpRetryAfter)
+		return err
+	}
+	defer releaseShare()
 	rec, err := s.dataplaneSandbox(ctx, conn, c.Param("ref"))
 	if err != nil {
 		return err
@@ -216,11 +248,17 @@ type dpConn struct {
 
 	// heavy holds this connection's slots for operations with large answers (holdHeavy).
 	heavy chan struct{}
+	// queued counts the bytes waiting for this client (dpQueueBytes).
+	queued *quota
 
 	mu       sync.Mutex
 	inflight map[uint32]*request
 	closing  bool
 	closeMsg []byte // the close frame to send, set once
+	// drained, once set (the broker is shutting down), refuses new requests and is closed when
+	// no request is in flight any more (stopNew).
+	drained       chan struct{}
+	drainedClosed bool
 
 	// running counts request goroutines, which serve waits for: they may still emit events.
 	running sync.WaitGroup
@@ -230,50 +268,73 @@ type dpConn struct {
 type request struct {
 	cancel context.CancelFunc
 	upload *workspace.Upload // set for uploads, fed by the reader
-	// release gives back the heavy slot the request holds, once.
-	release func()
-	once    sync.Once
+	// hold is what the request holds of shared resources; its answer frame carries it.
+	hold hold
+	// exec is a non-streamed exec's output, counted against the broker-wide budget.
+	exec *execOutput
 }
 
-// done ends the request's hold on shared resources.
-func (r *request) done() {
-	r.cancel()
-	r.once.Do(func() {
-		if r.release != nil {
-			r.release()
-		}
-	})
+// hold is what one request holds of the broker's shared resources (heavy slots, exec output
+// budget), from when it takes them until its answer is written to the client, dropped, or left in
+// the queue when the connection ends: each is taken once and given back once, by release. Only the
+// request's goroutine adds to it, before it hands the answer to the writer.
+type hold struct {
+	mu       sync.Mutex
+	releases []func()
+	released bool
 }
 
-// holdHeavy takes a heavy slot for req on this connection and, when broker is set, one broker-wide,
-// waiting if none is free; they are given back when the request's answer is taken by the writer
-// (request.done).
+// add records what to give back; if the hold was released already, it is given back at once.
+func (h *hold) add(release func()) {
+	h.mu.Lock()
+	if h.released {
+		h.mu.Unlock()
+		release()
+		return
+	}
+	h.releases = append(h.releases, release)
+	h.mu.Unlock()
+}
+
+// release gives back everything held, once; later calls do nothing.
+func (h *hold) release() {
+	h.mu.Lock()
+	list := h.releases
+	h.releases, h.released = nil, true
+	h.mu.Unlock()
+	for _, f := range list {
+		f()
+	}
+}
+
+// holdHeavy takes a heavy slot for req on this connection and, when broker is set, one broker-wide
+// (within the org's share), waiting if none is free; they go with the request's answer and are
+// given back when it is written or dropped.
 func (c *dpConn) holdHeavy(ctx context.Context, req *request, broker bool) error {
 	select {
 	case c.heavy <- struct{}{}:
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	req.hold.add(func() { <-c.heavy })
 	if !broker {
-		req.release = func() { <-c.heavy }
 		return nil
 	}
-	select {
-	case c.s.dpHeavy <- struct{}{}:
-	case <-ctx.Done():
-		<-c.heavy
-		return ctx.Err()
+	if err := c.s.dpHeavy.acquire(ctx, c.org, 1); err != nil {
+		return err
 	}
-	req.release = func() { <-c.s.dpHeavy; <-c.heavy }
+	req.hold.add(func() { c.s.dpHeavy.release(c.org, 1) })
 	return nil
 }
 
-// outFrame is a frame for the writer. release, when set, returns a pooled buffer after the write.
-// taken, when set, runs when the writer takes the frame, before writing it (or when the frame is
-// dropped because the connection is closing).
+// outFrame is a frame for the writer. n is what it counts against the connection's queue bytes.
+// taken, when set, runs when the writer takes the frame, before writing it. release, when set, runs
+// after the frame is written, or when it is dropped because the connection is ending: what the
+// frame holds (a pooled buffer, a request's hold) is given back then, and in every case.
 type outFrame struct {
 	kind    int
 	data    []byte
+	n       int64
 	release func()
 	taken   func()
 }
@@ -281,6 +342,7 @@ type outFrame struct {
 func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.conn = ws
 	c.out = make(chan outFrame, dpWriteQueue)
+	c.queued = newQuota(dpQueueBytes, 0)
 	c.inflight = map[uint32]*request{}
 	c.heavy = make(chan struct{}, dpHeavyPerConn)
 	c.ctx, c.cancel = context.WithCancel(context.Background())
@@ -312,6 +374,9 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	<-writerDone
 	ws.Close()
 	c.running.Wait()
+	// Frames queued after the writer left (a producer that raced the close) are given back here:
+	// nothing produces any more.
+	c.dropQueued()
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventDisconnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
 	log.Info("dataplane disconnected", "jti", c.jti())
 	unregister()
@@ -435,6 +500,8 @@ func (c *dpConn) shutdown(code int, reason string) {
 func (c *dpConn) writer() {
 	ping := time.NewTicker(dpPingEvery)
 	defer ping.Stop()
+	// Whatever is still queued when the writer leaves is never written: give it back now.
+	defer c.dropQueued()
 	for {
 		select {
 		case f := <-c.out:
@@ -443,9 +510,7 @@ func (c *dpConn) writer() {
 			}
 			c.conn.SetWriteDeadline(time.Now().Add(dpWriteTimeout))
 			err := c.conn.WriteMessage(f.kind, f.data)
-			if f.release != nil {
-				f.release()
-			}
+			c.written(f)
 			if err != nil {
 				c.shutdown(websocket.CloseAbnormalClosure, "")
 				return
@@ -462,32 +527,100 @@ func (c *dpConn) writer() {
 	}
 }
 
-// enqueue hands a frame to the writer, waiting while its queue is full (backpressure from a slow
-// reader reaches the producer: an exec's pipe, a download's file reads).
+// charge counts n bytes against the connection's queue, waiting while it is full (backpressure
+// from a slow reader reaches the producer: an exec's pipe, a download's file reads, the
+// connection's reader). It fails when the connection is ending.
+func (c *dpConn) charge(n int64) bool {
+	if c.queued.acquire(c.ctx, "", n) != nil {
+		return false
+	}
+	if c.s.dpQueued.acquire(c.ctx, c.org, n) != nil {
+		c.queued.release("", n)
+		return false
+	}
+	return true
+}
+
+func (c *dpConn) uncharge(n int64) {
+	c.queued.release("", n)
+	c.s.dpQueued.release(c.org, n)
+}
+
+// enqueue hands a frame to the writer, counting its bytes against the connection's queue first.
+// Whatever happens to the frame, its release runs exactly once.
 func (c *dpConn) enqueue(f outFrame) bool {
+	f.n = int64(len(f.data))
+	if !c.charge(f.n) {
+		f.n = 0
+		c.dropped(f)
+		return false
+	}
+	return c.enqueueCharged(f)
+}
+
+// enqueueCharged is enqueue for a frame whose f.n bytes were charged already.
+func (c *dpConn) enqueueCharged(f outFrame) bool {
 	select {
 	case c.out <- f:
 		return true
 	case <-c.ctx.Done():
-		if f.taken != nil {
-			f.taken()
-		}
-		if f.release != nil {
-			f.release()
-		}
+		c.dropped(f)
 		return false
 	}
 }
 
-func (c *dpConn) send(r protocol.Response) { c.sendThen(r, nil) }
+// written ends the life of a frame the writer wrote (or failed to write).
+func (c *dpConn) written(f outFrame) {
+	c.uncharge(f.n)
+	if f.release != nil {
+		f.release()
+	}
+}
 
-// sendThen is send with a hook for when the writer takes the frame (outFrame.taken).
-func (c *dpConn) sendThen(r protocol.Response, taken func()) {
+// dropped ends the life of a frame that will never be written.
+func (c *dpConn) dropped(f outFrame) {
+	if f.taken != nil {
+		f.taken()
+	}
+	c.written(f)
+}
+
+// dropQueued drops every frame left in the queue.
+func (c *dpConn) dropQueued() {
+	for {
+		select {
+		case f := <-c.out:
+			c.dropped(f)
+		default:
+			return
+		}
+	}
+}
+
+func (c *dpConn) send(r protocol.Response) {
+	c.enqueue(outFrame{kind: websocket.TextMessage, data: encode(r)})
+}
+
+func encode(r protocol.Response) []byte {
 	b, err := json.Marshal(r)
 	if err != nil {
 		b, _ = json.Marshal(protocol.Response{ID: r.ID, Error: protocol.Errorf(protocol.CodeInternal, "the result could not be encoded")})
 	}
-	c.enqueue(outFrame{kind: websocket.TextMessage, data: b, taken: taken})
+	return b
+}
+
+// answer queues the one answer to req. The request stays in flight until the writer takes its
+// answer, not until the answer is queued: a client may reuse the id (or the slot) the moment it
+// reads the answer, which can be before this goroutine runs again; and an answer waiting in the
+// queue must still count against max_inflight, or a client that does not read could queue them
+// unbounded. What the request holds is given back once its answer is written or dropped.
+func (c *dpConn) answer(id uint32, req *request, resp protocol.Response) {
+	b := encode(resp)
+	if req.exec != nil {
+		// The output is in b now; the budget counts b from here, and the buffers are let go.
+		req.exec.settle(int64(len(b)))
+	}
+	c.enqueue(outFrame{kind: websocket.TextMessage, data: b, taken: func() { c.forget(id, req) }, release: req.hold.release})
 }
 
 func (c *dpConn) fail(id uint32, err error) { c.send(c.errorResponse(id, err)) }
@@ -604,22 +737,44 @@ func (c *dpConn) binary(kind byte, id uint32, payload io.Reader, chunk []byte) {
 	c.send(protocol.Response{ID: id, Result: res})
 }
 
-// finish forgets a request in flight.
+// finish forgets an upload in flight (it holds no shared resources beyond its file).
 func (c *dpConn) finish(id uint32) {
 	c.mu.Lock()
 	if r := c.inflight[id]; r != nil {
-		r.done()
+		r.cancel()
 		delete(c.inflight, id)
+		c.checkDrained()
 	}
 	c.mu.Unlock()
 }
 
+// stopNew makes the connection refuse new requests (the broker is shutting down) and returns a
+// channel that is closed once no request is in flight.
+func (c *dpConn) stopNew() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.drained == nil {
+		c.drained = make(chan struct{})
+		c.checkDrained()
+	}
+	return c.drained
+}
+
+// checkDrained closes drained when the last request in flight is gone. c.mu is held.
+func (c *dpConn) checkDrained() {
+	if c.drained != nil && !c.drainedClosed && len(c.inflight) == 0 {
+		close(c.drained)
+		c.drainedClosed = true
+	}
+}
+
 // forget is finish for request req only: by the time it runs, its id may name a newer request.
 func (c *dpConn) forget(id uint32, req *request) {
-	req.done()
+	req.cancel()
 	c.mu.Lock()
 	if c.inflight[id] == req {
 		delete(c.inflight, id)
+		c.checkDrained()
 	}
 	c.mu.Unlock()
 }
@@ -659,6 +814,11 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 	case c.closing:
 		c.mu.Unlock()
 		cancel()
+		return
+	case c.drained != nil:
+		c.mu.Unlock()
+		cancel()
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: request %d was not started; reconnect (the sandbox's broker will be back) and send it again", id)})
 		return
 	case c.inflight[id] != nil:
 		c.mu.Unlock()
@@ -717,11 +877,7 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 			}
 			resp = c.errorResponse(id, err)
 		}
-		// The request stays in flight until the writer takes its answer, not until the answer is
-		// queued: a client may reuse the id (or the slot) the moment it reads the answer, which
-		// can be before this goroutine runs again; and an answer waiting in the queue must still
-		// count against max_inflight, or a client that does not read could queue them unbounded.
-		c.sendThen(resp, func() { c.forget(id, req) })
+		c.answer(id, req, resp)
 	}()
 }
 
@@ -787,17 +943,17 @@ func (c *dpConn) run(ctx context.Context, id uint32, req *request, op string, ra
 		if err := decodeArgs(raw, &a); err != nil {
 			return nil, err
 		}
-		entries, err := c.files.List(a.Path)
-		if entries == nil {
-			entries = []protocol.FileInfo{}
+		res, err := c.files.ListContext(ctx, a.Path)
+		if res.Entries == nil {
+			res.Entries = []protocol.FileInfo{}
 		}
-		return protocol.LsResult{Entries: entries}, err
+		return res, err
 	case protocol.OpRead:
 		var a protocol.ReadArgs
 		if err := decodeArgs(raw, &a); err != nil {
 			return nil, err
 		}
-		return c.files.Read(a)
+		return c.files.ReadContext(ctx, a)
 	case protocol.OpWrite:
 		var a protocol.WriteArgs
 		if err := decodeArgs(raw, &a); err != nil {
@@ -897,16 +1053,23 @@ func (c *dpConn) download(ctx context.Context, id uint32, a protocol.DownloadArg
 	defer f.Close()
 	var size int64
 	for {
+		// The chunk is counted against the connection's queue from before it is filled: a client
+		// that does not read holds no chunk that is not counted.
+		const chunk = protocol.FrameHeaderLen + dpChunkBytes
+		if !c.charge(chunk) {
+			return nil, context.Canceled
+		}
 		bp := chunkPool.Get().(*[]byte)
 		buf := *bp
 		n, err := io.ReadFull(f, buf[protocol.FrameHeaderLen:])
 		if n > 0 {
 			protocol.PutFrameHeader(buf, protocol.FrameData, id)
 			size += int64(n)
-			if !c.enqueue(outFrame{kind: websocket.BinaryMessage, data: buf[:protocol.FrameHeaderLen+n], release: func() { chunkPool.Put(bp) }}) {
+			if !c.enqueueCharged(outFrame{kind: websocket.BinaryMessage, data: buf[:protocol.FrameHeaderLen+n], n: chunk, release: func() { chunkPool.Put(bp) }}) {
 				return nil, context.Canceled
 			}
 		} else {
+			c.uncharge(chunk)
 			chunkPool.Put(bp)
 		}
 		if err == io.EOF || err == io.ErrUnexpectedEOF {
@@ -945,10 +1108,13 @@ func (c *dpConn) exec(ctx context.Context, id uint32, r *request, a protocol.Exe
 	if a.Stdin != "" {
 		req.Stdin = strings.NewReader(a.Stdin)
 	}
-	stdout := &budgetWriter{budget: &c.s.dpExecOutput}
-	stderr := &budgetWriter{budget: &c.s.dpExecOutput}
-	// The buffered output is given back when the writer takes the answer.
-	r.release = func() { stdout.free(); stderr.free() }
+	out := &execOutput{budget: c.s.dpExecOutput, org: c.org, limit: int(a.MaxOutput)}
+	stdout, stderr := &budgetWriter{out: out}, &budgetWriter{out: out}
+	if !a.Stream && !a.Background {
+		// The output is counted until the answer that carries it is written or dropped.
+		r.exec = out
+		r.hold.add(out.free)
+	}
 	switch {
 	case a.Background:
 	case a.Stream:
@@ -966,16 +1132,16 @@ func (c *dpConn) exec(ctx context.Context, id uint32, r *request, a protocol.Exe
 	if err != nil {
 		return nil, err
 	}
-	out := protocol.ExecResult{ExitCode: res.ExitCode, Signal: res.Signal, Reason: res.Reason,
-		Truncated: res.Truncated || stdout.dropped || stderr.dropped, DurationMS: res.Duration.Milliseconds()}
+	result := protocol.ExecResult{ExitCode: res.ExitCode, Signal: res.Signal, Reason: res.Reason,
+		Truncated: res.Truncated || out.wasDropped(), DurationMS: res.Duration.Milliseconds()}
 	if a.Background {
-		out.Pid = res.Pid
+		result.Pid = res.Pid
 	}
 	if !a.Stream && !a.Background {
 		if a.Combined {
-			out.Output = utf8String(stdout.Bytes())
+			result.Output = utf8String(stdout.buf)
 		} else {
-			out.Stdout, out.Stderr = utf8String(stdout.Bytes()), utf8String(stderr.Bytes())
+			result.Stdout, result.Stderr = utf8String(stdout.buf), utf8String(stderr.buf)
 		}
 	}
 	cmd := a.Command
@@ -992,32 +1158,91 @@ func (c *dpConn) exec(ctx context.Context, id uint32, r *request, a protocol.Exe
 	if res.Reason == provider.ReasonCancelled {
 		return nil, context.Canceled
 	}
-	return out, nil
+	return result, nil
 }
 
-// budgetWriter buffers a command's output against the broker-wide budget; what the budget cannot
-// hold is dropped (and said so).
-type budgetWriter struct {
-	bytes.Buffer
-	budget  *atomic.Int64
+// execOutput is what one non-streamed exec holds of the broker-wide output budget: the capacity of
+// its stdout and stderr buffers while it runs, then its encoded answer until that is written.
+type execOutput struct {
+	budget *quota
+	org    string
+	limit  int // the exec's max_output: no buffer grows past it
+
+	mu      sync.Mutex
 	held    int64
 	dropped bool
+	freed   bool
+}
+
+// grow takes n more bytes of budget for a buffer, or says the output must be dropped.
+func (o *execOutput) grow(n int64) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.freed || !o.budget.tryAcquire(o.org, n) {
+		o.dropped = true
+		return false
+	}
+	o.held += n
+	return true
+}
+
+func (o *execOutput) wasDropped() bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.dropped
+}
+
+// settle makes the budget count n bytes, the encoded answer that now carries the output, instead of
+// the buffers, which are garbage from here. The answer exists already, so it is counted even past
+// the budget (by at most what encoding added to output that was within it).
+func (o *execOutput) settle(n int64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.freed {
+		return
+	}
+	if d := n - o.held; d > 0 {
+		o.budget.force(o.org, d)
+	} else {
+		o.budget.release(o.org, -d)
+	}
+	o.held = n
+}
+
+// free gives everything back to the budget, once.
+func (o *execOutput) free() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if !o.freed {
+		o.budget.release(o.org, o.held)
+		o.held, o.freed = 0, true
+	}
+}
+
+// budgetWriter buffers one of a command's outputs against its execOutput; what the budget cannot
+// hold is dropped (and said so). Its buffer's capacity is what is counted.
+type budgetWriter struct {
+	out *execOutput
+	buf []byte
 }
 
 func (w *budgetWriter) Write(p []byte) (int, error) {
-	if w.budget.Add(int64(len(p))) > dpExecOutputBudget {
-		w.budget.Add(-int64(len(p)))
-		w.dropped = true
-		return len(p), nil
+	need := len(w.buf) + len(p)
+	if need > cap(w.buf) {
+		// Grow as append would, but never past the exec's output cap, and only within budget.
+		size := max(need, 2*cap(w.buf), 4096)
+		if w.out.limit > 0 {
+			size = max(need, min(size, w.out.limit))
+		}
+		if !w.out.grow(int64(size - cap(w.buf))) {
+			return len(p), nil
+		}
+		grown := make([]byte, len(w.buf), size)
+		copy(grown, w.buf)
+		w.buf = grown
 	}
-	w.held += int64(len(p))
-	return w.Buffer.Write(p)
-}
-
-// free gives the held bytes back to the budget (the buffer itself goes with the answer).
-func (w *budgetWriter) free() {
-	w.budget.Add(-w.held)
-	w.held = 0
+	w.buf = append(w.buf, p...)
+	return len(p), nil
 }
 
 func utf8String(b []byte) *string {
@@ -1059,12 +1284,45 @@ type hub struct {
 	// closeAll waits for it, since http.Server.Shutdown does not wait for hijacked connections and
 	// after closeAll the broker closes its event writer, which a connection still ending would emit
 	// into.
-	open   int
-	closed bool          // closeAll ran: a connection upgraded later is closed at once
-	idle   chan struct{} // closed when open drops to 0 after closeAll
+	open int
+	// byOrg and byCred count connections that passed authentication, by org and by credential
+	// (admit), against the per-org and per-credential caps.
+	byOrg, byCred map[string]int
+	closed        bool          // closeAll ran: a connection upgraded later is closed at once
+	idle          chan struct{} // closed when open drops to 0 after closeAll
 }
 
-func newHub() *hub { return &hub{conns: map[string]map[*dpConn]struct{}{}} }
+func newHub() *hub {
+	return &hub{conns: map[string]map[*dpConn]struct{}{}, byOrg: map[string]int{}, byCred: map[string]int{}}
+}
+
+// admit counts an authenticated connection against its org's cap (the org's connections limit; 0:
+// none) and its credential's, or refuses it with too_many_connections. release uncounts it, once.
+func (h *hub) admit(org, cred string, perOrg, perCred int) (release func(), err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.byCred[cred] >= perCred {
+		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this credential has %d dataplane connections open on this broker, its maximum: close one, or retry later", perCred)
+	}
+	if perOrg > 0 && h.byOrg[org] >= perOrg {
+		return nil, protocol.Errorf(protocol.CodeTooManyConnections, "this org has %d dataplane connections open on this broker, its connections limit: close one, or retry later (broker orgs set-limits %s --connections N raises it)", perOrg, org)
+	}
+	h.byCred[cred]++
+	h.byOrg[org]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			h.mu.Lock()
+			defer h.mu.Unlock()
+			if h.byCred[cred]--; h.byCred[cred] <= 0 {
+				delete(h.byCred, cred)
+			}
+			if h.byOrg[org]--; h.byOrg[org] <= 0 {
+				delete(h.byOrg, org)
+			}
+		})
+	}, nil
+}
 
 // reserve counts a connection being opened, unless max are counted already. release uncounts it,
 // once; call it when the connection has ended (or was refused).
@@ -1150,6 +1408,29 @@ func (h *hub) keyRevoked(keyID string) {
 // revoked applies an announced revocation to the connections it concerns.
 func (h *hub) revoked(r delegation.Revocation) {
 	h.each(r.Org+"/"+r.SandboxID, func(c *dpConn) { c.revoked(r) })
+}
+
+// drain begins a graceful shutdown: connections upgraded from now on are closed at once, open ones
+// refuse new requests, and drain waits until those in flight are answered or ctx ends (closeAll
+// then cuts the rest).
+func (h *hub) drain(ctx context.Context) {
+	h.mu.Lock()
+	h.closed = true
+	h.mu.Unlock()
+	type waiting struct {
+		drained <-chan struct{}
+		ended   <-chan struct{}
+	}
+	var list []waiting
+	h.each("", func(c *dpConn) { list = append(list, waiting{c.stopNew(), c.ctx.Done()}) })
+	for _, w := range list {
+		select {
+		case <-w.drained:
+		case <-w.ended: // the connection is ending anyway
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // closeAll closes every connection (broker shutdown) and waits, up to dpCloseWait, until each has

@@ -17,7 +17,7 @@ import (
 var statusOf = map[string]int{
 	protocol.CodeInvalidJSON: 400, protocol.CodeInvalidArgument: 400, protocol.CodeInvalidName: 400,
 	protocol.CodeInvalidTTL: 400, protocol.CodeInvalidTag: 400, protocol.CodeInvalidStatus: 400,
-	protocol.CodeInvalidCursor: 400, protocol.CodeInvalidScope: 400, protocol.CodeUnknownTemplate: 400,
+	protocol.CodeInvalidCursor: 400, protocol.CodeInvalidEventID: 400, protocol.CodeInvalidScope: 400, protocol.CodeUnknownTemplate: 400,
 	protocol.CodeUnauthenticated: 401,
 	protocol.CodeTokenMalformed:  401, protocol.CodeTokenTooLarge: 401, protocol.CodeTokenAlgorithm: 401,
 	protocol.CodeTokenType: 401, protocol.CodeTokenUnknownKey: 401, protocol.CodeTokenSignature: 401,
@@ -30,8 +30,9 @@ var statusOf = map[string]int{
 	protocol.CodeMethodNotAllowed: 405,
 	protocol.CodeNameConflict:     409, protocol.CodeInvalidState: 409, protocol.CodeSandboxFailed: 409,
 	protocol.CodeNotRunning: 409, protocol.CodeWrongNode: 409,
-	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429,
-	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503,
+	protocol.CodeTooLarge: 413, protocol.CodeTooManyRequests: 429, protocol.CodeTooManyConnections: 429,
+	protocol.CodeQuotaExceeded: 429, protocol.CodeRateLimited: 429,
+	protocol.CodeInternal: 500, protocol.CodeUnavailable: 503, protocol.CodeCapacity: 503,
 }
 
 // apiError maps any error to the one JSON error shape, for REST answers and dataplane answers alike.
@@ -88,6 +89,12 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 		s.log.Error("request failed", "request_id", pe.RequestID, "route", c.Path(), "err", err)
 	} else {
 		c.Set(ctxErrCode, pe.Code)
+	}
+	if status == http.StatusTooManyRequests {
+		if c.Response().Header().Get("Retry-After") == "" { // the dataplane sets its own
+			c.Response().Header().Set("Retry-After", retryAfter(err))
+		}
+		s.countRefusal(c, err)
 	}
 	if c.Request().Method == http.MethodHead {
 		c.NoContent(status)

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
@@ -70,11 +71,12 @@ func (s *Server) withAccessLog(next echo.HandlerFunc) echo.HandlerFunc {
 		if status >= 400 && status < 500 {
 			level = slog.LevelInfo
 		}
-		s.metrics.observe(c.Request().Method, c.Path(), status, time.Since(start))
+		route := s.routeLabel(c.Path())
+		s.metrics.observe(c.Request().Method, route, status, time.Since(start))
 		if status >= 500 || !s.log.Enabled(c.Request().Context(), level) {
 			return nil
 		}
-		attrs := []any{"request_id", requestID(c), "method", c.Request().Method, "route", c.Path(),
+		attrs := []any{"request_id", requestID(c), "method", clipForLog(c.Request().Method), "route", route,
 			"status", status, "duration_ms", float64(time.Since(start).Microseconds()) / 1000}
 		if p := principal(c); p.Org != "" {
 			attrs = append(attrs, "org", p.Org, "key_id", p.KeyID)
@@ -88,6 +90,26 @@ func (s *Server) withAccessLog(next echo.HandlerFunc) echo.HandlerFunc {
 		s.log.Log(c.Request().Context(), level, "request", attrs...)
 		return nil
 	}
+}
+
+// routeLabel is path if it is one of the server's routes, else otherLabel: what a caller puts in a
+// path or method never becomes a metric label or a log field of unbounded size.
+func (s *Server) routeLabel(path string) string {
+	if s.routes[path] {
+		return path
+	}
+	return otherLabel
+}
+
+// maxLoggedField bounds a caller-chosen string (an unknown method name) in a log line.
+const maxLoggedField = 32
+
+// clipForLog cuts a caller-chosen string to maxLoggedField bytes of valid UTF-8, marking the cut.
+func clipForLog(v string) string {
+	if len(v) <= maxLoggedField {
+		return strings.ToValidUTF8(v, "?")
+	}
+	return strings.ToValidUTF8(v[:maxLoggedField], "?") + "...(" + strconv.Itoa(len(v)) + " bytes)"
 }
 
 // bearer extracts the credential of an Authorization: Bearer header.
@@ -137,6 +159,9 @@ func (s *Server) ownerKey(ctx context.Context, cred string) (Principal, error) {
 		return Principal{}, protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
 	}
 	if err != nil {
+		return Principal{}, err
+	}
+	if err := s.limitCredential(ctx, k.Org, "key:"+k.ID); err != nil {
 		return Principal{}, err
 	}
 	return Principal{Org: k.Org, KeyID: k.ID}, nil

@@ -131,6 +131,10 @@ func filterFromQuery(c echo.Context) (store.Filter, error) {
 		if f.Tags == nil {
 			f.Tags = map[string]string{}
 		}
+		if prev, dup := f.Tags[k]; dup && prev != v {
+			// Both must match, so nothing can: say so rather than keep the last.
+			return f, protocol.Errorf(protocol.CodeInvalidTag, "tag %q is selected twice with different values; a sandbox has one value per tag", k)
+		}
 		f.Tags[k] = v
 	}
 	if len(f.Tags) > sandbox.MaxTags {

@@ -13,7 +13,6 @@ import (
 	"runtime/debug"
 	"sort"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -40,8 +39,12 @@ type Config struct {
 	// DataplaneRenewsLease lets dataplane activity renew a sandbox's lease (off by default: a lease
 	// is the owner's heartbeat, and an agent left running must not keep a sandbox alive).
 	DataplaneRenewsLease bool
-	// MaxDataplaneConnections bounds open dataplane connections (default 4096).
-	MaxDataplaneConnections int
+	// AuthFailures failed authentications from one source address within AuthFailureWindow make
+	// that source wait out the window (429 rate_limited); 0 = no limit.
+	AuthFailures      int
+	AuthFailureWindow time.Duration
+	// Dataplane bounds the dataplane connections this broker serves.
+	Dataplane DataplaneLimits
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.
@@ -61,6 +64,36 @@ type ProviderInfo struct {
 	// Fallback is why preflight fell back to the dir provider (on this start or the one that set up
 	// the data dir), empty if it did not.
 	Fallback string `json:"fallback,omitempty"`
+}
+
+// DataplaneLimits bound the dataplane connections one broker serves, so that one credential or one
+// org cannot take them all (0: the default).
+type DataplaneLimits struct {
+	// MaxConnections bounds them all (default 4096); past it an upgrade is 503 unavailable.
+	MaxConnections int
+	// PerOrg and PerCredential bound one org's, and one API key's or delegation token's (default
+	// 1024 and 256); past them an upgrade is 429 too_many_connections.
+	PerOrg, PerCredential int
+}
+
+// Default dataplane connection limits.
+const (
+	DefaultMaxDataplaneConnections     = 4096
+	DefaultDataplaneConnsPerOrg        = 1024
+	DefaultDataplaneConnsPerCredential = 256
+)
+
+func (l DataplaneLimits) withDefaults() DataplaneLimits {
+	if l.MaxConnections <= 0 {
+		l.MaxConnections = DefaultMaxDataplaneConnections
+	}
+	if l.PerOrg <= 0 {
+		l.PerOrg = DefaultDataplaneConnsPerOrg
+	}
+	if l.PerCredential <= 0 {
+		l.PerCredential = DefaultDataplaneConnsPerCredential
+	}
+	return l
 }
 
 // ReadyReport is the /readyz body.
@@ -98,12 +131,23 @@ type Server struct {
 	apiKeys        *keyCache
 	// streams are the open SSE streams, ended when their API key is revoked.
 	streams *streams
-	// dpHeavy bounds operations with large answers broker-wide.
-	dpHeavy chan struct{}
-	// dpExecOutput is the output of non-streamed execs held in memory broker-wide.
-	dpExecOutput atomic.Int64
-	// maxDPConns bounds open dataplane connections (counted by hub).
-	maxDPConns int
+	// Rate limits (ratelimit.go): per credential, and failed authentications per source.
+	buckets      *credBuckets
+	orgLimits    *orgLimitsCache
+	authGuard    *authGuard
+	limitMetrics *limitMetrics
+	// dpHeavy bounds operations with large answers broker-wide, with a share per org.
+	dpHeavy *quota
+	// dpExecOutput is the output of non-streamed execs held in memory broker-wide, with a share
+	// per org.
+	dpExecOutput *quota
+	// dpQueued is the bytes waiting for dataplane clients, every connection's queue together,
+	// with a share per org.
+	dpQueued *quota
+	// routes are the registered route paths (echo's c.Path() form), the only route labels.
+	routes map[string]bool
+	// dpLimits bound open dataplane connections (counted by hub).
+	dpLimits DataplaneLimits
 
 	// dataplaneURL is Config.DataplaneURL.
 	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
@@ -118,19 +162,20 @@ func New(cfg Config) *Server {
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count, cfg.Provider), hub: h,
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
-		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: make(chan struct{}, dpHeavyPerBroker),
-		maxDPConns: cfg.MaxDataplaneConnections}
+		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
+		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
+		dpLimits: cfg.Dataplane.withDefaults()}
 	s.dataplaneURL = cfg.DataplaneURL
-	if s.maxDPConns <= 0 {
-		s.maxDPConns = 4096
-	}
+	s.metrics.reg.MustRegister(s.dataplaneGauges()...)
 	if s.events == nil {
 		s.events = events.Discard
 	}
+	s.newLimiters(cfg)
+	s.registerLimitMetrics(s.metrics.reg)
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler
-	e.Use(withRequestID, s.withAccessLog, s.recoverPanics)
+	e.Use(withRequestID, s.withAccessLog, s.recoverPanics, s.guardAuth, checkQuery)
 	s.e = e
 	s.bgCtx, s.stopBackground = context.WithCancel(context.Background())
 	s.http = &http.Server{
@@ -171,6 +216,11 @@ func New(cfg Config) *Server {
 	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
 	e.GET("/v1/events", s.orgEvents, owner...)
 	e.GET("/v1/orphans", s.orphans, owner...)
+	e.GET("/v1/limits", s.getLimits, owner...)
+	s.routes = map[string]bool{}
+	for _, r := range e.Routes() {
+		s.routes[r.Path] = true
+	}
 	return s
 }
 
@@ -219,10 +269,15 @@ func (s *Server) Serve(l net.Listener) error {
 
 // Shutdown stops accepting, lets in-flight requests finish until ctx ends, then closes the rest.
 func (s *Server) Shutdown(ctx context.Context) error {
+	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: the hub drains them,
+	// meanwhile. Revocations are still followed while they drain; event streams (which
+	// http.Server.Shutdown would wait for) end after.
+	httpDone := make(chan error, 1)
+	go func() { httpDone <- s.http.Shutdown(ctx) }()
+	s.hub.drain(ctx)
 	s.stopBackground()
-	// http.Server.Shutdown does not touch hijacked (WebSocket) connections: close them ourselves.
 	s.hub.closeAll()
-	return s.http.Shutdown(ctx)
+	return <-httpDone
 }
 
 func (s *Server) healthz(c echo.Context) error {

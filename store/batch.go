@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -25,7 +26,15 @@ type leaseBatcher struct {
 	rdb     redis.UniversalClient
 	timeout time.Duration // < 0: unbounded
 	queue   chan *leaseCall
+	// stop ends run; done is closed when it has. The queue is never closed, so a call racing
+	// Close cannot send on a closed channel.
+	stop     chan struct{}
+	done     chan struct{}
+	stopOnce sync.Once
 }
+
+// ErrClosed is the answer of a Store after Close.
+var ErrClosed = errors.New("store: closed (the broker is shutting down)")
 
 type leaseCall struct {
 	ctx  context.Context
@@ -41,10 +50,17 @@ type leaseCall struct {
 const maxLeaseBatch = 256
 
 func newLeaseBatcher(rdb redis.UniversalClient, timeout time.Duration) *leaseBatcher {
-	b := &leaseBatcher{rdb: rdb, timeout: timeout, queue: make(chan *leaseCall, 4096)}
+	b := &leaseBatcher{rdb: rdb, timeout: timeout, queue: make(chan *leaseCall, 4096), stop: make(chan struct{}), done: make(chan struct{})}
 	// One sender per CPU's worth of work is not needed: the pipeline is the parallelism.
 	go b.run()
 	return b
+}
+
+// close stops the sender after the batch it is sending; calls still queued, and later ones, fail
+// with ErrClosed.
+func (b *leaseBatcher) close() {
+	b.stopOnce.Do(func() { close(b.stop) })
+	<-b.done
 }
 
 func (b *leaseBatcher) do(ctx context.Context, keys []string, args []any) ([]string, error) {
@@ -61,6 +77,8 @@ func (b *leaseBatcher) do(ctx context.Context, keys []string, args []any) ([]str
 		return nil, ctx.Err()
 	case <-late:
 		return nil, b.tooLate()
+	case <-b.done:
+		return nil, ErrClosed
 	}
 	select {
 	case <-c.done:
@@ -73,12 +91,27 @@ func (b *leaseBatcher) do(ctx context.Context, keys []string, args []any) ([]str
 		// 503, which its retry would have done anyway.
 		c.gone.Store(true)
 		return nil, b.tooLate()
+	case <-b.done:
+		// run has ended: it either answered c before (c.done is closed) or never will.
+		select {
+		case <-c.done:
+			return c.res, c.err
+		default:
+			return nil, ErrClosed
+		}
 	}
 }
 
 func (b *leaseBatcher) run() {
+	defer close(b.done)
 	batch := make([]*leaseCall, 0, maxLeaseBatch)
-	for c := range b.queue {
+	for {
+		var c *leaseCall
+		select {
+		case c = <-b.queue:
+		case <-b.stop:
+			return
+		}
 		batch = append(batch[:0], c)
 	fill:
 		for len(batch) < maxLeaseBatch {

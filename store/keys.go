@@ -39,6 +39,14 @@ func RevokedKey(org, jti string) string { return orgKey(org, "revoked", jti) }
 // DelegationsKey holds metadata of the tokens minted for one sandbox: a hash of jti -> JSON.
 func DelegationsKey(org, sandboxID string) string { return orgKey(org, "dlg", sandboxID) }
 
+// ActiveKey holds the org's sandboxes that are provisioning or running: a set of ids, what the org's
+// max_running limit counts.
+func ActiveKey(org string) string { return orgKey(org, "active") }
+
+// LimitsKey is the org's own limits: a hash of limit name (max_running, rps, burst) -> value.
+// A limit not in it is the broker's default.
+func LimitsKey(org string) string { return orgKey(org, "limits") }
+
 // EventsKey is the org's event stream.
 func EventsKey(org string) string { return orgKey(org, "events") }
 

@@ -54,6 +54,10 @@ type Record struct {
 	// NodeLostAt is when another broker declared the hosting node lost (zero: it was not, or it
 	// came back since).
 	NodeLostAt time.Time
+	// UID is the host uid (and gid) the sandbox's processes and files have, from the broker's
+	// range (AllocateUID); 0 for a sandbox recorded before each got its own, or on a broker that
+	// runs them as its own user.
+	UID int
 }
 
 // Hash field names. Lua scripts spell the same names.
@@ -61,7 +65,7 @@ const (
 	fID, fOrg, fName, fTemplate, fProvider, fNode, fStatus = "id", "org", "name", "template", "provider", "node", "status"
 	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
 	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
-	fStarted, fNodeLost                                    = "started", "node_lost"
+	fStarted, fUID, fNodeLost                              = "started", "uid", "node_lost"
 )
 
 // fields flattens a new record into HSET arguments.
@@ -72,7 +76,7 @@ func (r *Record) fields() []any {
 		fNode, r.Node, fStatus, r.Status, fTags, string(tags), fTTL, int64(r.TTL / time.Second),
 		fCreated, ms(r.CreatedAt), fCreatedBy, r.CreatedBy, fHeartbeat, ms(r.Heartbeat),
 		fExpires, ms(r.ExpiresAt), fStopped, ms(r.StoppedAt), fStopReason, r.StopReason,
-		fFailure, r.Failure, fLost, ms(r.LostAt), fStarted, ms(r.StartedAt), fGen, max(r.Gen, 1),
+		fFailure, r.Failure, fLost, ms(r.LostAt), fStarted, ms(r.StartedAt), fGen, max(r.Gen, 1), fUID, r.UID,
 	}
 }
 
@@ -103,6 +107,7 @@ func recordFromMap(m map[string]string) (Record, error) {
 		CreatedAt: fromMS(m[fCreated]), Heartbeat: fromMS(m[fHeartbeat]), ExpiresAt: fromMS(m[fExpires]),
 		StoppedAt: fromMS(m[fStopped]), LostAt: fromMS(m[fLost]), StartedAt: fromMS(m[fStarted]), Gen: atoi(m[fGen]),
 		NodeLostAt: fromMS(m[fNodeLost]),
+		UID:        int(atoi(m[fUID])),
 	}
 	if t := m[fTags]; t != "" && t != "null" {
 		if err := json.Unmarshal([]byte(t), &r.Tags); err != nil {

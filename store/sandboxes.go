@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -20,6 +21,8 @@ type Store struct {
 	clock   func() time.Time
 	health  *health
 	graceMu sync.Mutex
+	// defaults are the limits of orgs that have none of their own (SetDefaultLimits).
+	defaults atomic.Pointer[Limits]
 }
 
 // Options tune a Store.
@@ -58,6 +61,11 @@ func NewWithOptions(rdb redis.UniversalClient, o Options) *Store {
 	s.leases = newLeaseBatcher(rdb, o.Timeout)
 	return s
 }
+
+// Close stops the store's heartbeat sender (New starts it); heartbeats after it fail with
+// ErrClosed. It does not close the Redis client, which the caller owns. Call it once nothing uses
+// the store any more (after the broker's Shutdown).
+func (s *Store) Close() { s.leases.close() }
 
 // Client is the underlying client, for packages that keep their own keys (events, delegation).
 func (s *Store) Client() redis.UniversalClient { return s.rdb }
@@ -171,13 +179,16 @@ end
 `
 
 // createScript is create-or-reuse by name, atomic so that racing creates of one name make one sandbox.
-// KEYS: 1 names, 2 new sandbox hash, 3 all, 4 stopped, 5.. tag indexes of the new sandbox.
+// KEYS: 1 names, 2 new sandbox hash, 3 all, 4 stopped, 5 active, 6 limits, 7.. tag indexes of the
+// new sandbox.
 // ARGV: 1 name, 2 new id, 3 now (ms), 4 reuse ("1"/"0"), 5 sandbox key prefix, 6 template,
-// 7.. field/value pairs of the new record.
+// 7 the broker's default max_running, 8.. field/value pairs of the new record.
 // Answers {"created"|"reused"|"resumed", id} or {"err", code, detail}. A stopped sandbox found by
 // reuse is claimed for resuming (status provisioning) here, so only one caller resumes it.
-// Invariant: names[name] = id iff the record exists with that name and is not deleting.
-var createScript = redis.NewScript(`
+// Invariant: names[name] = id iff the record exists with that name and is not deleting; a create or
+// a resume claims a place in the org's active set (luaClaim) in the same step, so racing callers
+// never take the org past its max_running.
+var createScript = redis.NewScript(luaClaim + `
 local name, newid, now, reuse, prefix, template = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local id = redis.call('HGET', KEYS[1], name)
 if id then
@@ -186,6 +197,8 @@ if id then
   local cur = redis.call('HMGET', key, 'status', 'template')
   if cur[2] ~= template then return {'err', 'mismatch', cur[2]} end
   if cur[1] == 'stopped' then
+    local over = claim(KEYS[5], KEYS[6], ARGV[7], id)
+    if over then return {'err', 'quota', over} end
     redis.call('HSET', key, 'status', 'provisioning', 'stop_reason', '', 'stopped', 0, 'heartbeat', now)
     redis.call('ZREM', KEYS[4], id)
     return {'resumed', id}
@@ -193,12 +206,14 @@ if id then
   if cur[1] == 'failed' then return {'err', 'state', 'failed'} end
   return {'reused', id}
 end
+local over = claim(KEYS[5], KEYS[6], ARGV[7], newid)
+if over then return {'err', 'quota', over} end
 redis.call('HSET', KEYS[1], name, newid)
 local fields = {}
-for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('ZADD', KEYS[3], now, newid)
-for i = 5, #KEYS do redis.call('ZADD', KEYS[i], now, newid) end
+for i = 7, #KEYS do redis.call('ZADD', KEYS[i], now, newid) end
 return {'created', newid}
 `)
 
@@ -209,17 +224,19 @@ type Outcome string
 // is set, it returns the existing record: "reused", or "resumed" when it was stopped, in which case
 // this caller owns the resume (the record is now provisioning).
 func (s *Store) CreateOrReuse(ctx context.Context, rec Record, reuse bool) (Record, Outcome, error) {
-	keys := []string{NamesKey(rec.Org), SandboxKey(rec.Org, rec.ID), AllKey(rec.Org), StoppedKey(rec.Org)}
+	keys := []string{NamesKey(rec.Org), SandboxKey(rec.Org, rec.ID), AllKey(rec.Org), StoppedKey(rec.Org),
+		ActiveKey(rec.Org), LimitsKey(rec.Org)}
 	for k, v := range rec.Tags {
 		keys = append(keys, TagKey(rec.Org, k, v))
 	}
-	args := append([]any{rec.Name, rec.ID, ms(rec.CreatedAt), boolArg(reuse), sandboxPrefix(rec.Org), rec.Template}, rec.fields()...)
+	args := append([]any{rec.Name, rec.ID, ms(rec.CreatedAt), boolArg(reuse), sandboxPrefix(rec.Org), rec.Template,
+		s.DefaultLimits().MaxRunning}, rec.fields()...)
 	res, err := createScript.Run(ctx, s.rdb, keys, args...).StringSlice()
 	if err != nil {
 		return Record{}, "", fmt.Errorf("store: create %s: %w", rec.Name, err)
 	}
 	if res[0] == "err" {
-		return Record{}, "", scriptErr(res[1], res[2])
+		return Record{}, "", quotaOrScriptErr(rec.Org, res[1], res[2])
 	}
 	got, err := s.Get(ctx, rec.Org, res[1])
 	if err != nil {
@@ -251,18 +268,20 @@ func (s *Store) Get(ctx context.Context, org, ref string) (Record, error) {
 
 // transitionScript moves a sandbox between statuses if its current status is one of the allowed
 // ones, keeping the deadline and stopped indexes in step with the status.
-// KEYS: 1 names, 2 deadlines, 3 stopped, 4 warned.
+// KEYS: 1 names, 2 deadlines, 3 stopped, 4 warned, 5 active, 6 limits.
 // ARGV: 1 ref, 2 sandbox key prefix, 3 allowed current statuses ("a,b"), 4 new status, 5 now (ms;
 // "" = Redis TIME), 6 only-if-expired ("1": the lease ran out by now, so a heartbeat that moved the
 // deadline first wins), 7 with 6, the warning (ms; 0 = none) whose window must have passed since the
 // expiring warning for this deadline was claimed, 8 only-if-stopped-by (ms; 0 = unconditional:
-// retention passes its cutoff, so a resume that lands first wins), 9.. extra field/value pairs.
+// retention passes its cutoff, so a resume that lands first wins), 9 the broker's default
+// max_running, 10.. extra field/value pairs.
 // Answers {"ok", HGETALL...} or {"err", code, detail}.
-// Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped. A
+// Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped; in
+// active iff provisioning or running, and entering active (a resume) is refused at max_running. A
 // sweeper's stop (6 and 7 set) comes at least the warning window after the sandbox's expiring
 // warning, whatever the deadline says: an outage or another broker's sweep can delay a stop, never
 // make one come unannounced.
-var transitionScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + luaClock + luaWindow + `
+var transitionScript = redis.NewScript(`local prefix = ARGV[2]` + luaResolve + luaLease + luaClock + luaWindow + luaClaim + `
 local id = resolve(ARGV[1])
 if not id then return {'err', 'not_found', ''} end
 local key = prefix .. id
@@ -286,8 +305,17 @@ if ifstop > 0 then
   local stopped = tonumber(redis.call('HGET', key, 'stopped')) or 0
   if status ~= 'stopped' or stopped == 0 or stopped > ifstop then return {'err', 'state', status} end
 end
+local active = {provisioning = true, running = true}
+if active[to] and not active[status] then
+  local over = claim(KEYS[5], KEYS[6], ARGV[9], id)
+  if over then return {'err', 'quota', over} end
+elseif active[to] then
+  redis.call('SADD', KEYS[5], id) -- idempotent; heals a record an older broker moved
+else
+  redis.call('SREM', KEYS[5], id)
+end
 redis.call('HSET', key, 'status', to)
-for i = 9, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+for i = 10, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 if to == 'running' then
   lease(key, id, now, tonumber(redis.call('HGET', key, 'ttl')) or 0, KEYS[2], KEYS[4])
   if (tonumber(redis.call('HGET', key, 'started')) or 0) == 0 then redis.call('HSET', key, 'started', now) end
@@ -337,6 +365,7 @@ const (
 	FieldFailure    = fFailure
 	FieldLost       = fLost
 	FieldProvider   = fProvider
+	FieldUID        = fUID
 )
 
 // Transition applies t to the sandbox ref and returns the updated record; its times come from the
@@ -344,17 +373,17 @@ const (
 // name and bumps the token generation, which revokes every delegation token of the sandbox.
 func (s *Store) Transition(ctx context.Context, org, ref string, t Transition) (Record, error) {
 	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, s.nowArg(), boolArg(t.IfExpired),
-		t.Warning.Milliseconds(), ms(t.IfStoppedBy)}
+		t.Warning.Milliseconds(), ms(t.IfStoppedBy), s.DefaultLimits().MaxRunning}
 	for k, v := range t.Fields {
 		args = append(args, k, v)
 	}
-	keys := []string{NamesKey(org), DeadlinesKey(org), StoppedKey(org), WarnedKey(org)}
+	keys := []string{NamesKey(org), DeadlinesKey(org), StoppedKey(org), WarnedKey(org), ActiveKey(org), LimitsKey(org)}
 	v, err := transitionScript.Run(ctx, s.rdb, keys, args...).Slice()
 	if err != nil {
 		return Record{}, fmt.Errorf("store: %s -> %s: %w", ref, t.To, err)
 	}
 	if v[0] == "err" {
-		return Record{}, scriptErr(str(v[1]), str(v[2]))
+		return Record{}, quotaOrScriptErr(org, str(v[1]), str(v[2]))
 	}
 	return parseRecord(v[1:])
 }
@@ -447,20 +476,21 @@ func (s *Store) lease(ctx context.Context, org, ref string, ttl string) (Lease, 
 }
 
 // purgeScript removes a deleting sandbox's record and every index entry. Idempotent.
-// KEYS: 1 sandbox hash, 2 all, 3 delegations, 4.. tag indexes. ARGV: 1 id.
+// KEYS: 1 sandbox hash, 2 all, 3 delegations, 4 active, 5.. tag indexes. ARGV: 1 id.
 var purgeScript = redis.NewScript(`
 if redis.call('HGET', KEYS[1], 'status') ~= 'deleting' then
   if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 end
 redis.call('DEL', KEYS[1], KEYS[3])
 redis.call('ZREM', KEYS[2], ARGV[1])
-for i = 4, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
+redis.call('SREM', KEYS[4], ARGV[1])
+for i = 5, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
 return 1
 `)
 
 // Purge removes a record that Transition moved to deleting, once its files are gone.
 func (s *Store) Purge(ctx context.Context, rec Record) error {
-	keys := []string{SandboxKey(rec.Org, rec.ID), AllKey(rec.Org), DelegationsKey(rec.Org, rec.ID)}
+	keys := []string{SandboxKey(rec.Org, rec.ID), AllKey(rec.Org), DelegationsKey(rec.Org, rec.ID), ActiveKey(rec.Org)}
 	for k, v := range rec.Tags {
 		keys = append(keys, TagKey(rec.Org, k, v))
 	}

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -75,6 +77,7 @@ func TestStore(t *testing.T) {
 				{"DeleteFreesNameAndBumpsGen", testDelete},
 				{"APIKeys", testAPIKeys},
 				{"ExpiryWarnings", testExpiryWarnings},
+				{"UIDs", testUIDs},
 			} {
 				t.Run(tc.name, func(t *testing.T) { clk.Set(t0); tc.fn(t, s, clk) })
 			}
@@ -494,5 +497,144 @@ func testExpiryWarnings(t *testing.T, s *store.Store, clk *clock) {
 	again, err := window()
 	if err != nil || len(again) != 1 || again[0].Name != "w-000" || !again[0].StopAt.Equal(t0.Add(230*time.Second)) {
 		t.Fatalf("after a heartbeat: %v %+v", err, again)
+	}
+}
+
+// batchers counts the goroutines sending heartbeat pipelines.
+func batchers() int {
+	buf := make([]byte, 1<<20)
+	return strings.Count(string(buf[:runtime.Stack(buf, true)]), "store.(*leaseBatcher).run(")
+}
+
+// Close ends the goroutine New starts; heartbeats after it fail with ErrClosed at once instead of
+// waiting on a sender that is gone. Not parallel: it counts goroutines.
+func TestStoreClose(t *testing.T) {
+	rdb := redistest.Start(t).Client(t)
+	before := batchers()
+	s := store.New(rdb)
+	// Any answer of the script will do (this sandbox does not exist): it went through the sender.
+	if _, err := s.Heartbeat(t.Context(), "acme", "dev"); err == nil || errors.Is(err, store.ErrClosed) {
+		t.Fatalf("heartbeat of a missing sandbox: %v", err)
+	}
+	if got := batchers(); got != before+1 {
+		t.Fatalf("%d heartbeat senders after New, want %d", got, before+1)
+	}
+	s.Close()
+	if got := batchers(); got != before {
+		t.Fatalf("%d heartbeat senders after Close, want %d: Close leaves its goroutine running", got, before)
+	}
+	if _, err := s.Heartbeat(t.Context(), "acme", "dev"); !errors.Is(err, store.ErrClosed) {
+		t.Fatalf("heartbeat after Close: %v, want ErrClosed", err)
+	}
+	s.Close() // twice is harmless
+}
+
+// testUIDs: two brokers (two Store values) on one Redis, racing, never hand out one uid twice; a
+// full range is ErrUIDsExhausted; the skipped uid is never handed out; asking again for one sandbox
+// answers its uid; a released uid comes back only after the rest of the range went round.
+func testUIDs(t *testing.T, s *store.Store, clk *clock) {
+	ctx := t.Context()
+	other := store.New(s.Client()) // a second broker on the same Redis
+	r := store.UIDRange{First: 200000, Last: 200039, Skip: 200005}
+	if r.Size() != 39 {
+		t.Fatalf("size %d, want 39", r.Size())
+	}
+	var mu sync.Mutex
+	got := map[int]string{}
+	var wg sync.WaitGroup
+	errs := make(chan error, 39)
+	for i := range 39 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			st := s
+			if i%2 == 1 {
+				st = other
+			}
+			id := fmt.Sprintf("sb_%d", i)
+			uid, err := st.AllocateUID(ctx, r, "o1", id)
+			if err != nil {
+				errs <- err
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if prev, dup := got[uid]; dup {
+				errs <- fmt.Errorf("uid %d handed to %s and %s", uid, prev, id)
+			}
+			got[uid] = id
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if len(got) != 39 {
+		t.Fatalf("%d distinct uids, want 39", len(got))
+	}
+	if _, ok := got[r.Skip]; ok {
+		t.Errorf("the skipped uid %d was handed out", r.Skip)
+	}
+	for uid := range got {
+		if uid < r.First || uid > r.Last {
+			t.Errorf("uid %d outside %d-%d", uid, r.First, r.Last)
+		}
+	}
+	if _, err := other.AllocateUID(ctx, r, "o1", "sb_extra"); !errors.Is(err, store.ErrUIDsExhausted) {
+		t.Fatalf("allocation from a full range: %v, want ErrUIDsExhausted", err)
+	}
+	// The same sandbox asking again gets its own uid back, even with the range full.
+	var uid0 int
+	for uid, id := range got {
+		if id == "sb_0" {
+			uid0 = uid
+		}
+	}
+	if again, err := s.AllocateUID(ctx, r, "o1", "sb_0"); err != nil || again != uid0 {
+		t.Fatalf("second allocation for sb_0: %d, %v; want %d", again, err, uid0)
+	}
+	// Release is owner-checked and idempotent.
+	if err := s.ReleaseUID(ctx, "o1", "sb_other"); err != nil {
+		t.Fatal(err)
+	}
+	if owner, _ := s.UIDOwner(ctx, uid0); owner != "o1/sb_0" {
+		t.Fatalf("a release by a sandbox that does not hold uid %d freed it (owner now %q)", uid0, owner)
+	}
+	for range 2 {
+		if err := s.ReleaseUID(ctx, "o1", "sb_0"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if uid, err := other.AllocateUID(ctx, r, "o1", "sb_new"); err != nil || uid != uid0 {
+		t.Fatalf("allocation after a release: %d, %v; want the freed %d", uid, err, uid0)
+	}
+	// A wider range: a released uid is not the next one handed out.
+	wide := store.UIDRange{First: 300000, Last: 300009}
+	a, _ := s.AllocateUID(ctx, wide, "o1", "sb_a")
+	if err := s.ReleaseUID(ctx, "o1", "sb_a"); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := s.AllocateUID(ctx, wide, "o1", "sb_b"); b == a {
+		t.Errorf("uid %d was handed out again at once after its release", a)
+	}
+	// A reservation (files on disk that belong to a uid) holds it, unless another sandbox does.
+	if got, err := s.ReserveUID(ctx, 300009, "o1", "sb_files"); err != nil || got != 300009 {
+		t.Fatalf("reserve a free uid: %d, %v", got, err)
+	}
+	if owner, _ := s.UIDOwner(ctx, 300009); owner != "o1/sb_files" {
+		t.Fatalf("reserved uid's owner: %q", owner)
+	}
+	if _, err := s.ReserveUID(ctx, 300009, "o1", "sb_intruder"); err == nil {
+		t.Fatal("reserved a uid another sandbox holds")
+	}
+	// The uid is kept with the record.
+	rec := newRecord("o1", "with-uid", nil)
+	rec.UID = 300001
+	if _, _, err := s.CreateOrReuse(ctx, rec, false); err != nil {
+		t.Fatal(err)
+	}
+	if back, err := s.Get(ctx, "o1", rec.ID); err != nil || back.UID != 300001 {
+		t.Fatalf("record uid %d, %v; want 300001", back.UID, err)
 	}
 }

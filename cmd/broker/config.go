@@ -5,9 +5,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/store"
 )
@@ -36,6 +37,8 @@ type config struct {
 	DefaultTTL      time.Duration
 	MaxTTL          time.Duration
 	SandboxUID      int
+	SandboxUIDs     string
+	uids            store.UIDRange // SandboxUIDs parsed by validate; zero for "shared"
 	ShutdownTimeout time.Duration
 	SigningKeys     string
 	TokenTTL        time.Duration
@@ -48,6 +51,13 @@ type config struct {
 	DataplaneRenews bool
 	AllowedOrigins  []string
 	DebugListen     string
+	// Limits are the default org limits (limitFlags).
+	Limits store.Limits
+	// AuthFailures per AuthFailureWindow from one source address are allowed (authFlags).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
+	// MaxDPConns, MaxDPConnsPerOrg and MaxDPConnsPerCredential bound dataplane connections.
+	MaxDPConns, MaxDPConnsPerOrg, MaxDPConnsPerCredential int
 }
 
 // envOf maps each flag to its environment fallback.
@@ -57,12 +67,17 @@ var envOf = map[string]string{
 	"provider-reset": "SBX_PROVIDER_RESET", "allow-unisolated": "SBX_ALLOW_UNISOLATED",
 	"advertise-url": "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
-	"sandbox-uid": "SBX_SANDBOX_UID", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
+	"sandbox-uid": "SBX_SANDBOX_UID", "sandbox-uids": "SBX_SANDBOX_UIDS", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "node-heartbeat": "SBX_NODE_HEARTBEAT", "node-lost-after": "SBX_NODE_LOST_AFTER",
 	"expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
-	"debug-listen": "SBX_DEBUG_LISTEN",
+	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING",
+	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
+	"auth-failure-window":                      "SBX_AUTH_FAILURE_WINDOW",
+	"max-dataplane-connections":                "SBX_MAX_DATAPLANE_CONNECTIONS",
+	"max-dataplane-connections-per-org":        "SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG",
+	"max-dataplane-connections-per-credential": "SBX_MAX_DATAPLANE_CONNECTIONS_PER_CREDENTIAL",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -85,7 +100,7 @@ func defaultDataDir() string {
 func storageFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.RedisURL, "redis-url", "", "Redis to keep state in: redis://host:port, a comma list (Cluster), redis-cluster://h1,h2 or redis-sentinel://h1,h2/master; empty = an embedded redis-server with its data in --data-dir")
 	fs.DurationVar(&c.RedisTimeout, "redis-timeout", store.DefaultTimeout, "longest a Redis call may take, retries included; a Redis that does not answer in time makes requests answer 503 (retry) instead of hanging")
-	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "directory for sandboxes' files, the embedded Redis and signing keys (with the namespace provider it and its parents must be searchable, o+x, by --sandbox-uid)")
+	fs.StringVar(&c.DataDir, "data-dir", defaultDataDir(), "directory for sandboxes' files, the embedded Redis and signing keys (with the namespace provider it and its parents must be searchable, o+x, by the sandbox uids)")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "log format: text or json")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error (request logs are debug)")
 	fs.StringVar(&c.SigningKeys, "signing-keys", "", "directory of the Ed25519 keys that sign delegation tokens (default <data-dir>/signing; brokers sharing one Redis must share it)")
@@ -130,7 +145,8 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Node, "node", "", "this broker's node name, recorded on the sandboxes it hosts (default: generated once and kept in --data-dir)")
 	fs.DurationVar(&c.DefaultTTL, "default-ttl", 30*time.Minute, "lease of a sandbox created without ttl_seconds: no heartbeat for this long and it is stopped")
 	fs.DurationVar(&c.MaxTTL, "max-ttl", 7*24*time.Hour, "largest lease a client may ask for")
-	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "host uid, and gid, that sandboxes run as when the broker runs as root (inside namespace sandboxes they are uid 1000; dir sandboxes run as it too, never as root)")
+	fs.StringVar(&c.SandboxUIDs, "sandbox-uids", defaultSandboxUIDs, "host uids, FIRST-LAST, that sandboxes get one each (its gid is the same number) when the broker runs as root: per-uid kernel objects (keyrings, inotify, process counts) are then no sandbox's but its own; the range must belong to no user or group of the host; `shared` runs every sandbox as --sandbox-uid (deprecated: sandboxes then share those objects)")
+	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "the uid sandboxes shared before each got its own from --sandbox-uids: never handed out, and what sandboxes run as with --sandbox-uids shared (deprecated; inside namespace sandboxes every uid appears as 1000; dir sandboxes run as it too, never as root)")
 	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
 	fs.DurationVar(&c.TokenMaxTTL, "token-max-ttl", 24*time.Hour, "longest lifetime a delegation token may be minted with (recorded in the signing-keys directory for keys rotate-signing)")
 	fs.DurationVar(&c.SweepInterval, "sweep-interval", 2*time.Second, "how often the sweeper looks for expired leases (one broker sweeps at a time)")
@@ -142,6 +158,8 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
+	fs.IntVar(&c.MaxDPConns, "max-dataplane-connections", server.DefaultMaxDataplaneConnections, "dataplane connections this broker serves at once; past it an upgrade is 503")
+	fs.IntVar(&c.MaxDPConnsPerCredential, "max-dataplane-connections-per-credential", server.DefaultDataplaneConnsPerCredential, "dataplane connections one API key or delegation token may have open on this broker; past it an upgrade is 429 too_many_connections")
 }
 
 // applyEnv fills every flag not given on the command line from its SBX_* variable.
@@ -187,9 +205,8 @@ func (c *config) validate() error {
 		bad("log-level", "%v", err)
 	}
 	if c.AdvertiseURL != "" {
-		u, err := url.Parse(c.AdvertiseURL)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || (u.Path != "" && u.Path != "/") {
-			bad("advertise-url", "%q must be a base URL like http://broker.internal:7070", c.AdvertiseURL)
+		if _, err := protocol.BrokerBaseURL(c.AdvertiseURL); err != nil {
+			bad("advertise-url", "%v", err)
 		}
 	}
 	if c.DataDir == "" {
@@ -206,6 +223,12 @@ func (c *config) validate() error {
 	}
 	if c.SandboxUID < 1 || c.SandboxUID > 1<<31 {
 		bad("sandbox-uid", "%d is not a valid non-root uid", c.SandboxUID)
+	}
+	if r, err := parseUIDRange(c.SandboxUIDs); err != nil {
+		bad("sandbox-uids", "%v", err)
+	} else {
+		r.Skip = c.SandboxUID
+		c.uids = r
 	}
 	if c.Node != "" && !nodeRE.MatchString(c.Node) {
 		bad("node", "%q must be 1-63 letters, digits, '-' or '_'", c.Node)
@@ -238,8 +261,19 @@ func (c *config) validate() error {
 			bad("debug-listen", "%q must be a loopback address: profiles expose the broker's internals", c.DebugListen)
 		}
 	}
+	c.validateLimits(bad)
+	c.validateAuth(bad)
 	if c.ShutdownTimeout <= 0 {
 		bad("shutdown-timeout", "must be positive")
+	}
+	for _, l := range []struct {
+		flag string
+		n    int
+	}{{"max-dataplane-connections", c.MaxDPConns}, {"max-dataplane-connections-per-org", c.MaxDPConnsPerOrg},
+		{"max-dataplane-connections-per-credential", c.MaxDPConnsPerCredential}} {
+		if l.n < 1 {
+			bad(l.flag, "must be at least 1 (it is %d)", l.n)
+		}
 	}
 	if c.Templates != "" {
 		if _, err := os.Stat(c.Templates); err != nil {
@@ -269,7 +303,10 @@ func (c *config) advertiseWarning() string {
 // advertise is the base URL of this broker as others reach it.
 func (c *config) advertise() string {
 	if c.AdvertiseURL != "" {
-		return strings.TrimRight(c.AdvertiseURL, "/")
+		if u, err := protocol.BrokerBaseURL(c.AdvertiseURL); err == nil {
+			return u // validate refused anything else
+		}
+		return c.AdvertiseURL
 	}
 	host, port, _ := net.SplitHostPort(c.Listen)
 	if host == "" || host == "0.0.0.0" || host == "::" {
@@ -294,4 +331,53 @@ func newLogger(c *config) *slog.Logger {
 		return slog.New(slog.NewJSONHandler(os.Stderr, opts))
 	}
 	return slog.New(slog.NewTextHandler(os.Stderr, opts))
+}
+
+// defaultSandboxUIDs is 64 Ki uids above the usual /etc/subuid allocations' start, as many as one
+// user namespace's subordinate range.
+const defaultSandboxUIDs = "100000-165535"
+
+// parseUIDRange reads --sandbox-uids: "FIRST-LAST", or "shared" for none. The range must hold no
+// root, no nobody (65534) and no uid a host user or group has in /etc/passwd or /etc/group: a
+// sandbox must never be someone.
+func parseUIDRange(v string) (store.UIDRange, error) {
+	if v == "shared" {
+		return store.UIDRange{}, nil
+	}
+	lo, hi, ok := strings.Cut(v, "-")
+	first, err1 := strconv.Atoi(strings.TrimSpace(lo))
+	last, err2 := strconv.Atoi(strings.TrimSpace(hi))
+	switch {
+	case !ok || err1 != nil || err2 != nil:
+		return store.UIDRange{}, fmt.Errorf("%q is not FIRST-LAST, e.g. %s (or shared)", v, defaultSandboxUIDs)
+	case first < 1000 || last < first || last >= 1<<31:
+		return store.UIDRange{}, fmt.Errorf("%q must run from at least 1000 up to below 2^31, first to last", v)
+	case first <= 65534 && 65534 <= last:
+		return store.UIDRange{}, fmt.Errorf("%q holds 65534, the host's nobody: choose a range above it, e.g. %s", v, defaultSandboxUIDs)
+	}
+	for _, f := range []string{"/etc/passwd", "/etc/group"} {
+		if name, id := firstIDIn(f, first, last); name != "" {
+			return store.UIDRange{}, fmt.Errorf("%q holds %d, which %s gives to %q: a sandbox would act as it; choose a range no user or group of the host has", v, id, f, name)
+		}
+	}
+	return store.UIDRange{First: first, Last: last}, nil
+}
+
+// firstIDIn answers the first entry of a passwd or group file whose id (the third field) is in
+// first..last, or "" when none is (or the file cannot be read).
+func firstIDIn(file string, first, last int) (string, int) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return "", 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Split(line, ":")
+		if len(f) < 3 {
+			continue
+		}
+		if id, err := strconv.Atoi(f[2]); err == nil && id >= first && id <= last {
+			return f[0], id
+		}
+	}
+	return "", 0
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -42,5 +43,98 @@ func TestEnvFallbackAndFlagPrecedence(t *testing.T) {
 	t.Setenv("SBX_MAX_TTL", "forever")
 	if err := applyEnv(rootCmd()); err == nil || !strings.Contains(err.Error(), "SBX_MAX_TTL") {
 		t.Fatalf("a bad env value must name the variable: %v", err)
+	}
+}
+
+// --advertise-url is checked and normalised by the one base-URL rule: a scheme in capitals is
+// still http(s), and the dataplane URLs built from it are ws(s)://, never ws://HTTPS://.
+func TestAdvertiseURLIsNormalised(t *testing.T) {
+	for in, want := range map[string]string{
+		"HTTPS://broker.example:8443/": "https://broker.example:8443",
+		"Http://10.0.0.5:7070":         "http://10.0.0.5:7070",
+	} {
+		c := &config{AdvertiseURL: in}
+		if got := c.advertise(); got != want {
+			t.Errorf("--advertise-url %s: advertised %q, want %q", in, got, want)
+		}
+	}
+	for _, in := range []string{"ws://b:1", "http://user:pw@b", "http://b/prefix", "http://b?q=1", "b:7070"} {
+		cmd := rootCmd()
+		cmd.SetArgs([]string{"--advertise-url", in, "--data-dir", t.TempDir()})
+		if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "--advertise-url (SBX_ADVERTISE_URL)") {
+			t.Errorf("--advertise-url %s: %v, want a configuration error naming it", in, err)
+		}
+	}
+}
+
+// The dataplane connection caps take their SBX_* fallbacks and refuse nonsense by name.
+func TestDataplaneConnectionCapFlags(t *testing.T) {
+	cmd := rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "12")
+	if err := cmd.ParseFlags([]string{"--max-dataplane-connections-per-credential", "3"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyEnv(cmd); err != nil {
+		t.Fatal(err)
+	}
+	org, _ := cmd.Flags().GetInt("max-dataplane-connections-per-org")
+	cred, _ := cmd.Flags().GetInt("max-dataplane-connections-per-credential")
+	all, _ := cmd.Flags().GetInt("max-dataplane-connections")
+	if org != 12 || cred != 3 || all != 4096 {
+		t.Fatalf("per org %d, per credential %d, all %d; want 12, 3 and the default 4096", org, cred, all)
+	}
+
+	cmd = rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "0")
+	cmd.SetArgs([]string{"--data-dir", t.TempDir()})
+	err := cmd.Execute()
+	if err == nil || !strings.Contains(err.Error(), "--max-dataplane-connections-per-org (SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG)") {
+		t.Fatalf("want a configuration error naming the setting: %v", err)
+	}
+}
+
+// --sandbox-uids takes FIRST-LAST or shared, never a range holding root, nobody or a host user,
+// and never hands out --sandbox-uid, the uid sandboxes shared before.
+func TestSandboxUIDsSetting(t *testing.T) {
+	for _, tc := range []struct {
+		v    string
+		want string // "" = valid
+	}{
+		{v: "100000-165535"},
+		{v: "shared"},
+		{v: "200000-200000"},
+		{v: "abc", want: "is not FIRST-LAST"},
+		{v: "100-50000", want: "at least 1000"},
+		{v: "300000-200000", want: "first to last"},
+		{v: "60000-70000", want: "nobody"},
+	} {
+		cmd := rootCmd()
+		t.Setenv("SBX_SANDBOX_UIDS", tc.v)
+		cmd.SetArgs([]string{"--listen", "nonsense", "--data-dir", t.TempDir()})
+		err := cmd.Execute()
+		hasErr := err != nil && strings.Contains(err.Error(), "--sandbox-uids (SBX_SANDBOX_UIDS)")
+		switch {
+		case tc.want == "" && hasErr:
+			t.Errorf("%q: %v", tc.v, err)
+		case tc.want != "" && (!hasErr || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%q: %v, want an error saying %q", tc.v, err, tc.want)
+		}
+	}
+	r, err := parseUIDRange("100000-100009")
+	if err != nil || r.First != 100000 || r.Last != 100009 {
+		t.Fatal(r, err)
+	}
+}
+
+func TestSandboxUIDsNotAHostUser(t *testing.T) {
+	f := t.TempDir() + "/passwd"
+	if err := os.WriteFile(f, []byte("root:x:0:0::/root:/bin/sh\nalice:x:100005:100005::/home/alice:/bin/sh\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if name, id := firstIDIn(f, 100000, 165535); name != "alice" || id != 100005 {
+		t.Fatalf("firstIDIn: %q %d, want alice 100005", name, id)
+	}
+	if name, _ := firstIDIn(f, 200000, 265535); name != "" {
+		t.Fatalf("firstIDIn found %q outside the range", name)
 	}
 }

@@ -3,6 +3,7 @@
 //
 //	broker                       serve, on the embedded defaults (see --help)
 //	broker keys create|list|revoke|rotate-signing
+//	broker orgs set-limits|get-limits
 package main
 
 import (
@@ -62,7 +63,9 @@ from it, and without it points at 127.0.0.1.`,
 	}
 	storageFlags(root.PersistentFlags(), c)
 	serveFlags(root.Flags(), c)
-	root.AddCommand(keysCmd(c))
+	limitFlags(root.Flags(), c)
+	authFlags(root.Flags(), c)
+	root.AddCommand(keysCmd(c), orgsCmd(c))
 	annotateEnv(root)
 	return root
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server"
+	"github.com/sbxbroker/broker/store"
 )
 
 // serve runs the broker until SIGINT or SIGTERM, then shuts down gracefully: it stops accepting,
@@ -60,15 +61,21 @@ func serve(parent context.Context, c *config) error {
 		}
 	}
 	uid := -1 // files the broker creates belong to the sandbox user when sandboxes run as one
+	var uids store.UIDRange
 	if os.Geteuid() == 0 {
-		uid = c.SandboxUID
+		uid, uids = c.SandboxUID, c.uids
+		if uids.Size() == 0 {
+			log.Warn("--sandbox-uids shared: every sandbox runs as one host uid and shares its keyrings, inotify and process limits with the others; give them a range (the default is " + defaultSandboxUIDs + ")")
+		}
 	}
 	b, err := server.NewBroker(ctx, server.BrokerConfig{
 		Store: st.store, Provider: prov, Templates: templates, ProviderReport: report,
-		Node: node, AdvertiseURL: c.advertise(), DataDir: c.DataDir, SigningKeys: c.signingDir(), WorkspaceUID: uid,
+		Node: node, AdvertiseURL: c.advertise(), DataDir: c.DataDir, SigningKeys: c.signingDir(), WorkspaceUID: uid, SandboxUIDs: uids,
 		Log: log, DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, TokenTTL: c.TokenTTL, TokenMaxTTL: c.TokenMaxTTL,
 		SweepInterval: c.SweepInterval, NodeHeartbeat: c.NodeHeartbeat, NodeLostAfter: c.NodeLostAfter, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention,
-		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews,
+		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.orgDefaults(),
+		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow,
+		Dataplane: server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},
 	})
 	if err != nil {
 		return err
@@ -236,6 +243,9 @@ func notIsolated(c *config, r provider.Report) []string {
 	who := "the broker's user"
 	if os.Geteuid() == 0 {
 		who = fmt.Sprintf("uid %d", c.SandboxUID)
+		if c.uids.Size() > 0 {
+			who = fmt.Sprintf("a uid of its own (from %d-%d)", c.uids.First, c.uids.Last)
+		}
 	}
 	var paras []string
 	if r.Fallback != "" {

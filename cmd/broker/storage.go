@@ -94,6 +94,9 @@ func openStorage(ctx context.Context, c *config, log *slog.Logger, serving bool)
 }
 
 func (s *storage) close() {
+	if s.store != nil {
+		s.store.Close()
+	}
 	if s.rdb != nil {
 		s.rdb.Close()
 	}

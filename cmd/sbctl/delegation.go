@@ -66,7 +66,7 @@ func delegateCmd(g *globals) *cobra.Command {
 			}
 			return g.print(res, func(w io.Writer) {
 				fmt.Fprintf(w, "token %s for sandbox %s, expires %s (in %s):\n\n%s\n",
-					res.JTI, res.Sandbox.SandboxID, res.ExpiresAt.Local().Format(time.RFC3339),
+					termSafe(res.JTI), termSafe(res.Sandbox.SandboxID), res.ExpiresAt.Local().Format(time.RFC3339),
 					time.Until(res.ExpiresAt).Round(time.Second), res.Token)
 			})
 		},
@@ -106,8 +106,8 @@ func delegationsCmd(g *globals) *cobra.Command {
 					if d.Revoked {
 						state = "revoked"
 					}
-					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", d.JTI, strings.Join(d.Scopes, ","), orDash(strings.Join(d.AllowCmd, ",")),
-						"in "+time.Until(d.ExpiresAt).Round(time.Second).String(), state, d.IssuedBy)
+					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", termSafe(d.JTI), termSafe(strings.Join(d.Scopes, ",")), orDash(termSafe(strings.Join(d.AllowCmd, ","))),
+						"in "+time.Until(d.ExpiresAt).Round(time.Second).String(), state, termSafe(d.IssuedBy))
 				}
 				tw.Flush()
 			})
@@ -146,9 +146,9 @@ func revokeCmd(g *globals) *cobra.Command {
 			}
 			return g.print(res, func(w io.Writer) {
 				if all {
-					fmt.Fprintf(w, "revoked every token of sandbox %s\n", res.SandboxID)
+					fmt.Fprintf(w, "revoked every token of sandbox %s\n", termSafe(res.SandboxID))
 				} else {
-					fmt.Fprintf(w, "revoked token %s of sandbox %s\n", res.JTI, res.SandboxID)
+					fmt.Fprintf(w, "revoked token %s of sandbox %s\n", termSafe(res.JTI), termSafe(res.SandboxID))
 				}
 			})
 		},
@@ -211,7 +211,7 @@ Formats: config (the whole object, default), block (just the sandbox block), env
 					return err
 				}
 				ref = res.Sandbox.ID
-				fmt.Fprintf(g.stderr, "%s sandbox %s for thread %s\n", res.Outcome, res.Sandbox.Name, thread)
+				fmt.Fprintf(g.stderr, "%s sandbox %s for thread %s\n", termSafe(res.Outcome), termSafe(res.Sandbox.Name), termSafe(thread))
 			}
 			res, err := c.Delegate(cmd.Context(), ref, req)
 			if err != nil {
@@ -272,11 +272,11 @@ TOKEN is "-" or absent, so it stays out of shell history.`,
 			}
 			return g.print(res, func(w io.Writer) {
 				if !res.Active {
-					fmt.Fprintf(w, "inactive %s\n", orDash(res.Reason))
+					fmt.Fprintf(w, "inactive %s\n", orDash(termSafe(res.Reason)))
 					return
 				}
-				fmt.Fprintf(w, "active: sandbox %s, org %s, scopes %s, expires %s\n", res.SandboxID, res.Org,
-					strings.Join(res.Scopes, ","), time.Unix(res.Exp, 0).Local().Format(time.RFC3339))
+				fmt.Fprintf(w, "active: sandbox %s, org %s, scopes %s, expires %s\n", termSafe(res.SandboxID), termSafe(res.Org),
+					termSafe(strings.Join(res.Scopes, ",")), time.Unix(res.Exp, 0).Local().Format(time.RFC3339))
 			})
 		},
 	}

@@ -177,11 +177,11 @@ stopped it), attach says so and exits with code 5.`,
 					_, cerr = c.StopSandbox(ctx, ref)
 				}
 				if cerr != nil {
-					fmt.Fprintf(g.stderr, "sbctl: %s was not %s: %s\n", ref, verb, describe(cerr))
+					fmt.Fprintf(g.stderr, "sbctl: %s was not %s: %s\n", termSafe(ref), verb, termSafe(describe(cerr)))
 					failed = cerr
 					continue
 				}
-				fmt.Fprintf(g.stderr, "%s %s\n", verb, ref)
+				fmt.Fprintf(g.stderr, "%s %s\n", verb, termSafe(ref))
 			}
 			if err != nil || failed == nil {
 				return err
@@ -254,7 +254,7 @@ func attach(ctx context.Context, g *globals, c *client.Client, refs []string) er
 
 // status prints a status line: rewritten in place on a terminal, one line each otherwise.
 func (g *globals) status(format string, args ...any) {
-	line := fmt.Sprintf(format, args...)
+	line := termSafe(fmt.Sprintf(format, args...))
 	if f, ok := g.stderr.(*os.File); ok && isTerminal(f) {
 		fmt.Fprintf(g.stderr, "\r\033[K%s", line)
 		return
@@ -291,11 +291,11 @@ connection resumes exactly where it left off. -o json prints one JSON object per
 			}
 			o.OnReconnect = func(err error, attempt int) {
 				if attempt == 1 || attempt%10 == 0 {
-					fmt.Fprintf(g.stderr, "sbctl: event stream dropped (%v); reconnecting\n", err)
+					fmt.Fprintf(g.stderr, "sbctl: event stream dropped (%s); reconnecting\n", termSafe(err.Error()))
 				}
 			}
 			enc := json.NewEncoder(g.stdout)
-			tw := tabwriter.NewWriter(g.stdout, 0, 4, 1, ' ', 0)
+			tw := tabwriter.NewWriter(termWriter{g.stdout}, 0, 4, 1, ' ', 0)
 			err = c.Events(cmd.Context(), o, func(e protocol.Event) error {
 				if g.output == "json" {
 					return enc.Encode(e)
@@ -322,10 +322,10 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 	b.WriteString(e.Time.Local().Format("15:04:05"))
 	b.WriteString("\t")
 	if withSandbox {
-		b.WriteString(orDash(e.Name))
+		b.WriteString(orDash(termSafe(e.Name)))
 		b.WriteString("\t")
 	}
-	b.WriteString(e.Type)
+	b.WriteString(termSafe(e.Type))
 	b.WriteString("\t")
 	switch e.Type {
 	case protocol.EventExec:
@@ -333,27 +333,27 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 		if e.ExitCode != nil {
 			code = fmt.Sprint(*e.ExitCode)
 		}
-		fmt.Fprintf(&b, "%s  -> exit %s", e.Command, code)
+		fmt.Fprintf(&b, "%s  -> exit %s", termSafe(e.Command), code)
 		if e.DurationMS != nil {
 			fmt.Fprintf(&b, " (%dms)", *e.DurationMS)
 		}
 	case protocol.EventFileWritten, protocol.EventFileDeleted:
-		b.WriteString(e.Path)
+		b.WriteString(termSafe(e.Path))
 	case protocol.EventExpiring:
 		if e.SecondsLeft != nil {
 			fmt.Fprintf(&b, "stops in %ds unless a heartbeat comes", *e.SecondsLeft)
 		}
 	case protocol.EventConnected, protocol.EventDisconnected, protocol.EventTokenMinted, protocol.EventTokenRevoked:
 		if e.JTI != "" {
-			b.WriteString("jti " + e.JTI)
+			b.WriteString("jti " + termSafe(e.JTI))
 		} else {
-			b.WriteString(e.Actor)
+			b.WriteString(termSafe(e.Actor))
 		}
 		if e.Reason != "" {
-			b.WriteString(" " + e.Reason)
+			b.WriteString(" " + termSafe(e.Reason))
 		}
 	default:
-		b.WriteString(e.Reason)
+		b.WriteString(termSafe(e.Reason))
 	}
 	return strings.TrimRight(b.String(), "\t ")
 }
@@ -388,9 +388,9 @@ sbctl delete --tag k=v for a batch.`,
 					return
 				}
 				for _, o := range res.Items {
-					fmt.Fprintf(w, "%s (%s) %s, tags %s\n", o.Sandbox.Name, o.Sandbox.ID, statusWord(o.Sandbox), tagString(o.Sandbox.Tags))
+					fmt.Fprintf(w, "%s (%s) %s, tags %s\n", termSafe(o.Sandbox.Name), termSafe(o.Sandbox.ID), statusWord(o.Sandbox), tagString(o.Sandbox.Tags))
 					for _, r := range o.Reasons {
-						fmt.Fprintf(w, "  - %s\n", r)
+						fmt.Fprintf(w, "  - %s\n", termSafe(r))
 					}
 				}
 			})

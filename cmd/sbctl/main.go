@@ -30,6 +30,7 @@ const (
 	exitAuth        = 4 // missing, invalid or insufficient credentials
 	exitConflict    = 5 // name taken, wrong state (stopped, failed)
 	exitUnreachable = 6 // the broker could not be reached
+	exitLimited     = 7 // refused by a limit of the org or the broker (quota_exceeded, rate_limited)
 )
 
 // globals are the flags every command shares.
@@ -92,7 +93,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		}
 		return 128 + int(syscall.SIGINT)
 	}
-	fmt.Fprintln(stderr, "sbctl:", describe(err))
+	fmt.Fprintln(stderr, "sbctl:", termSafe(describe(err)))
 	return exitCodeOf(err)
 }
 
@@ -110,8 +111,9 @@ first start on the embedded defaults.
 A REF is a sandbox id (sb_...) or name.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 not authorized, 5 conflict (name taken, sandbox
-stopped or failed, or hosted by another broker), 6 broker unreachable or unavailable, 128+n ended by
-signal n (130 for Ctrl-C); sbctl exec exits with the command's own code.`,
+stopped or failed, or hosted by another broker), 6 broker unreachable or unavailable, 7 refused by
+a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C); sbctl exec exits with the
+command's own code.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		// sbctl alone shows the help; anything else that is not a command is a usage error (cobra's
@@ -150,7 +152,7 @@ signal n (130 for Ctrl-C); sbctl exec exits with the command's own code.`,
 	root.AddCommand(
 		createCmd(g), listCmd(g), getCmd(g), deleteCmd(g), stopCmd(g), resumeCmd(g), extendCmd(g),
 		heartbeatCmd(g), delegateCmd(g), delegationsCmd(g), revokeCmd(g), runConfigCmd(g), introspectCmd(g),
-		execCmd(g), attachCmd(g), eventsCmd(g), sweepCmd(g),
+		execCmd(g), attachCmd(g), eventsCmd(g), sweepCmd(g), limitsCmd(g),
 	)
 	return root
 }
@@ -202,7 +204,7 @@ func (g *globals) print(v any, table func(w io.Writer)) error {
 		_, err = g.stdout.Write(b)
 		return err
 	}
-	table(g.stdout)
+	safeTable(g.stdout, table)
 	return nil
 }
 
@@ -223,6 +225,9 @@ func exitCodeOf(err error) int {
 	case errors.As(err, &un):
 		return exitUnreachable
 	case errors.As(err, &pe):
+		if limitedCodes[pe.Code] {
+			return exitLimited
+		}
 		switch pe.Code {
 		case protocol.CodeNotFound:
 			return exitNotFound

@@ -83,14 +83,14 @@ A sandbox the broker cannot isolate (its dir provider) comes with a warning on s
 			}
 			if res.Sandbox.Isolation == protocol.IsolationNone {
 				// On stderr, whatever the output format: a script piping -o json still shows it.
-				fmt.Fprintf(g.stderr, "sbctl: warning: sandbox %s is not isolated: the broker runs it as a plain directory on its host (the dir provider), where its commands see the host's files, processes and network\n", res.Sandbox.Name)
+				fmt.Fprintf(g.stderr, "sbctl: warning: sandbox %s is not isolated: the broker runs it as a plain directory on its host (the dir provider), where its commands see the host's files, processes and network\n", termSafe(res.Sandbox.Name))
 			}
 			if g.quiet {
 				fmt.Fprintln(g.stdout, res.Sandbox.ID)
 				return nil
 			}
 			return g.print(res, func(w io.Writer) {
-				fmt.Fprintf(w, "%s sandbox %s (%s), %s\n", res.Outcome, res.Sandbox.Name, res.Sandbox.ID, statusLine(res.Sandbox))
+				fmt.Fprintf(w, "%s sandbox %s (%s), %s\n", termSafe(res.Outcome), termSafe(res.Sandbox.Name), termSafe(res.Sandbox.ID), statusLine(res.Sandbox))
 			})
 		},
 	}
@@ -150,7 +150,7 @@ func sandboxTable(w io.Writer, all []protocol.Sandbox) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "NAME\tID\tSTATUS\tTEMPLATE\tTTL\tEXPIRES\tAGE\tTAGS")
 	for _, s := range all {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", s.Name, s.ID, statusWord(s), s.Template,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", termSafe(s.Name), termSafe(s.ID), statusWord(s), termSafe(s.Template),
 			time.Duration(s.TTLSeconds)*time.Second, expiresIn(s), ago(s.CreatedAt), tagString(s.Tags))
 	}
 	tw.Flush()
@@ -164,7 +164,7 @@ func statusWord(s protocol.Sandbox) string {
 	if s.NodeStatus == protocol.NodeLost {
 		w += ", broker lost"
 	}
-	return w
+	return termSafe(w)
 }
 
 func statusLine(s protocol.Sandbox) string {
@@ -173,7 +173,7 @@ func statusLine(s protocol.Sandbox) string {
 		line += ", lease expires " + expiresIn(s)
 	}
 	if s.Failure != "" {
-		line += ": " + s.Failure
+		line += ": " + termSafe(s.Failure)
 	}
 	return line
 }
@@ -208,7 +208,7 @@ func tagString(tags map[string]string) string {
 	}
 	parts := make([]string, 0, len(tags))
 	for k, v := range tags {
-		parts = append(parts, k+"="+v)
+		parts = append(parts, termSafe(k+"="+v))
 	}
 	sort.Strings(parts)
 	return strings.Join(parts, ",")
@@ -240,7 +240,7 @@ func getCmd(g *globals) *cobra.Command {
 
 func describeSandbox(w io.Writer, s protocol.Sandbox) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	row := func(k, v string) { fmt.Fprintf(tw, "%s:\t%s\n", k, v) }
+	row := func(k, v string) { fmt.Fprintf(tw, "%s:\t%s\n", k, termSafe(v)) }
 	row("Name", s.Name)
 	row("ID", s.ID)
 	row("Status", statusWord(s))
@@ -288,7 +288,7 @@ func lifecycleCmd(g *globals, use, short, verb, example string, call func(*clien
 			if g.quiet {
 				return nil
 			}
-			return g.print(s, func(w io.Writer) { fmt.Fprintf(w, "%s sandbox %s: %s\n", verb, s.Name, statusLine(s)) })
+			return g.print(s, func(w io.Writer) { fmt.Fprintf(w, "%s sandbox %s: %s\n", verb, termSafe(s.Name), statusLine(s)) })
 		},
 	}
 }
@@ -395,7 +395,7 @@ func (g *globals) printDeleted(res protocol.DeleteSandboxesResponse) error {
 			fmt.Fprintln(w, "no sandbox matches")
 		}
 		for _, s := range res.Deleted {
-			fmt.Fprintf(w, "%s %s (%s)\n", verb, s.Name, s.ID)
+			fmt.Fprintf(w, "%s %s (%s)\n", verb, termSafe(s.Name), termSafe(s.ID))
 		}
 	})
 }
@@ -460,7 +460,7 @@ func heartbeatCmd(g *globals) *cobra.Command {
 			var failed error
 			for _, it := range res.Items {
 				if it.Error != nil {
-					fmt.Fprintf(g.stderr, "sbctl: %s: %s\n", it.Ref, it.Error.Message)
+					fmt.Fprintf(g.stderr, "sbctl: %s: %s\n", termSafe(it.Ref), termSafe(it.Error.Message))
 					failed = it.Error
 					continue
 				}
@@ -487,10 +487,10 @@ func (g *globals) printLease(ref string, l protocol.HeartbeatResponse) error {
 	}
 	return g.print(l, func(w io.Writer) {
 		if l.ExpiresAt == nil {
-			fmt.Fprintf(w, "%s: %s, ttl %s\n", ref, l.Status, time.Duration(l.TTLSeconds)*time.Second)
+			fmt.Fprintf(w, "%s: %s, ttl %s\n", termSafe(ref), termSafe(l.Status), time.Duration(l.TTLSeconds)*time.Second)
 			return
 		}
-		fmt.Fprintf(w, "%s: %s, lease expires in %s (%s)\n", ref, l.Status,
+		fmt.Fprintf(w, "%s: %s, lease expires in %s (%s)\n", termSafe(ref), termSafe(l.Status),
 			time.Until(*l.ExpiresAt).Round(time.Second), l.ExpiresAt.Local().Format(time.TimeOnly))
 	})
 }

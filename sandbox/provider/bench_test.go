@@ -109,12 +109,20 @@ func BenchmarkExecDir(b *testing.B) { benchExec(b, newDir(b)) }
 
 // BenchmarkCreateToReady is Create + Start (bwrap up, init ready, cgroups attached, environment
 // snapshot taken) and then Stop; the budget is p50 < 20 ms.
-func BenchmarkCreateToReady(b *testing.B) {
+func BenchmarkCreateToReady(b *testing.B) { benchCreateToReady(b, DefaultTemplate()) }
+
+// BenchmarkCreateToReadyNetwork is BenchmarkCreateToReady for a network: true template: the same
+// plus pasta attached to the sandbox's network namespace and the namespace configured.
+func BenchmarkCreateToReadyNetwork(b *testing.B) {
+	benchCreateToReady(b, Template{Name: "net", Network: NetworkOn})
+}
+
+func benchCreateToReady(b *testing.B, tmpl Template) {
 	n := newNamespace(b, Config{})
 	ctx := context.Background()
 	var p percentiles
 	for b.Loop() {
-		spec := Spec{ID: NewID(), Template: DefaultTemplate()}
+		spec := Spec{ID: NewID(), Template: tmpl}
 		p.time(func() {
 			if err := n.Create(ctx, spec); err != nil {
 				b.Fatal(err)

@@ -14,7 +14,7 @@ import (
 // Config is what both providers take from the broker's configuration.
 type Config struct {
 	// DataDir holds every sandbox: <DataDir>/sandboxes/<id>/workspace and .../state. Required and
-	// absolute. For the namespace provider it and its parents must be searchable (o+x) by UID:
+	// absolute. For the namespace provider it and its parents must be searchable (o+x) by every sandbox uid:
 	// bubblewrap runs as that user and resolves its bind sources by path.
 	DataDir string
 	// InitPath is the executable re-run as the resident init (default os.Executable()). Its main must
@@ -22,6 +22,9 @@ type Config struct {
 	InitPath string
 	// BwrapPath is the bubblewrap binary; a bare name is looked up in PATH. Default "bwrap".
 	BwrapPath string
+	// PastaPath is pasta (Debian package passt), the user-mode network stack that gives a
+	// network: true sandbox its egress; a bare name is looked up in PATH. Default "pasta".
+	PastaPath string
 	// UID and GID are the host ids sandbox processes run as when the broker runs as root (default
 	// 100000). Inside the sandbox they appear as 1000. When the broker is not root, sandboxes run as
 	// the broker's own user and these are ignored.
@@ -110,6 +113,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.BwrapPath == "" {
 		c.BwrapPath = "bwrap"
+	}
+	if c.PastaPath == "" {
+		c.PastaPath = "pasta"
 	}
 	if c.UID == 0 {
 		c.UID = DefaultUID

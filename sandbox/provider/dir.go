@@ -55,12 +55,7 @@ func NewDir(cfg Config) (*Dir, error) {
 }
 
 // ids are the host uid and gid commands run as, -1 when they run as the broker's user.
-func (d *Dir) ids() (int, int) {
-	if d.asRoot {
-		return d.cfg.UID, d.cfg.GID
-	}
-	return -1, -1
-}
+func (d *Dir) ids(spec Spec) (int, int) { return hostIDs(d.asRoot, d.cfg, spec) }
 
 // Name is "dir".
 func (d *Dir) Name() string { return kindDir }
@@ -76,7 +71,7 @@ func (d *Dir) WorkspaceDir(spec Spec) string {
 // Create makes the workspace and state directories; the workspace belongs to the user commands
 // run as.
 func (d *Dir) Create(ctx context.Context, spec Spec) error {
-	uid, gid := d.ids()
+	uid, gid := d.ids(spec)
 	return d.layout.create(spec.ID, uid, gid)
 }
 
@@ -102,10 +97,14 @@ func (d *Dir) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if _, err := os.Stat(ws); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
 	}
-	if d.asRoot {
-		if err := adoptWorkspace(ws, d.cfg.UID, d.cfg.GID); err != nil {
+	uid, gid := d.ids(spec)
+	if uid >= 0 {
+		if err := adoptWorkspace(ws, uid, gid); err != nil {
 			return nil, err
 		}
+	}
+	if err := d.layout.secure(spec.ID, uid, gid); err != nil {
+		return nil, err
 	}
 	if err := d.running.claim(spec.ID); err != nil {
 		return nil, err
@@ -119,7 +118,7 @@ func (d *Dir) Start(ctx context.Context, spec Spec) (Instance, error) {
 	path := d.cfg.InitPath
 	var extra []*os.File
 	if d.asRoot {
-		attr.Credential = &syscall.Credential{Uid: uint32(d.cfg.UID), Gid: uint32(d.cfg.GID), Groups: []uint32{}}
+		attr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}
 		// As the sandbox uid the init may not reach its binary by path (a `go test` binary lives in
 		// a 0700 directory); executing the inherited fd needs no path, as in the namespace provider.
 		exe, err := os.Open(d.cfg.InitPath)
@@ -153,9 +152,10 @@ func (d *Dir) Start(ctx context.Context, spec Spec) (Instance, error) {
 	return in, nil
 }
 
-// adoptWorkspace gives a workspace that commands used to reach as root (a dir sandbox from before
-// they ran as the sandbox uid) to that uid, so that its files stay writable from inside. It is a
-// no-op once the workspace belongs to uid. Only directories, symlinks and regular files with one
+// adoptWorkspace gives a workspace that commands used to reach as another user (root for a dir
+// sandbox from before they ran as the sandbox uid, the shared uid for a sandbox from before each got
+// its own) to uid, so that its files stay writable from inside. It is a no-op once the workspace
+// belongs to uid. Only directories, symlinks and regular files with one
 // link change owner: a hard link or a device node a root tenant planted must not hand a host file
 // or a disk to the sandbox uid.
 func adoptWorkspace(ws string, uid, gid int) error {
@@ -163,12 +163,17 @@ func adoptWorkspace(ws string, uid, gid int) error {
 	if err := syscall.Lstat(ws, &st); err != nil {
 		return fmt.Errorf("%w: %v", ErrNotCreated, err)
 	}
-	if int(st.Uid) == uid {
+	if int(st.Uid) == uid && int(st.Gid) == gid {
 		return nil
 	}
+	// The workspace itself changes owner last: it is what says the walk is done, so a walk cut
+	// short (a crash) runs again at the next start.
 	err := filepath.WalkDir(ws, func(p string, e fs.DirEntry, err error) error {
 		if err != nil {
 			return err
+		}
+		if p == ws {
+			return nil
 		}
 		if err := syscall.Lstat(p, &st); err != nil {
 			return err
@@ -184,6 +189,9 @@ func adoptWorkspace(ws string, uid, gid int) error {
 		}
 		return os.Lchown(p, uid, gid)
 	})
+	if err == nil {
+		err = os.Lchown(ws, uid, gid)
+	}
 	if err != nil {
 		return fmt.Errorf("give the workspace %s to the sandbox uid %d: %w", ws, uid, err)
 	}

@@ -50,8 +50,10 @@ type instance struct {
 	calls   map[uint64]*call
 	nextID  uint64
 	deadErr error
-	initPid int // host pid of the init
-	pidfd   int // the init's pidfd (namespace), so Stop never signals a reused pid
+	initPid int    // host pid of the init
+	pidfd   int    // the init's pidfd (namespace), so Stop never signals a reused pid
+	netStop func() // ends the network helper; nil when there is none
+	ended   bool   // wait has torn down: a helper started now must be stopped at once
 
 	env      map[string]string
 	done     chan struct{}
@@ -89,6 +91,9 @@ type launchSpec struct {
 	// info, when set, is the read end of bwrap's --info-fd: it names the sandbox's first process
 	// as soon as bwrap has cloned it, so the cgroup attach can run while the init is still starting.
 	info *os.File
+	// network, when set, attaches the sandbox's network helper to the namespaces of the init (host
+	// pid) once it is ready; the function it returns ends the helper and runs when the sandbox ends.
+	network func(ctx context.Context, initPid int) (stop func(), err error)
 }
 
 // launch starts an init and returns once it is ready, attached to its cgroups, and the environment
@@ -226,6 +231,22 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		}
 		in.oomSeen.Store(max(in.cg.oomKills(), 0))
 	}
+	if ls.network != nil {
+		stop, err := ls.network(ctx, pid)
+		if err != nil {
+			return abort(fmt.Errorf("start sandbox: %w", err))
+		}
+		in.mu.Lock()
+		ended := in.ended
+		if !ended {
+			in.netStop = stop
+		}
+		in.mu.Unlock()
+		if ended {
+			stop()
+			return abort(errors.New("start sandbox: init exited while its network was set up"))
+		}
+	}
 	go in.readLoop()
 
 	// The snapshot goes through the normal exec path, so it is what a command really gets.
@@ -332,7 +353,12 @@ func (in *instance) wait() {
 		unix.Close(in.pidfd)
 		in.pidfd = 0
 	}
+	netStop := in.netStop
+	in.netStop, in.ended = nil, true
 	in.mu.Unlock()
+	if netStop != nil {
+		netStop()
+	}
 	in.cg.remove()
 	in.release()
 	close(in.done)

@@ -1,8 +1,6 @@
 package provider
 
 import (
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,46 +9,16 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+
+	"github.com/sbxbroker/broker/protocol"
 )
 
-// validID reports whether id is "sb_" followed by a UUID in its canonical 8-4-4-4-12 hex form. Every
-// host path and cgroup name is built from the id, so nothing else (no "/", no "..") may pass.
-func validID(id string) bool {
-	const prefix = "sb_"
-	if !strings.HasPrefix(id, prefix) {
-		return false
-	}
-	u := id[len(prefix):]
-	if len(u) != 36 {
-		return false
-	}
-	for i := 0; i < len(u); i++ {
-		c := u[i]
-		switch i {
-		case 8, 13, 18, 23:
-			if c != '-' {
-				return false
-			}
-		default:
-			if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F') {
-				return false
-			}
-		}
-	}
-	return true
-}
+// validID is protocol.ValidSandboxID: every host path and cgroup name is built from the id, so
+// nothing else (no "/", no "..") may pass.
+func validID(id string) bool { return protocol.ValidSandboxID(id) }
 
-// NewID returns a fresh sandbox id ("sb_" + a random UUID v4).
-func NewID() string {
-	var b [16]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		panic(err) // crypto/rand never fails on Linux
-	}
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	h := hex.EncodeToString(b[:])
-	return "sb_" + h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
-}
+// NewID is protocol.NewSandboxID (preflight's probe sandbox and the provider's tests).
+func NewID() string { return protocol.NewSandboxID() }
 
 // layout is where a provider keeps sandboxes on disk: <dataDir>/sandboxes/<id>/{workspace,state}.
 type layout struct {
@@ -62,26 +30,57 @@ func (l layout) sandboxDir(id string) string   { return filepath.Join(l.root(), 
 func (l layout) workspaceDir(id string) string { return filepath.Join(l.sandboxDir(id), "workspace") }
 func (l layout) stateDir(id string) string     { return filepath.Join(l.sandboxDir(id), "state") }
 
-// create makes the sandbox's directories. Directories above the workspace are 0711 so that an
-// unprivileged sandbox uid can reach the workspace by path (bwrap resolves bind sources by path) but
-// cannot list other sandboxes. It is idempotent.
+// create makes the sandbox's directories (see secure for their owners and modes). It is
+// idempotent.
 func (l layout) create(id string, uid, gid int) error {
 	if !validID(id) {
 		return fmt.Errorf("%w: %q", ErrInvalidID, id)
 	}
-	for _, d := range []string{l.root(), l.sandboxDir(id), l.stateDir(id)} {
-		if err := os.Mkdir(d, 0o711); err != nil && !errors.Is(err, fs.ErrExist) {
+	// The sandboxes directory is 0711: every sandbox uid passes through it by path (bwrap resolves
+	// bind sources by path), and nobody may list it.
+	if err := os.Mkdir(l.root(), 0o711); err != nil && !errors.Is(err, fs.ErrExist) {
+		return fmt.Errorf("create sandbox %s: %w", id, err)
+	}
+	for _, d := range []string{l.sandboxDir(id), l.stateDir(id), l.workspaceDir(id)} {
+		if err := os.Mkdir(d, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("create sandbox %s: %w", id, err)
 		}
 	}
-	ws := l.workspaceDir(id)
-	if err := os.Mkdir(ws, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
-		return fmt.Errorf("create sandbox %s: %w", id, err)
-	}
-	if uid >= 0 {
-		if err := os.Lchown(ws, uid, gid); err != nil {
-			return fmt.Errorf("create sandbox %s: chown workspace: %w", id, err)
+	return l.secure(id, uid, gid)
+}
+
+// secure gives the sandbox's directories their owners and modes, so that no other local user (nor
+// another sandbox's uid) can list, read or reach into them: the sandbox directory is root's with the
+// sandbox's gid and mode 0710 (only the sandbox's own processes pass through it, and it cannot
+// replace what is in it), the state directory 0700 root's, the workspace 0700 the sandbox's. A
+// setuid file planted in a workspace is then out of every other user's reach. Under a broker that
+// is not root (uid < 0) everything is 0700 the broker's. Start runs it again, so a sandbox made
+// before gets it, and a sandbox that opened its workspace up (chmod 755 /workspace) is closed again.
+func (l layout) secure(id string, uid, gid int) error {
+	sd, ws := l.sandboxDir(id), l.workspaceDir(id)
+	set := func(p string, owner, group int, mode fs.FileMode) error {
+		fi, err := os.Lstat(p)
+		if err != nil {
+			return err
 		}
+		if !fi.IsDir() {
+			return fmt.Errorf("%s is not a directory", p)
+		}
+		if owner >= 0 {
+			if err := os.Lchown(p, owner, group); err != nil {
+				return err
+			}
+		}
+		return os.Chmod(p, mode)
+	}
+	var err error
+	if uid >= 0 {
+		err = errors.Join(set(sd, 0, gid, 0o710), set(l.stateDir(id), 0, 0, 0o700), set(ws, uid, gid, 0o700))
+	} else {
+		err = errors.Join(set(sd, -1, -1, 0o700), set(l.stateDir(id), -1, -1, 0o700), set(ws, -1, -1, 0o700))
+	}
+	if err != nil {
+		return fmt.Errorf("sandbox %s: set its directories' owners and modes: %w", id, err)
 	}
 	return nil
 }

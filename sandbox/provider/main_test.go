@@ -68,13 +68,16 @@ func removeTestCgroups() []string {
 // (TestBrokerCrashLeavesNoStrays).
 const helperEnv = "SBX_PROVIDER_TEST_HELPER"
 
+// crashNetwork is the helper mode that starts a namespace sandbox with the network (and pasta).
+const crashNetwork = "network"
+
 // crashHelper starts a sandbox with a background process, prints the sandbox id, and waits to be
 // killed. Its arguments come in the environment: the provider, the data dir and a marker command.
 func crashHelper(mode string) {
 	cfg := Config{DataDir: os.Getenv("SBX_HELPER_DATA"), CgroupParent: os.Getenv("SBX_HELPER_CGROUP")}
 	var p Provider
 	var err error
-	if mode == kindNamespace {
+	if mode == kindNamespace || mode == crashNetwork {
 		p, err = NewNamespace(cfg)
 	} else {
 		p, err = NewDir(cfg)
@@ -84,6 +87,10 @@ func crashHelper(mode string) {
 		os.Exit(1)
 	}
 	spec := Spec{ID: NewID(), Template: DefaultTemplate()}
+	if mode == crashNetwork {
+		// pasta's command line names the sandbox's state dir, so the test sees it die too.
+		spec.Template.Network = NetworkOn
+	}
 	ctx := context.Background()
 	if err := p.Create(ctx, spec); err != nil {
 		fmt.Println("error:", err)
@@ -185,7 +192,7 @@ func sh(t testing.TB, in Instance, cmd string) (ExecResult, string) {
 
 func TestBrokerCrashLeavesNoStrays(t *testing.T) {
 	requireBwrap(t)
-	for _, mode := range []string{kindNamespace, kindDir} {
+	for _, mode := range []string{kindNamespace, kindDir, crashNetwork} {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
 			m := marker()

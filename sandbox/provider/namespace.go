@@ -52,9 +52,9 @@ var (
 	_ Instance = (*instance)(nil)
 )
 
-// Namespace is the bubblewrap provider: each sandbox is one bwrap (pid, ipc, uts, mount, user and,
-// unless the template allows the network, net namespaces) running the resident init as pid 1, with
-// memory, pids and cpu limits from cgroups.
+// Namespace is the bubblewrap provider: each sandbox is one bwrap (pid, ipc, uts, mount, user, cgroup
+// and net namespaces; a network template adds pasta, network.go) running the resident init as pid 1,
+// with memory, pids and cpu limits from cgroups.
 type Namespace struct {
 	cfg        Config
 	layout     layout
@@ -66,6 +66,8 @@ type Namespace struct {
 	hostShell  string
 	initInterp string // the init binary's ELF interpreter, "" when static
 	noUserns   bool   // bwrap has --disable-userns (0.8.0 and later)
+	pasta      string // the network helper for network: true templates (network.go)
+	pastaErr   error  // why there is none; a network: true sandbox then fails to start
 	running    running
 }
 
@@ -103,6 +105,9 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 		return nil, err
 	}
 	n.initInterp = elfInterp(cfg.InitPath)
+	if n.pasta, err = exec.LookPath(cfg.PastaPath); err != nil {
+		n.pastaErr = fmt.Errorf("sandbox network: the template allows the network and pasta was not found (%s): install it: apt-get install -y passt", cfg.PastaPath)
+	}
 	return n, nil
 }
 
@@ -137,13 +142,27 @@ func (n *Namespace) WorkspaceDir(spec Spec) string {
 	return n.layout.workspaceDir(spec.ID)
 }
 
+// ids are the host uid and gid the sandbox runs as, -1 when it runs as the broker's user.
+func (n *Namespace) ids(spec Spec) (int, int) {
+	return hostIDs(n.asRoot, n.cfg, spec)
+}
+
+// hostIDs is the sandbox's own uid (spec.UID) under a root broker, the shared Config.UID/GID for a
+// sandbox that has none, and -1, -1 (the broker's user) under any other broker.
+func hostIDs(asRoot bool, cfg Config, spec Spec) (int, int) {
+	switch {
+	case !asRoot:
+		return -1, -1
+	case spec.UID > 0:
+		return spec.UID, spec.UID
+	}
+	return cfg.UID, cfg.GID
+}
+
 // Create makes the workspace (owned by the sandbox uid) and the state dir with the sandbox's
 // /etc/passwd and /etc/group.
 func (n *Namespace) Create(ctx context.Context, spec Spec) error {
-	uid, gid := -1, -1
-	if n.asRoot {
-		uid, gid = n.cfg.UID, n.cfg.GID
-	}
+	uid, gid := n.ids(spec)
 	if err := n.layout.create(spec.ID, uid, gid); err != nil {
 		return err
 	}
@@ -190,8 +209,20 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if err := spec.Template.validateContent(); err != nil {
 		return nil, fmt.Errorf("template %q: %w", spec.Template.Name, err)
 	}
-	if _, err := os.Stat(n.layout.workspaceDir(spec.ID)); err != nil {
+	ws := n.layout.workspaceDir(spec.ID)
+	if _, err := os.Stat(ws); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
+	}
+	uid, gid := n.ids(spec)
+	if uid >= 0 {
+		// A sandbox that ran as the shared uid and now has its own (or moved uids) gets its files:
+		// inside, files of another host uid would be nobody's and read-only.
+		if err := adoptWorkspace(ws, uid, gid); err != nil {
+			return nil, err
+		}
+	}
+	if err := n.layout.secure(spec.ID, uid, gid); err != nil {
+		return nil, err
 	}
 	if _, err := os.Stat(filepath.Join(n.layout.stateDir(spec.ID), "passwd")); err != nil {
 		if err := n.writeIdentity(spec); err != nil {
@@ -240,6 +271,9 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 			if infoW != nil {
 				cmd.ExtraFiles = append(cmd.ExtraFiles, infoW)
 			}
+			if err = hideArgs(cmd); err != nil {
+				exe.Close()
+			}
 		}
 	}
 	if err != nil {
@@ -255,6 +289,16 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		shell = loginShell(spec.Template.Rootfs)
 	}
 	env := sandboxEnv(WorkspacePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
+	var network func(context.Context, int) (func(), error)
+	if spec.Template.Network.Enabled {
+		network = func(ctx context.Context, pid int) (func(), error) {
+			h, err := n.startNetwork(ctx, spec, pid, spec.Template.Network)
+			if err != nil {
+				return nil, err
+			}
+			return h.stop, nil
+		}
+	}
 	in, err := launch(ctx, launchSpec{
 		kind:    kindNamespace,
 		cmd:     cmd,
@@ -263,6 +307,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		limits:  limits,
 		release: release,
 		info:    info,
+		network: network,
 	})
 	if err != nil {
 		return nil, err
@@ -305,10 +350,12 @@ func (n *Namespace) command(spec Spec, pre, argv []string) (*exec.Cmd, error) {
 		// the whole pid namespace.
 		Pdeathsig: syscall.SIGKILL,
 	}
-	if n.asRoot {
+	if uid, gid := n.ids(spec); uid >= 0 {
 		// bwrap then runs unprivileged and maps this uid to 1000 inside its user namespace, so
 		// nothing in the sandbox is root on the host, not even through a kernel bug in the mapping.
-		attr.Credential = &syscall.Credential{Uid: uint32(n.cfg.UID), Gid: uint32(n.cfg.GID), Groups: []uint32{}}
+		// Each sandbox has its own uid, so no per-uid kernel object (keyrings, inotify and user
+		// namespace counts, RLIMIT_NPROC, signals) is shared with another sandbox.
+		attr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}
 	}
 	return &exec.Cmd{
 		Path:        n.bwrap,
@@ -339,13 +386,13 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		// pin every user namespace the host allows, and then no sandbox could start.
 		a = append(a, "--disable-userns")
 	}
-	if !t.Network {
-		a = append(a, "--unshare-net")
-	}
+	// Every sandbox has its own network namespace; with network: true, pasta attaches to it
+	// (network.go). The host's is never shared: its loopback is where the broker and Redis listen.
+	a = append(a, "--unshare-net")
 	bindIdentity := true
 	if t.Rootfs == "" {
 		a = append(a, n.hostRoot...)
-		if t.Network {
+		if t.Network.Enabled {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}
 	} else {
@@ -424,7 +471,7 @@ func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
 			return a, false, nil
 		}
 	}
-	if t.Network {
+	if t.Network.Enabled {
 		if _, err := os.Stat(filepath.Join(t.Rootfs, "etc", "resolv.conf")); err == nil {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}

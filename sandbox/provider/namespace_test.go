@@ -188,16 +188,6 @@ func TestNamespaceLimits(t *testing.T) {
 func TestNamespaceTemplateFeatures(t *testing.T) {
 	n := newNamespace(t, Config{})
 
-	t.Run("network template shares the host network", func(t *testing.T) {
-		in, _ := startSandbox(t, n, Template{Network: true})
-		addr, accepted := listen(t)
-		if res, out := sh(t, in, bashConnect(addr)); res.ExitCode != 0 {
-			t.Fatalf("connect with Network: %+v %q", res, out)
-		}
-		if !accepted() {
-			t.Error("listener saw no connection")
-		}
-	})
 	t.Run("mounts are read-only binds", func(t *testing.T) {
 		kb := testDataDir(t) // the sandbox uid must reach it: bwrap resolves it as that user
 		if err := os.WriteFile(filepath.Join(kb, "fact.txt"), []byte("knowledge"), 0o644); err != nil {

@@ -33,6 +33,10 @@ type Spec struct {
 	// ID is the sandbox id (sb_...). Providers name host resources (directories, cgroups) after it.
 	ID       string
 	Template Template
+	// UID is the host uid, and gid, the sandbox runs as and its workspace belongs to when the broker
+	// is root: its own, from the broker's range. 0 means Config.UID, the uid sandboxes shared
+	// before each got its own. It is ignored when the broker is not root.
+	UID int
 }
 
 // Instance is one running sandbox: a resident init inside the sandbox's namespaces that forks
@@ -115,9 +119,11 @@ type Template struct {
 	Mounts []Mount `json:"mounts,omitempty"`
 	// Env is added to every command's environment.
 	Env map[string]string `json:"env,omitempty"`
-	// Network lets the sandbox reach the host's network; off means a private loopback only.
-	Network bool   `json:"network,omitempty"`
-	Limits  Limits `json:"limits,omitempty"`
+	// Network is the sandbox's egress: none (false, the default: a private loopback only), any
+	// destination (true), or only the destinations listed ({allow: [...]}). The sandbox never shares
+	// the host's network namespace (network.go).
+	Network Network `json:"network,omitzero"`
+	Limits  Limits  `json:"limits,omitempty"`
 	// Setup is a shell command run once at create, in the workspace; a non-zero exit marks the sandbox
 	// failed with the command's output.
 	Setup string `json:"setup,omitempty"`

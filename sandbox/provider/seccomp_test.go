@@ -1,6 +1,8 @@
 package provider
 
 import (
+	"bytes"
+	"context"
 	"encoding/binary"
 	"os"
 	"os/exec"
@@ -8,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/elastic/go-seccomp-bpf/arch"
 	"golang.org/x/net/bpf"
@@ -244,7 +247,9 @@ func TestToolchainsUnderFilter(t *testing.T) {
 		}
 	}
 	n := newNamespace(t, Config{})
-	in, _ := startSandbox(t, n, Template{})
+	// venv and npm take seconds, and tens of them on a loaded machine: the exec timeout here is
+	// generous because this test is about what the filter refuses, not about speed.
+	in, _ := startSandbox(t, n, Template{Limits: Limits{ExecTimeout: Duration(3 * time.Minute), ExecTimeoutMax: Duration(3 * time.Minute)}})
 	for _, c := range []struct{ name, cmd, want string }{
 		{"python", `python3 -c 'import ssl, sqlite3, hashlib, json, subprocess; print(subprocess.run(["true"]).returncode, hashlib.sha256(b"x").hexdigest()[:8])'`, "0 2d711642\n"},
 		{"python threads", `python3 -c 'import concurrent.futures as f; print(sum(f.ThreadPoolExecutor(4).map(abs, range(-5, 0))))'`, "15\n"},
@@ -256,8 +261,12 @@ func TestToolchainsUnderFilter(t *testing.T) {
 		{"git", `git init -q repo && cd repo && echo a > a && git add a && git -c user.name=u -c user.email=u@x commit -qm m && git log --format=%s`, "m\n"},
 		{"gcc", `printf '#include <stdio.h>\n#include <pthread.h>\nstatic void *f(void *a) { return a; }\nint main(void) { pthread_t t; void *r; pthread_create(&t, 0, f, "built"); pthread_join(t, &r); puts(r); return 0; }\n' > hello.c && gcc -O2 -pthread -o hello hello.c && ./hello`, "built\n"},
 	} {
-		res, out := sh(t, in, c.cmd+" 2>&1")
-		if res.ExitCode != 0 || out != c.want {
+		var buf bytes.Buffer
+		res, err := in.Exec(context.Background(), ExecRequest{Command: c.cmd + " 2>&1", Stdout: &buf, Timeout: 3 * time.Minute})
+		if err != nil {
+			t.Fatalf("exec %s: %v", c.name, err)
+		}
+		if out := buf.String(); res.ExitCode != 0 || out != c.want {
 			t.Errorf("%s inside the sandbox: %+v\n%s\nwant %q", c.name, res, out, c.want)
 		}
 	}

@@ -202,6 +202,14 @@ func (t Template) validateContent() error {
 			return fmt.Errorf("env %q: value contains a NUL byte", k)
 		}
 	}
+	if len(t.Network.Allow) > 0 {
+		if !t.Network.Enabled {
+			return errors.New("network: an allowlist needs the network on")
+		}
+		if _, err := parseAllow(t.Network.Allow); err != nil {
+			return err
+		}
+	}
 	if err := t.Limits.validate(); err != nil {
 		return fmt.Errorf("limits: %w", err)
 	}

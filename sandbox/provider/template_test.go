@@ -2,6 +2,7 @@ package provider
 
 import (
 	"encoding/json"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -26,7 +27,7 @@ func TestLoadTemplates(t *testing.T) {
 		Rootfs:  kb,
 		Mounts:  []Mount{{Source: kb, Target: "/opt/kb"}},
 		Env:     map[string]string{"PYTHONUNBUFFERED": "1"},
-		Network: true,
+		Network: NetworkOn,
 		Limits:  Limits{MemoryBytes: 1 << 30, Pids: 256, CPUs: 1.5, ExecTimeout: Duration(30 * time.Second), ExecTimeoutMax: Duration(10 * time.Minute)},
 		Setup:   "pip install -r requirements.txt",
 	}
@@ -107,6 +108,14 @@ func TestLoadTemplatesErrors(t *testing.T) {
 		{"a:\n  name: b\n", `name "b" differs from its key`},
 		{"just a string\n", "want a list of templates or a map"},
 		{"a: 1\na: 2\n", `key "a" already set`},
+		{"- name: a\n  network: {allow: []}\n", "network: allow is empty"},
+		{"- name: a\n  network: {allow: [example.com:443]}\n", `network.allow[0] "example.com:443": want an IP address or CIDR prefix (host names are not supported`},
+		{"- name: a\n  network: {allow: [10.0.0.0/33]}\n", `network.allow[0] "10.0.0.0/33"`},
+		{"- name: a\n  network: {allow: [\"10.0.0.1:0\"]}\n", "port: want a number 1-65535"},
+		{"- name: a\n  network: {allow: [\"10.0.0.1:90-80\"]}\n", "port: want a number 1-65535 or a range"},
+		{"- name: a\n  network: {allow: [\"[2001:db8::1:443\"]}\n", "missing ']'"},
+		{"- name: a\n  network: {deny: [10.0.0.0/8]}\n", `network: want true, false or {allow:`},
+		{"- name: a\n  network: yes please\n", `network: want true, false or {allow:`},
 	} {
 		_, err := LoadTemplates(writeFile(t, "t.yaml", tc.content))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -115,6 +124,43 @@ func TestLoadTemplatesErrors(t *testing.T) {
 	}
 	if _, err := LoadTemplates(filepath.Join(dir, "missing.yaml")); err == nil {
 		t.Error("missing file: no error")
+	}
+}
+
+// network: keeps its old forms (true, false) and takes an allowlist; each round-trips.
+func TestNetworkTemplate(t *testing.T) {
+	for content, want := range map[string]Network{
+		"network: true\n":  NetworkOn,
+		"network: false\n": {},
+		"env: {}\n":        {},
+		"network: {allow: [\"10.0.0.0/8:443\", 192.0.2.7, \"[2001:db8::1]:8000-8999\", \"2001:db8::/32\"]}\n": {
+			Enabled: true, Allow: []string{"10.0.0.0/8:443", "192.0.2.7", "[2001:db8::1]:8000-8999", "2001:db8::/32"},
+		},
+	} {
+		got, err := LoadTemplates(writeFile(t, "t.yaml", "a:\n  "+content))
+		if err != nil {
+			t.Fatalf("%q: %v", content, err)
+		}
+		if !reflect.DeepEqual(got["a"].Network, want) {
+			t.Errorf("%q: got %+v, want %+v", content, got["a"].Network, want)
+		}
+		b, _ := json.Marshal(got["a"])
+		var back Template
+		if err := json.Unmarshal(b, &back); err != nil || !reflect.DeepEqual(back.Network, want) {
+			t.Errorf("%q: round trip %s: %+v %v", content, b, back.Network, err)
+		}
+	}
+	rules, err := parseAllow([]string{"10.1.2.3/8:443", "[2001:db8::1]:8000-8999", "192.0.2.7"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []egressRule{
+		{prefix: netip.MustParsePrefix("10.0.0.0/8"), from: 443, to: 443},
+		{prefix: netip.MustParsePrefix("2001:db8::1/128"), from: 8000, to: 8999},
+		{prefix: netip.MustParsePrefix("192.0.2.7/32"), from: 0, to: 65535},
+	}
+	if !reflect.DeepEqual(rules, want) {
+		t.Errorf("parseAllow: %+v, want %+v", rules, want)
 	}
 }
 

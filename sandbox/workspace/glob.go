@@ -152,19 +152,29 @@ func (w *Workspace) GlobContext(ctx context.Context, a protocol.GlobArgs) (proto
 		startRel = join(startRel, s)
 	}
 
-	g := &globber{w: w, ctx: ctx, p: p, max: w.opts.MaxGlobResults, res: protocol.GlobResult{Files: []protocol.FileInfo{}}}
-	infos, err := w.readDir(startRel, nil)
+	g := &globber{w: w, sc: w.newScan(ctx), p: p, max: w.opts.MaxGlobResults, res: protocol.GlobResult{Files: []protocol.FileInfo{}}}
+	d, names, err := w.openDir(startRel, g.sc)
 	switch {
 	case err == nil:
+	case isProtocolErr(err):
+		return protocol.GlobResult{}, err
 	case startRel != baseRel && (errors.Is(err, fs.ErrNotExist) || isNotDir(err)):
 		return g.res, nil // the pattern's literal directory is not there: no match
 	default:
 		return protocol.GlobResult{}, fsErr(sandboxPath(startRel), err)
 	}
-	if err := g.walk(startRel, infos, st, 0); err != nil && err != errStop {
+	defer d.Close()
+	if err := g.walk(d, startRel, names, st, 0); err != nil && err != errStop {
 		return protocol.GlobResult{}, err
 	}
+	g.res.Truncated = g.res.Truncated || g.sc.cut
 	return g.res, nil
+}
+
+// isProtocolErr says err is already a protocol error (a cancel, a timeout), to pass on as it is.
+func isProtocolErr(err error) bool {
+	var pe *protocol.Error
+	return errors.As(err, &pe)
 }
 
 // baseDir resolves the directory argument of Glob and Grep (default /workspace) and checks it is
@@ -189,21 +199,30 @@ func (w *Workspace) baseDir(p string) (string, error) {
 
 type globber struct {
 	w   *Workspace
-	ctx context.Context
+	sc  *scan
 	p   *pattern
 	max int
 	res protocol.GlobResult
 }
 
-// walk visits the entries of dirRel (already read, sorted) with st the pattern state at dirRel.
-func (g *globber) walk(dirRel string, infos []fs.FileInfo, st states, depth int) error {
-	if err := ctxErr(g.ctx); err != nil {
-		return err
-	}
-	for _, fi := range infos {
-		next := g.p.step(st, fi.Name())
-		rel := join(dirRel, fi.Name())
-		if g.p.accepts(next) {
+// walk visits the entries of dirRel (names already read, sorted; d is the directory) with st the
+// pattern state at dirRel.
+func (g *globber) walk(d *dir, dirRel string, names []string, st states, depth int) error {
+	for _, name := range names {
+		if err := ctxErr(g.sc.ctx); err != nil {
+			return err
+		}
+		next := g.p.step(st, name)
+		accept, descend := g.p.accepts(next), g.p.live(next) && depth < maxWalkDepth
+		if !accept && !descend {
+			continue // nothing here can match: not even an lstat
+		}
+		fi, err := d.lstat(name)
+		if err != nil {
+			continue // vanished since it was listed
+		}
+		rel := join(dirRel, name)
+		if accept {
 			if len(g.res.Files) == g.max {
 				g.res.Truncated = true
 				return errStop
@@ -211,12 +230,17 @@ func (g *globber) walk(dirRel string, infos []fs.FileInfo, st states, depth int)
 			g.res.Files = append(g.res.Files, g.w.describe(rel, sandboxPath(rel), fi))
 		}
 		// fi is an lstat: a symlink to a directory is not IsDir, so it is never entered.
-		if fi.IsDir() && g.p.live(next) && depth < maxWalkDepth {
-			sub, err := g.w.readDir(rel, fi)
+		if fi.IsDir() && descend {
+			sub, subNames, err := openSub(d, name, fi, g.sc)
 			if err != nil {
+				if isProtocolErr(err) {
+					return err
+				}
 				continue // vanished, swapped for a link, unreadable: skip it
 			}
-			if err := g.walk(rel, sub, next, depth+1); err != nil {
+			err = g.walk(sub, rel, subNames, next, depth+1)
+			sub.Close()
+			if err != nil {
 				return err
 			}
 		}
@@ -230,8 +254,8 @@ func ctxErr(ctx context.Context) error {
 	case err == nil:
 		return nil
 	case errors.Is(err, context.DeadlineExceeded):
-		return protocol.Errorf(protocol.CodeTimeout, "the search ran out of time; narrow path or pattern")
+		return protocol.Errorf(protocol.CodeTimeout, "the operation ran out of time; narrow it (a smaller window, path or pattern) and retry")
 	default:
-		return protocol.Errorf(protocol.CodeCancelled, "the search was cancelled")
+		return protocol.Errorf(protocol.CodeCancelled, "the operation was cancelled")
 	}
 }

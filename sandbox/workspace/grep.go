@@ -58,8 +58,8 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 	if err != nil {
 		return protocol.GrepResult{}, fsErr(sp, err)
 	}
-	g := &grepper{w: w, ctx: ctx, m: m, max: maxCount, filter: filter, baseOnly: baseOnly,
-		res: protocol.GrepResult{Matches: []protocol.GrepMatch{}}}
+	g := &grepper{w: w, sc: w.newScan(ctx), m: m, max: maxCount, filter: filter, baseOnly: baseOnly,
+		bytesLeft: w.opts.MaxGrepScanBytes, res: protocol.GrepResult{Matches: []protocol.GrepMatch{}}}
 	switch {
 	case fi.Mode().IsRegular():
 		// A single file: the glob, if any, is matched against its name.
@@ -67,21 +67,26 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 			err = g.file(rel, fi)
 		}
 	case fi.IsDir():
-		var infos []fs.FileInfo
-		if infos, err = w.readDir(rel, nil); err != nil {
-			return protocol.GrepResult{}, fsErr(sp, err)
+		d, names, derr := w.openDir(rel, g.sc)
+		if derr != nil {
+			if isProtocolErr(derr) {
+				return protocol.GrepResult{}, derr
+			}
+			return protocol.GrepResult{}, fsErr(sp, derr)
 		}
+		defer d.Close()
 		var st states
 		if filter != nil {
 			st = filter.start()
 		}
-		err = g.walk(rel, infos, st, 0)
+		err = g.walk(d, rel, names, st, 0)
 	default:
 		return protocol.GrepResult{}, notRegular(sp, fi)
 	}
 	if err != nil && err != errStop {
 		return protocol.GrepResult{}, err
 	}
+	g.res.Truncated = g.res.Truncated || g.sc.cut
 	return g.res, nil
 }
 
@@ -126,41 +131,52 @@ func (m *matcher) mayMatch(data []byte) bool {
 }
 
 type grepper struct {
-	w        *Workspace
-	ctx      context.Context
-	m        *matcher
-	max      int
-	filter   *pattern // nil: every file
-	baseOnly bool     // filter has one segment and is matched against base names
-	buf      []byte   // reused across files
-	res      protocol.GrepResult
+	w         *Workspace
+	sc        *scan
+	m         *matcher
+	max       int
+	filter    *pattern // nil: every file
+	baseOnly  bool     // filter has one segment and is matched against base names
+	bytesLeft int64    // file bytes the search may still read
+	buf       []byte   // reused across files
+	res       protocol.GrepResult
 }
 
-// walk searches the entries of dirRel (already read, sorted); st is the filter's state at dirRel.
-func (g *grepper) walk(dirRel string, infos []fs.FileInfo, st states, depth int) error {
-	for _, fi := range infos {
-		if err := ctxErr(g.ctx); err != nil {
+// walk searches the entries of dirRel (names already read, sorted; d is the directory); st is the
+// filter's state at dirRel.
+func (g *grepper) walk(d *dir, dirRel string, names []string, st states, depth int) error {
+	for _, name := range names {
+		if err := ctxErr(g.sc.ctx); err != nil {
 			return err
 		}
-		rel := join(dirRel, fi.Name())
 		var next states
 		if g.filter != nil && !g.baseOnly {
-			next = g.filter.step(st, fi.Name())
+			next = g.filter.step(st, name)
 		}
+		fi, err := d.lstat(name)
+		if err != nil {
+			continue // vanished since it was listed
+		}
+		rel := join(dirRel, name)
 		switch mode := fi.Mode(); {
 		case mode.IsDir():
 			if depth >= maxWalkDepth || (g.filter != nil && !g.baseOnly && !g.filter.live(next)) {
 				continue
 			}
-			sub, err := g.w.readDir(rel, fi)
+			sub, subNames, err := openSub(d, name, fi, g.sc)
 			if err != nil {
+				if isProtocolErr(err) {
+					return err
+				}
 				continue // vanished, swapped for a link, unreadable: skip it
 			}
-			if err := g.walk(rel, sub, next, depth+1); err != nil {
+			err = g.walk(sub, rel, subNames, next, depth+1)
+			sub.Close()
+			if err != nil {
 				return err
 			}
 		case mode.IsRegular() || mode&fs.ModeSymlink != 0:
-			if !g.wanted(fi.Name(), next) {
+			if !g.wanted(name, next) {
 				continue
 			}
 			if mode&fs.ModeSymlink != 0 {
@@ -192,10 +208,11 @@ func (g *grepper) wanted(name string, next states) bool {
 }
 
 // file searches one regular file. Files that vanish, change type or cannot be read are skipped
-// silently: a search reports matches, not the churn of a live tree.
+// silently: a search reports matches, not the churn of a live tree. An empty file is not opened:
+// it has no line to match.
 func (g *grepper) file(rel string, fi fs.FileInfo) error {
 	limit := g.w.opts.MaxGrepFileBytes
-	if fi.Size() > limit {
+	if fi.Size() > limit || fi.Size() == 0 {
 		return nil
 	}
 	f, err := g.w.root.OpenFile(rel, openReadFlags, 0)
@@ -207,6 +224,12 @@ func (g *grepper) file(rel string, fi fs.FileInfo) error {
 	if err != nil || !fi.Mode().IsRegular() || fi.Size() > limit {
 		return nil
 	}
+	if fi.Size() > g.bytesLeft {
+		// The search has read what one request may: stop here rather than skip, so that
+		// truncated means the same as for matches (later files were not searched).
+		g.res.Truncated = true
+		return errStop
+	}
 	if int64(cap(g.buf)) < fi.Size() {
 		g.buf = make([]byte, fi.Size())
 	}
@@ -214,6 +237,7 @@ func (g *grepper) file(rel string, fi fs.FileInfo) error {
 	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
 		return nil
 	}
+	g.bytesLeft -= int64(n)
 	data := g.buf[:n]
 	if bytes.IndexByte(data[:min(len(data), binarySniffBytes)], 0) >= 0 || !g.m.mayMatch(data) {
 		return nil

@@ -3,8 +3,10 @@ package workspace
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"os"
@@ -59,14 +61,25 @@ func checkRegular(sp string, fi fs.FileInfo) error {
 	return nil
 }
 
-// Read reads a regular file: the whole file, a byte range or a line window, cut at MaxReadBytes.
+// Read is ReadContext without a deadline.
 func (w *Workspace) Read(a protocol.ReadArgs) (protocol.ReadResult, error) {
+	return w.ReadContext(context.Background(), a)
+}
+
+// ReadContext reads a regular file: the whole file, a byte range or a line window, cut at
+// MaxReadBytes. A line window scans at most MaxScanBytes of the file, checking ctx between chunks:
+// a window that starts past them is payload_too_large, one that runs past them is truncated, and a
+// count of lines cut there says so (TotalLinesPartial).
+func (w *Workspace) ReadContext(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
 	if a.Offset < 0 || a.Length < 0 || a.LineOffset < 0 || a.LineLimit < 0 {
 		return protocol.ReadResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "offset, length, line_offset and line_limit must not be negative")
 	}
 	lines := a.LineOffset != 0 || a.LineLimit != 0
 	if lines && (a.Offset != 0 || a.Length != 0) {
 		return protocol.ReadResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "give either a byte range (offset, length) or a line window (line_offset, line_limit), not both")
+	}
+	if err := ctxErr(ctx); err != nil {
+		return protocol.ReadResult{}, err
 	}
 	rel, sp, err := resolve(a.Path)
 	if err != nil {
@@ -81,11 +94,24 @@ func (w *Workspace) Read(a protocol.ReadArgs) (protocol.ReadResult, error) {
 	res := protocol.ReadResult{Path: sp, Size: fi.Size()}
 	var content []byte
 	if lines {
-		content, res.TotalLines, res.Truncated, err = readLines(f, a.LineOffset, a.LineLimit, w.opts.MaxReadBytes)
+		sr := &scanReader{ctx: ctx, r: f, left: w.opts.MaxScanBytes}
+		var lw lineWindow
+		lw, err = readLines(sr, a.LineOffset, a.LineLimit, w.opts.MaxReadBytes)
+		switch {
+		case err != nil:
+		case lw.notReached:
+			return protocol.ReadResult{}, protocol.Errorf(protocol.CodeTooLarge,
+				"line_offset %d of %s is past the first %s of the file, which is all a line-window read scans (they hold %d lines); read further by byte range (offset, length) or run a command such as tail or sed with exec",
+				a.LineOffset, sp, sizeText(w.opts.MaxScanBytes), lw.total)
+		}
+		content, res.TotalLines, res.TotalLinesPartial, res.Truncated = lw.out, lw.total, lw.partial, lw.truncated
 	} else {
 		content, res.Truncated, err = readRange(f, fi.Size(), a.Offset, a.Length, w.opts.MaxReadBytes)
 	}
 	if err != nil {
+		if pe := (*protocol.Error)(nil); errors.As(err, &pe) {
+			return protocol.ReadResult{}, err
+		}
 		return protocol.ReadResult{}, fsErr(sp, err)
 	}
 	if res.Truncated && !utf8.Valid(content) {
@@ -101,6 +127,45 @@ func (w *Workspace) Read(a protocol.ReadArgs) (protocol.ReadResult, error) {
 		res.Content, res.Encoding = base64.StdEncoding.EncodeToString(content), protocol.EncodingBase64
 	}
 	return res, nil
+}
+
+// sizeText shows a byte count the way the docs state caps: "64 MiB", or bytes.
+func sizeText(n int64) string {
+	switch {
+	case n >= 1<<30 && n%(1<<30) == 0:
+		return fmt.Sprintf("%d GiB", n>>30)
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d bytes", n)
+}
+
+// errScanCap ends a scan at its byte budget; it is never returned to a caller.
+var errScanCap = errors.New("scan cap reached")
+
+// scanReader reads at most left bytes of r and then fails with errScanCap; it checks ctx before
+// every read, so a scan stops within one chunk of a cancel or a client's hang-up.
+type scanReader struct {
+	ctx  context.Context
+	r    io.Reader
+	left int64
+}
+
+func (s *scanReader) Read(p []byte) (int, error) {
+	if err := ctxErr(s.ctx); err != nil {
+		return 0, err
+	}
+	if s.left <= 0 {
+		return 0, errScanCap
+	}
+	if int64(len(p)) > s.left {
+		p = p[:s.left]
+	}
+	n, err := s.r.Read(p)
+	s.left -= int64(n)
+	return n, err
 }
 
 // readRange reads [off, off+length) (length 0: to the end) of a file of the given size, at most
@@ -124,12 +189,23 @@ func readRange(f *os.File, size, off, length, capBytes int64) (_ []byte, truncat
 	return buf[:k], truncated, nil
 }
 
-// readLines streams the file once: it keeps lines [lineOff, lineOff+limit) (limit 0: all), up to
-// capBytes bytes, and counts every line, so memory stays at the cap whatever the file's size. A
-// final line without a newline counts; an empty file has none.
-func readLines(f *os.File, lineOff, limit int, capBytes int64) (_ []byte, total int, truncated bool, _ error) {
-	br := bufio.NewReaderSize(f, 64<<10)
+// lineWindow is what readLines found.
+type lineWindow struct {
+	out        []byte
+	total      int  // lines counted (all of them unless partial)
+	partial    bool // the scan stopped at its cap before the end of the file
+	truncated  bool // the window was cut, by the read cap or the scan cap
+	notReached bool // the scan stopped before the window's first line
+}
+
+// readLines streams r once: it keeps lines [lineOff, lineOff+limit) (limit 0: all), up to capBytes
+// bytes, and counts every line, so memory stays at the cap whatever the file's size. A final line
+// without a newline counts; an empty file has none. r ending with errScanCap ends the scan early:
+// the count is partial, and a window it cut is truncated (at its last whole line).
+func readLines(r io.Reader, lineOff, limit int, capBytes int64) (lineWindow, error) {
+	br := bufio.NewReaderSize(r, 64<<10)
 	var (
+		lw        lineWindow
 		out       []byte
 		line      int  // index of the line being read
 		lineStart int  // len(out) where the current line began
@@ -144,7 +220,7 @@ func readLines(f *os.File, lineOff, limit int, capBytes int64) (_ []byte, total 
 				if room := capBytes - int64(len(out)); int64(len(chunk)) <= room {
 					out = append(out, chunk...)
 				} else {
-					full, truncated = true, true
+					full, lw.truncated = true, true
 					if lineStart > 0 {
 						out = out[:lineStart] // cut at the last line boundary
 					} else {
@@ -164,8 +240,11 @@ func readLines(f *os.File, lineOff, limit int, capBytes int64) (_ []byte, total 
 			if full || (limit != 0 && line-lineOff >= limit) {
 				// Past the window: only the count is left, which needs no line splitting.
 				n, last, seen, err := countLines(br)
-				if err != nil {
-					return nil, 0, false, err
+				switch {
+				case errors.Is(err, errScanCap):
+					lw.partial = true
+				case err != nil:
+					return lineWindow{}, err
 				}
 				if seen {
 					partial = last != '\n'
@@ -174,23 +253,38 @@ func readLines(f *os.File, lineOff, limit int, capBytes int64) (_ []byte, total 
 				if partial {
 					line++
 				}
-				return out, line, truncated, nil
+				lw.out, lw.total = out, line
+				return lw, nil
 			}
 		}
 		switch {
 		case err == nil, errors.Is(err, bufio.ErrBufferFull):
-		case errors.Is(err, io.EOF):
+		case errors.Is(err, io.EOF), errors.Is(err, errScanCap):
+			if errors.Is(err, errScanCap) {
+				lw.partial = true
+				switch {
+				case line < lineOff || (line == lineOff && !partial):
+					lw.notReached = true
+				case !full:
+					lw.truncated = true
+					if partial && lineStart > 0 {
+						out = out[:lineStart] // keep whole lines; the cut one is read on from here
+					}
+				}
+			}
 			if partial {
 				line++
 			}
-			return out, line, truncated, nil
+			lw.out, lw.total = out, line
+			return lw, nil
 		default:
-			return nil, 0, false, err
+			return lineWindow{}, err
 		}
 	}
 }
 
-// countLines counts the newlines left in r and returns the last byte read, if any was.
+// countLines counts the newlines left in r and returns the last byte read, if any was. It returns
+// r's error, errScanCap included, with the count so far.
 func countLines(r io.Reader) (n int, last byte, seen bool, err error) {
 	buf := make([]byte, 64<<10)
 	for {
@@ -203,7 +297,7 @@ func countLines(r io.Reader) (n int, last byte, seen bool, err error) {
 			return n, last, seen, nil
 		}
 		if err != nil {
-			return 0, 0, false, err
+			return n, last, seen, err
 		}
 	}
 }

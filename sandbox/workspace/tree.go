@@ -1,11 +1,11 @@
 package workspace
 
 import (
+	"context"
 	"errors"
 	"io/fs"
 	"os"
 	"path"
-	"slices"
 	"strings"
 	"syscall"
 
@@ -30,55 +30,101 @@ func (w *Workspace) Stat(p string) (protocol.FileInfo, error) {
 	return w.describe(rel, sp, fi), nil
 }
 
-// List lists a directory (not recursively), sorted by name. Entries are described like Stat
-// describes them. A symlink to a directory inside the workspace is listed as that directory.
+// List is ListContext without a deadline, returning only the entries.
 func (w *Workspace) List(p string) ([]protocol.FileInfo, error) {
+	res, err := w.ListContext(context.Background(), p)
+	return res.Entries, err
+}
+
+// ListContext lists a directory (not recursively), sorted by name, at most MaxListEntries entries:
+// the first ones by name, with Truncated set when there are more. It reads at most MaxScanEntries
+// names, in batches, checking ctx between them, and describes (lstat) only the entries it returns;
+// a directory with more names than that is listed from the names read, and Truncated. Entries
+// are described like Stat describes them. A symlink to a directory inside the workspace is listed
+// as that directory.
+func (w *Workspace) ListContext(ctx context.Context, p string) (protocol.LsResult, error) {
 	rel, sp, err := resolve(p)
 	if err != nil {
-		return nil, err
+		return protocol.LsResult{}, err
 	}
-	infos, err := w.readDir(rel, nil)
+	sc := w.newScan(ctx)
+	d, names, err := w.openDir(rel, sc)
 	if err != nil {
 		if errors.Is(err, syscall.ENOTDIR) {
 			if fi, serr := w.root.Stat(rel); serr == nil && !fi.IsDir() {
-				return nil, protocol.Errorf(protocol.CodeNotDirectory, "%s is not a directory; read or stat it instead", sp)
+				return protocol.LsResult{}, protocol.Errorf(protocol.CodeNotDirectory, "%s is not a directory; read or stat it instead", sp)
 			}
 		}
-		return nil, fsErr(sp, err)
+		if pe := (*protocol.Error)(nil); errors.As(err, &pe) {
+			return protocol.LsResult{}, err
+		}
+		return protocol.LsResult{}, fsErr(sp, err)
 	}
-	out := make([]protocol.FileInfo, 0, len(infos))
-	for _, fi := range infos {
-		out = append(out, w.describe(join(rel, fi.Name()), join(sp, fi.Name()), fi))
+	defer d.Close()
+	res := protocol.LsResult{Truncated: sc.cut}
+	if len(names) > w.opts.MaxListEntries {
+		names, res.Truncated = names[:w.opts.MaxListEntries], true
 	}
-	return out, nil
+	res.Entries = make([]protocol.FileInfo, 0, len(names))
+	for _, name := range names {
+		fi, err := d.lstat(name)
+		if err != nil {
+			continue // vanished since it was listed
+		}
+		res.Entries = append(res.Entries, w.describe(join(rel, name), join(sp, name), fi))
+	}
+	return res, nil
 }
 
-// readDir lists the directory rel with lstat information, sorted by name. When want is not nil the
-// directory must still be that file: a directory swapped for a symlink since it was listed in its
-// parent is not entered (fs.ErrNotExist).
-func (w *Workspace) readDir(rel string, want fs.FileInfo) ([]fs.FileInfo, error) {
+// scan is the budget of one listing or walk: the directory entries it may still read, and its
+// context.
+type scan struct {
+	ctx  context.Context
+	left int
+	cut  bool // the budget ran out with entries left unread
+}
+
+func (w *Workspace) newScan(ctx context.Context) *scan {
+	return &scan{ctx: ctx, left: w.opts.MaxScanEntries}
+}
+
+// openDir opens the directory rel through the root (a symlink inside the workspace is followed)
+// and reads its names, sorted, drawing on sc. The caller closes the dir.
+func (w *Workspace) openDir(rel string, sc *scan) (*dir, []string, error) {
+	if err := ctxErr(sc.ctx); err != nil {
+		return nil, nil, err
+	}
 	f, err := w.root.OpenFile(rel, openDirFlags, 0)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	defer f.Close()
-	if want != nil {
-		fi, err := f.Stat()
-		if err != nil {
-			return nil, err
-		}
-		if !os.SameFile(fi, want) {
-			return nil, fs.ErrNotExist
-		}
-	}
-	// Readdir on a file opened in a Root stats entries with fstatat on the directory's descriptor,
-	// never by host path.
-	infos, err := f.Readdir(-1)
+	d, err := newDir(f)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	slices.SortFunc(infos, func(a, b fs.FileInfo) int { return strings.Compare(a.Name(), b.Name()) })
-	return infos, nil
+	names, err := d.names(sc)
+	if err != nil {
+		d.Close()
+		return nil, nil, err
+	}
+	return d, names, nil
+}
+
+// openSub opens the subdirectory name of parent, which must still be want, and reads its names.
+func openSub(parent *dir, name string, want fs.FileInfo, sc *scan) (*dir, []string, error) {
+	if err := ctxErr(sc.ctx); err != nil {
+		return nil, nil, err
+	}
+	d, err := parent.sub(name, want)
+	if err != nil {
+		return nil, nil, err
+	}
+	names, err := d.names(sc)
+	if err != nil {
+		d.Close()
+		return nil, nil, err
+	}
+	return d, names, nil
 }
 
 // Delete removes a file or a symlink (never its target), an empty directory, or with Recursive a

@@ -27,6 +27,10 @@ const (
 	DefaultMaxGlobResults   = 10000
 	DefaultMaxGrepMatches   = 1000
 	DefaultMaxGrepFileBytes = 8 << 20
+	DefaultMaxScanBytes     = 64 << 20
+	DefaultMaxListEntries   = 10000
+	DefaultMaxScanEntries   = 250000
+	DefaultMaxGrepScanBytes = 256 << 20
 )
 
 // Options configures a Workspace. The zero value is usable: no ownership change and the default caps.
@@ -46,6 +50,15 @@ type Options struct {
 	MaxGrepMatches int
 	// MaxGrepFileBytes: Grep skips larger files (default 8 MiB).
 	MaxGrepFileBytes int64
+	// MaxScanBytes bounds the bytes a line-window Read scans to find its window and count lines
+	// (default 64 MiB): a window deep in a huge (or sparse) file is refused instead of read through.
+	MaxScanBytes int64
+	// MaxListEntries caps a List answer (default 10000).
+	MaxListEntries int
+	// MaxScanEntries bounds the directory entries one List, Glob or Grep reads (default 250000).
+	MaxScanEntries int
+	// MaxGrepScanBytes bounds the file bytes one Grep reads (default 256 MiB).
+	MaxGrepScanBytes int64
 }
 
 func (o Options) withDefaults() Options {
@@ -63,6 +76,18 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxGrepFileBytes <= 0 {
 		o.MaxGrepFileBytes = DefaultMaxGrepFileBytes
+	}
+	if o.MaxScanBytes <= 0 {
+		o.MaxScanBytes = DefaultMaxScanBytes
+	}
+	if o.MaxListEntries <= 0 {
+		o.MaxListEntries = DefaultMaxListEntries
+	}
+	if o.MaxScanEntries <= 0 {
+		o.MaxScanEntries = DefaultMaxScanEntries
+	}
+	if o.MaxGrepScanBytes <= 0 {
+		o.MaxGrepScanBytes = DefaultMaxGrepScanBytes
 	}
 	return o
 }

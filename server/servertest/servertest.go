@@ -7,6 +7,7 @@ package servertest
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -18,6 +19,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/delegation"
@@ -30,11 +32,28 @@ import (
 )
 
 // Main is TestMain for packages that start brokers: the test binary doubles as the sandbox init.
+// When every test passed it also fails the run if goroutines outlive the tests (goleak): a broker
+// that Shutdown does not fully stop, a subscription nobody closes.
 func Main(m *testing.M) {
 	if len(os.Args) > 1 && os.Args[1] == provider.InitArg {
 		provider.RunInit()
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if code == 0 {
+		// Keep-alive connections of tests' plain HTTP requests are the client's, not a leak.
+		http.DefaultClient.CloseIdleConnections()
+		if err := goleak.Find(leakOptions...); err != nil {
+			fmt.Fprintf(os.Stderr, "servertest: goroutines outlived the tests:\n%v\n", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// leakOptions are the goroutines that may outlive a package's tests: the provider's spawner, which
+// lives as long as the process by design (sandbox/provider's spawn).
+var leakOptions = []goleak.Option{
+	goleak.IgnoreTopFunction("github.com/sbxbroker/broker/sandbox/provider.spawn.func1.1"),
 }
 
 // Options change the broker a test gets.
@@ -64,7 +83,21 @@ type Options struct {
 	Templates                    map[string]provider.Template
 	// Log receives the broker's logs (default: discarded unless -v).
 	Log *slog.Logger
+	// SandboxUIDs is the range sandboxes get their own host uid from under a root broker; nil
+	// means the broker's default (DefaultSandboxUIDs), a zero range none (they share
+	// provider.DefaultUID, as before each got its own).
+	SandboxUIDs *store.UIDRange
+	// Limits are the broker's default org limits (zero: none).
+	Limits store.Limits
+	// AuthFailures per AuthFailureWindow from one source are allowed (0: no limit).
+	AuthFailures      int
+	AuthFailureWindow time.Duration
+	// Dataplane bounds dataplane connections (zero values: the broker's defaults).
+	Dataplane server.DataplaneLimits
 }
+
+// DefaultSandboxUIDs is cmd/broker's default --sandbox-uids, without its shared --sandbox-uid.
+var DefaultSandboxUIDs = store.UIDRange{First: 100000, Last: 165535, Skip: provider.DefaultUID}
 
 // Broker is a running in-process broker.
 type Broker struct {
@@ -83,6 +116,8 @@ type Broker struct {
 	DataDir string
 	t       testing.TB
 	stop    func()
+	// stopWithin is the shutdown timeout Stop gives the broker.
+	stopWithin time.Duration
 }
 
 // New starts a broker and stops it when t ends.
@@ -130,8 +165,13 @@ func New(t testing.TB, opts Options) *Broker {
 		t.Fatalf("servertest: provider %s: %v", opts.Provider, err)
 	}
 	uid := -1
-	if os.Geteuid() == 0 { // both providers run sandboxes as this uid under a root broker
+	var uids store.UIDRange
+	if os.Geteuid() == 0 { // both providers run sandboxes as their own uid under a root broker
 		uid = provider.DefaultUID
+		uids = DefaultSandboxUIDs
+		if opts.SandboxUIDs != nil {
+			uids = *opts.SandboxUIDs
+		}
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -141,9 +181,11 @@ func New(t testing.TB, opts Options) *Broker {
 	// The same wiring as cmd/broker; the sweeper is left to the test (SweepOnce on its clock).
 	br, err := server.NewBroker(context.Background(), server.BrokerConfig{
 		Store: st, Provider: prov, ProviderReport: report, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
-		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid,
+		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid, SandboxUIDs: uids,
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
 		NodeHeartbeat: opts.NodeHeartbeat, NodeLostAfter: opts.NodeLostAfter,
+		Limits: opts.Limits, AuthFailures: opts.AuthFailures, AuthFailureWindow: opts.AuthFailureWindow,
+		Dataplane: opts.Dataplane,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -152,14 +194,15 @@ func New(t testing.TB, opts Options) *Broker {
 	go func() { defer close(served); br.Serve(l) }()
 
 	b := &Broker{URL: url, Redis: opts.Redis, RDB: rdb, Store: st, Manager: br.Sandboxes, Keys: br.Keys, Server: br.Server,
-		Sweeper: br.Sweeper, DataDir: opts.DataDir, t: t, now: opts.Now}
+		Sweeper: br.Sweeper, DataDir: opts.DataDir, t: t, now: opts.Now, stopWithin: 10 * time.Second}
 	var once sync.Once
 	b.stop = func() {
 		once.Do(func() {
-			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			sctx, cancel := context.WithTimeout(context.Background(), b.stopWithin)
 			defer cancel()
 			br.Shutdown(sctx)
 			<-served
+			st.Close()
 		})
 	}
 	t.Cleanup(b.stop)
@@ -180,8 +223,15 @@ func DataDir(t testing.TB) string {
 	return d
 }
 
-// Stop stops the broker now (a restart test starts another on the same DataDir and Redis).
+// Stop stops the broker now (a restart test starts another on the same DataDir and Redis), with a
+// shutdown timeout of 10 s.
 func (b *Broker) Stop() { b.stop() }
+
+// StopWithin is Stop with shutdown timeout d: how long requests in flight may take to finish.
+func (b *Broker) StopWithin(d time.Duration) {
+	b.stopWithin = d
+	b.stop()
+}
 
 // NewClient makes an API key for org (created if new) and returns a client using it.
 func (b *Broker) NewClient(org string) *client.Client {

@@ -234,7 +234,8 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       if (text.endsWith("\n")) text = text.slice(0, -1);
       const n = text === "" ? 1 : text.split("\n").length;
       const endLine = Math.min(off + n, total);
-      const next = endLine < total ? endLine : undefined;
+      // A partial count (the broker scans at most 64 MiB for a line window) is a lower bound.
+      const next = endLine < total || r.total_lines_partial === true ? endLine : undefined;
       if (midLine) text += `\n[Line ${endLine} is longer than the broker's read limit and was cut; use execute (e.g. head -c) to see the rest of it.]`;
       else if (r.truncated) text += `\n[The broker cut this read at its size limit; read on from offset ${endLine}.]`;
       return { content: text, mimeType, totalLines: total, startLine: off + 1, endLine, nextOffset: next };

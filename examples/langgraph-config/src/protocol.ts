@@ -160,6 +160,8 @@ export interface ExecArgs {
 
 export interface LsResult {
   entries: FileInfo[] | null;
+  /** The directory has more entries than the broker's cap (10,000); narrow with glob. */
+  truncated?: boolean;
 }
 export interface ReadResult {
   path: string;
@@ -167,6 +169,8 @@ export interface ReadResult {
   encoding: "utf-8" | "base64" | string;
   size: number;
   total_lines?: number;
+  /** The broker stopped counting at its scan cap (64 MiB): the file has at least total_lines lines. */
+  total_lines_partial?: boolean;
   truncated?: boolean;
 }
 export interface WriteResult {
@@ -325,13 +329,14 @@ const writeResult: Schema = { path: r("string"), size: r("int"), created: r("boo
 export const resultSchemas = {
   ping: {} as Schema,
   stat: fileInfo,
-  ls: { entries: r({ array: fileInfo, nullable: true }) },
+  ls: { entries: r({ array: fileInfo, nullable: true }), truncated: o("bool") },
   read: {
     path: r("string"),
     content: r("string"),
     encoding: r("string"),
     size: r("int"),
     total_lines: o("int"),
+    total_lines_partial: o("bool"),
     truncated: o("bool"),
   },
   write: writeResult,

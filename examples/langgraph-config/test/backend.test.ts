@@ -72,6 +72,13 @@ describe("read", () => {
     assert.equal(r.nextOffset, 2);
   });
 
+  it("a partial line count (the broker's scan cap) still offers the next page", async () => {
+    const sb = new BrokerSandbox(new ReadStub({ ...base, content: "one\ntwo\n", total_lines: 2, total_lines_partial: true }));
+    const r = await sb.read("/big.txt", 0, 2);
+    assert.equal(r.endLine, 2);
+    assert.equal(r.nextOffset, 2);
+  });
+
   it("an uncut window is unchanged", async () => {
     const sb = new BrokerSandbox(new ReadStub({ ...base, content: "one\ntwo\n", total_lines: 3 }));
     const r = await sb.read("/big.txt", 0, 2);

@@ -1,0 +1,38 @@
+package main
+
+import (
+	"strings"
+	"testing"
+)
+
+// Bad default limits are configuration errors that name the flag and its variable.
+func TestLimitFlagsAreValidated(t *testing.T) {
+	cmd := rootCmd()
+	t.Setenv("SBX_ORG_RPS", "-1")
+	cmd.SetArgs([]string{"--org-max-running", "-5", "--auth-failure-window", "10ms", "--data-dir", t.TempDir()})
+	err := cmd.Execute()
+	if err == nil {
+		t.Fatal("want a configuration error")
+	}
+	for _, want := range []string{"--org-max-running (SBX_ORG_MAX_RUNNING)", "--org-rps (SBX_ORG_RPS)", "--auth-failure-window (SBX_AUTH_FAILURE_WINDOW)"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error lacks %q:\n%v", want, err)
+		}
+	}
+}
+
+// set-limits refuses what is not a number or "default" before reaching Redis.
+func TestSetLimitsFlagValues(t *testing.T) {
+	var l limitValue
+	for _, bad := range []string{"-1", "x", "1e3", "2000000"} {
+		if err := l.Set(bad); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+	if err := l.Set("default"); err != nil || !l.clear {
+		t.Errorf("default: %v %+v", err, l)
+	}
+	if err := l.Set("0"); err != nil || l.clear || l.v != 0 || !l.set {
+		t.Errorf("0: %v %+v", err, l)
+	}
+}

@@ -1,0 +1,243 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
+)
+
+func needRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("sandboxes get their own host uid only under a root broker")
+	}
+}
+
+// run runs a shell command in a sandbox hosted by b and returns its output.
+func run(t *testing.T, b *servertest.Broker, id, cmd string) string {
+	t.Helper()
+	rec, err := b.Store.Get(t.Context(), b.Org, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst, err := b.Manager.Instance(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	res, err := inst.Exec(t.Context(), provider.ExecRequest{Command: cmd, Stdout: &out})
+	if err != nil || res.ExitCode != 0 {
+		t.Fatalf("%s: exit %d, %v: %s", cmd, res.ExitCode, err, out.String())
+	}
+	return strings.TrimSpace(out.String())
+}
+
+func recordUID(t *testing.T, b *servertest.Broker, id string) int {
+	t.Helper()
+	rec, err := b.Store.Get(t.Context(), b.Org, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rec.UID
+}
+
+func ownerOf(t *testing.T, p string) int {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Lstat(p, &st); err != nil {
+		t.Fatal(err)
+	}
+	return int(st.Uid)
+}
+
+// Every sandbox gets its own host uid from the range, atomically across two brokers on one Redis;
+// it keeps it across stop, resume and a broker restart, and gives it back on delete.
+func TestSandboxUIDs(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 231000, Last: 231999}
+	b1 := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids})
+	b2 := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, Redis: b1.Redis, Node: "node-2"})
+	b2.Org = b1.Org
+	b2.Client = b2.NewClient(b1.Org)
+
+	seen := map[int]string{}
+	var ids []string
+	for i, b := range []*servertest.Broker{b1, b1, b2, b2} {
+		res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "u" + string(rune('a'+i))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := res.Sandbox.ID
+		uid := recordUID(t, b, id)
+		if uid < uids.First || uid > uids.Last {
+			t.Fatalf("%s: uid %d, want one of %d-%d", id, uid, uids.First, uids.Last)
+		}
+		if other, dup := seen[uid]; dup {
+			t.Fatalf("uid %d handed to %s and %s", uid, other, id)
+		}
+		seen[uid] = id
+		ids = append(ids, id)
+		if got := run(t, b, id, "id -u; stat -c %u /workspace"); got != "1000\n1000" {
+			t.Errorf("%s: inside: %q, want uid 1000 owning /workspace", id, got)
+		}
+		if got := ownerOf(t, b.Manager.Provider().WorkspaceDir(provider.Spec{ID: id})); got != uid {
+			t.Errorf("%s: workspace belongs to host uid %d, want its own %d", id, got, uid)
+		}
+		// What the broker creates in a workspace (a dataplane mkdir, write, upload) is the
+		// sandbox's own too.
+		rec, err := b.Store.Get(ctx, b.Org, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws, err := b.Manager.Workspace(rec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ws.Mkdir(protocol.MkdirArgs{Path: "/workspace/by-broker"}); err != nil {
+			t.Fatal(err)
+		}
+		if got := ownerOf(t, b.Manager.Provider().WorkspaceDir(provider.Spec{ID: id})+"/by-broker"); got != uid {
+			t.Errorf("%s: a directory the broker made belongs to %d, want %d", id, got, uid)
+		}
+	}
+
+	// Kept across stop and resume, and across a broker restart.
+	id, uid := ids[0], recordUID(t, b1, ids[0])
+	if _, err := b1.Client.StopSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	b1.Stop()
+	b1 = servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, Redis: b1.Redis, DataDir: b1.DataDir})
+	if _, err := b1.Client.ResumeSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if got := recordUID(t, b1, id); got != uid {
+		t.Fatalf("uid after stop, restart and resume: %d, want %d", got, uid)
+	}
+	run(t, b1, id, "touch /workspace/after-resume")
+
+	// Released on delete, and not the next one handed out.
+	if _, err := b1.Client.DeleteSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if owner, err := b1.Store.UIDOwner(ctx, uid); err != nil || owner != "" {
+		t.Fatalf("uid %d after delete: owner %q, %v; want free", uid, owner, err)
+	}
+	res, err := b1.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "after-delete"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := recordUID(t, b1, res.Sandbox.ID); got == uid {
+		t.Errorf("the deleted sandbox's uid %d was handed out again at once", uid)
+	}
+}
+
+// A full range refuses a create with capacity_exhausted and a message that says what to do, and
+// leaves nothing behind; a reuse of an existing sandbox still works.
+func TestSandboxUIDsExhausted(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 232000, Last: 232000}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids})
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "one"}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "two"})
+	var ae *protocol.Error
+	if !errors.As(err, &ae) || ae.Status != 503 || ae.Code != protocol.CodeCapacity || !strings.Contains(ae.Message, "--sandbox-uids") {
+		t.Fatalf("create with the range full: %v, want 503 %s naming --sandbox-uids", err, protocol.CodeCapacity)
+	}
+	list, err := b.Client.ListAllSandboxes(ctx, client.ListOptions{})
+	if err != nil || len(list) != 1 {
+		t.Fatalf("after a refused create: %d sandboxes, %v; want 1", len(list), err)
+	}
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "one"}); err != nil {
+		t.Fatalf("reuse with the range full: %v", err)
+	}
+}
+
+// A sandbox recorded before each got its own uid (it ran as the shared one) gets its own at its next
+// start, and its files with it.
+func TestSandboxUIDMigration(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	none := store.UIDRange{}
+	old := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &none})
+	res, err := old.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "legacy"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := res.Sandbox.ID
+	run(t, old, id, "mkdir -p /workspace/d && echo kept > /workspace/d/f")
+	if uid := recordUID(t, old, id); uid != 0 {
+		t.Fatalf("a broker without a range recorded uid %d", uid)
+	}
+	if _, err := old.Client.StopSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	old.Stop()
+
+	uids := store.UIDRange{First: 233000, Last: 233099}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, Redis: old.Redis, DataDir: old.DataDir})
+	if _, err := b.Client.ResumeSandbox(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	uid := recordUID(t, b, id)
+	if uid < uids.First || uid > uids.Last {
+		t.Fatalf("uid after the upgrade: %d, want one of %d-%d", uid, uids.First, uids.Last)
+	}
+	ws := b.Manager.Provider().WorkspaceDir(provider.Spec{ID: id})
+	for _, p := range []string{ws, ws + "/d", ws + "/d/f"} {
+		if got := ownerOf(t, p); got != uid {
+			t.Errorf("%s belongs to %d, want the sandbox's own %d", p, got, uid)
+		}
+	}
+	if got := run(t, b, id, "echo more >> /workspace/d/f && cat /workspace/d/f"); got != "kept\nmore" {
+		t.Errorf("the old file inside: %q", got)
+	}
+}
+
+// A Redis that lost everything (flushed) loses the uid table with the records; the broker keeps
+// the files of sandboxes it hosts, and now the uid they belong to as well, so that no new sandbox
+// is given it and with it those files.
+func TestSandboxUIDKeptForFilesAfterFlush(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 234000, Last: 234001}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids})
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "kept"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, uid := res.Sandbox.ID, recordUID(t, b, res.Sandbox.ID)
+	b.Stop()
+	if err := b.RDB.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	b2 := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, Redis: b.Redis, DataDir: b.DataDir})
+	if owner, err := b2.Store.UIDOwner(ctx, uid); err != nil || owner != b.Org+"/"+id {
+		t.Fatalf("uid %d of the kept files after a flush and a restart: owner %q, %v; want %s/%s", uid, owner, err, b.Org, id)
+	}
+	res, err = b2.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "new"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := recordUID(t, b2, res.Sandbox.ID); got == uid {
+		t.Fatalf("a new sandbox got uid %d, which the kept files of %s belong to", uid, id)
+	}
+}

@@ -1,0 +1,146 @@
+// Package deps checks the module's layering (docs/ARCHITECTURE.md): data flows one way, cmd →
+// server → domain packages → store; protocol is the wire format everyone shares and imports nothing
+// of ours; the agent-side SDK (backend) and the Go SDK (client) speak to the broker only over the
+// wire. A forbidden import, direct or through another package, fails the test with the chain that
+// brings it in. Like tailscale's depaware and Coder's negative dependency tests, it keeps the
+// layering true as the code grows.
+package deps
+
+import (
+	"bufio"
+	"bytes"
+	"os/exec"
+	"sort"
+	"strings"
+	"testing"
+)
+
+const module = "github.com/sbxbroker/broker"
+
+// serverSide are the broker's own packages (each with its subpackages): what runs inside the broker.
+var serverSide = []string{"server", "store", "sandbox", "delegation", "heartbeat", "events"}
+
+// rules say which packages (each with its subpackages) may not depend on which, and why.
+var rules = []struct {
+	from, forbid []string
+	why          string
+	// exceptFrom are packages of from that the rule does not apply to.
+	exceptFrom []string
+}{
+	{[]string{"protocol"}, []string{""}, "protocol is the shared wire format and imports nothing of ours", nil},
+	{[]string{"backend", "client"}, append([]string{"cmd"}, serverSide...), "the SDKs talk to the broker over the wire only", nil},
+	{[]string{"delegation", "heartbeat", "events", "sandbox", "store"}, []string{"server", "client", "backend", "cmd"},
+		"domain packages sit under the HTTP layer and never call the broker over the wire", nil},
+	{[]string{"store"}, []string{"server", "sandbox", "delegation", "heartbeat", "events", "client", "backend", "cmd"},
+		"store is the bottom layer: everything else builds on it", nil},
+	{[]string{"cmd/broker"}, []string{"client"}, "the broker does not use the SDK of its own API", nil},
+	{[]string{"cmd", "server", "store", "sandbox", "delegation", "heartbeat", "events", "backend", "client", "protocol"},
+		[]string{"server/servertest", "store/redistest"}, "test helpers never link into the product",
+		[]string{"server/servertest", "store/redistest"}},
+}
+
+// knownViolations are the layering breaks that exist today, each to be removed by the change that
+// fixes it (issue 16, item 8). The test fails when one is fixed and still listed, so this list can
+// only shrink. Format: "from -> to" (module-relative import paths).
+var knownViolations = map[string]string{
+	// TODO(issue 16 item 8): backend.Local runs file operations through sandbox/workspace; the
+	// agent-side SDK should take them from a package that is not the broker's.
+	"backend -> sandbox/workspace": "backend.Local shares the broker's traversal-safe file operations",
+	// TODO(issue 16 item 8): the broker writes sbctl's config file (client.WriteConfig) and parses
+	// durations with client.Duration; both belong in a small package the two binaries share.
+	"cmd/broker -> client": "the bootstrap config file and the duration flag",
+}
+
+// under reports whether the module-relative path p is pkg or inside it ("" is the whole module).
+func under(p, pkg string) bool {
+	return pkg == "" || p == pkg || strings.HasPrefix(p, pkg+"/")
+}
+
+func TestLayering(t *testing.T) {
+	out, err := exec.Command("go", "list", "-f", "{{.ImportPath}}{{range .Imports}} {{.}}{{end}}", module+"/...").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	// imports is the module-relative import graph of non-test code.
+	imports := map[string][]string{}
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		from, ok := rel(f[0])
+		if !ok {
+			continue
+		}
+		imports[from] = nil
+		for _, imp := range f[1:] {
+			if to, ok := rel(imp); ok {
+				imports[from] = append(imports[from], to)
+			}
+		}
+	}
+	if len(imports) < 10 {
+		t.Fatalf("go list found only %d packages of the module: %s", len(imports), out)
+	}
+	found := map[string]bool{}
+	for from := range imports {
+		for to, chain := range reach(imports, from) {
+			for _, r := range rules {
+				if !anyUnder(from, r.from) || anyUnder(from, r.exceptFrom) || !anyUnder(to, r.forbid) || under(to, from) {
+					continue
+				}
+				key := from + " -> " + to
+				found[key] = true
+				if _, known := knownViolations[key]; !known {
+					t.Errorf("%s must not depend on %s (%s); the chain: %s", from, to, r.why, strings.Join(chain, " -> "))
+				}
+			}
+		}
+	}
+	keys := make([]string, 0, len(knownViolations))
+	for k := range knownViolations {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		if !found[k] {
+			t.Errorf("known violation %q is gone: remove it from knownViolations", k)
+		}
+	}
+}
+
+func rel(p string) (string, bool) {
+	if p == module {
+		return "", true
+	}
+	r, ok := strings.CutPrefix(p, module+"/")
+	return r, ok
+}
+
+func anyUnder(p string, pkgs []string) bool {
+	for _, pkg := range pkgs {
+		if under(p, pkg) {
+			return true
+		}
+	}
+	return false
+}
+
+// reach returns every package from depends on, directly or not, each with one import chain that
+// leads to it (breadth first: the shortest).
+func reach(imports map[string][]string, from string) map[string][]string {
+	chains := map[string][]string{}
+	queue := [][]string{{from}}
+	for len(queue) > 0 {
+		chain := queue[0]
+		queue = queue[1:]
+		for _, next := range imports[chain[len(chain)-1]] {
+			if _, seen := chains[next]; seen || next == from {
+				continue
+			}
+			c := append(append([]string(nil), chain...), next)
+			chains[next] = c
+			queue = append(queue, c)
+		}
+	}
+	return chains
+}

@@ -251,6 +251,20 @@ func (c *Client) Orphans(ctx context.Context) (protocol.OrphansResponse, error) 
 	return out, c.do(ctx, http.MethodGet, "/v1/orphans", nil, nil, &out)
 }
 
+// SandboxDataplaneURL is the dataplane URL of a sandbox on the broker that hosts it, as the
+// sandbox's view says; with a broker too old to say, the one on this broker (DataplaneURL). Dial
+// it: a broker that does not host the sandbox answers wrong_node.
+func (c *Client) SandboxDataplaneURL(ctx context.Context, ref string) (string, error) {
+	sb, err := c.GetSandbox(ctx, ref)
+	if err != nil {
+		return "", err
+	}
+	if sb.DataplaneURL != "" {
+		return sb.DataplaneURL, nil
+	}
+	return c.DataplaneURL(sb.ID), nil
+}
+
 // DataplaneURL is the dataplane URL of a sandbox on this broker (ws:// for http://). It carries no
 // user or password: the dataplane takes its credential in the Authorization header only.
 func (c *Client) DataplaneURL(ref string) string {

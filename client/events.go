@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math/rand/v2"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -29,12 +30,16 @@ type EventOptions struct {
 }
 
 // Events streams sandbox events to fn until ctx ends, fn returns an error, or (without Follow) the
-// events there are have been delivered. A dropped stream is reopened with Last-Event-ID, so no
-// event is lost or repeated (a reset event says when the broker's log no longer held the position).
+// events there are have been delivered. A dropped stream, and an answer that says retry (503 while
+// the broker cannot reach Redis, 502/504 from a proxy, 429), is reopened with backoff and
+// Last-Event-ID, so no event is lost or repeated (a reset event says when the broker's log no
+// longer held the position). A broker that never answered at all is not retried: the error says
+// it is unreachable (UnreachableError), which is a setting to fix, not a blip to wait out.
 func (c *Client) Events(ctx context.Context, o EventOptions, fn func(protocol.Event) error) error {
 	last := o.After
+	answered := false // the broker answered once: an unreachable one later is a restart or a blip
 	for attempt := 0; ; attempt++ {
-		err := c.streamOnce(ctx, o, last, func(e protocol.Event) error {
+		err := c.streamOnce(ctx, o, last, func() { answered = true }, func(e protocol.Event) error {
 			if e.ID != "" {
 				last = e.ID
 			}
@@ -42,15 +47,21 @@ func (c *Client) Events(ctx context.Context, o EventOptions, fn func(protocol.Ev
 			return fn(e)
 		})
 		var pe *protocol.Error
+		var un *UnreachableError
 		switch {
 		case ctx.Err() != nil:
 			return ctx.Err()
 		case err == nil && !o.Follow:
 			return nil
 		case errors.As(err, &pe):
-			return err // the broker refused: reconnecting would not help
+			answered = true
+			if !retryable(pe.Status) {
+				return err // the broker refused: reconnecting would not help
+			}
 		case errors.Is(err, errStop):
 			return err
+		case errors.As(err, &un) && !answered:
+			return err // it says where it looked and what to check
 		}
 		if o.OnReconnect != nil {
 			o.OnReconnect(err, attempt+1)
@@ -58,16 +69,32 @@ func (c *Client) Events(ctx context.Context, o EventOptions, fn func(protocol.Ev
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-time.After(min(250*time.Millisecond<<min(attempt, 5), 5*time.Second)):
+		case <-time.After(backoff(attempt)):
 		}
 		o.Backlog = 0
 	}
 }
 
+// retryable reports an HTTP status that asks to try again later.
+func retryable(status int) bool {
+	switch status {
+	case http.StatusServiceUnavailable, http.StatusBadGateway, http.StatusGatewayTimeout, http.StatusTooManyRequests:
+		return true
+	}
+	return false
+}
+
+// backoff is the wait before reconnect attempt n+1: 250 ms doubling to 5 s, with up to a fifth
+// of jitter so that the panes of many users do not come back in step after a broker restart.
+func backoff(attempt int) time.Duration {
+	d := min(250*time.Millisecond<<min(attempt, 5), 5*time.Second)
+	return d - time.Duration(rand.Int64N(int64(d/5)))
+}
+
 // errStop wraps an error returned by the caller's fn: it ends Events.
 var errStop = errors.New("stopped by the event handler")
 
-func (c *Client) streamOnce(ctx context.Context, o EventOptions, after string, fn func(protocol.Event) error) error {
+func (c *Client) streamOnce(ctx context.Context, o EventOptions, after string, opened func(), fn func(protocol.Event) error) error {
 	path := "/v1/events"
 	if o.Ref != "" {
 		path = sandboxPath(o.Ref, "events")
@@ -88,6 +115,7 @@ func (c *Client) streamOnce(ctx context.Context, o EventOptions, after string, f
 	if err != nil {
 		return err
 	}
+	opened()
 	defer resp.Body.Close()
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)

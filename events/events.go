@@ -34,17 +34,29 @@ func (discard) Emit(string, protocol.Event) {}
 // StreamMaxLen bounds each org's stream (approximately: XADD MAXLEN ~).
 const StreamMaxLen = 10000
 
+// DefaultBuffer bounds the events a writer keeps while Redis is away (about 400 bytes each).
+const DefaultBuffer = 20000
+
 // Writer appends events to the org streams from one goroutine, in batches, in the order emitted.
+// While Redis is away it keeps up to a buffer of events and writes them, in order, when Redis is
+// back; past the buffer it counts what it loses, per sandbox, and writes one gap event each after
+// the kept ones, so a pane knows.
 type Writer struct {
 	rdb     redis.UniversalClient
 	log     *slog.Logger
 	queue   chan queued
+	buffer  int
 	dropped atomic.Int64
 	done    chan struct{}
 	// mu orders Emit's send against Close's close of queue: Emits hold it shared (they never block
 	// under it), Close exclusively, so no Emit sends on a closed queue.
 	mu     sync.RWMutex
 	closed bool
+
+	// overflow counts, per sandbox, events Emit dropped because the queue was full; the writer
+	// turns them into gap events like its own losses.
+	overMu   sync.Mutex
+	overflow map[lostKey]int64
 }
 
 type queued struct {
@@ -52,14 +64,29 @@ type queued struct {
 	e   protocol.Event
 }
 
+// WriterOptions change a writer.
+type WriterOptions struct {
+	// Buffer is how many events it keeps while Redis is away (0: DefaultBuffer).
+	Buffer int
+}
+
 // NewWriter starts a writer; Close flushes it.
 func NewWriter(rdb redis.UniversalClient, log *slog.Logger) *Writer {
-	w := &Writer{rdb: rdb, log: log, queue: make(chan queued, 8192), done: make(chan struct{})}
+	return NewWriterWithOptions(rdb, log, WriterOptions{})
+}
+
+// NewWriterWithOptions starts a writer with o.
+func NewWriterWithOptions(rdb redis.UniversalClient, log *slog.Logger, o WriterOptions) *Writer {
+	if o.Buffer <= 0 {
+		o.Buffer = DefaultBuffer
+	}
+	w := &Writer{rdb: rdb, log: log, queue: make(chan queued, 8192), buffer: o.Buffer, done: make(chan struct{}),
+		overflow: map[lostKey]int64{}}
 	go w.run()
 	return w
 }
 
-// Emit queues e for org's stream. When the queue is full (Redis down or far behind) the event is
+// Emit queues e for org's stream. When the queue is full (the writer far behind) the event is
 // dropped and counted; the caller is never blocked.
 func (w *Writer) Emit(org string, e protocol.Event) {
 	if e.Time.IsZero() {
@@ -78,6 +105,9 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 	select {
 	case w.queue <- queued{org, e}:
 	default:
+		w.overMu.Lock()
+		w.overflow[lostKey{org, e.SandboxID, e.Name}]++
+		w.overMu.Unlock()
 		if w.dropped.Add(1)%1000 == 1 {
 			w.log.Warn("event queue full: dropping events", "dropped_total", w.dropped.Load())
 		}
@@ -85,7 +115,8 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 }
 
 // Close writes what is queued and stops the writer. Later Emits are dropped (and counted); a second
-// Close waits like the first.
+// Close waits like the first. With Redis away it tries for closeWait, then gives up on what is
+// left (and logs how many).
 func (w *Writer) Close() {
 	w.mu.Lock()
 	if !w.closed {
@@ -96,62 +127,167 @@ func (w *Writer) Close() {
 	<-w.done
 }
 
+// closeWait is how long Close keeps trying to write what is buffered while Redis is away.
+const closeWait = 5 * time.Second
+
+// batchSize bounds one pipeline.
+const batchSize = 256
+
+// lostKey names the events lost for one sandbox of one org.
+type lostKey struct{ org, sandbox, name string }
+
+// pending is the writer's buffer: events not yet written, oldest first, and the count of events
+// lost past the buffer per sandbox, in the order they started to be lost.
+type pending struct {
+	log       *slog.Logger
+	max       int
+	events    []queued
+	lost      map[lostKey]int64
+	lostOrder []lostKey
+}
+
+func (p *pending) add(q queued) {
+	p.settle()
+	if len(p.events) < p.max && len(p.lost) == 0 {
+		p.events = append(p.events, q)
+		return
+	}
+	// Full, or losing already: later events must not overtake the gap that stands for earlier ones.
+	p.lose(lostKey{q.org, q.e.SandboxID, q.e.Name}, 1)
+}
+
+func (p *pending) lose(k lostKey, n int64) {
+	if _, ok := p.lost[k]; !ok {
+		p.lostOrder = append(p.lostOrder, k)
+	}
+	p.lost[k] += n
+}
+
+// takeOverflow moves what Emit dropped into the writer's losses, at the current position.
+func (w *Writer) takeOverflow(p *pending) {
+	w.overMu.Lock()
+	defer w.overMu.Unlock()
+	for k, n := range w.overflow {
+		p.lose(k, n)
+	}
+	clear(w.overflow)
+}
+
+// settle turns counted losses into gap events once the buffer has room for them: they follow
+// every event kept before them and precede every event emitted after.
+func (p *pending) settle() {
+	if len(p.lost) == 0 || len(p.events)+len(p.lostOrder) >= p.max {
+		return
+	}
+	var total int64
+	for _, k := range p.lostOrder {
+		n := p.lost[k]
+		total += n
+		p.events = append(p.events, queued{k.org, protocol.Event{Type: protocol.EventGap, SandboxID: k.sandbox, Name: k.name,
+			Time: time.Now().UTC(), Actor: "broker", Missed: &n}})
+	}
+	p.log.Warn("events lost while Redis was away: the buffer was full; gap events say how many per sandbox", "lost", total)
+	clear(p.lost)
+	p.lostOrder = p.lostOrder[:0]
+}
+
 func (w *Writer) run() {
 	defer close(w.done)
-	batch := make([]queued, 0, 256)
-	for q := range w.queue {
-		batch = append(batch[:0], q)
-	fill:
-		for len(batch) < cap(batch) {
+	p := &pending{log: w.log, max: w.buffer, lost: map[lostKey]int64{}}
+	closed := false
+	var closing time.Time
+	retry := time.Duration(0)
+	for {
+		if len(p.events) == 0 && len(p.lost) == 0 {
+			if closed {
+				return
+			}
+			q, ok := <-w.queue
+			if !ok {
+				return
+			}
+			p.add(q)
+		}
+		// Take what else is queued, without waiting.
+	drain:
+		for !closed {
 			select {
 			case q, ok := <-w.queue:
 				if !ok {
-					break fill
+					closed, closing = true, time.Now()
+					break drain
 				}
-				batch = append(batch, q)
+				p.add(q)
 			default:
-				break fill
+				break drain
 			}
 		}
-		w.write(batch)
+		w.takeOverflow(p)
+		p.settle()
+		n := min(len(p.events), batchSize)
+		failed := w.write(p.events[:n])
+		rest := append(failed, p.events[n:]...)
+		p.events = append(p.events[:0], rest...)
+		if len(failed) == 0 {
+			retry = 0
+			continue
+		}
+		if closed && time.Since(closing) > closeWait {
+			w.dropped.Add(int64(len(p.events)))
+			w.log.Error("event log unreachable at shutdown: buffered events lost", "events", len(p.events))
+			return
+		}
+		// Redis is away: wait before trying again, taking new events meanwhile.
+		retry = min(max(retry*2, 100*time.Millisecond), 2*time.Second)
+		t := time.NewTimer(retry)
+	wait:
+		for {
+			select {
+			case q, ok := <-w.queue:
+				if !ok {
+					if !closed {
+						closed, closing = true, time.Now()
+					}
+					// A closed channel is always ready: wait out the timer alone.
+					<-t.C
+					break wait
+				}
+				p.add(q)
+			case <-t.C:
+				break wait
+			}
+		}
 	}
 }
 
-func (w *Writer) write(batch []queued) {
+// write appends batch in order and answers the events that were not written, in order, for a
+// retry. (Those that were are not retried: they would be written twice. When Redis goes away the
+// pipeline's commands fail together, so what is retried is the batch's tail.)
+func (w *Writer) write(batch []queued) []queued {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	pending := batch
+	pipe := w.rdb.Pipeline()
+	cmds := make([]*redis.StringCmd, len(batch))
+	for i, q := range batch {
+		data, _ := json.Marshal(q.e)
+		cmds[i] = pipe.XAdd(ctx, &redis.XAddArgs{
+			Stream: store.EventsKey(q.org), MaxLen: StreamMaxLen, Approx: true, Values: []any{"data", data}})
+	}
+	_, err := pipe.Exec(ctx)
 	appended := map[string]bool{}
-	for attempt := 0; ; attempt++ {
-		pipe := w.rdb.Pipeline()
-		cmds := make([]*redis.StringCmd, len(pending))
-		for i, q := range pending {
-			data, _ := json.Marshal(q.e)
-			cmds[i] = pipe.XAdd(ctx, &redis.XAddArgs{
-				Stream: store.EventsKey(q.org), MaxLen: StreamMaxLen, Approx: true, Values: []any{"data", data}})
+	var failed []queued
+	for i, c := range cmds {
+		if c.Err() != nil {
+			failed = append(failed, batch[i])
+		} else {
+			appended[batch[i].org] = true
 		}
-		_, err := pipe.Exec(ctx)
-		// Retry only the events that were not appended: the others would be appended twice.
-		failed := pending[:0:0]
-		for i, c := range cmds {
-			if c.Err() != nil {
-				failed = append(failed, pending[i])
-			} else {
-				appended[pending[i].org] = true
-			}
-		}
-		pending = failed
-		if len(pending) == 0 {
-			break
-		}
-		if attempt == 2 || ctx.Err() != nil {
-			w.log.Error("event log write failed: events lost", "events", len(pending), "err", err)
-			w.dropped.Add(int64(len(pending)))
-			break
-		}
-		time.Sleep(100 * time.Millisecond << attempt)
+	}
+	if len(failed) > 0 {
+		w.log.Debug("event log write failed; kept for a retry", "events", len(failed), "err", err)
 	}
 	w.wake(ctx, appended)
+	return failed
 }
 
 // wake tells every broker's event readers which org streams grew (store.EventsChannel). It is sent

@@ -21,6 +21,13 @@ const (
 	// EventReset is sent to a resuming subscriber whose Last-Event-ID fell out of the stream: events
 	// between it and the first event that follows were lost.
 	EventReset = "reset"
+	// EventNodeLost: the broker hosting the sandbox stopped renewing its liveness record and
+	// another broker declared it lost; EventNodeReturned: it is back and serves the sandbox again.
+	EventNodeLost     = "node_lost"
+	EventNodeReturned = "node_returned"
+	// EventGap: a broker could not keep every event of the sandbox while Redis was away (its
+	// buffer was full); Missed says how many were lost at this point of the stream.
+	EventGap = "gap"
 )
 
 // Reasons of failed (and, for broker_restart, resumed) events. They are codes, never the failure's
@@ -59,6 +66,8 @@ type Event struct {
 	// from the warning when that is later (never less than the window; 0 when a restarted broker
 	// found the lease run out).
 	SecondsLeft *int64 `json:"seconds_left,omitempty"`
+	// Missed counts the events a gap stands for.
+	Missed *int64 `json:"missed,omitempty"`
 	// Status is the sandbox's status after the event, where it changed.
 	Status string `json:"status,omitempty"`
 }

@@ -67,7 +67,19 @@ type Sandbox struct {
 	// ProcessesLostAt is set when the broker restarted under a running sandbox: its files are intact,
 	// its processes (background servers included) are gone and were not restarted.
 	ProcessesLostAt *time.Time `json:"processes_lost_at,omitempty"`
+	// NodeStatus is NodeLost when the broker hosting the sandbox stopped renewing its liveness
+	// record and another broker declared it lost (absent otherwise). Status is then the last state
+	// the record knew: nothing can reach the sandbox's processes or files until that broker is
+	// back. NodeLostAt says since when.
+	NodeStatus string     `json:"node_status,omitempty"`
+	NodeLostAt *time.Time `json:"node_lost_at,omitempty"`
+	// DataplaneURL is the sandbox's dataplane on the broker hosting it (GET of one sandbox only):
+	// an owner's client dials it there, since any other broker answers wrong_node.
+	DataplaneURL string `json:"dataplane_url,omitempty"`
 }
+
+// NodeLost is the node_status of a sandbox whose hosting broker was declared lost.
+const NodeLost = "lost"
 
 // CreateSandboxRequest is the body of POST /v1/sandboxes.
 type CreateSandboxRequest struct {
@@ -107,6 +119,8 @@ type HeartbeatResponse struct {
 	Status     string     `json:"status"`
 	TTLSeconds int64      `json:"ttl_seconds"`
 	ExpiresAt  *time.Time `json:"expires_at"`
+	// NodeStatus is NodeLost when the hosting broker was declared lost (see Sandbox.NodeStatus).
+	NodeStatus string `json:"node_status,omitempty"`
 }
 
 // DeleteSandboxesResponse answers DELETE /v1/sandboxes?tag=k=v (and DELETE of one sandbox).

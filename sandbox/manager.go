@@ -74,10 +74,7 @@ func (h *hosted) release(ctx context.Context) {
 		h.inst.Stop(ctx)
 		h.inst = nil
 	}
-	if h.ws != nil {
-		h.ws.Close()
-		h.ws = nil
-	}
+	h.closeWorkspace()
 }
 
 // NewManager builds a Manager; call Recover before serving.
@@ -227,6 +224,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			h.inst.Stop(ctx)
 			h.inst = nil
 		}
+		h.closeWorkspace()
 		to, reason := protocol.StatusFailed, code
 		fields := map[string]string{store.FieldFailure: why}
 		if !first {
@@ -265,6 +263,9 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			return fail(protocol.ReasonCreateFailed, "the provider could not create it", err)
 		}
 	}
+	if _, err := m.openWorkspace(ctx, h, rec, true); err != nil {
+		m.cfg.Log.Warn("opening the workspace to sweep it failed", "sandbox_id", rec.ID, "err", err)
+	}
 	inst, err := m.cfg.Provider.Start(ctx, spec)
 	if err != nil {
 		return fail(protocol.ReasonStartFailed, "the provider could not start it: "+err.Error(), err)
@@ -283,6 +284,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		// Deleted (or otherwise moved) while we provisioned: the other action wins.
 		inst.Stop(ctx)
 		h.inst = nil
+		h.closeWorkspace()
 		return rec, m.mapStoreErr(err, rec.Name)
 	}
 	go m.watch(rec.Org, rec.ID, h, inst)
@@ -335,6 +337,7 @@ func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
 	lost := h.inst == inst
 	if lost {
 		h.inst = nil
+		h.closeWorkspace()
 	}
 	h.mu.Unlock()
 	m.mu.Lock()
@@ -432,6 +435,7 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 		}
 		h.inst = nil
 	}
+	h.closeWorkspace()
 }
 
 // Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.
@@ -636,28 +640,7 @@ func (m *Manager) Workspace(rec store.Record) (*workspace.Workspace, error) {
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.ws == nil {
-		if wm, ok := m.cfg.Provider.(provider.WorkspaceMounter); ok {
-			// A disk quota's image is mounted on the workspace dir; after a host reboot nothing
-			// has mounted it yet, and opening the bare dir would put files under the mount point.
-			if err := wm.MountWorkspace(provider.Spec{ID: rec.ID}); err != nil {
-				return nil, fmt.Errorf("sandbox %s: open workspace: %w", rec.ID, err)
-			}
-		}
-		dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: rec.ID})
-		opts := m.cfg.Workspace
-		if rec.UID > 0 && opts.UID > 0 {
-			// Files the broker creates belong to the sandbox's own uid (a broker that runs
-			// sandboxes as its own user has no Workspace.UID and changes no owner).
-			opts.UID, opts.GID = rec.UID, rec.UID
-		}
-		ws, err := workspace.Open(dir, opts)
-		if err != nil {
-			return nil, fmt.Errorf("sandbox %s: open workspace: %w", rec.ID, err)
-		}
-		h.ws = ws
-	}
-	return h.ws, nil
+	return m.openWorkspace(context.Background(), h, rec, false)
 }
 
 // Environment is what printenv shows inside a running sandbox.

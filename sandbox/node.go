@@ -279,3 +279,112 @@ func (m *Manager) Close(ctx context.Context) {
 		h.mu.Unlock()
 	}
 }
+
+// Liveness: a broker renews its node record every beat; one silent for longer than lostAfter is
+// declared lost by another broker, which marks the sandboxes it hosts (their view and heartbeats
+// say node_status lost, and a node_lost event says so). The node's next beat reconciles them:
+// it clears the marks and says node_returned.
+
+// Liveness is one broker's node beat: what it registers and how long others may be silent.
+type Liveness struct {
+	// URL is the base URL clients reach this broker at.
+	URL string
+	// Every is the beat interval; LostAfter is the silence after which another node is lost.
+	Every, LostAfter time.Duration
+
+	// beatingSince is when this broker's beats last started to succeed (after its start or after a
+	// failed beat): it declares no other node lost before it has itself beaten for LostAfter, so a
+	// Redis outage that silenced every broker alike makes none of them lost.
+	beatingSince time.Time
+	// owesReturn: this node was declared lost and its sandboxes' marks are not all cleared yet.
+	owesReturn bool
+}
+
+// RunLiveness beats every l.Every until ctx ends (the broker's start beats first, by itself).
+func (m *Manager) RunLiveness(ctx context.Context, l *Liveness) {
+	t := time.NewTicker(l.Every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			m.Beat(ctx, l)
+		}
+	}
+}
+
+// Beat renews this node's record (re-registering it after Redis lost its data), reconciles the
+// marks of its own sandboxes if it had been declared lost, and declares lost the nodes silent for
+// longer than l.LostAfter. It answers the error of the renewal only (the store logs outages; the
+// next beat tries again).
+func (m *Manager) Beat(ctx context.Context, l *Liveness) error {
+	back, err := m.cfg.Store.RegisterNode(ctx, m.cfg.Node, l.URL)
+	if err != nil {
+		l.beatingSince = time.Time{}
+		return err
+	}
+	if l.beatingSince.IsZero() {
+		l.beatingSince = time.Now()
+	}
+	if back {
+		m.cfg.Log.Warn("this broker had been declared lost by another (it was silent for longer than --node-lost-after); it serves its sandboxes again", "node", m.cfg.Node)
+		l.owesReturn = true
+	}
+	if l.owesReturn && m.setNodeLost(ctx, m.cfg.Node, false) == nil {
+		l.owesReturn = false
+	}
+	if time.Since(l.beatingSince) < l.LostAfter {
+		return nil
+	}
+	lost, err := m.cfg.Store.DeclareLostNodes(ctx, m.cfg.Node, l.LostAfter)
+	if err != nil {
+		return nil
+	}
+	for _, node := range lost {
+		m.cfg.Log.Warn("a broker stopped renewing its liveness record: declared lost; its sandboxes say node_status lost until it is back",
+			"node", node, "silent_for_more_than", l.LostAfter)
+		m.setNodeLost(ctx, node, true)
+		// The node may have come back during the marking, and cleared the marks before they were
+		// all set: clear what is left, as it would have.
+		if still, err := m.cfg.Store.NodeLost(ctx, node); err == nil && !still {
+			m.setNodeLost(ctx, node, false)
+		}
+	}
+	return nil
+}
+
+// setNodeLost marks (lost) or clears the node-lost mark of every sandbox node hosts, each with its
+// event. It walks every org's sandboxes: nodes are lost rarely, and there is no per-node index.
+func (m *Manager) setNodeLost(ctx context.Context, node string, lost bool) error {
+	orgs, err := m.cfg.Store.Orgs(ctx)
+	if err != nil {
+		return err
+	}
+	typ := protocol.EventNodeReturned
+	if lost {
+		typ = protocol.EventNodeLost
+	}
+	var firstErr error
+	for _, org := range orgs {
+		recs, err := m.cfg.Store.ListAll(ctx, org, store.Filter{})
+		if err != nil {
+			firstErr = cmp.Or(firstErr, err)
+			continue
+		}
+		for _, r := range recs {
+			if r.Node != node || r.NodeLostAt.IsZero() == !lost {
+				continue
+			}
+			got, changed, err := m.cfg.Store.MarkNodeLost(ctx, org, r.ID, node, lost)
+			if err != nil {
+				firstErr = cmp.Or(firstErr, err)
+				continue
+			}
+			if changed {
+				m.emit(Caller{Org: org, Actor: "broker"}, got, typ, nil)
+			}
+		}
+	}
+	return firstErr
+}

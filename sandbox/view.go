@@ -10,13 +10,17 @@ import (
 
 // View is a record as the API shows it.
 func View(r store.Record) protocol.Sandbox {
-	return protocol.Sandbox{
+	v := protocol.Sandbox{
 		ID: r.ID, Org: r.Org, Name: r.Name, Template: r.Template, Provider: r.Provider, Isolation: Isolation(r.Provider), Status: r.Status,
 		Tags: r.Tags, TTLSeconds: int64(r.TTL / time.Second), CreatedAt: r.CreatedAt,
 		LastHeartbeatAt: r.Heartbeat, ExpiresAt: timePtr(r.ExpiresAt), StopReason: r.StopReason,
 		StoppedAt: timePtr(r.StoppedAt), Failure: r.Failure, CreatedBy: r.CreatedBy,
 		Workspace: provider.WorkspacePath, ProcessesLostAt: timePtr(r.LostAt),
 	}
+	if !r.NodeLostAt.IsZero() {
+		v.NodeStatus, v.NodeLostAt = protocol.NodeLost, timePtr(r.NodeLostAt)
+	}
+	return v
 }
 
 // Isolation is the isolation level of sandboxes run by the named provider. Only the namespace

@@ -19,6 +19,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
 )
 
 // lockedBuffer collects a broker's logs for a test to read.
@@ -275,7 +276,7 @@ func TestQueryIsReadWholeOrRefused(t *testing.T) {
 }
 
 // The dataplane_url handed out is built by one function from the hosting broker's base URL,
-// whatever case its scheme was registered in.
+// whatever case its scheme was registered in (here by an older broker hosting the sandbox).
 func TestDataplaneURLFromAnyCaseScheme(t *testing.T) {
 	t.Parallel()
 	b := servertest.New(t, servertest.Options{})
@@ -284,7 +285,10 @@ func TestDataplaneURLFromAnyCaseScheme(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Store.RegisterNode(ctx, "node-test", "HTTPS://Broker.example:8443"); err != nil {
+	if err := b.RDB.HSet(ctx, store.SandboxKey(b.Org, res.Sandbox.ID), "node", "node-old").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Store.RegisterNode(ctx, "node-old", "HTTPS://Broker.example:8443"); err != nil {
 		t.Fatal(err)
 	}
 	m, err := b.Client.Delegate(ctx, "dp", protocol.MintRequest{Scopes: []string{"fs:read"}})

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -48,6 +49,10 @@ type BrokerConfig struct {
 	SweepInterval, ExpiryWarning, Retention time.Duration
 	AllowedOrigins                          []string
 	DataplaneRenewsLease                    bool
+	// NodeHeartbeat is how often this broker renews its node record (its URL and liveness) in
+	// Redis; NodeLostAfter is how long a node may be silent before another broker declares it
+	// lost. Zero: DefaultNodeHeartbeat, DefaultNodeLostAfter.
+	NodeHeartbeat, NodeLostAfter time.Duration
 	// Limits are the default limits of orgs without their own (docs/operations.md).
 	Limits store.Limits
 	// AuthFailures failed authentications from one source within AuthFailureWindow make it wait
@@ -57,6 +62,14 @@ type BrokerConfig struct {
 	// Dataplane bounds dataplane connections (zero values: the defaults).
 	Dataplane DataplaneLimits
 }
+
+// Node liveness defaults: a broker renews its node record every DefaultNodeHeartbeat, and one
+// silent for DefaultNodeLostAfter is declared lost (Nomad's default heartbeat grace is of the same
+// order; Kubernetes waits 40 s).
+const (
+	DefaultNodeHeartbeat = 5 * time.Second
+	DefaultNodeLostAfter = 30 * time.Second
+)
 
 // Broker is one running broker: its lifecycle manager, delegation, sweeper, event writer and HTTP
 // server, wired together once, here, for cmd/broker and for servertest alike.
@@ -99,7 +112,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Delegation, err = delegation.NewService(delegation.ServiceConfig{
 		Keys: b.Keys, Store: cfg.Store, Events: b.events, Log: cfg.Log,
 		Token:        delegation.Config{DefaultTTL: cfg.TokenTTL, MaxTTL: cfg.TokenMaxTTL, Now: cfg.Now},
-		DataplaneURL: dataplaneURL(cfg.Store),
+		DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, cfg.AdvertiseURL),
 	})
 	if err != nil {
 		return fail(err)
@@ -124,7 +137,10 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if err != nil {
 		return fail(fmt.Errorf("advertise URL: %w", err))
 	}
-	if err := cfg.Store.RegisterNode(ctx, cfg.Node, advertise); err != nil {
+	// The node record is renewed every beat from here on, so one lost with Redis' data comes back.
+	live := &sandbox.Liveness{URL: advertise, Every: cmp.Or(cfg.NodeHeartbeat, DefaultNodeHeartbeat),
+		LostAfter: cmp.Or(cfg.NodeLostAfter, DefaultNodeLostAfter)}
+	if err := b.Sandboxes.Beat(ctx, live); err != nil {
 		return fail(err)
 	}
 	rdb := cfg.Store.Client()
@@ -137,7 +153,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
-		Provider: prov, Dataplane: cfg.Dataplane,
+		Provider: prov, Dataplane: cfg.Dataplane, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, advertise),
 		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
@@ -154,6 +170,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.stop = stop
 	b.loop(func() { b.Sandboxes.Run(loopCtx, 5*time.Second) })
 	b.loop(func() { reloadKeys(loopCtx, b.Keys, cfg.Log) })
+	b.loop(func() { b.Sandboxes.RunLiveness(loopCtx, live) })
 	if cfg.SweepInterval > 0 {
 		b.loop(func() { b.Sweeper.Run(loopCtx) })
 	}
@@ -199,12 +216,20 @@ func reloadKeys(ctx context.Context, keys *delegation.Keyring, log *slog.Logger)
 	}
 }
 
-// dataplaneURL builds a sandbox's dataplane URL from the base URL of the broker hosting it.
-func dataplaneURL(st *store.Store) func(ctx context.Context, rec store.Record) (string, error) {
+// dataplaneURL builds a sandbox's dataplane URL from the base URL of the broker hosting it: this
+// broker's own without asking Redis (so a node record lost with Redis' data costs nothing here),
+// another's from its node record, which that broker renews every node heartbeat.
+func dataplaneURL(st *store.Store, self, selfURL string) func(ctx context.Context, rec store.Record) (string, error) {
 	return func(ctx context.Context, rec store.Record) (string, error) {
-		base, err := st.NodeURL(ctx, rec.Node)
-		if err != nil {
-			return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
+		base := selfURL
+		if rec.Node != self {
+			var err error
+			if base, err = st.NodeURL(ctx, rec.Node); errors.Is(err, store.ErrNotFound) {
+				// Its record went with Redis' data; that broker writes it again within a node beat.
+				return "", protocol.Errorf(protocol.CodeUnavailable, "the broker hosting sandbox %s (%s) has no node record in Redis yet; retry shortly", rec.Name, rec.Node)
+			} else if err != nil {
+				return "", fmt.Errorf("the broker hosting sandbox %s (%s) is unknown: %w", rec.ID, rec.Node, err)
+			}
 		}
 		// Built, scheme case and all, by the one function; a record written by an older broker
 		// with HTTPS:// in capitals still gives wss://.

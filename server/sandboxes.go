@@ -152,7 +152,17 @@ func filterFromQuery(c echo.Context) (store.Filter, error) {
 }
 
 func (s *Server) getSandbox(c echo.Context) error {
-	return c.JSON(http.StatusOK, sandbox.View(sandboxOf(c)))
+	rec := sandboxOf(c)
+	v := sandbox.View(rec)
+	if s.dataplaneURL != nil {
+		// Clients dial the hosting broker's dataplane from here: another broker's answers wrong_node.
+		if u, err := s.dataplaneURL(c.Request().Context(), rec); err == nil {
+			v.DataplaneURL = u
+		} else {
+			s.log.Warn("sandbox view without its dataplane URL", "request_id", requestID(c), "sandbox_id", rec.ID, "err", err)
+		}
+	}
+	return c.JSON(http.StatusOK, v)
 }
 
 func (s *Server) stopSandbox(c echo.Context) error {
@@ -260,7 +270,7 @@ func (s *Server) heartbeats(c echo.Context) error {
 // appendLease encodes a lease exactly as encoding/json does, for ids and statuses of plain ASCII
 // (always, for ours); ok is false otherwise.
 func appendLease(b []byte, l protocol.HeartbeatResponse) ([]byte, bool) {
-	for _, s := range []string{l.SandboxID, l.Status} {
+	for _, s := range []string{l.SandboxID, l.Status, l.NodeStatus} {
 		for i := 0; i < len(s); i++ {
 			if c := s[i]; !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
 				return nil, false
@@ -279,6 +289,11 @@ func appendLease(b []byte, l protocol.HeartbeatResponse) ([]byte, bool) {
 	} else {
 		b = append(b, '"')
 		b = l.ExpiresAt.AppendFormat(b, time.RFC3339Nano)
+		b = append(b, '"')
+	}
+	if l.NodeStatus != "" {
+		b = append(b, `,"node_status":"`...)
+		b = append(b, l.NodeStatus...)
 		b = append(b, '"')
 	}
 	return append(b, "}\n"...), true
@@ -311,6 +326,9 @@ func leaseView(l store.Lease) protocol.HeartbeatResponse {
 	out := protocol.HeartbeatResponse{SandboxID: l.ID, Status: l.Status, TTLSeconds: int64(l.TTL / time.Second)}
 	if !l.ExpiresAt.IsZero() {
 		out.ExpiresAt = &l.ExpiresAt
+	}
+	if !l.NodeLostAt.IsZero() {
+		out.NodeStatus = protocol.NodeLost
 	}
 	return out
 }

@@ -49,6 +49,9 @@ type Config struct {
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.
 	Provider ProviderInfo
+	// DataplaneURL is a sandbox's dataplane URL on the broker hosting it, for the sandbox view
+	// (nil: views carry none).
+	DataplaneURL func(ctx context.Context, rec store.Record) (string, error)
 }
 
 // ProviderInfo says which provider runs this broker's sandboxes and what it holds.
@@ -147,6 +150,9 @@ type Server struct {
 	routes map[string]bool
 	// dpLimits bound open dataplane connections (counted by hub).
 	dpLimits DataplaneLimits
+
+	// dataplaneURL is Config.DataplaneURL.
+	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
 }
 
 // maxBody bounds every REST request body.
@@ -161,6 +167,7 @@ func New(cfg Config) *Server {
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
 		dpLimits: cfg.Dataplane.withDefaults()}
+	s.dataplaneURL = cfg.DataplaneURL
 	s.metrics.reg.MustRegister(s.dataplaneGauges()...)
 	if s.events == nil {
 		s.events = events.Discard

@@ -72,8 +72,15 @@ func OrgAPIKeysKey(org string) string { return orgKey(org, "apikeys") }
 // NodeChannel carries lifecycle commands to the broker that hosts a sandbox.
 func NodeChannel(node string) string { return "sbx:node:" + node }
 
-// NodesKey is a hash of node name -> the base URL clients reach that broker at.
-const NodesKey = "sbx:nodes"
+// Node keys share one hash tag, so the node scripts run on Redis Cluster:
+// NodesKey is a hash of node name -> the base URL clients reach that broker at; NodesSeenKey a
+// sorted set of node name by its last liveness beat (ms on the lease clock); NodesLostKey the set
+// of nodes declared lost and not back since.
+const (
+	NodesKey     = "sbx:{nodes}:urls"
+	NodesSeenKey = "sbx:{nodes}:seen"
+	NodesLostKey = "sbx:{nodes}:lost"
+)
 
 // APIKeyRevokedChannel announces revoked API key ids, so brokers drop them from their caches at once
 // and close the dataplane connections and event streams of the key and of the tokens it minted.

@@ -51,6 +51,9 @@ type Record struct {
 	LostAt     time.Time // processes lost in a broker restart
 	StartedAt  time.Time // first time it ran: zero while its first provisioning is under way
 	Gen        int64     // delegation token generation
+	// NodeLostAt is when another broker declared the hosting node lost (zero: it was not, or it
+	// came back since).
+	NodeLostAt time.Time
 	// UID is the host uid (and gid) the sandbox's processes and files have, from the broker's
 	// range (AllocateUID); 0 for a sandbox recorded before each got its own, or on a broker that
 	// runs them as its own user.
@@ -62,7 +65,7 @@ const (
 	fID, fOrg, fName, fTemplate, fProvider, fNode, fStatus = "id", "org", "name", "template", "provider", "node", "status"
 	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
 	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
-	fStarted, fUID                                         = "started", "uid"
+	fStarted, fUID, fNodeLost                              = "started", "uid", "node_lost"
 )
 
 // fields flattens a new record into HSET arguments.
@@ -103,7 +106,8 @@ func recordFromMap(m map[string]string) (Record, error) {
 		TTL:       time.Duration(atoi(m[fTTL])) * time.Second,
 		CreatedAt: fromMS(m[fCreated]), Heartbeat: fromMS(m[fHeartbeat]), ExpiresAt: fromMS(m[fExpires]),
 		StoppedAt: fromMS(m[fStopped]), LostAt: fromMS(m[fLost]), StartedAt: fromMS(m[fStarted]), Gen: atoi(m[fGen]),
-		UID: int(atoi(m[fUID])),
+		NodeLostAt: fromMS(m[fNodeLost]),
+		UID:        int(atoi(m[fUID])),
 	}
 	if t := m[fTags]; t != "" && t != "null" {
 		if err := json.Unmarshal([]byte(t), &r.Tags); err != nil {

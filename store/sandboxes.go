@@ -151,7 +151,7 @@ end
 `
 
 // luaRenew renews one ref's lease (a heartbeat), optionally setting a new ttl first, and answers
-// {"ok", id, status, ttl, expires} or {"err", code, detail, "", ""}. Expects KEYS[1] names,
+// {"ok", id, status, ttl, expires, node_lost} or {"err", code, detail, "", "", ""}. Expects KEYS[1] names,
 // KEYS[2] deadlines, KEYS[3] warned, and the sandbox key prefix in the variable prefix.
 // A heartbeat only renews running sandboxes: a stopped one must be resumed explicitly.
 const luaRenew = luaLease + `
@@ -159,22 +159,22 @@ local function renew(ref, now, newttl)
   local id = ref
   if string.sub(ref, 1, 3) ~= 'sb_' then
     id = redis.call('HGET', KEYS[1], ref)
-    if not id then return {'err', 'not_found', '', '', ''} end
+    if not id then return {'err', 'not_found', '', '', '', ''} end
   end
   local key = prefix .. id
-  local cur = redis.call('HMGET', key, 'status', 'ttl')
+  local cur = redis.call('HMGET', key, 'status', 'ttl', 'node_lost')
   local status = cur[1]
-  if not status then return {'err', 'not_found', '', '', ''} end
-  local ttl = tonumber(cur[2]) or 0
+  if not status then return {'err', 'not_found', '', '', '', ''} end
+  local ttl, nodelost = tonumber(cur[2]) or 0, cur[3] or '0'
   if newttl ~= '' then
     redis.call('HSET', key, 'ttl', newttl)
     ttl = tonumber(newttl)
   end
   if status ~= 'running' then
-    if newttl ~= '' and status ~= 'deleting' then return {'ok', id, status, tostring(ttl), '0'} end
-    return {'err', 'state', status, '', ''}
+    if newttl ~= '' and status ~= 'deleting' then return {'ok', id, status, tostring(ttl), '0', nodelost} end
+    return {'err', 'state', status, '', '', ''}
   end
-  return {'ok', id, status, tostring(ttl), tostring(lease(key, id, now, ttl, KEYS[2], KEYS[3]))}
+  return {'ok', id, status, tostring(ttl), tostring(lease(key, id, now, ttl, KEYS[2], KEYS[3])), nodelost}
 end
 `
 
@@ -412,6 +412,8 @@ type Lease struct {
 	Status    string
 	TTL       time.Duration
 	ExpiresAt time.Time // zero: no lease
+	// NodeLostAt is when the hosting node was declared lost (zero: it was not).
+	NodeLostAt time.Time
 }
 
 // Heartbeat renews the lease of a running sandbox: expires = now + ttl on the lease clock. It is
@@ -436,25 +438,29 @@ func (s *Store) HeartbeatMany(ctx context.Context, org string, refs []string) ([
 	}
 	keys := []string{NamesKey(org), DeadlinesKey(org), WarnedKey(org)}
 	v, err := leaseManyScript.Run(ctx, s.rdb, keys, args...).StringSlice()
-	if err == nil && len(v) != 5*len(refs) {
-		err = fmt.Errorf("store: %d answers for %d refs", len(v)/5, len(refs))
+	if err == nil && len(v) != renewAnswer*len(refs) {
+		err = fmt.Errorf("store: %d answers for %d refs", len(v)/renewAnswer, len(refs))
 	}
 	for i := range refs {
 		if err != nil {
 			errs[i] = fmt.Errorf("store: lease %s: %w", refs[i], err)
 			continue
 		}
-		leases[i], errs[i] = leaseFrom(v[5*i : 5*i+5])
+		leases[i], errs[i] = leaseFrom(v[renewAnswer*i : renewAnswer*i+renewAnswer])
 	}
 	return leases, errs
 }
+
+// renewAnswer is the length of one renew answer (see luaRenew).
+const renewAnswer = 6
 
 // leaseFrom reads one renew answer.
 func leaseFrom(v []string) (Lease, error) {
 	if v[0] == "err" {
 		return Lease{}, scriptErr(v[1], v[2])
 	}
-	return Lease{ID: v[1], Status: v[2], TTL: time.Duration(atoi(v[3])) * time.Second, ExpiresAt: fromMS(v[4])}, nil
+	return Lease{ID: v[1], Status: v[2], TTL: time.Duration(atoi(v[3])) * time.Second, ExpiresAt: fromMS(v[4]),
+		NodeLostAt: fromMS(v[5])}, nil
 }
 
 func (s *Store) lease(ctx context.Context, org, ref string, ttl string) (Lease, error) {
@@ -463,7 +469,7 @@ func (s *Store) lease(ctx context.Context, org, ref string, ttl string) (Lease, 
 	if err != nil {
 		return Lease{}, fmt.Errorf("store: lease %s: %w", ref, err)
 	}
-	if len(v) != 5 {
+	if len(v) != renewAnswer {
 		return Lease{}, fmt.Errorf("store: lease %s: malformed answer", ref)
 	}
 	return leaseFrom(v)

@@ -46,6 +46,8 @@ type config struct {
 	TokenTTL        time.Duration
 	TokenMaxTTL     time.Duration
 	SweepInterval   time.Duration
+	NodeHeartbeat   time.Duration
+	NodeLostAfter   time.Duration
 	ExpiryWarning   time.Duration
 	Retention       time.Duration
 	DataplaneRenews bool
@@ -69,7 +71,8 @@ var envOf = map[string]string{
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
 	"sandbox-uid": "SBX_SANDBOX_UID", "sandbox-uids": "SBX_SANDBOX_UIDS", "disk-reserve": "SBX_DISK_RESERVE", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
-	"sweep-interval": "SBX_SWEEP_INTERVAL", "expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
+	"sweep-interval": "SBX_SWEEP_INTERVAL", "node-heartbeat": "SBX_NODE_HEARTBEAT", "node-lost-after": "SBX_NODE_LOST_AFTER",
+	"expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
 	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING",
 	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
@@ -150,6 +153,8 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
 	fs.DurationVar(&c.TokenMaxTTL, "token-max-ttl", 24*time.Hour, "longest lifetime a delegation token may be minted with (recorded in the signing-keys directory for keys rotate-signing)")
 	fs.DurationVar(&c.SweepInterval, "sweep-interval", 2*time.Second, "how often the sweeper looks for expired leases (one broker sweeps at a time)")
+	fs.DurationVar(&c.NodeHeartbeat, "node-heartbeat", server.DefaultNodeHeartbeat, "how often this broker renews its node record (its URL and liveness) in Redis")
+	fs.DurationVar(&c.NodeLostAfter, "node-lost-after", server.DefaultNodeLostAfter, "a broker silent this long is declared lost by another: its sandboxes say node_status lost until it is back")
 	fs.DurationVar(&c.ExpiryWarning, "expiry-warning", time.Minute, "send an expiring event this long before a sandbox's lease runs out")
 	fs.Var(client.Duration{D: &c.Retention}, "retention", "delete sandboxes stopped longer than this, e.g. 7d; 0, the default, keeps them until deleted")
 	fs.BoolVar(&c.DataplaneRenews, "dataplane-renews-lease", false, "let dataplane activity renew a sandbox's lease (off: only the owner's heartbeats and calls do, so an agent left running cannot keep a sandbox alive)")
@@ -244,6 +249,12 @@ func (c *config) validate() error {
 	}
 	if c.SweepInterval < 100*time.Millisecond {
 		bad("sweep-interval", "must be at least 100ms")
+	}
+	if c.NodeHeartbeat < 100*time.Millisecond || c.NodeHeartbeat > time.Minute {
+		bad("node-heartbeat", "%s must be between 100ms and 1m", c.NodeHeartbeat)
+	}
+	if c.NodeLostAfter < 3*c.NodeHeartbeat {
+		bad("node-lost-after", "%s must be at least three --node-heartbeat intervals (%s), so one late beat does not declare a live broker lost", c.NodeLostAfter, 3*c.NodeHeartbeat)
 	}
 	if c.ExpiryWarning <= 0 {
 		bad("expiry-warning", "must be positive")

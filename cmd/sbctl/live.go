@@ -72,7 +72,12 @@ from it.`,
 					a.Env[k] = v
 				}
 			}
-			r, err := backend.Dial(cmd.Context(), backend.Config{URL: c.DataplaneURL(args[0]), Credential: c.APIKey(), Reconnects: 1})
+			// The sandbox's own broker: another one answers wrong_node.
+			dp, err := c.SandboxDataplaneURL(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			r, err := backend.Dial(cmd.Context(), backend.Config{URL: dp, Credential: c.APIKey(), Reconnects: 1})
 			if err != nil {
 				return err
 			}
@@ -230,6 +235,9 @@ func attach(ctx context.Context, g *globals, c *client.Client, refs []string) er
 						earliest = *it.Lease.ExpiresAt
 					}
 					parts = append(parts, fmt.Sprintf("%s expires in %s", it.Ref, time.Until(*it.Lease.ExpiresAt).Round(time.Second)))
+				}
+				if it.Lease.NodeStatus == protocol.NodeLost {
+					parts = append(parts, it.Ref+"'s broker is lost (its files and processes are out of reach until it is back)")
 				}
 			}
 			every = max(minTTL/3, time.Second)

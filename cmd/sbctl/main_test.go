@@ -208,3 +208,16 @@ func TestCreateWarnsWhenNotIsolated(t *testing.T) {
 		srv.Close()
 	}
 }
+
+// A sandbox whose broker was declared lost says so in get's table, not only in JSON.
+func TestGetSaysBrokerLost(t *testing.T) {
+	t.Parallel()
+	at := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	sb := protocol.Sandbox{ID: "sb_1", Name: "dev", Status: "running", NodeStatus: protocol.NodeLost, NodeLostAt: &at}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { json.NewEncoder(w).Encode(sb) }))
+	defer srv.Close()
+	code, out, stderr := sbctl(t, t.Context(), srv.URL, "", "get", "dev")
+	if code != 0 || !strings.Contains(out, "running, broker lost") || !strings.Contains(out, "Broker lost:     2026-01-02T03:04:05Z") {
+		t.Errorf("sbctl get: exit %d\nstdout: %s\nstderr: %s", code, out, stderr)
+	}
+}

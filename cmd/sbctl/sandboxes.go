@@ -157,10 +157,14 @@ func sandboxTable(w io.Writer, all []protocol.Sandbox) {
 }
 
 func statusWord(s protocol.Sandbox) string {
+	w := s.Status
 	if s.StopReason != "" && s.Status == protocol.StatusStopped {
-		return termSafe(s.Status + " (" + s.StopReason + ")")
+		w += " (" + s.StopReason + ")"
 	}
-	return termSafe(s.Status)
+	if s.NodeStatus == protocol.NodeLost {
+		w += ", broker lost"
+	}
+	return termSafe(w)
 }
 
 func statusLine(s protocol.Sandbox) string {
@@ -258,6 +262,9 @@ func describeSandbox(w io.Writer, s protocol.Sandbox) {
 	}
 	if s.ProcessesLostAt != nil {
 		row("Processes lost", s.ProcessesLostAt.Format(time.RFC3339)+" (broker restart)")
+	}
+	if s.NodeStatus == protocol.NodeLost && s.NodeLostAt != nil {
+		row("Broker lost", s.NodeLostAt.Format(time.RFC3339)+" (the broker hosting it stopped answering; its files are only on that host, out of reach until it is back)")
 	}
 	tw.Flush()
 }

@@ -77,6 +77,9 @@ const crashNetwork = "network"
 // killed. Its arguments come in the environment: the provider, the data dir and a marker command.
 func crashHelper(mode string) {
 	cfg := Config{DataDir: os.Getenv("SBX_HELPER_DATA"), CgroupParent: os.Getenv("SBX_HELPER_CGROUP")}
+	if mode == crashStartLoop {
+		startLoopHelper(cfg)
+	}
 	var p Provider
 	var err error
 	if mode == kindNamespace || mode == crashNetwork {

@@ -75,6 +75,8 @@ type Namespace struct {
 // NewNamespace checks what the provider needs on this host (bwrap, a reachable data dir, cgroups)
 // and returns it. Cgroups that are not usable are not an error: sandboxes then run without limits,
 // and LimitsEnforced says why. Preflight also starts a throwaway sandbox; NewNamespace does not.
+// It ends the sandbox processes an earlier broker on the same data dir left orphaned (see
+// reapOrphans), so only one provider may use a data dir at a time: the broker's lock on it.
 func NewNamespace(cfg Config) (*Namespace, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
@@ -97,6 +99,7 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 	if err := n.prepareDataDir(); err != nil {
 		return nil, err
 	}
+	reapOrphans(orphanMarker(cfg.DataDir)) // before the cgroup sweep, which then finds them empty
 	n.cg = detectCgroups(cfg.CgroupParent)
 	n.cg.sweepStale(staleCgroupAge)
 	n.hostRoot = hostRootArgs()
@@ -205,7 +208,8 @@ func (n *Namespace) writeIdentity(spec Spec) error {
 	return nil
 }
 
-// Destroy removes the sandbox's directories. It refuses invalid ids and running sandboxes.
+// Destroy removes the sandbox's directories and any cgroup of it still there. It refuses invalid
+// ids and running sandboxes.
 func (n *Namespace) Destroy(ctx context.Context, spec Spec) error {
 	if !validID(spec.ID) {
 		return fmt.Errorf("%w: %q", ErrInvalidID, spec.ID)
@@ -216,7 +220,10 @@ func (n *Namespace) Destroy(ctx context.Context, spec Spec) error {
 	if err := n.unmountVolume(spec.ID); err != nil {
 		return err
 	}
-	return n.layout.destroy(spec.ID, &n.running)
+	if err := n.layout.destroy(spec.ID, &n.running); err != nil {
+		return err
+	}
+	return n.cg.removeLeftover(spec.ID)
 }
 
 // Start starts bwrap with the init, moves it into the sandbox's cgroups and takes the environment
@@ -386,7 +393,7 @@ func (n *Namespace) command(spec Spec, pre, argv []string) (*exec.Cmd, error) {
 		Path:        n.bwrap,
 		Args:        append([]string{"bwrap"}, args...),
 		Dir:         "/",
-		Env:         []string{},
+		Env:         []string{orphanMarker(n.cfg.DataDir)}, // found by reapOrphans if orphaned
 		SysProcAttr: attr,
 	}, nil
 }
@@ -451,6 +458,8 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		"--remount-ro", "/",
 		"--chdir", WorkspacePath,
 		"--clearenv",
+		// The init keeps the marker bwrap started with, so reapOrphans finds it after bwrap is gone.
+		"--setenv", orphanEnv, orphanValue(n.cfg.DataDir),
 		"--")
 	return append(a, argv...), nil
 }

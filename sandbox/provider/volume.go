@@ -25,10 +25,10 @@ import (
 // project quotas or mount options on the data dir.
 //
 // The image stays mounted from Create to Destroy, stopped sandboxes included: the broker serves file
-// operations on a stopped sandbox through a workspace handle it keeps open, and unmounting under that
-// handle would either fail (busy) or, detached, leave the filesystem alive on a loop device while a
-// resume mounted the same image a second time (two ext4 mounts of one image corrupt it). After a
-// host reboot the image is mounted again on first use (Start, or the first file operation).
+// operations on a stopped sandbox, and an unmount racing a workspace handle still open would either
+// fail (busy) or, detached, leave the filesystem alive on a loop device while a resume mounted the
+// same image a second time (two ext4 mounts of one image corrupt it). After a host reboot the image
+// is mounted again on first use (Start, or the first file operation).
 //
 // The image is sparse: a sandbox uses on the host what it wrote, up to its size. Sizes may add up to
 // more than the data dir holds (overcommit); the broker-wide reserve (Config.DiskReserve) refuses a

@@ -129,6 +129,11 @@ func (d *dir) names(sc *scan) ([]string, error) {
 			return nil, err
 		}
 	}
+	if !sc.temps {
+		// An upload's temporary file is the broker's, not the tenant's: listing it would show
+		// half a file under a name nobody wrote (and a path that vanishes at commit).
+		names = slices.DeleteFunc(names, isTempName)
+	}
 	slices.Sort(names)
 	return names, nil
 }

@@ -12,6 +12,8 @@
 //
 // Writes are atomic: content goes to a temporary file (".sbx-tmp-<random>") next to the target,
 // which is then renamed over it, so a reader sees the old file or the new one, never half of one.
+// Temporary files are the broker's: ls, glob and grep leave them out, every failed or cut write
+// removes its own, and [Workspace.SweepTemps] removes those a dead broker left.
 //
 // The package does not touch anything outside the workspace directory it was opened on, and it does
 // not decide who may call it: authorization happens before a call reaches it.

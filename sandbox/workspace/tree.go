@@ -82,6 +82,8 @@ type scan struct {
 	ctx  context.Context
 	left int
 	cut  bool // the budget ran out with entries left unread
+	// temps keeps the names of upload temporary files, which listings and searches leave out.
+	temps bool
 }
 
 func (w *Workspace) newScan(ctx context.Context) *scan {

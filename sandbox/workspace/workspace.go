@@ -108,6 +108,11 @@ type Workspace struct {
 	// broker callers, not a security boundary.
 	locks [64]sync.Mutex
 	seed  maphash.Seed
+
+	// live holds the relative paths of this Workspace's temporary files in use, so SweepTemps
+	// never removes an upload in progress.
+	liveMu sync.Mutex
+	live   map[string]struct{}
 }
 
 // Open opens the workspace at hostDir. The directory must exist. Its error names hostDir (the

@@ -188,6 +188,7 @@ func (u *Upload) Abort() error {
 	}
 	u.done = true
 	u.f.Close()
+	defer u.w.dropTemp(u.temp)
 	if err := u.w.root.Remove(u.temp); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fsErr(u.sp, err)
 	}
@@ -210,6 +211,7 @@ func (w *Workspace) createTemp(dir, sp string) (*os.File, string, error) {
 				w.root.Remove(temp)
 				return nil, "", fsErr(sp, err)
 			}
+			w.holdTemp(temp)
 			return f, temp, nil
 		case errors.Is(err, fs.ErrNotExist) && try == 0 && dir != ".":
 			if err := w.mkdirAll(dir); err != nil {
@@ -226,6 +228,7 @@ func (w *Workspace) createTemp(dir, sp string) (*os.File, string, error) {
 // file it replaces (or keep's, when given), and reports whether target is new. The caller holds
 // target's stripe lock. The temporary file is removed on every path but success.
 func (w *Workspace) commitTemp(f *os.File, temp, target, sp string, create bool, keep fs.FileInfo) (created bool, err error) {
+	defer w.dropTemp(temp)
 	defer func() {
 		if err != nil {
 			w.root.Remove(temp)
@@ -514,6 +517,7 @@ func (w *Workspace) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
 	if _, err := tf.Write(data); err != nil {
 		tf.Close()
 		w.root.Remove(temp)
+		w.dropTemp(temp)
 		return protocol.EditResult{}, fsErr(sp, err)
 	}
 	if _, err := w.commitTemp(tf, temp, target, sp, false, fi); err != nil {

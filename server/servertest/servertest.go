@@ -78,8 +78,11 @@ type Options struct {
 	// same one verify each other's tokens, as brokers sharing a keyring do in production.
 	SigningKeys string
 	// Node names the broker (default "node-test").
-	Node      string
-	Templates map[string]provider.Template
+	Node string
+	// NodeHeartbeat is how often the broker renews its node record (0: the broker's default);
+	// NodeLostAfter is how long a silent node has before it is declared lost (0: the default).
+	NodeHeartbeat, NodeLostAfter time.Duration
+	Templates                    map[string]provider.Template
 	// Log receives the broker's logs (default: discarded unless -v).
 	Log *slog.Logger
 	// SandboxUIDs is the range sandboxes get their own host uid from under a root broker; nil
@@ -182,6 +185,7 @@ func New(t testing.TB, opts Options) *Broker {
 		Store: st, Provider: prov, ProviderReport: report, Templates: opts.Templates, Node: opts.Node, AdvertiseURL: url,
 		DataDir: opts.DataDir, SigningKeys: opts.SigningKeys, WorkspaceUID: uid, SandboxUIDs: uids,
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
+		NodeHeartbeat: opts.NodeHeartbeat, NodeLostAfter: opts.NodeLostAfter,
 		Limits: opts.Limits, AuthFailures: opts.AuthFailures, AuthFailureWindow: opts.AuthFailureWindow,
 		Dataplane: opts.Dataplane,
 	})

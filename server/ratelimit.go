@@ -215,17 +215,17 @@ const maxSources = 10_000
 
 const overflowSource = "overflow"
 
-// blocked answers how long src must still wait, if it reached max failures in its window.
+// blocked answers how long src must still wait, if it reached max failures in its window. A
+// source the guard does not track is never blocked, even while the shared overflow entry is over
+// its limit: the overflow holds back failures (failed answers them 429), never the clients that
+// have not failed, so a flood of bad keys from many addresses cannot lock every org out.
 func (g *authGuard) blocked(src string) (time.Duration, bool) {
 	now := g.now()
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	f := g.m[src]
 	if f == nil {
-		f = g.m[overflowSource]
-		if f == nil || len(g.m) < maxSources {
-			return 0, false
-		}
+		return 0, false
 	}
 	if end := f.start.Add(g.window); f.n >= g.max && now.Before(end) {
 		return end.Sub(now), true

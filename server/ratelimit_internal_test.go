@@ -8,7 +8,8 @@ import (
 )
 
 // A flood of failures from more addresses than the guard tracks keeps its memory bounded, and the
-// sources past the bound are held back together instead of being forgotten.
+// failures past the bound are held back together instead of being forgotten, while a source that
+// has not failed is never blocked by them (else the flood would lock every client out).
 func TestAuthGuardIsBounded(t *testing.T) {
 	t.Parallel()
 	now := time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC)
@@ -19,12 +20,15 @@ func TestAuthGuardIsBounded(t *testing.T) {
 	if n := g.size(); n > maxSources+1 {
 		t.Fatalf("%d sources tracked, bound %d", n, maxSources)
 	}
-	if _, blocked := g.blocked("192.0.2.1"); !blocked {
-		t.Fatal("a new source while the table is full of live windows is counted with the overflow, which is over its limit")
+	if _, blocked := g.blocked("192.0.2.1"); blocked {
+		t.Fatal("a source that never failed is blocked by the overflow of others' failures")
+	}
+	if _, over, _ := g.failed("192.0.2.1"); !over {
+		t.Fatal("a failure of a new source while the table is full of live windows is counted with the overflow, which is over its limit")
 	}
 	// Once the windows end, their entries make room again.
 	now = now.Add(time.Minute)
-	if _, over, _ := g.failed("192.0.2.1"); over {
+	if _, over, _ := g.failed("192.0.2.2"); over {
 		t.Fatal("a first failure after the windows ended")
 	}
 	if n := g.size(); n > 2 {

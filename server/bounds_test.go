@@ -257,6 +257,7 @@ func TestQueryIsReadWholeOrRefused(t *testing.T) {
 		{"batch delete, dry run twice", "DELETE", "/v1/sandboxes?tag=who=mine&dry_run=true&dry_run=false", "invalid_argument", "once"},
 		{"delete one with a dry run", "DELETE", "/v1/sandboxes/mine?dry_run=true", "invalid_argument", "no query parameters"},
 		{"events, unknown", "GET", "/v1/events?follow=false&lastEventId=1-0", "invalid_argument", "last_event_id"},
+		{"limits of another org", "GET", "/v1/limits?org=other", "invalid_argument", "no query parameters"},
 	}
 	for _, tc := range cases {
 		before := b.RedisSnapshot()

@@ -41,6 +41,7 @@ var queryParams = map[string][]string{
 	"DELETE /v1/sandboxes/:ref/delegations/:jti": nil,
 	"POST /v1/tokens/introspect":                 nil,
 	"GET /v1/orphans":                            nil,
+	"GET /v1/limits":                             nil,
 }
 
 // checkQuery refuses a query that is malformed, too long, or not what the route takes, before any

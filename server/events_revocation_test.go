@@ -66,8 +66,10 @@ func TestAPIKeyRevocationEndsEventStreams(t *testing.T) {
 	for _, s := range revoked {
 		select {
 		case at := <-s.ended:
-			if took := at.Sub(start); took > time.Second {
-				t.Errorf("%s ended %s after the key's revocation, want within 1s", s.name, took)
+			// The design's bound is a second (one pub/sub hop); the test allows scheduling on a
+			// loaded machine the rest, and stays far below the 30 s re-check that would also end it.
+			if took := at.Sub(start); took > 3*time.Second {
+				t.Errorf("%s ended %s after the key's revocation, want within 1s (3s on a loaded machine)", s.name, took)
 			}
 		case <-time.After(5 * time.Second):
 			t.Errorf("%s is still open 5s after its key was revoked", s.name)

@@ -54,7 +54,7 @@ func TestDelegateAfterRedisDataLoss(t *testing.T) {
 // marked.
 func TestSilentBrokerIsDeclaredLost(t *testing.T) {
 	t.Parallel()
-	fast := servertest.Options{Node: "node-a", NodeHeartbeat: 50 * time.Millisecond, NodeLostAfter: 400 * time.Millisecond}
+	fast := servertest.Options{Node: "node-a", NodeHeartbeat: 200 * time.Millisecond, NodeLostAfter: 2 * time.Second}
 	a := servertest.New(t, fast)
 	fastB := fast
 	fastB.Node, fastB.Redis = "node-b", a.Redis

@@ -2,7 +2,7 @@ package protocol
 
 // Codes of answers refused by a limit (HTTP 429, with a Retry-After header).
 const (
-	// CodeQuotaExceeded: the org is at one of its limits (max_running); the message says which and
+	// CodeQuotaExceeded: the org is at one of its limits (max_running, max_sandboxes); the message says which and
 	// how to raise it. Retrying helps only once the org uses less.
 	CodeQuotaExceeded = "quota_exceeded"
 	// CodeRateLimited: too many requests from this credential, or too many failed authentications
@@ -14,6 +14,8 @@ const (
 type OrgLimits struct {
 	// MaxRunning bounds the org's sandboxes provisioning or running at once, on every broker.
 	MaxRunning int `json:"max_running"`
+	// MaxSandboxes bounds the org's sandboxes in any state (stopped ones too), on every broker.
+	MaxSandboxes int `json:"max_sandboxes"`
 	// RPS is the requests per second each credential may make, per broker; Burst how many at once.
 	RPS   int `json:"rps"`
 	Burst int `json:"burst"`

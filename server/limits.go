@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -32,7 +33,7 @@ func (s *Server) getLimits(c echo.Context) error {
 			res.Own = append(res.Own, name)
 		}
 	}
-	res.Limits = protocol.OrgLimits{MaxRunning: l.MaxRunning, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections}
+	res.Limits = protocol.OrgLimits{MaxRunning: l.MaxRunning, MaxSandboxes: l.MaxSandboxes, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections}
 	return c.JSON(http.StatusOK, res)
 }
 
@@ -71,10 +72,13 @@ func (s *Server) registerLimitMetrics(reg *prometheus.Registry) {
 // countRefusal counts a 429 answer by the limit that refused it.
 func (s *Server) countRefusal(c echo.Context, err error) {
 	var re *retryError
+	var le *sandbox.LimitError
 	var pe *protocol.Error
 	switch {
 	case errors.As(err, &re) && re.limit != "":
 		s.limitMetrics.refusals.WithLabelValues(re.limit, re.org).Inc()
+	case errors.As(err, &le):
+		s.limitMetrics.refusals.WithLabelValues(le.Limit, principal(c).Org).Inc()
 	case errors.As(err, &pe) && pe.Code == protocol.CodeQuotaExceeded:
 		s.limitMetrics.refusals.WithLabelValues(limitMaxRunning, principal(c).Org).Inc()
 	}

@@ -227,3 +227,41 @@ func TestOrgConnectionsLimit(t *testing.T) {
 		t.Fatalf("another org's limits: %+v %v, want the broker's per-org cap 50", lim, err)
 	}
 }
+
+// max_sandboxes counts stopped sandboxes too (each keeps its files and a host uid): an org at it
+// is refused a new one with 429 quota_exceeded naming the limit, changes nothing, and frees a
+// place by deleting; reusing or resuming one it has is never refused by it.
+func TestMaxSandboxesQuota(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Limits: store.Limits{MaxSandboxes: 2}})
+	c, ctx := b.Client, t.Context()
+	for _, name := range []string{"one", "two"} {
+		if _, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: name}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.StopSandbox(ctx, name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := b.RedisSnapshot()
+	_, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "three"})
+	if code(err) != protocol.CodeQuotaExceeded || !strings.Contains(err.Error(), "max_sandboxes") ||
+		!strings.Contains(err.Error(), "--max-sandboxes") {
+		t.Fatalf("a third sandbox of an org limited to 2, both stopped: %v", err)
+	}
+	if after := b.RedisSnapshot(); len(after) != len(before) {
+		t.Fatalf("a refused create changed Redis: %d keys before, %d after", len(before), len(after))
+	}
+	if res, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "one"}); err != nil || res.Outcome != "resumed" {
+		t.Fatalf("resuming one of its own by name at the limit: %+v %v", res, err)
+	}
+	if _, err := b.NewClient("other-org").CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "three"}); err != nil {
+		t.Fatalf("another org: %v", err)
+	}
+	if _, err := c.DeleteSandbox(ctx, "two"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "three"}); err != nil {
+		t.Fatalf("after a delete: %v", err)
+	}
+}

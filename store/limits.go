@@ -14,6 +14,10 @@ type Limits struct {
 	// MaxRunning bounds the org's sandboxes that are provisioning or running at once, across every
 	// broker sharing the Redis (enforced inside the create and resume scripts).
 	MaxRunning int
+	// MaxSandboxes bounds the org's sandboxes in any state (enforced inside the create script):
+	// stopped ones keep their files and their host uid, so without it one org could take every
+	// uid of the broker's range, and every other org's creates would fail.
+	MaxSandboxes int
 	// RPS is the requests per second each credential of the org may make, per broker.
 	RPS int
 	// Burst is how many requests a credential may make at once before RPS paces it.
@@ -24,14 +28,15 @@ type Limits struct {
 
 // Limit names: the fields of the org's limits hash, the flags' and the API's names.
 const (
-	LimitMaxRunning  = "max_running"
-	LimitRPS         = "rps"
-	LimitBurst       = "burst"
-	LimitConnections = "connections"
+	LimitMaxRunning   = "max_running"
+	LimitMaxSandboxes = "max_sandboxes"
+	LimitRPS          = "rps"
+	LimitBurst        = "burst"
+	LimitConnections  = "connections"
 )
 
 // LimitNames lists the limits an org can have, in display order.
-var LimitNames = []string{LimitMaxRunning, LimitRPS, LimitBurst, LimitConnections}
+var LimitNames = []string{LimitMaxRunning, LimitMaxSandboxes, LimitRPS, LimitBurst, LimitConnections}
 
 // MaxLimit bounds any one limit's value, so that a typo cannot overflow anything downstream.
 const MaxLimit = 1_000_000
@@ -41,6 +46,8 @@ func (l Limits) Get(name string) int {
 	switch name {
 	case LimitMaxRunning:
 		return l.MaxRunning
+	case LimitMaxSandboxes:
+		return l.MaxSandboxes
 	case LimitRPS:
 		return l.RPS
 	case LimitBurst:
@@ -63,6 +70,8 @@ func (l *Limits) set(name string, v int) {
 	switch name {
 	case LimitMaxRunning:
 		l.MaxRunning = v
+	case LimitMaxSandboxes:
+		l.MaxSandboxes = v
 	case LimitRPS:
 		l.RPS = v
 	case LimitBurst:
@@ -76,23 +85,28 @@ func (l *Limits) set(name string, v int) {
 var ErrQuota = errors.New("store: org limit reached")
 
 // QuotaError is a create or resume refused because the org already has Limit sandboxes
-// provisioning or running.
+// provisioning or running (Name max_running), or Limit sandboxes at all (Name max_sandboxes).
 type QuotaError struct {
 	Org   string
+	Name  string
 	Limit int
 }
 
 func (e *QuotaError) Error() string {
-	return fmt.Sprintf("store: org %s is at its max_running limit (%d)", e.Org, e.Limit)
+	return fmt.Sprintf("store: org %s is at its %s limit (%d)", e.Org, e.Name, e.Limit)
 }
 
 // Is lets errors.Is(err, ErrQuota) match.
 func (e *QuotaError) Is(target error) bool { return target == ErrQuota }
 
 func quotaOrScriptErr(org, code, detail string) error {
-	if code == "quota" {
+	switch code {
+	case "quota":
 		n, _ := strconv.Atoi(detail)
-		return &QuotaError{Org: org, Limit: n}
+		return &QuotaError{Org: org, Name: LimitMaxRunning, Limit: n}
+	case "quota_sandboxes":
+		n, _ := strconv.Atoi(detail)
+		return &QuotaError{Org: org, Name: LimitMaxSandboxes, Limit: n}
 	}
 	return scriptErr(code, detail)
 }

@@ -90,7 +90,7 @@ func TestOrgLimits(t *testing.T) {
 				org string
 				set map[string]int
 			}{
-				{"acme", map[string]int{"max_sandboxes": 1}},
+				{"acme", map[string]int{"max_widgets": 1}},
 				{"acme", map[string]int{store.LimitRPS: -1}},
 				{"acme", map[string]int{store.LimitRPS: store.MaxLimit + 1}},
 				{"nosuch", map[string]int{store.LimitRPS: 5}},

@@ -182,12 +182,14 @@ end
 // KEYS: 1 names, 2 new sandbox hash, 3 all, 4 stopped, 5 active, 6 limits, 7.. tag indexes of the
 // new sandbox.
 // ARGV: 1 name, 2 new id, 3 now (ms), 4 reuse ("1"/"0"), 5 sandbox key prefix, 6 template,
-// 7 the broker's default max_running, 8.. field/value pairs of the new record.
+// 7 the broker's default max_running, 8 the broker's default max_sandboxes, 9.. field/value pairs
+// of the new record.
 // Answers {"created"|"reused"|"resumed", id} or {"err", code, detail}. A stopped sandbox found by
 // reuse is claimed for resuming (status provisioning) here, so only one caller resumes it.
 // Invariant: names[name] = id iff the record exists with that name and is not deleting; a create or
 // a resume claims a place in the org's active set (luaClaim) in the same step, so racing callers
-// never take the org past its max_running.
+// never take the org past its max_running; a new record is refused when the org already has its
+// max_sandboxes records (all), in the same step.
 var createScript = redis.NewScript(luaClaim + `
 local name, newid, now, reuse, prefix, template = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local id = redis.call('HGET', KEYS[1], name)
@@ -206,11 +208,13 @@ if id then
   if cur[1] == 'failed' then return {'err', 'state', 'failed'} end
   return {'reused', id}
 end
+local maxs = tonumber(redis.call('HGET', KEYS[6], 'max_sandboxes') or ARGV[8]) or 0
+if maxs > 0 and redis.call('ZCARD', KEYS[3]) >= maxs then return {'err', 'quota_sandboxes', tostring(maxs)} end
 local over = claim(KEYS[5], KEYS[6], ARGV[7], newid)
 if over then return {'err', 'quota', over} end
 redis.call('HSET', KEYS[1], name, newid)
 local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('ZADD', KEYS[3], now, newid)
 for i = 7, #KEYS do redis.call('ZADD', KEYS[i], now, newid) end
@@ -230,7 +234,7 @@ func (s *Store) CreateOrReuse(ctx context.Context, rec Record, reuse bool) (Reco
 		keys = append(keys, TagKey(rec.Org, k, v))
 	}
 	args := append([]any{rec.Name, rec.ID, ms(rec.CreatedAt), boolArg(reuse), sandboxPrefix(rec.Org), rec.Template,
-		s.DefaultLimits().MaxRunning}, rec.fields()...)
+		s.DefaultLimits().MaxRunning, s.DefaultLimits().MaxSandboxes}, rec.fields()...)
 	res, err := createScript.Run(ctx, s.rdb, keys, args...).StringSlice()
 	if err != nil {
 		return Record{}, "", fmt.Errorf("store: create %s: %w", rec.Name, err)

@@ -50,7 +50,7 @@ func TestOrgLimitsThroughTheCLIs(t *testing.T) {
 		t.Fatalf("a negative limit: exit %d %q", code, stderr)
 	}
 	out, stderr, code := b.admin("orgs", "set-limits", "default", "--max-running", "2", "--rps", "50")
-	if code != 0 || !strings.Contains(out, "max_running  2") {
+	if code != 0 || !strings.Contains(out, "max_running    2") {
 		t.Fatalf("set-limits: exit %d\n%s%s", code, out, stderr)
 	}
 	b.ok("create", "one")
@@ -60,7 +60,7 @@ func TestOrgLimitsThroughTheCLIs(t *testing.T) {
 		t.Fatalf("create past max_running: exit %d %q", r.code, r.stderr)
 	}
 	table := b.ok("limits")
-	for _, want := range []string{"org default", "max_running  2      2       org", "rps          50", "burst        200", "default"} {
+	for _, want := range []string{"org default", "max_running    2      2       org", "max_sandboxes  1000           default", "rps            50", "burst          200", "default"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("sbctl limits lacks %q:\n%s", want, table)
 		}

@@ -74,7 +74,7 @@ var envOf = map[string]string{
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "node-heartbeat": "SBX_NODE_HEARTBEAT", "node-lost-after": "SBX_NODE_LOST_AFTER",
 	"expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
-	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING",
+	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING", "org-max-sandboxes": "SBX_ORG_MAX_SANDBOXES",
 	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
 	"auth-failure-window":                      "SBX_AUTH_FAILURE_WINDOW",
 	"max-dataplane-connections":                "SBX_MAX_DATAPLANE_CONNECTIONS",

@@ -22,6 +22,7 @@ import (
 // and `broker orgs get-limits` shows them beside an org's own.
 func limitFlags(fs *pflag.FlagSet, c *config) {
 	fs.IntVar(&c.Limits.MaxRunning, "org-max-running", 100, "default limit on each org's sandboxes provisioning or running at once, on every broker sharing the Redis (0: no limit; `broker orgs set-limits` sets an org's own)")
+	fs.IntVar(&c.Limits.MaxSandboxes, "org-max-sandboxes", 1000, "default limit on each org's sandboxes in any state, stopped ones included (each holds files and a host uid), on every broker sharing the Redis (0: no limit)")
 	fs.IntVar(&c.Limits.RPS, "org-rps", 100, "default requests per second each credential (API key) of an org may make, per broker (0: no limit)")
 	fs.IntVar(&c.Limits.Burst, "org-burst", 200, "default requests a credential may make at once before --org-rps paces it (0: as many as --org-rps)")
 	fs.IntVar(&c.MaxDPConnsPerOrg, "max-dataplane-connections-per-org", server.DefaultDataplaneConnsPerOrg, "default dataplane connections one org may have open on this broker; past it an upgrade is 429 too_many_connections (`broker orgs set-limits ORG --connections N` sets an org's own)")
@@ -38,7 +39,7 @@ func (c *config) validateLimits(bad func(flag, format string, args ...any)) {
 	for _, f := range []struct {
 		flag string
 		v    int
-	}{{"org-max-running", c.Limits.MaxRunning}, {"org-rps", c.Limits.RPS}, {"org-burst", c.Limits.Burst}} {
+	}{{"org-max-running", c.Limits.MaxRunning}, {"org-max-sandboxes", c.Limits.MaxSandboxes}, {"org-rps", c.Limits.RPS}, {"org-burst", c.Limits.Burst}} {
 		if f.v < 0 || f.v > store.MaxLimit {
 			bad(f.flag, "%d must be between 0 (no limit) and %d", f.v, store.MaxLimit)
 		}
@@ -61,9 +62,10 @@ func orgsCmd(c *config) *cobra.Command {
 		Use:   "orgs",
 		Short: "Show and set orgs' limits",
 		Long: `Each org has limits: max_running (sandboxes provisioning or running at once, on every broker),
+max_sandboxes (sandboxes in any state, stopped ones included, on every broker),
 rps and burst (requests per second of each of its credentials, per broker), connections (its open
 dataplane connections, per broker). An org without limits of its own gets the serving brokers'
-defaults (--org-max-running, --org-rps, --org-burst, --max-dataplane-connections-per-org). 0 means
+defaults (--org-max-running, --org-max-sandboxes, --org-rps, --org-burst, --max-dataplane-connections-per-org). 0 means
 no limit. Changes reach max_running at once and the rate limits of every broker within 5 seconds.`,
 	}
 	orgs.AddCommand(orgsSetLimitsCmd(c), orgsGetLimitsCmd(c))
@@ -104,7 +106,7 @@ func (l *limitValue) Type() string { return "N|default" }
 func orgsSetLimitsCmd(c *config) *cobra.Command {
 	vals := map[string]*limitValue{}
 	cmd := &cobra.Command{
-		Use:   "set-limits ORG [--max-running N] [--rps N] [--burst N] [--connections N]",
+		Use:   "set-limits ORG [--max-running N] [--max-sandboxes N] [--rps N] [--burst N] [--connections N]",
 		Short: "Give an org limits of its own (N, 0 for no limit, or default for the brokers' default)",
 		Example: `  broker orgs set-limits acme --max-running 20 --rps 50
   broker orgs set-limits acme --rps default     # back to --org-rps`,
@@ -121,7 +123,7 @@ func orgsSetLimitsCmd(c *config) *cobra.Command {
 				}
 			}
 			if len(set)+len(clear) == 0 {
-				return errors.New("nothing to set: give --max-running, --rps, --burst or --connections (see --help)")
+				return errors.New("nothing to set: give --max-running, --max-sandboxes, --rps, --burst or --connections (see --help)")
 			}
 			org := args[0]
 			return withStore(cmd, c, func(s *store.Store) error {
@@ -145,10 +147,11 @@ func orgsSetLimitsCmd(c *config) *cobra.Command {
 }
 
 var limitHelp = map[string]string{
-	store.LimitMaxRunning:  "sandboxes provisioning or running at once, on every broker",
-	store.LimitRPS:         "requests per second of each API key of the org, per broker",
-	store.LimitBurst:       "requests an API key may make at once before --rps paces it",
-	store.LimitConnections: "dataplane connections the org may have open, per broker",
+	store.LimitMaxSandboxes: "sandboxes in any state, stopped ones included, on every broker",
+	store.LimitMaxRunning:   "sandboxes provisioning or running at once, on every broker",
+	store.LimitRPS:          "requests per second of each API key of the org, per broker",
+	store.LimitBurst:        "requests an API key may make at once before --rps paces it",
+	store.LimitConnections:  "dataplane connections the org may have open, per broker",
 }
 
 // orgDefaults are the limits of orgs without their own: the --org-* flags, and the dataplane's
@@ -200,7 +203,7 @@ func printLimits(cmd *cobra.Command, c *config, s *store.Store, org, output stri
 		return err
 	}
 	l := c.orgDefaults().With(own)
-	res := protocol.LimitsResponse{Org: org, Limits: protocol.OrgLimits{MaxRunning: l.MaxRunning, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections},
+	res := protocol.LimitsResponse{Org: org, Limits: protocol.OrgLimits{MaxRunning: l.MaxRunning, MaxSandboxes: l.MaxSandboxes, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections},
 		Usage: protocol.LimitsUsage{Running: running}, Own: []string{}}
 	for _, name := range store.LimitNames {
 		if _, ok := own[name]; ok {

@@ -44,6 +44,7 @@ broker orgs set-limits.`,
 					used  string
 				}{
 					{"max_running", res.Limits.MaxRunning, strconv.Itoa(res.Usage.Running)},
+					{"max_sandboxes", res.Limits.MaxSandboxes, ""},
 					{"rps", res.Limits.RPS, ""},
 					{"burst", res.Limits.Burst, ""},
 					{"connections", res.Limits.Connections, ""},

@@ -142,7 +142,24 @@ export async function startBroker(): Promise<Broker> {
     },
     async stop() {
       await proc.stop();
+      await unmountUnder(dir);
       await rm(dir, { recursive: true, force: true }).catch(() => undefined);
     },
   };
+}
+
+/**
+ * Detaches every mount under dir, deepest first: namespace sandboxes' workspaces are mounted disk
+ * images that a stopped broker leaves mounted (its next start reuses them), and one left behind
+ * would hold its image and a loop device after the test removed the dir.
+ */
+async function unmountUnder(dir: string): Promise<void> {
+  const info = await readFile("/proc/self/mountinfo", "utf8").catch(() => "");
+  const points = info
+    .split("\n")
+    .map((line) => line.split(" ")[4])
+    .filter((p): p is string => p !== undefined && p.startsWith(dir + "/"));
+  for (const p of points.reverse()) {
+    await run("umount", ["-l", p]).catch(() => undefined);
+  }
 }

@@ -353,8 +353,9 @@ func startBroker() (*brokerProc, error) {
 	l.Close()
 	b := &brokerProc{url: "http://" + addr, dir: dir}
 	b.cmd = exec.Command(filepath.Join(dir, "broker"), "--listen", addr, "--data-dir", filepath.Join(dir, "data"), "--log-level", "warn",
-		// The bench measures the broker's capacity, not one org's fair share of it.
-		"--org-max-running", "0", "--org-rps", "0")
+		// The bench measures the broker's capacity, not one org's or one credential's fair share of it.
+		"--org-max-running", "0", "--org-max-sandboxes", "0", "--org-rps", "0",
+		"--max-dataplane-connections-per-org", "4096", "--max-dataplane-connections-per-credential", "4096")
 	b.cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_CONFIG_HOME=", "SBCTL_CONFIG=")
 	logf, _ := os.Create(filepath.Join(dir, "broker.log"))
 	b.cmd.Stdout, b.cmd.Stderr = logf, logf
@@ -616,6 +617,7 @@ func sweep(expired, total int) (time.Duration, int, int, error) {
 		return 0, 0, 0, err
 	}
 	defer os.RemoveAll(dir)
+	os.Chmod(dir, 0o711) // the sandbox uid must reach the data dir
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctx := context.Background()
 	emb, err := store.StartEmbedded(ctx, dir, log)

@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/sbxbroker/broker/sandbox/provider"
 )
 
 var bin string // directory holding the built broker and sbctl
@@ -69,7 +71,7 @@ type broker struct {
 func startBroker(t *testing.T, extra ...string) *broker {
 	t.Helper()
 	home := t.TempDir()
-	t.Cleanup(func() { unmountUnder(home) }) // runs before TempDir's removal, after b.stop
+	t.Cleanup(func() { provider.UnmountUnder(home) }) // runs before TempDir's removal, after b.stop
 	// The namespace provider's bwrap runs as the sandbox uid and must reach the data dir.
 	os.Chmod(filepath.Dir(home), 0o711)
 	os.Chmod(home, 0o711)
@@ -196,23 +198,4 @@ func freeAddr(t *testing.T) string {
 	}
 	defer l.Close()
 	return l.Addr().String()
-}
-
-// unmountUnder detaches every mount under dir, deepest first: namespace sandboxes' workspaces are
-// mounted disk images, and one left mounted (a broker stopped without deleting its sandboxes) would
-// keep TempDir from removing the dir.
-func unmountUnder(dir string) {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return
-	}
-	var points []string
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			points = append(points, f[4])
-		}
-	}
-	for i := len(points) - 1; i >= 0; i-- {
-		_ = syscall.Unmount(points[i], 2) // MNT_DETACH
-	}
 }

@@ -11,8 +11,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 func TestMain(m *testing.M) {
@@ -119,7 +117,7 @@ func testDataDir(t testing.TB) string {
 	d := t.TempDir()
 	// Workspaces with a disk quota are mounts; one a test leaves (a crashed broker leaves them by
 	// design) would keep TempDir from removing the dir. Cleanups run last first: this runs before.
-	t.Cleanup(func() { unmountUnder(d) })
+	t.Cleanup(func() { UnmountUnder(d) })
 	for _, p := range []string{filepath.Dir(d), d} {
 		if err := os.Chmod(p, 0o711); err != nil {
 			t.Fatal(err)
@@ -253,22 +251,5 @@ func TestBrokerCrashLeavesNoStrays(t *testing.T) {
 				t.Errorf("cgroups of the crashed broker's sandbox not swept: %v", left)
 			}
 		})
-	}
-}
-
-// unmountUnder detaches every mount under dir, deepest first.
-func unmountUnder(dir string) {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return
-	}
-	var points []string
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			points = append(points, f[4])
-		}
-	}
-	for i := len(points) - 1; i >= 0; i-- {
-		_ = unix.Unmount(points[i], unix.MNT_DETACH)
 	}
 }

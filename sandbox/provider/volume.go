@@ -458,3 +458,22 @@ func loopMount(img, dir string) error {
 		return nil
 	}
 }
+
+// UnmountUnder detaches every mount under dir, deepest first. A broker that stops leaves its
+// sandboxes' disk images mounted for its next start; whoever removes a data dir (tests, benchmarks,
+// an operator's tooling) detaches them first, or each keeps its image and a loop device.
+func UnmountUnder(dir string) {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return
+	}
+	var points []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(unescapeMount(f[4]), dir+"/") {
+			points = append(points, unescapeMount(f[4]))
+		}
+	}
+	for i := len(points) - 1; i >= 0; i-- {
+		_ = unix.Unmount(points[i], unix.MNT_DETACH)
+	}
+}

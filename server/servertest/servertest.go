@@ -14,9 +14,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -217,7 +215,7 @@ func New(t testing.TB, opts Options) *Broker {
 // uid, must be able to reach it, and t.TempDir() and its parent are 0700.
 func DataDir(t testing.TB) string {
 	d := t.TempDir()
-	t.Cleanup(func() { unmountUnder(d) }) // runs before TempDir's removal
+	t.Cleanup(func() { provider.UnmountUnder(d) }) // runs before TempDir's removal
 	for _, p := range []string{filepath.Dir(d), d} {
 		if err := os.Chmod(p, 0o711); err != nil {
 			t.Fatal(err)
@@ -304,23 +302,4 @@ func (c *Clock) Advance(d time.Duration) {
 func RetentionSweeper(b *Broker, retention time.Duration) *heartbeat.Sweeper {
 	return heartbeat.NewSweeper(heartbeat.Config{Store: b.Store, Sandboxes: b.Manager, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Now: b.now, Retention: retention})
-}
-
-// unmountUnder detaches every mount under dir, deepest first: namespace sandboxes' workspaces are
-// mounted disk images, and one left mounted (a broker stopped without deleting its sandboxes) would
-// keep TempDir from removing the dir.
-func unmountUnder(dir string) {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return
-	}
-	var points []string
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			points = append(points, f[4])
-		}
-	}
-	for i := len(points) - 1; i >= 0; i-- {
-		_ = syscall.Unmount(points[i], 2) // MNT_DETACH
-	}
 }

@@ -396,6 +396,7 @@ func (b *brokerProc) stop() {
 		syscall.Kill(-b.cmd.Process.Pid, syscall.SIGKILL)
 		<-done
 	}
+	provider.UnmountUnder(b.dir)
 	os.RemoveAll(b.dir)
 }
 

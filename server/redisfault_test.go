@@ -67,15 +67,7 @@ func TestHungRedisAnswers503Fast(t *testing.T) {
 
 	b.Redis.Continue()
 	thawed = true
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		_, err := b.Client.Heartbeat(ctx, "dev")
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("heartbeats still fail 5s after Redis thawed: %v", err)
-		}
-		time.Sleep(50 * time.Millisecond)
+	if err := eventually(t, 5*time.Second, func() error { _, err := b.Client.Heartbeat(ctx, "dev"); return err }); err != nil {
+		t.Fatalf("heartbeats still fail 5s after Redis thawed: %v", err)
 	}
 }

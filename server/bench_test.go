@@ -16,8 +16,10 @@ import (
 // In-process benchmarks of the dataplane's hot paths (tests/bench measures the real binary over
 // loopback, beside the peers' figures).
 
-func benchRemote(b *testing.B) *backend.Remote {
-	br := servertest.New(b, servertest.Options{})
+func benchRemote(b *testing.B) *backend.Remote { return benchRemoteOn(b, "") }
+
+func benchRemoteOn(b *testing.B, prov string) *backend.Remote {
+	br := servertest.New(b, servertest.Options{Provider: prov})
 	br.Client.CreateSandbox(b.Context(), protocol.CreateSandboxRequest{Name: "bench"})
 	m, err := br.Client.Delegate(b.Context(), "bench", protocol.MintRequest{Scopes: protocol.Scopes})
 	if err != nil {
@@ -38,6 +40,24 @@ func BenchmarkDataplanePing(b *testing.B) {
 		if err := r.Ping(b.Context()); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// BenchmarkDataplaneExecTrue is exec `true` through the dataplane, on the namespace provider (real
+// bubblewrap and its resident init) and on the plain-directory one.
+func BenchmarkDataplaneExecTrue(b *testing.B) {
+	for _, prov := range []string{"namespace", "dir"} {
+		b.Run(prov, func(b *testing.B) {
+			r := benchRemoteOn(b, prov)
+			args := protocol.ExecArgs{Argv: []string{"true"}}
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				res, err := r.Exec(b.Context(), backend.ExecRequest{ExecArgs: args})
+				if err != nil || res.ExitCode != 0 {
+					b.Fatal(res, err)
+				}
+			}
+		})
 	}
 }
 

@@ -170,22 +170,3 @@ func quoteByte(c byte) string {
 	}
 	return "'" + string(c) + "'"
 }
-
-// RequiredScope returns the scope a dataplane operation needs (docs/dataplane.md): fs:read for stat,
-// ls, read, glob, grep, download and env; fs:write for write, edit, delete, mkdir, move and upload;
-// exec for exec; "" for ping, which any valid token may do. ok is false for an unknown operation,
-// which the caller refuses (unknown_op).
-func RequiredScope(op string) (scope string, ok bool) {
-	scope, ok = opScopes[op]
-	return scope, ok
-}
-
-var opScopes = map[string]string{
-	"stat": protocol.ScopeFSRead, "ls": protocol.ScopeFSRead, "read": protocol.ScopeFSRead,
-	"glob": protocol.ScopeFSRead, "grep": protocol.ScopeFSRead, "download": protocol.ScopeFSRead,
-	"env":   protocol.ScopeFSRead,
-	"write": protocol.ScopeFSWrite, "edit": protocol.ScopeFSWrite, "delete": protocol.ScopeFSWrite,
-	"mkdir": protocol.ScopeFSWrite, "move": protocol.ScopeFSWrite, "upload": protocol.ScopeFSWrite,
-	"exec": protocol.ScopeExec,
-	"ping": "",
-}

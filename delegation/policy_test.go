@@ -277,27 +277,3 @@ func oracleFirstWord(s string) (first string, why string) {
 	}
 	return word.String(), ""
 }
-
-func TestRequiredScope(t *testing.T) {
-	t.Parallel()
-	want := map[string]string{
-		"stat": protocol.ScopeFSRead, "ls": protocol.ScopeFSRead, "read": protocol.ScopeFSRead,
-		"glob": protocol.ScopeFSRead, "grep": protocol.ScopeFSRead, "download": protocol.ScopeFSRead,
-		"env":   protocol.ScopeFSRead,
-		"write": protocol.ScopeFSWrite, "edit": protocol.ScopeFSWrite, "delete": protocol.ScopeFSWrite,
-		"mkdir": protocol.ScopeFSWrite, "move": protocol.ScopeFSWrite, "upload": protocol.ScopeFSWrite,
-		"exec": protocol.ScopeExec,
-		"ping": "",
-	}
-	for op, scope := range want {
-		got, ok := RequiredScope(op)
-		if !ok || got != scope {
-			t.Errorf("RequiredScope(%q) = %q, %v; want %q, true", op, got, ok, scope)
-		}
-	}
-	for _, op := range []string{"", "Exec", "rm", "stop", "delete_sandbox", "exec "} {
-		if got, ok := RequiredScope(op); ok || got != "" {
-			t.Errorf("RequiredScope(%q) = %q, %v; want \"\", false", op, got, ok)
-		}
-	}
-}

@@ -1,0 +1,147 @@
+package server
+
+import (
+	"context"
+	"sync"
+)
+
+// What a dataplane request holds of the broker's shared resources (heavy slots, exec output
+// budget) and how each is given back exactly once. The byte queue in front of each connection's
+// writer is in dataplane_conn.go (charge, enqueue).
+
+// hold is what one request holds of the broker's shared resources (heavy slots, exec output
+// budget), from when it takes them until its answer is written to the client, dropped, or left in
+// the queue when the connection ends: each is taken once and given back once, by release. Only the
+// request's goroutine adds to it, before it hands the answer to the writer.
+type hold struct {
+	mu       sync.Mutex
+	releases []func()
+	released bool
+}
+
+// add records what to give back; if the hold was released already, it is given back at once.
+func (h *hold) add(release func()) {
+	h.mu.Lock()
+	if h.released {
+		h.mu.Unlock()
+		release()
+		return
+	}
+	h.releases = append(h.releases, release)
+	h.mu.Unlock()
+}
+
+// release gives back everything held, once; later calls do nothing.
+func (h *hold) release() {
+	h.mu.Lock()
+	list := h.releases
+	h.releases, h.released = nil, true
+	h.mu.Unlock()
+	for _, f := range list {
+		f()
+	}
+}
+
+// holdHeavy takes a heavy slot for req on this connection and, when broker is set, one broker-wide
+// (within the org's share), waiting if none is free; they go with the request's answer and are
+// given back when it is written or dropped.
+func (c *dpConn) holdHeavy(ctx context.Context, req *request, broker bool) error {
+	select {
+	case c.heavy <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	req.hold.add(func() { <-c.heavy })
+	if !broker {
+		return nil
+	}
+	if err := c.s.dpHeavy.acquire(ctx, c.org, 1); err != nil {
+		return err
+	}
+	req.hold.add(func() { c.s.dpHeavy.release(c.org, 1) })
+	return nil
+}
+
+// execOutput is what one non-streamed exec holds of the broker-wide output budget: the capacity of
+// its stdout and stderr buffers while it runs, then its encoded answer until that is written.
+type execOutput struct {
+	budget *quota
+	org    string
+	limit  int // the exec's max_output: no buffer grows past it
+
+	mu      sync.Mutex
+	held    int64
+	dropped bool
+	freed   bool
+}
+
+// grow takes n more bytes of budget for a buffer, or says the output must be dropped.
+func (o *execOutput) grow(n int64) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.freed || !o.budget.tryAcquire(o.org, n) {
+		o.dropped = true
+		return false
+	}
+	o.held += n
+	return true
+}
+
+func (o *execOutput) wasDropped() bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.dropped
+}
+
+// settle makes the budget count n bytes, the encoded answer that now carries the output, instead of
+// the buffers, which are garbage from here. The answer exists already, so it is counted even past
+// the budget (by at most what encoding added to output that was within it).
+func (o *execOutput) settle(n int64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.freed {
+		return
+	}
+	if d := n - o.held; d > 0 {
+		o.budget.force(o.org, d)
+	} else {
+		o.budget.release(o.org, -d)
+	}
+	o.held = n
+}
+
+// free gives everything back to the budget, once.
+func (o *execOutput) free() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if !o.freed {
+		o.budget.release(o.org, o.held)
+		o.held, o.freed = 0, true
+	}
+}
+
+// budgetWriter buffers one of a command's outputs against its execOutput; what the budget cannot
+// hold is dropped (and said so). Its buffer's capacity is what is counted.
+type budgetWriter struct {
+	out *execOutput
+	buf []byte
+}
+
+func (w *budgetWriter) Write(p []byte) (int, error) {
+	need := len(w.buf) + len(p)
+	if need > cap(w.buf) {
+		// Grow as append would, but never past the exec's output cap, and only within budget.
+		size := max(need, 2*cap(w.buf), 4096)
+		if w.out.limit > 0 {
+			size = max(need, min(size, w.out.limit))
+		}
+		if !w.out.grow(int64(size - cap(w.buf))) {
+			return len(p), nil
+		}
+		grown := make([]byte, len(w.buf), size)
+		copy(grown, w.buf)
+		w.buf = grown
+	}
+	w.buf = append(w.buf, p...)
+	return len(p), nil
+}

@@ -1,0 +1,632 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/gorilla/websocket"
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/store"
+)
+
+// One dataplane connection after the upgrade: its reader, its writer and the byte queue between
+// requests and the writer, the lifetime of each request in flight, and what ends the connection.
+
+// dpConn is one dataplane connection: one reader goroutine (this one), one writer goroutine, and a
+// goroutine per request in flight.
+type dpConn struct {
+	s      *Server
+	org    string
+	actor  string
+	keyID  string             // owners
+	claims *delegation.Claims // delegates
+	scopes map[string]bool
+	rec    store.Record
+	inst   provider.Instance
+	files  *workspace.Workspace
+
+	conn   *websocket.Conn
+	out    chan outFrame
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	// lastRenew is when dataplane activity last renewed the lease (with --dataplane-renews-lease).
+	lastRenew time.Time
+
+	// heavy holds this connection's slots for operations with large answers (holdHeavy).
+	heavy chan struct{}
+	// queued counts the bytes waiting for this client (dpQueueBytes).
+	queued *quota
+
+	mu       sync.Mutex
+	inflight map[uint32]*request
+	closing  bool
+	closeMsg []byte // the close frame to send, set once
+	// drained, once set (the broker is shutting down), refuses new requests and is closed when
+	// no request is in flight any more (stopNew).
+	drained       chan struct{}
+	drainedClosed bool
+
+	// running counts request goroutines, which serve waits for: they may still emit events.
+	running sync.WaitGroup
+}
+
+// request is one request in flight.
+type request struct {
+	id     uint32
+	cancel context.CancelFunc
+	upload *workspace.Upload // set for uploads, fed by the reader
+	// hold is what the request holds of shared resources; its answer frame carries it.
+	hold hold
+	// exec is a non-streamed exec's output, counted against the broker-wide budget.
+	exec *execOutput
+}
+
+// outFrame is a frame for the writer. n is what it counts against the connection's queue bytes.
+// taken, when set, runs when the writer takes the frame, before writing it. release, when set, runs
+// after the frame is written, or when it is dropped because the connection is ending: what the
+// frame holds (a pooled buffer, a request's hold) is given back then, and in every case.
+type outFrame struct {
+	kind    int
+	data    []byte
+	n       int64
+	release func()
+	taken   func()
+}
+
+func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
+	c.conn = ws
+	c.out = make(chan outFrame, dpWriteQueue)
+	c.queued = newQuota(dpQueueBytes, 0)
+	c.inflight = map[uint32]*request{}
+	c.heavy = make(chan struct{}, dpHeavyPerConn)
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	log := c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
+	ws.SetReadLimit(dpMaxFrameBytes)
+	ws.SetReadDeadline(time.Now().Add(dpPongWait))
+	ws.SetPongHandler(func(string) error { return ws.SetReadDeadline(time.Now().Add(dpPongWait)) })
+
+	unregister := c.s.hub.add(c)
+	writerDone := make(chan struct{})
+	go func() { defer close(writerDone); c.writer() }()
+	go c.watch()
+
+	hello := protocol.Hello{Protocol: protocol.Subprotocol, SandboxID: c.rec.ID, Workspace: workspace.Root,
+		Scopes: c.scopeList(), Limits: protocol.Limits{MaxFrameBytes: dpMaxFrameBytes, MaxInflight: dpMaxInflight,
+			MaxChunkBytes: dpChunkBytes, MaxOutputBytes: protocol.ExecMaxStreamOutput}}
+	if c.claims != nil {
+		hello.AllowCmd = c.claims.Cmd
+		exp := c.claims.ExpiresAt.Time.UTC()
+		hello.ExpiresAt = &exp
+	}
+	c.send(protocol.Response{Type: "hello", Hello: &hello})
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventConnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
+	log.Info("dataplane connected", "jti", c.jti())
+
+	c.readLoop()
+
+	c.shutdown(websocket.CloseNormalClosure, "")
+	<-writerDone
+	ws.Close()
+	c.running.Wait()
+	// Frames queued after the writer left (a producer that raced the close) are given back here:
+	// nothing produces any more.
+	c.dropQueued()
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventDisconnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
+	log.Info("dataplane disconnected", "jti", c.jti())
+	unregister()
+	// The handler's release comes last: broker shutdown waits for it, then closes the event writer.
+}
+
+func (c *dpConn) jti() string {
+	if c.claims != nil {
+		return c.claims.ID
+	}
+	return ""
+}
+
+func (c *dpConn) scopeList() []string {
+	var out []string
+	for _, sc := range protocol.Scopes {
+		if c.scopes[sc] {
+			out = append(out, sc)
+		}
+	}
+	return out
+}
+
+// watch closes the connection when the credential expires or the sandbox's processes end (stop,
+// delete, a crash), and re-verifies the credential periodically.
+func (c *dpConn) watch() {
+	var expiry <-chan time.Time
+	if c.claims != nil {
+		t := time.NewTimer(c.claims.ExpiresAt.Time.Sub(c.s.now()))
+		defer t.Stop()
+		expiry = t.C
+	}
+	recheck := time.NewTicker(dpRecheckEvery)
+	defer recheck.Stop()
+	for {
+		select {
+		case <-c.ctx.Done():
+			return
+		case <-expiry:
+			c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenExpired)
+			return
+		case <-c.inst.Done():
+			c.shutdown(protocol.CloseSandboxGone, protocol.CodeNotRunning)
+			return
+		case <-recheck.C:
+			if code := c.recheck(); code != "" {
+				c.shutdown(protocol.CloseCredentialEnded, code)
+				return
+			}
+		}
+	}
+}
+
+// recheck re-verifies the credential against Redis; it answers the code that ends it, or "".
+func (c *dpConn) recheck() string {
+	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
+	defer cancel()
+	if c.claims != nil {
+		var pe *protocol.Error
+		if err := c.s.delegation.CheckRevocation(ctx, c.claims); errors.As(err, &pe) {
+			return pe.Code
+		}
+		return ""
+	}
+	if k, err := c.s.store.APIKeyByID(ctx, c.keyID); errors.Is(err, store.ErrNotFound) || (err == nil && !k.RevokedAt.IsZero()) {
+		return protocol.CodeUnauthenticated
+	}
+	return ""
+}
+
+// revoked is called by the hub for a revocation announced by any broker.
+func (c *dpConn) revoked(r delegation.Revocation) {
+	if c.claims == nil {
+		return
+	}
+	if (r.JTI != "" && r.JTI == c.claims.ID) || (r.Gen > 0 && c.claims.Gen < r.Gen) {
+		c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenRevoked)
+	}
+}
+
+// shutdown starts closing the connection once: requests in flight are cancelled and the writer sends
+// a close frame with code and reason, then stops.
+func (c *dpConn) shutdown(code int, reason string) {
+	c.mu.Lock()
+	if c.closing {
+		c.mu.Unlock()
+		return
+	}
+	c.closing = true
+	c.closeMsg = websocket.FormatCloseMessage(code, reason)
+	for _, r := range c.inflight {
+		r.cancel()
+		if r.upload != nil {
+			r.upload.Abort()
+		}
+	}
+	c.mu.Unlock()
+	c.cancel()
+	// Unblock the reader if the close came from elsewhere.
+	c.conn.SetReadDeadline(time.Now().Add(time.Second))
+}
+
+// writer is the one goroutine that writes to the socket. A peer that stops reading blocks it; the
+// write deadline then ends the connection, and everything waiting to send sees ctx done.
+func (c *dpConn) writer() {
+	ping := time.NewTicker(dpPingEvery)
+	defer ping.Stop()
+	// Whatever is still queued when the writer leaves is never written: give it back now.
+	defer c.dropQueued()
+	for {
+		select {
+		case f := <-c.out:
+			if f.taken != nil {
+				f.taken()
+			}
+			c.conn.SetWriteDeadline(time.Now().Add(dpWriteTimeout))
+			err := c.conn.WriteMessage(f.kind, f.data)
+			c.written(f)
+			if err != nil {
+				c.shutdown(websocket.CloseAbnormalClosure, "")
+				return
+			}
+		case <-ping.C:
+			c.conn.WriteControl(websocket.PingMessage, nil, time.Now().Add(dpWriteTimeout))
+		case <-c.ctx.Done():
+			c.mu.Lock()
+			msg := c.closeMsg
+			c.mu.Unlock()
+			c.conn.WriteControl(websocket.CloseMessage, msg, time.Now().Add(time.Second))
+			return
+		}
+	}
+}
+
+// charge counts n bytes against the connection's queue, waiting while it is full (backpressure
+// from a slow reader reaches the producer: an exec's pipe, a download's file reads, the
+// connection's reader). It fails when the connection is ending.
+func (c *dpConn) charge(n int64) bool {
+	if c.queued.acquire(c.ctx, "", n) != nil {
+		return false
+	}
+	if c.s.dpQueued.acquire(c.ctx, c.org, n) != nil {
+		c.queued.release("", n)
+		return false
+	}
+	return true
+}
+
+func (c *dpConn) uncharge(n int64) {
+	c.queued.release("", n)
+	c.s.dpQueued.release(c.org, n)
+}
+
+// enqueue hands a frame to the writer, counting its bytes against the connection's queue first.
+// Whatever happens to the frame, its release runs exactly once.
+func (c *dpConn) enqueue(f outFrame) bool {
+	f.n = int64(len(f.data))
+	if !c.charge(f.n) {
+		f.n = 0
+		c.dropped(f)
+		return false
+	}
+	return c.enqueueCharged(f)
+}
+
+// enqueueCharged is enqueue for a frame whose f.n bytes were charged already.
+func (c *dpConn) enqueueCharged(f outFrame) bool {
+	select {
+	case c.out <- f:
+		return true
+	case <-c.ctx.Done():
+		c.dropped(f)
+		return false
+	}
+}
+
+// written ends the life of a frame the writer wrote (or failed to write).
+func (c *dpConn) written(f outFrame) {
+	c.uncharge(f.n)
+	if f.release != nil {
+		f.release()
+	}
+}
+
+// dropped ends the life of a frame that will never be written.
+func (c *dpConn) dropped(f outFrame) {
+	if f.taken != nil {
+		f.taken()
+	}
+	c.written(f)
+}
+
+// dropQueued drops every frame left in the queue.
+func (c *dpConn) dropQueued() {
+	for {
+		select {
+		case f := <-c.out:
+			c.dropped(f)
+		default:
+			return
+		}
+	}
+}
+
+func (c *dpConn) send(r protocol.Response) {
+	c.enqueue(outFrame{kind: websocket.TextMessage, data: encode(r)})
+}
+
+func encode(r protocol.Response) []byte {
+	b, err := json.Marshal(r)
+	if err != nil {
+		b, _ = json.Marshal(protocol.Response{ID: r.ID, Error: protocol.Errorf(protocol.CodeInternal, "the result could not be encoded")})
+	}
+	return b
+}
+
+// answer queues the one answer to req. The request stays in flight until the writer takes its
+// answer, not until the answer is queued: a client may reuse the id (or the slot) the moment it
+// reads the answer, which can be before this goroutine runs again; and an answer waiting in the
+// queue must still count against max_inflight, or a client that does not read could queue them
+// unbounded. What the request holds is given back once its answer is written or dropped.
+func (c *dpConn) answer(id uint32, req *request, resp protocol.Response) {
+	b := encode(resp)
+	if req.exec != nil {
+		// The output is in b now; the budget counts b from here, and the buffers are let go.
+		req.exec.settle(int64(len(b)))
+	}
+	c.enqueue(outFrame{kind: websocket.TextMessage, data: b, taken: func() { c.forget(id, req) }, release: req.hold.release})
+}
+
+func (c *dpConn) fail(id uint32, err error) { c.send(c.errorResponse(id, err)) }
+
+// errorResponse is the answer that ends request id with err: apiError's mapping, the one REST
+// answers use, except that a cancelled request says which one it was.
+func (c *dpConn) errorResponse(id uint32, err error) protocol.Response {
+	var pe *protocol.Error
+	if !errors.As(err, &pe) && errors.Is(err, context.Canceled) {
+		return protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeCancelled, "request %d was cancelled", id)}
+	}
+	status, pe := apiError(err)
+	if status >= 500 {
+		c.s.log.Error("dataplane request failed", "sandbox_id", c.rec.ID, "id", id, "code", pe.Code, "err", err)
+		if pe.Code == protocol.CodeInternal {
+			// A dataplane answer carries no HTTP request id: name the request instead.
+			pe.Message = fmt.Sprintf("internal error on request %d; the broker logged it", id)
+		}
+	}
+	return protocol.Response{ID: id, Error: pe}
+}
+
+// wireRequest is a client text frame with its args still raw.
+type wireRequest struct {
+	ID   *uint32         `json:"id"`
+	Op   string          `json:"op"`
+	Args json.RawMessage `json:"args"`
+}
+
+func (c *dpConn) readLoop() {
+	var text bytes.Buffer
+	chunk := make([]byte, dpChunkBytes)
+	header := make([]byte, protocol.FrameHeaderLen)
+	for {
+		mt, r, err := c.conn.NextReader()
+		if err != nil {
+			if errors.Is(err, websocket.ErrReadLimit) {
+				c.shutdown(websocket.CloseMessageTooBig, "frame over max_frame_bytes")
+			}
+			return
+		}
+		if mt == websocket.BinaryMessage {
+			if _, err := io.ReadFull(r, header); err != nil {
+				c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "%v", protocol.ErrShortFrame)})
+				continue
+			}
+			c.binary(header[0], uint32(header[1])<<24|uint32(header[2])<<16|uint32(header[3])<<8|uint32(header[4]), r, chunk)
+			continue
+		}
+		text.Reset()
+		if _, err := text.ReadFrom(r); err != nil {
+			return
+		}
+		// RFC 6455 text frames are UTF-8; decoding would silently turn invalid bytes (in a path, say)
+		// into U+FFFD, so refuse them instead.
+		if !utf8.Valid(text.Bytes()) {
+			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "text frames must be valid UTF-8")})
+			continue
+		}
+		// The canonical form is split without decoding; its args are decoded once, strictly, by the
+		// operation. Any other form goes through the full decoder.
+		id, op, args, ok := protocol.SplitRequest(text.Bytes())
+		args = bytes.Clone(args) // text is reused for the next frame; the request outlives it
+		if !ok {
+			var req wireRequest
+			if err := decodeStrict(text.Bytes(), &req); err != nil || req.ID == nil || req.Op == "" {
+				c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "a request is a JSON object {\"id\": <uint32>, \"op\": <string>, \"args\": {...}} and nothing else")})
+				continue
+			}
+			id, op, args = *req.ID, req.Op, req.Args
+		}
+		if id == 0 && op != protocol.OpCancel { // a cancel is never answered, whatever its id
+			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id 0 is reserved for errors not tied to a request; use 1 or more")})
+			continue
+		}
+		c.dispatch(id, op, args)
+	}
+}
+
+// binary routes a binary frame: only upload data and upload end go client -> server.
+func (c *dpConn) binary(kind byte, id uint32, payload io.Reader, chunk []byte) {
+	c.mu.Lock()
+	req := c.inflight[id]
+	c.mu.Unlock()
+	if req == nil || req.upload == nil || (kind != protocol.FrameData && kind != protocol.FrameEnd) {
+		io.Copy(io.Discard, payload)
+		// Answered with id 0: request id may be in flight, and its one answer is still to come.
+		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "binary frame of kind %d for request %d, which is not an upload in progress", kind, id)})
+		return
+	}
+	if kind == protocol.FrameData {
+		for {
+			n, err := io.ReadFull(payload, chunk)
+			if n > 0 {
+				if _, werr := req.upload.Write(chunk[:n]); werr != nil {
+					c.finish(id)
+					req.upload.Abort()
+					c.fail(id, werr)
+					return
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}
+	c.finish(id)
+	res, err := req.upload.Commit()
+	if err != nil {
+		c.fail(id, err)
+		return
+	}
+	c.emitPath(protocol.EventFileWritten, res.Path)
+	c.send(protocol.Response{ID: id, Result: res})
+}
+
+// finish forgets an upload in flight (it holds no shared resources beyond its file).
+func (c *dpConn) finish(id uint32) {
+	c.mu.Lock()
+	if r := c.inflight[id]; r != nil {
+		r.cancel()
+		delete(c.inflight, id)
+		c.checkDrained()
+	}
+	c.mu.Unlock()
+}
+
+// stopNew makes the connection refuse new requests (the broker is shutting down) and returns a
+// channel that is closed once no request is in flight.
+func (c *dpConn) stopNew() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.drained == nil {
+		c.drained = make(chan struct{})
+		c.checkDrained()
+	}
+	return c.drained
+}
+
+// checkDrained closes drained when the last request in flight is gone. c.mu is held.
+func (c *dpConn) checkDrained() {
+	if c.drained != nil && !c.drainedClosed && len(c.inflight) == 0 {
+		close(c.drained)
+		c.drainedClosed = true
+	}
+}
+
+// forget is finish for request req only: by the time it runs, its id may name a newer request.
+func (c *dpConn) forget(id uint32, req *request) {
+	req.cancel()
+	c.mu.Lock()
+	if c.inflight[id] == req {
+		delete(c.inflight, id)
+		c.checkDrained()
+	}
+	c.mu.Unlock()
+}
+
+// cancelRequest cancels request id if it is in flight (the cancel op, never answered); an upload
+// ends at once, answered cancelled, since no end frame will come to end it.
+func (c *dpConn) cancelRequest(id uint32) {
+	c.mu.Lock()
+	r := c.inflight[id]
+	c.mu.Unlock()
+	if r == nil {
+		return
+	}
+	r.cancel()
+	if r.upload != nil {
+		c.finish(id)
+		r.upload.Abort()
+		c.fail(id, context.Canceled)
+	}
+}
+
+// emitPath emits a file event (file_written, file_deleted) for path, naming the connection's actor.
+func (c *dpConn) emitPath(typ, path string) {
+	c.s.events.Emit(c.org, protocol.Event{Type: typ, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti(), Path: path})
+}
+
+// dispatch starts request id: the op table says whether the credential may run it and how it runs.
+func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
+	o, known := dpOps[op]
+	if !known {
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnknownOp, "unknown operation %q", clipHeader(op))})
+		return
+	}
+	if o.class == opInline {
+		o.inline(c, id)
+		return
+	}
+	if o.scope != "" && !c.scopes[o.scope] {
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeScopeDenied, "%s needs the %s scope, which this credential does not have", op, o.scope)})
+		return
+	}
+	ctx, cancel := context.WithCancel(c.ctx)
+	req := &request{id: id, cancel: cancel}
+	c.mu.Lock()
+	switch {
+	case c.closing:
+		c.mu.Unlock()
+		cancel()
+		return
+	case c.drained != nil:
+		c.mu.Unlock()
+		cancel()
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: request %d was not started; reconnect (the sandbox's broker will be back) and send it again", id)})
+		return
+	case c.inflight[id] != nil:
+		c.mu.Unlock()
+		cancel()
+		// Answered with id 0: the request already in flight under this id gets its own answer.
+		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id %d is already in flight; this request was ignored", id)})
+		return
+	case len(c.inflight) >= dpMaxInflight:
+		c.mu.Unlock()
+		cancel()
+		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeTooManyRequests, "%d requests are in flight on this connection, the most allowed: wait for answers", dpMaxInflight)})
+		return
+	}
+	c.inflight[id] = req
+	renew := c.s.dpRenews && time.Since(c.lastRenew) > c.rec.TTL/10
+	if renew {
+		c.lastRenew = time.Now()
+	}
+	c.mu.Unlock()
+	if renew {
+		go c.s.sandboxes.Heartbeat(context.WithoutCancel(ctx), c.org, c.rec.ID)
+	}
+
+	if o.class == opUpload {
+		if _, err := o.run(ctx, c, req, args); err != nil {
+			c.finish(id)
+			c.fail(id, err)
+		}
+		return
+	}
+	c.running.Add(1)
+	go func() {
+		defer c.running.Done()
+		res, err := c.run(ctx, req, o, args)
+		resp := protocol.Response{ID: id, Result: res}
+		if err != nil {
+			if ctx.Err() != nil && c.ctx.Err() == nil {
+				err = context.Canceled
+			}
+			resp = c.errorResponse(id, err)
+		}
+		c.answer(id, req, resp)
+	}()
+}
+
+// decodeArgs reads an op's arguments strictly: one JSON object of known fields, nothing after it.
+func decodeArgs(raw json.RawMessage, v any) error {
+	if len(raw) == 0 || string(raw) == "null" {
+		raw = []byte("{}")
+	}
+	if protocol.DecodeFlat(raw, v) { // the hot ops' canonical args, without encoding/json
+		return nil
+	}
+	if err := decodeStrict(raw, v); err != nil {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "invalid args: %s", jsonProblem(err))
+	}
+	return nil
+}
+
+// decodeStrict decodes exactly one JSON value with no unknown fields and nothing but space after it.
+func decodeStrict(b []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if len(bytes.TrimSpace(b[dec.InputOffset():])) != 0 {
+		return errTrailingData
+	}
+	return nil
+}
+
+var errTrailingData = errors.New("data after the JSON value")

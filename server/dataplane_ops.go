@@ -1,0 +1,93 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// dpOps is the one table of dataplane operations (docs/dataplane.md): for each op, the scope a
+// credential needs, the resources it holds, its arguments and its handler. Dispatch reads nothing
+// else, so adding an operation is one entry here and its handler beside its family's
+// (dataplane_files.go, dataplane_exec.go).
+var dpOps = map[string]dpOp{
+	protocol.OpPing:   {class: opInline, inline: func(c *dpConn, id uint32) { c.send(protocol.Response{ID: id, Result: struct{}{}}) }},
+	protocol.OpCancel: {class: opInline, inline: (*dpConn).cancelRequest},
+
+	protocol.OpEnv:      op(protocol.ScopeFSRead, opLight, opEnv),
+	protocol.OpStat:     op(protocol.ScopeFSRead, opLight, opStat),
+	protocol.OpLs:       op(protocol.ScopeFSRead, opHeavy, opLs),
+	protocol.OpRead:     op(protocol.ScopeFSRead, opHeavy, opRead),
+	protocol.OpGlob:     op(protocol.ScopeFSRead, opHeavy, opGlob),
+	protocol.OpGrep:     op(protocol.ScopeFSRead, opHeavy, opGrep),
+	protocol.OpDownload: op(protocol.ScopeFSRead, opStreamed, opDownload),
+
+	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite),
+	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit),
+	protocol.OpDelete: op(protocol.ScopeFSWrite, opLight, opDelete),
+	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir),
+	protocol.OpMove:   op(protocol.ScopeFSWrite, opLight, opMove),
+	protocol.OpUpload: op(protocol.ScopeFSWrite, opUpload, opUploadOpen),
+
+	protocol.OpExec: op(protocol.ScopeExec, opLight, opExec),
+}
+
+// dpOp is one dataplane operation.
+type dpOp struct {
+	// scope is what the credential must hold; "" lets any credential do it.
+	scope string
+	class opClass
+	// run decodes the op's arguments (strictly, into the handler's argument type) and performs it.
+	run func(ctx context.Context, c *dpConn, r *request, raw json.RawMessage) (any, error)
+	// inline answers an opInline op on the reader's goroutine; its arguments are not read.
+	inline func(c *dpConn, id uint32)
+}
+
+// opClass says where an operation runs and what it holds of the shared resources until its answer
+// is written to the client (docs/operations.md, dataplane limits).
+type opClass int
+
+const (
+	// opInline is answered by the reader at once: never in flight, holding nothing (ping, cancel).
+	opInline opClass = iota
+	// opLight runs in its own goroutine and holds only its place among the requests in flight (an
+	// exec's output is counted against the exec output budget by the exec itself).
+	opLight
+	// opHeavy can answer a lot at once: it holds a heavy slot of the connection (dpHeavyPerConn) and
+	// one broker-wide within its org's share (dpHeavyPerBroker, dpHeavyPerOrg).
+	opHeavy
+	// opStreamed streams its answer in chunks bounded by the connection's write queue and lasts as
+	// long as its reader is slow: it holds a heavy slot of the connection only, since broker-wide
+	// slots held by slow readers would stall every other connection's reads.
+	opStreamed
+	// opUpload is opened on the reader's goroutine, so that the binary frames that follow find it,
+	// and stays in flight until its end frame (dataplane.go's binary).
+	opUpload
+)
+
+// op makes a table entry from a handler taking the op's typed arguments.
+func op[A any](scope string, class opClass, handle func(ctx context.Context, c *dpConn, r *request, a A) (any, error)) dpOp {
+	return dpOp{scope: scope, class: class, run: func(ctx context.Context, c *dpConn, r *request, raw json.RawMessage) (any, error) {
+		var a A
+		if err := decodeArgs(raw, &a); err != nil {
+			return nil, err
+		}
+		return handle(ctx, c, r, a)
+	}}
+}
+
+// run performs one operation in the request's goroutine, holding what its class holds.
+func (c *dpConn) run(ctx context.Context, r *request, o dpOp, raw json.RawMessage) (any, error) {
+	switch o.class {
+	case opHeavy:
+		if err := c.holdHeavy(ctx, r, true); err != nil {
+			return nil, err
+		}
+	case opStreamed:
+		if err := c.holdHeavy(ctx, r, false); err != nil {
+			return nil, err
+		}
+	}
+	return o.run(ctx, c, r, raw)
+}

@@ -1,0 +1,65 @@
+package server
+
+import (
+	"maps"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// The op table and the normative spec say the same thing: each scope's paragraph in
+// docs/dataplane.md lists exactly the ops the table gives that scope, and ping needs none. (Over the
+// wire, TestDataplaneScopes runs every op under every scope.)
+func TestOpTableMatchesSpec(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../docs/dataplane.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	para := regexp.MustCompile(`(?s)\nScopes: (.*?)\n\n`).FindSubmatch(doc)
+	if para == nil {
+		t.Fatal("docs/dataplane.md has no \"Scopes:\" paragraph")
+	}
+	text := strings.Join(strings.Fields(string(para[1])), " ")
+	spec := map[string][]string{}
+	for _, m := range regexp.MustCompile("`([a-z:]+)` covers ([a-z, ]+)[;.]").FindAllStringSubmatch(text, -1) {
+		for _, op := range strings.Split(m[2], ",") {
+			spec[m[1]] = append(spec[m[1]], strings.TrimSpace(op))
+		}
+	}
+	if !strings.Contains(text, "`ping` needs none") {
+		t.Errorf("the spec no longer says ping needs no scope: %q", text)
+	}
+	table := map[string][]string{}
+	for op, o := range dpOps {
+		if o.class == opInline {
+			if o.scope != "" || o.inline == nil || o.run != nil {
+				t.Errorf("%s: an inline op needs no scope and has only an inline handler", op)
+			}
+			continue
+		}
+		if o.run == nil || o.inline != nil {
+			t.Errorf("%s: a table entry other than inline has only a run handler", op)
+		}
+		table[o.scope] = append(table[o.scope], op)
+	}
+	for _, scope := range protocol.Scopes {
+		slices.Sort(spec[scope])
+		slices.Sort(table[scope])
+		if !slices.Equal(spec[scope], table[scope]) {
+			t.Errorf("scope %s: docs/dataplane.md lists %v, the op table %v", scope, spec[scope], table[scope])
+		}
+	}
+	if got := slices.Sorted(maps.Keys(table)); !slices.Equal(got, slices.Sorted(slices.Values(protocol.Scopes))) {
+		t.Errorf("the op table uses scopes %v; protocol defines %v", got, protocol.Scopes)
+	}
+	for _, op := range []string{protocol.OpPing, protocol.OpCancel} {
+		if dpOps[op].class != opInline {
+			t.Errorf("%s must be answered by the reader (opInline)", op)
+		}
+	}
+}

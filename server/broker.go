@@ -16,19 +16,17 @@ import (
 	"github.com/sbxbroker/broker/heartbeat"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
-	"github.com/sbxbroker/broker/sandbox/provider"
-	"github.com/sbxbroker/broker/sandbox/workspace"
 	"github.com/sbxbroker/broker/store"
 )
 
 // BrokerConfig is what a broker is made of, given its storage and its sandbox provider.
 type BrokerConfig struct {
 	Store     *store.Store
-	Provider  provider.Provider
-	Templates map[string]provider.Template
+	Provider  sandbox.Provider
+	Templates map[string]sandbox.Template
 	// ProviderReport is what preflight found: /readyz and /metrics report the provider, its
 	// isolation, whether limits are enforced, a fallback and the warning (zero: only the name).
-	ProviderReport provider.Report
+	ProviderReport sandbox.ProviderReport
 	// Node names this broker; AdvertiseURL is how clients reach it (dataplane URLs are built from it).
 	Node         string
 	AdvertiseURL string
@@ -120,7 +118,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Sandboxes, err = sandbox.NewManager(sandbox.Config{
 		Store: cfg.Store, Provider: cfg.Provider, Templates: cfg.Templates, Node: cfg.Node, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, DefaultTTL: cfg.DefaultTTL, MaxTTL: cfg.MaxTTL,
-		IndexDir: filepath.Join(cfg.DataDir, "hosted"), Workspace: workspace.Options{UID: cfg.WorkspaceUID, GID: cfg.WorkspaceUID},
+		IndexDir: filepath.Join(cfg.DataDir, "hosted"), Workspace: sandbox.WorkspaceOptions{UID: cfg.WorkspaceUID, GID: cfg.WorkspaceUID},
 		UIDs: cfg.SandboxUIDs,
 	})
 	if err != nil {

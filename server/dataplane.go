@@ -146,12 +146,10 @@ func (s *Server) dataplane(c echo.Context) error {
 	if rec.Status != protocol.StatusRunning {
 		return protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: its owner must resume it", rec.Name, rec.Status)
 	}
-	if conn.inst, err = s.sandboxes.Instance(rec); err != nil {
+	if conn.rt, err = s.sandboxes.Runtime(rec); err != nil {
 		return err
 	}
-	if conn.files, err = s.sandboxes.Workspace(rec); err != nil {
-		return err
-	}
+	conn.files = conn.rt.Files
 	conn.rec = rec
 	ws, err := s.upgrade(c)
 	if err != nil {

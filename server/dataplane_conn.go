@@ -14,8 +14,7 @@ import (
 	"github.com/gorilla/websocket"
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/sandbox/provider"
-	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -32,8 +31,8 @@ type dpConn struct {
 	claims *delegation.Claims // delegates
 	scopes map[string]bool
 	rec    store.Record
-	inst   provider.Instance
-	files  *workspace.Workspace
+	rt     *sandbox.Runtime
+	files  sandbox.Files
 
 	conn   *websocket.Conn
 	out    chan outFrame
@@ -65,7 +64,7 @@ type dpConn struct {
 type request struct {
 	id     uint32
 	cancel context.CancelFunc
-	upload *workspace.Upload // set for uploads, fed by the reader
+	upload sandbox.Upload // set for uploads, fed by the reader
 	// hold is what the request holds of shared resources; its answer frame carries it.
 	hold hold
 	// exec is a non-streamed exec's output, counted against the broker-wide budget.
@@ -101,7 +100,7 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	go func() { defer close(writerDone); c.writer() }()
 	go c.watch()
 
-	hello := protocol.Hello{Protocol: protocol.Subprotocol, SandboxID: c.rec.ID, Workspace: workspace.Root,
+	hello := protocol.Hello{Protocol: protocol.Subprotocol, SandboxID: c.rec.ID, Workspace: sandbox.WorkspaceRoot,
 		Scopes: c.scopeList(), Limits: protocol.Limits{MaxFrameBytes: dpMaxFrameBytes, MaxInflight: dpMaxInflight,
 			MaxChunkBytes: dpChunkBytes, MaxOutputBytes: protocol.ExecMaxStreamOutput}}
 	if c.claims != nil {
@@ -163,7 +162,7 @@ func (c *dpConn) watch() {
 		case <-expiry:
 			c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenExpired)
 			return
-		case <-c.inst.Done():
+		case <-c.rt.Done():
 			c.shutdown(protocol.CloseSandboxGone, protocol.CodeNotRunning)
 			return
 		case <-recheck.C:

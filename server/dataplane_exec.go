@@ -9,8 +9,7 @@ import (
 	"github.com/gorilla/websocket"
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/sandbox/provider"
-	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/sandbox"
 )
 
 // The exec operation's handler (dpOps) and the writers its output goes through: streamed in frames
@@ -27,15 +26,10 @@ func opExec(ctx context.Context, c *dpConn, r *request, a protocol.ExecArgs) (an
 	if err := protocol.ValidateExec(a); err != nil {
 		return nil, err
 	}
-	if a.Cwd != "" {
-		if _, err := workspace.Resolve(a.Cwd); err != nil {
-			return nil, err
-		}
-	}
 	if a.MaxOutput == 0 {
 		a.MaxOutput = protocol.ExecDefaultOutput
 	}
-	req := provider.ExecRequest{Command: a.Command, Argv: a.Argv, Cwd: a.Cwd, Env: a.Env,
+	req := sandbox.ExecRequest{Command: a.Command, Argv: a.Argv, Cwd: a.Cwd, Env: a.Env,
 		Timeout: time.Duration(a.TimeoutMS) * time.Millisecond, MaxOutput: a.MaxOutput, Background: a.Background}
 	if a.Stdin != "" {
 		req.Stdin = strings.NewReader(a.Stdin)
@@ -60,7 +54,7 @@ func opExec(ctx context.Context, c *dpConn, r *request, a protocol.ExecArgs) (an
 			req.Stderr = stderr
 		}
 	}
-	res, err := c.inst.Exec(ctx, req)
+	res, err := c.rt.Exec(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -87,7 +81,7 @@ func opExec(ctx context.Context, c *dpConn, r *request, a protocol.ExecArgs) (an
 	exit, dur := res.ExitCode, res.Duration.Milliseconds()
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventExec, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor,
 		JTI: c.jti(), Command: strings.ToValidUTF8(cmd, "?"), ExitCode: &exit, DurationMS: &dur, Reason: res.Reason})
-	if res.Reason == provider.ReasonCancelled {
+	if res.Reason == sandbox.ReasonCancelled {
 		return nil, context.Canceled
 	}
 	return result, nil

@@ -8,14 +8,14 @@ import (
 	"github.com/gorilla/websocket"
 
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/sandbox/workspace"
+	"github.com/sbxbroker/broker/sandbox"
 )
 
 // The file operations' handlers (dpOps). They run on the sandbox's workspace through its
 // traversal-safe API; those that change files emit the owner's events.
 
 func opEnv(_ context.Context, c *dpConn, _ *request, _ struct{}) (any, error) {
-	return protocol.EnvResult{Env: c.inst.Environment()}, nil
+	return protocol.EnvResult{Env: c.rt.Environment()}, nil
 }
 
 func opStat(_ context.Context, c *dpConn, _ *request, a protocol.StatArgs) (any, error) {
@@ -62,7 +62,7 @@ func opDelete(_ context.Context, c *dpConn, _ *request, a protocol.DeleteArgs) (
 	if err := c.files.Delete(a); err != nil {
 		return nil, err
 	}
-	p := sandboxPath(a.Path)
+	p := sandbox.CleanPath(a.Path)
 	c.emitPath(protocol.EventFileDeleted, p)
 	return protocol.PathResult{Path: p}, nil
 }
@@ -71,16 +71,16 @@ func opMkdir(_ context.Context, c *dpConn, _ *request, a protocol.MkdirArgs) (an
 	if err := c.files.Mkdir(a); err != nil {
 		return nil, err
 	}
-	return protocol.PathResult{Path: sandboxPath(a.Path)}, nil
+	return protocol.PathResult{Path: sandbox.CleanPath(a.Path)}, nil
 }
 
 func opMove(_ context.Context, c *dpConn, _ *request, a protocol.MoveArgs) (any, error) {
 	if err := c.files.Move(a); err != nil {
 		return nil, err
 	}
-	c.emitPath(protocol.EventFileDeleted, sandboxPath(a.From))
-	c.emitPath(protocol.EventFileWritten, sandboxPath(a.To))
-	return protocol.PathResult{Path: sandboxPath(a.To)}, nil
+	c.emitPath(protocol.EventFileDeleted, sandbox.CleanPath(a.From))
+	c.emitPath(protocol.EventFileWritten, sandbox.CleanPath(a.To))
+	return protocol.PathResult{Path: sandbox.CleanPath(a.To)}, nil
 }
 
 // opUploadOpen creates the upload's file on the reader's goroutine; the binary frames that follow
@@ -99,15 +99,6 @@ func opUploadOpen(_ context.Context, c *dpConn, r *request, a protocol.UploadArg
 		up.Abort()
 	}
 	return nil, nil
-}
-
-// sandboxPath names a path the way results do (/workspace/...), for events.
-func sandboxPath(p string) string {
-	rel, err := workspace.Resolve(p)
-	if err != nil || rel == "." {
-		return workspace.Root
-	}
-	return workspace.Root + "/" + rel
 }
 
 // chunkPool holds download buffers: a frame header followed by one chunk.

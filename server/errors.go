@@ -9,7 +9,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -41,7 +40,6 @@ var statusOf = map[string]int{
 func apiError(err error) (int, *protocol.Error) {
 	var pe *protocol.Error
 	var he *echo.HTTPError
-	var ire *provider.InvalidRequestError
 	switch {
 	case errors.As(err, &pe):
 		status := statusOf[pe.Code]
@@ -49,10 +47,6 @@ func apiError(err error) (int, *protocol.Error) {
 			status = http.StatusBadRequest
 		}
 		return status, &protocol.Error{Code: pe.Code, Message: pe.Message}
-	case errors.As(err, &ire):
-		return 400, protocol.Errorf(protocol.CodeInvalidArgument, "%s", ire.Reason)
-	case errors.Is(err, provider.ErrStopped):
-		return 409, protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped")
 	case errors.As(err, &he):
 		switch he.Code {
 		case http.StatusNotFound:

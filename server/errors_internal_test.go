@@ -15,7 +15,7 @@ import (
 )
 
 // REST answers and dataplane answers map errors through one table: the same cause gets the same code
-// on both, and a provider's reason reaches the caller without its prefix.
+// on both. (A provider's errors reach the server already translated: sandbox's TestExecErrors.)
 func TestErrorMappingIsShared(t *testing.T) {
 	t.Parallel()
 	c := &dpConn{s: &Server{log: slog.New(slog.NewTextHandler(io.Discard, nil))}}
@@ -25,9 +25,6 @@ func TestErrorMappingIsShared(t *testing.T) {
 		code    string
 		message string // "" = not checked
 	}{
-		{"invalid exec request", fmt.Errorf("exec: %w", &provider.InvalidRequestError{Reason: "cwd /workspace/nope does not exist"}),
-			protocol.CodeInvalidArgument, "cwd /workspace/nope does not exist"},
-		{"sandbox stopped", fmt.Errorf("exec: %w", provider.ErrStopped), protocol.CodeNotRunning, ""},
 		{"deadline", fmt.Errorf("store: get: %w", context.DeadlineExceeded), protocol.CodeUnavailable, ""},
 		{"redis closed", fmt.Errorf("store: get: %w", redis.ErrClosed), protocol.CodeUnavailable, ""},
 		{"protocol error", protocol.Errorf(protocol.CodeNotFound, "no such file"), protocol.CodeNotFound, "no such file"},

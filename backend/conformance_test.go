@@ -167,6 +167,8 @@ func suite(t *testing.T, b backend.Backend) []entry {
 	ex("exec not found", protocol.ExecArgs{Command: "no-such-program-here", Combined: true})
 	ex("exec timeout", protocol.ExecArgs{Command: "sleep 10", TimeoutMS: 300, Combined: true})
 	ex("exec truncated", protocol.ExecArgs{Command: "yes | head -c 100000", MaxOutput: 10, Combined: true})
+	ex("exec truncated on stderr", protocol.ExecArgs{Command: "head -c 5000 /dev/zero | tr '\\0' e >&2", MaxOutput: 10})
+	ex("exec invalid utf-8", protocol.ExecArgs{Command: `printf 'a\377b\n'; printf 'c\376d' >&2`})
 	// The broker holds a non-streamed answer in memory: past 8 MiB it must be streamed, locally too.
 	ex("exec max_output over the answer limit", protocol.ExecArgs{Command: "true", MaxOutput: protocol.ExecMaxAnswerOutput + 1})
 	ex("exec max_output over the stream limit", protocol.ExecArgs{Command: "true", MaxOutput: protocol.ExecMaxStreamOutput + 1, Stream: true})

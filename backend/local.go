@@ -12,7 +12,6 @@ import (
 	"sync"
 	"syscall"
 	"time"
-	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -170,14 +169,7 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 		return protocol.ExecResult{Pid: cmd.Process.Pid}, nil
 	}
 
-	timeout := protocol.ExecDefaultTimeout
-	if a.TimeoutMS > 0 {
-		timeout = min(time.Duration(a.TimeoutMS)*time.Millisecond, protocol.ExecMaxTimeout)
-	}
-	limit := a.MaxOutput
-	if limit == 0 {
-		limit = protocol.ExecDefaultOutput
-	}
+	timeout := a.Timeout(protocol.ExecDefaultTimeout, protocol.ExecMaxTimeout)
 	var stdout, stderr bytes.Buffer
 	outW, errW := r.Stdout, r.Stderr
 	if outW == nil {
@@ -188,7 +180,7 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 	} else if a.Combined {
 		errW = nil
 	}
-	capped := &capped{left: limit}
+	capped := protocol.NewExecOutputLimit(a.OutputCap())
 	outR, outPW, err := os.Pipe()
 	if err != nil {
 		return protocol.ExecResult{}, err
@@ -229,8 +221,8 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 		reasonMu.Unlock()
 		syscall.Kill(-pgid, syscall.SIGKILL)
 	}
-	timer := time.AfterFunc(timeout, func() { kill(protocol.CodeTimeout) })
-	stop := context.AfterFunc(ctx, func() { kill(protocol.CodeCancelled) })
+	timer := time.AfterFunc(timeout, func() { kill(protocol.ExecReasonTimeout) })
+	stop := context.AfterFunc(ctx, func() { kill(protocol.ExecReasonCancelled) })
 
 	exited := make(chan struct{})
 	var wg sync.WaitGroup
@@ -241,7 +233,7 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 		for {
 			n, err := f.Read(buf)
 			if n > 0 {
-				capped.write(w, buf[:n])
+				capped.Deliver(w, buf[:n])
 			}
 			if err != nil {
 				return
@@ -269,7 +261,7 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 	timer.Stop()
 	stop()
 
-	res := protocol.ExecResult{DurationMS: time.Since(start).Milliseconds(), Truncated: capped.truncated}
+	res := protocol.ExecResult{DurationMS: time.Since(start).Milliseconds(), Truncated: capped.Truncated()}
 	var ee *exec.ExitError
 	if errors.As(waitErr, &ee) {
 		ws := ee.Sys().(syscall.WaitStatus)
@@ -283,15 +275,11 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 	reasonMu.Lock()
 	res.Reason = reason
 	reasonMu.Unlock()
-	if res.Reason == protocol.CodeCancelled {
+	if res.Cancelled() {
 		return protocol.ExecResult{}, protocol.Errorf(protocol.CodeCancelled, "the command was cancelled")
 	}
 	if r.Stdout == nil {
-		if a.Combined {
-			res.Output = utf8String(stdout.Bytes())
-		} else {
-			res.Stdout, res.Stderr = utf8String(stdout.Bytes()), utf8String(stderr.Bytes())
-		}
+		res.SetOutput(a, stdout.Bytes(), stderr.Bytes())
 	}
 	return res, nil
 }
@@ -301,32 +289,4 @@ func startError(prog string, err error) error {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "%s: command not found", prog)
 	}
 	return protocol.Errorf(protocol.CodeInvalidArgument, "%s: cannot run: %v", prog, errors.Unwrap(err))
-}
-
-// capped delivers at most left bytes across writers, then drops the rest and remembers it did.
-type capped struct {
-	mu        sync.Mutex
-	left      int64
-	truncated bool
-}
-
-func (c *capped) write(w io.Writer, p []byte) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if int64(len(p)) > c.left {
-		p = p[:c.left]
-		c.truncated = true
-	}
-	c.left -= int64(len(p))
-	if len(p) > 0 {
-		w.Write(p)
-	}
-}
-
-func utf8String(b []byte) *string {
-	s := string(b)
-	if !utf8.ValidString(s) {
-		s = strings.ToValidUTF8(s, "\uFFFD")
-	}
-	return &s
 }

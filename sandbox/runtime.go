@@ -60,9 +60,6 @@ type ExecRequest = provider.ExecRequest
 // ExecResult is how a command ended.
 type ExecResult = provider.ExecResult
 
-// ReasonCancelled is the ExecResult.Reason of a command ended because its context was cancelled.
-const ReasonCancelled = provider.ReasonCancelled
-
 // WorkspaceRoot is the sandbox path of the workspace: the root of every file path and exec's
 // default cwd.
 const WorkspaceRoot = workspace.Root

@@ -4,7 +4,6 @@ import (
 	"context"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/gorilla/websocket"
 	"github.com/sbxbroker/broker/delegation"
@@ -26,9 +25,7 @@ func opExec(ctx context.Context, c *dpConn, r *request, a protocol.ExecArgs) (an
 	if err := protocol.ValidateExec(a); err != nil {
 		return nil, err
 	}
-	if a.MaxOutput == 0 {
-		a.MaxOutput = protocol.ExecDefaultOutput
-	}
+	a.MaxOutput = a.OutputCap()
 	req := sandbox.ExecRequest{Command: a.Command, Argv: a.Argv, Cwd: a.Cwd, Env: a.Env,
 		Timeout: time.Duration(a.TimeoutMS) * time.Millisecond, MaxOutput: a.MaxOutput, Background: a.Background}
 	if a.Stdin != "" {
@@ -64,11 +61,7 @@ func opExec(ctx context.Context, c *dpConn, r *request, a protocol.ExecArgs) (an
 		result.Pid = res.Pid
 	}
 	if !a.Stream && !a.Background {
-		if a.Combined {
-			result.Output = utf8String(stdout.buf)
-		} else {
-			result.Stdout, result.Stderr = utf8String(stdout.buf), utf8String(stderr.buf)
-		}
+		result.SetOutput(a, stdout.buf, stderr.buf)
 	}
 	cmd := a.Command
 	if cmd == "" {
@@ -81,18 +74,10 @@ func opExec(ctx context.Context, c *dpConn, r *request, a protocol.ExecArgs) (an
 	exit, dur := res.ExitCode, res.Duration.Milliseconds()
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventExec, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor,
 		JTI: c.jti(), Command: strings.ToValidUTF8(cmd, "?"), ExitCode: &exit, DurationMS: &dur, Reason: res.Reason})
-	if res.Reason == sandbox.ReasonCancelled {
+	if result.Cancelled() {
 		return nil, context.Canceled
 	}
 	return result, nil
-}
-
-func utf8String(b []byte) *string {
-	s := string(b)
-	if !utf8.ValidString(s) {
-		s = strings.ToValidUTF8(s, "\uFFFD")
-	}
-	return &s
 }
 
 // streamWriter sends exec output as binary frames as it comes.

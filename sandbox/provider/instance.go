@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/sbxbroker/broker/protocol"
 	"golang.org/x/sys/unix"
 )
 
@@ -664,7 +665,7 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	timer := time.AfterFunc(timeout, func() { in.killCall(c, ReasonTimeout) })
 	stopCancel := context.AfterFunc(ctx, func() { in.killCall(c, ReasonCancelled) })
 
-	o := &outputs{max: req.MaxOutput}
+	o := protocol.NewExecOutputLimit(req.MaxOutput)
 	switch {
 	case outR != nil && errR != nil:
 		errDone := make(chan struct{})
@@ -698,7 +699,7 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	if cerr != nil {
 		return ExecResult{}, cerr
 	}
-	res := ExecResult{Pid: rep.Pid, ExitCode: rep.Code, Truncated: o.truncated}
+	res := ExecResult{Pid: rep.Pid, ExitCode: rep.Code, Truncated: o.Truncated()}
 	if rep.Signal > 0 {
 		res.Signal = signalName(rep.Signal)
 		res.ExitCode = 128 + rep.Signal
@@ -753,7 +754,7 @@ var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }
 // drain reads one output pipe until EOF. Once the main process exited, complete sets a deadline: if
 // it passes, whatever still holds the pipe is a background process, so drain takes what is already
 // buffered and stops when the pipe stays empty for exitGrace.
-func (c *call) drain(f *os.File, s *sink, o *outputs) {
+func (c *call) drain(f *os.File, s *sink, o *protocol.ExecOutputLimit) {
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)
 	buf := *bp
@@ -761,7 +762,7 @@ func (c *call) drain(f *os.File, s *sink, o *outputs) {
 	for {
 		n, err := f.Read(buf)
 		if n > 0 {
-			o.deliver(s, buf[:n])
+			s.deliver(o, buf[:n])
 			if afterExit {
 				if extra += n; extra > postExitLimit {
 					return
@@ -784,7 +785,7 @@ func (c *call) drain(f *os.File, s *sink, o *outputs) {
 		afterExit = true
 		n, eof := readNow(f, buf)
 		if n > 0 {
-			o.deliver(s, buf[:n])
+			s.deliver(o, buf[:n])
 			extra += n
 		}
 		if n == 0 || eof || extra > postExitLimit {
@@ -811,37 +812,21 @@ func readNow(f *os.File, buf []byte) (n int, eof bool) {
 	return n, eof
 }
 
-// outputs applies MaxOutput across stdout and stderr and serializes writes (they may be one writer).
-type outputs struct {
-	mu        sync.Mutex
-	max, n    int64
-	truncated bool
-}
-
-// sink is one destination; after its first write error it only drains.
+// sink is one destination of a command's output; after its first write error it only drains.
 type sink struct {
 	w      io.Writer
 	failed bool
 }
 
-func (o *outputs) deliver(s *sink, p []byte) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.max > 0 {
-		room := o.max - o.n
-		if room < int64(len(p)) {
-			o.truncated = true
-			if room <= 0 {
-				return
-			}
-			p = p[:room]
-		}
+// deliver gives p to the sink within the command's output cap (shared by its outputs, which it also
+// serializes). Each sink is fed by one goroutine.
+func (s *sink) deliver(o *protocol.ExecOutputLimit, p []byte) {
+	w := s.w
+	if w == nil || s.failed {
+		w = io.Discard
 	}
-	o.n += int64(len(p))
-	if s.w != nil && !s.failed {
-		if _, err := s.w.Write(p); err != nil {
-			s.failed = true
-		}
+	if err := o.Deliver(w, p); err != nil {
+		s.failed = true
 	}
 }
 

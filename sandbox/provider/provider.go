@@ -4,6 +4,8 @@ import (
 	"context"
 	"io"
 	"time"
+
+	"github.com/sbxbroker/broker/protocol"
 )
 
 // Provider turns a template into a running sandbox on this host. Two exist: "namespace" (bubblewrap,
@@ -101,11 +103,11 @@ type ExecResult struct {
 	Pid int
 }
 
-// Reasons a command was ended from outside.
+// Reasons a command was ended from outside (the protocol's, so every exec says them alike).
 const (
-	ReasonTimeout     = "timeout"
-	ReasonCancelled   = "cancelled"
-	ReasonMemoryLimit = "memory_limit"
+	ReasonTimeout     = protocol.ExecReasonTimeout
+	ReasonCancelled   = protocol.ExecReasonCancelled
+	ReasonMemoryLimit = protocol.ExecReasonMemoryLimit
 )
 
 // Template is what a sandbox is made from. Templates come from the broker's --templates file and a

@@ -12,7 +12,6 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
 )
@@ -25,7 +24,7 @@ type Service struct {
 	verifier *Verifier
 	store    *store.Store
 	rdb      redis.UniversalClient
-	events   events.Sink
+	events   func(org string, e protocol.Event)
 	log      *slog.Logger
 	now      func() time.Time
 	// dataplaneURL builds the dataplane URL of a sandbox from the node that hosts it.
@@ -34,10 +33,11 @@ type Service struct {
 
 // ServiceConfig wires a Service.
 type ServiceConfig struct {
-	Keys         *Keyring
-	Token        Config
-	Store        *store.Store
-	Events       events.Sink
+	Keys  *Keyring
+	Token Config
+	Store *store.Store
+	// Events receives the service's events (the broker's events.Writer.Emit); nil drops them.
+	Events       func(org string, e protocol.Event)
 	Log          *slog.Logger
 	DataplaneURL func(ctx context.Context, rec store.Record) (string, error)
 }
@@ -54,7 +54,7 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	}
 	s.now = s.issuer.cfg.Now
 	if s.events == nil {
-		s.events = events.Discard
+		s.events = func(string, protocol.Event) {}
 	}
 	return s, nil
 }
@@ -112,7 +112,7 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 			s.pruneExpired(ctx, key, all)
 		}
 	}
-	s.events.Emit(rec.Org, protocol.Event{Type: protocol.EventTokenMinted, SandboxID: rec.ID, Name: rec.Name,
+	s.events(rec.Org, protocol.Event{Type: protocol.EventTokenMinted, SandboxID: rec.ID, Name: rec.Name,
 		Time: s.now().UTC(), Actor: actor, JTI: c.ID})
 	return protocol.MintResponse{
 		Token: token, JTI: c.ID, ExpiresAt: c.ExpiresAt.Time.UTC(),
@@ -214,7 +214,7 @@ func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti strin
 		return fmt.Errorf("delegation: revoke: %w", err)
 	}
 	s.announce(ctx, Revocation{Org: rec.Org, SandboxID: rec.ID, JTI: jti})
-	s.events.Emit(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
+	s.events(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
 		Time: s.now().UTC(), Actor: actor, JTI: jti})
 	return nil
 }
@@ -229,7 +229,7 @@ func (s *Service) RevokeAll(ctx context.Context, rec store.Record, actor string)
 		return err
 	}
 	s.announce(ctx, Revocation{Org: rec.Org, SandboxID: rec.ID, Gen: gen})
-	s.events.Emit(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
+	s.events(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
 		Time: s.now().UTC(), Actor: actor, Reason: "all tokens of the sandbox"})
 	return nil
 }

@@ -10,18 +10,25 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/store"
 )
 
+// Lifecycle is what the sweeper does to sandboxes: the two lifecycle steps of sandbox.Manager it
+// takes, each re-checked in one Lua step so that a heartbeat or a resume that lands first wins.
+type Lifecycle interface {
+	StopExpired(ctx context.Context, c sandbox.Caller, ref string, warning time.Duration) (store.Record, error)
+	DeleteStopped(ctx context.Context, c sandbox.Caller, ref string, stoppedBy time.Time) (store.Record, error)
+}
+
 // Config wires a Sweeper.
 type Config struct {
 	Store     *store.Store
-	Sandboxes *sandbox.Manager
-	Events    events.Sink
-	Log       *slog.Logger
+	Sandboxes Lifecycle
+	// Events receives the sweeper's events (the broker's events.Writer.Emit); nil drops them.
+	Events func(org string, e protocol.Event)
+	Log    *slog.Logger
 	// Now is the broker's clock, for event times only: every deadline decision is made on the
 	// store's lease clock (Redis TIME), so that a broker with a wrong clock cannot stop anything early.
 	Now func() time.Time
@@ -59,7 +66,7 @@ func NewSweeper(cfg Config) *Sweeper {
 		cfg.Batch = 200
 	}
 	if cfg.Events == nil {
-		cfg.Events = events.Discard
+		cfg.Events = func(string, protocol.Event) {}
 	}
 	b := make([]byte, 12)
 	rand.Read(b)
@@ -168,7 +175,7 @@ func (s *Sweeper) sweepOrg(ctx context.Context, org string, r *Report) error {
 	}
 	for _, w := range due {
 		left := int64(w.StopAt.Sub(now).Round(time.Second) / time.Second)
-		s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: w.ID, Name: w.Name, Time: s.cfg.Now().UTC(),
+		s.cfg.Events(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: w.ID, Name: w.Name, Time: s.cfg.Now().UTC(),
 			Actor: "sweeper", SecondsLeft: &left, Status: protocol.StatusRunning})
 	}
 	r.Warned += len(due)

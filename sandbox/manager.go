@@ -12,7 +12,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -25,8 +24,9 @@ type Config struct {
 	Provider  provider.Provider
 	Templates map[string]provider.Template // must hold "default"
 	// Node names this broker; records say which node hosts each sandbox.
-	Node   string
-	Events events.Sink
+	Node string
+	// Events receives the lifecycle's events (the broker's events.Writer.Emit); nil drops them.
+	Events func(org string, e protocol.Event)
 	Log    *slog.Logger
 	// Now is the clock of every lease and deadline computed here.
 	Now        func() time.Time
@@ -89,7 +89,7 @@ func NewManager(cfg Config) (*Manager, error) {
 		cfg.Now = time.Now
 	}
 	if cfg.Events == nil {
-		cfg.Events = events.Discard
+		cfg.Events = func(string, protocol.Event) {}
 	}
 	return &Manager{cfg: cfg, host: map[string]*hosted{}}, nil
 }
@@ -118,7 +118,7 @@ func (m *Manager) emit(c Caller, rec store.Record, typ string, mut func(*protoco
 	if mut != nil {
 		mut(&e)
 	}
-	m.cfg.Events.Emit(rec.Org, e)
+	m.cfg.Events(rec.Org, e)
 }
 
 // CreateRequest is a validated-by-Create request to create or reuse a sandbox.

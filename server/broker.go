@@ -108,7 +108,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		return fail(fmt.Errorf("signing keys: %w", err))
 	}
 	b.Delegation, err = delegation.NewService(delegation.ServiceConfig{
-		Keys: b.Keys, Store: cfg.Store, Events: b.events, Log: cfg.Log,
+		Keys: b.Keys, Store: cfg.Store, Events: b.events.Emit, Log: cfg.Log,
 		Token:        delegation.Config{DefaultTTL: cfg.TokenTTL, MaxTTL: cfg.TokenMaxTTL, Now: cfg.Now},
 		DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, cfg.AdvertiseURL),
 	})
@@ -116,7 +116,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		return fail(err)
 	}
 	b.Sandboxes, err = sandbox.NewManager(sandbox.Config{
-		Store: cfg.Store, Provider: cfg.Provider, Templates: cfg.Templates, Node: cfg.Node, Events: b.events,
+		Store: cfg.Store, Provider: cfg.Provider, Templates: cfg.Templates, Node: cfg.Node, Events: b.events.Emit,
 		Log: cfg.Log, Now: cfg.Now, DefaultTTL: cfg.DefaultTTL, MaxTTL: cfg.MaxTTL,
 		IndexDir: filepath.Join(cfg.DataDir, "hosted"), Workspace: sandbox.WorkspaceOptions{UID: cfg.WorkspaceUID, GID: cfg.WorkspaceUID},
 		UIDs: cfg.SandboxUIDs,
@@ -161,7 +161,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 			return r
 		},
 	})
-	b.Sweeper = heartbeat.NewSweeper(heartbeat.Config{Store: cfg.Store, Sandboxes: b.Sandboxes, Events: b.events, Log: cfg.Log,
+	b.Sweeper = heartbeat.NewSweeper(heartbeat.Config{Store: cfg.Store, Sandboxes: b.Sandboxes, Events: b.events.Emit, Log: cfg.Log,
 		Now: cfg.Now, Interval: cfg.SweepInterval, Warning: cfg.ExpiryWarning, Retention: cfg.Retention})
 
 	loopCtx, stop := context.WithCancel(context.Background())

@@ -644,7 +644,7 @@ func sweep(expired, total int) (time.Duration, int, int, error) {
 	evw := events.NewWriter(rdb, log)
 	defer evw.Close()
 	mgr, err := sandbox.NewManager(sandbox.Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
-		Node: "bench", Events: evw, Log: log, Now: func() time.Time { return now }, DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour,
+		Node: "bench", Events: evw.Emit, Log: log, Now: func() time.Time { return now }, DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour,
 		IndexDir: filepath.Join(dir, "hosted")})
 	if err != nil {
 		return 0, 0, 0, err
@@ -665,7 +665,7 @@ func sweep(expired, total int) (time.Duration, int, int, error) {
 		}
 	}
 	at.Add(int64(time.Minute))
-	sw := heartbeat.NewSweeper(heartbeat.Config{Store: st, Sandboxes: mgr, Events: evw, Log: log, Now: clock})
+	sw := heartbeat.NewSweeper(heartbeat.Config{Store: st, Sandboxes: mgr, Events: evw.Emit, Log: log, Now: clock})
 	if _, err := sw.SweepOnce(ctx); err != nil { // warns the expired ones; a stop waits out the warning window
 		return 0, 0, 0, err
 	}

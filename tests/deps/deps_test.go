@@ -37,6 +37,8 @@ var rules = []struct {
 	{[]string{"store"}, []string{"server", "sandbox", "delegation", "heartbeat", "events", "client", "backend", "cmd"},
 		"store is the bottom layer: everything else builds on it", nil},
 	{[]string{"cmd/broker"}, []string{"client"}, "the broker does not use the SDK of its own API", nil},
+	{[]string{"delegation", "heartbeat", "sandbox"}, []string{"events"},
+		"domain packages emit through the function they are given (the server wires in the event log)", nil},
 	{[]string{"cmd", "server", "store", "sandbox", "delegation", "heartbeat", "events", "backend", "client", "protocol"},
 		[]string{"server/servertest", "store/redistest"}, "test helpers never link into the product",
 		[]string{"server/servertest", "store/redistest"}},

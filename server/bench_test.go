@@ -3,8 +3,10 @@ package server_test
 import (
 	"bytes"
 	"io"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
@@ -33,14 +35,36 @@ func benchRemoteOn(b *testing.B, prov string) *backend.Remote {
 	return r
 }
 
+// latencies times each iteration, so that a benchmark reports its median (p50-ms) beside ns/op: on
+// a machine shared with other work the mean moves with every stall, the median much less.
+type latencies []time.Duration
+
+func (l *latencies) time(f func()) {
+	start := time.Now()
+	f()
+	*l = append(*l, time.Since(start))
+}
+
+func (l latencies) report(b *testing.B) {
+	if len(l) == 0 {
+		return
+	}
+	slices.Sort(l)
+	b.ReportMetric(float64(l[len(l)/2])/float64(time.Millisecond), "p50-ms")
+}
+
 func BenchmarkDataplanePing(b *testing.B) {
 	r := benchRemote(b)
+	var lat latencies
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		if err := r.Ping(b.Context()); err != nil {
-			b.Fatal(err)
-		}
+		lat.time(func() {
+			if err := r.Ping(b.Context()); err != nil {
+				b.Fatal(err)
+			}
+		})
 	}
+	lat.report(b)
 }
 
 // BenchmarkDataplaneExecTrue is exec `true` through the dataplane, on the namespace provider (real
@@ -50,13 +74,17 @@ func BenchmarkDataplaneExecTrue(b *testing.B) {
 		b.Run(prov, func(b *testing.B) {
 			r := benchRemoteOn(b, prov)
 			args := protocol.ExecArgs{Argv: []string{"true"}}
+			var lat latencies
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				res, err := r.Exec(b.Context(), backend.ExecRequest{ExecArgs: args})
-				if err != nil || res.ExitCode != 0 {
-					b.Fatal(res, err)
-				}
+				lat.time(func() {
+					res, err := r.Exec(b.Context(), backend.ExecRequest{ExecArgs: args})
+					if err != nil || res.ExitCode != 0 {
+						b.Fatal(res, err)
+					}
+				})
 			}
+			lat.report(b)
 		})
 	}
 }
@@ -64,15 +92,19 @@ func BenchmarkDataplaneExecTrue(b *testing.B) {
 func BenchmarkDataplaneWriteRead4KiB(b *testing.B) {
 	r := benchRemote(b)
 	content := strings.Repeat("x", 4096)
+	var lat latencies
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		if _, err := r.Write(b.Context(), protocol.WriteArgs{Path: "f.txt", Content: content}); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := r.Read(b.Context(), protocol.ReadArgs{Path: "f.txt"}); err != nil {
-			b.Fatal(err)
-		}
+		lat.time(func() {
+			if _, err := r.Write(b.Context(), protocol.WriteArgs{Path: "f.txt", Content: content}); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := r.Read(b.Context(), protocol.ReadArgs{Path: "f.txt"}); err != nil {
+				b.Fatal(err)
+			}
+		})
 	}
+	lat.report(b)
 }
 
 func BenchmarkHeartbeatHTTP(b *testing.B) { benchHeartbeats(b, store.Limits{}) }

@@ -21,8 +21,9 @@ const (
 	dpChunkBytes    = 1 << 20
 	dpMaxFrameBytes = dpChunkBytes + 64<<10
 	dpMaxInflight   = 64
-	// File operations whose answer can be large (read, ls, glob, grep, download) hold a heavy slot
-	// until their answer is written to the client (or dropped): this many per connection. read, ls,
+	// File operations whose answer can be large (read, ls, glob, grep, download: opHeavy and
+	// opStreamed in dpOps) hold a heavy slot until their answer is written to the client (or
+	// dropped): this many per connection. read, ls,
 	// glob and grep also hold one of dpHeavyPerBroker across every connection, which bounds the
 	// memory their answers take however many connections or tokens a client opens; a client that
 	// does not read makes that wait as long as it likes, so one org holds at most dpHeavyPerOrg of

@@ -100,11 +100,18 @@ func emit(t *testing.T, rdb redis.UniversalClient, org string, n int) []string {
 	return ids
 }
 
+// storeOf wraps a test's client in a store, closed with the test.
+func storeOf(t testing.TB, rdb redis.UniversalClient) *store.Store {
+	st := store.New(rdb)
+	t.Cleanup(st.Close)
+	return st
+}
+
 // A position trimmed from the bounded log gets a reset event first, then what remains, in order.
 func TestResetWhenTrimmed(t *testing.T) {
 	t.Parallel()
 	rdb := redistest.Start(t).Client(t)
-	hub := events.NewHub(rdb, quiet)
+	hub := events.NewHub(storeOf(t, rdb), quiet)
 	ids := emit(t, rdb, "acme", events.StreamMaxLen+3000)
 	sub, err := hub.Subscribe(t.Context(), "acme", events.SubscribeOptions{After: ids[0]})
 	if err != nil {
@@ -145,7 +152,7 @@ func TestResetWhenTrimmed(t *testing.T) {
 func TestLaggingSubscriber(t *testing.T) {
 	t.Parallel()
 	rdb := redistest.Start(t).Client(t)
-	hub := events.NewHub(rdb, quiet)
+	hub := events.NewHub(storeOf(t, rdb), quiet)
 	ctx := t.Context()
 	slow, err := hub.Subscribe(ctx, "acme", events.SubscribeOptions{})
 	if err != nil {
@@ -196,9 +203,10 @@ func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
 	const pool, orgs = 4, 12
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, PoolSize: pool, PoolTimeout: 10 * time.Second})
 	defer rdb.Close()
-	w := events.NewWriter(rdb, quiet)
+	st := storeOf(t, rdb)
+	w := events.NewWriter(st, quiet)
 	defer w.Close()
-	hub := events.NewHub(rdb, quiet)
+	hub := events.NewHub(st, quiet)
 	subs := make([]*events.Subscription, orgs)
 	for i := range subs {
 		s, err := hub.Subscribe(t.Context(), fmt.Sprintf("org-%d", i), events.SubscribeOptions{})
@@ -232,9 +240,10 @@ func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
 // wake-up, then the reader's XRANGE.
 func BenchmarkEventDelivery(b *testing.B) {
 	rdb := redistest.Start(b).Client(b)
-	w := events.NewWriter(rdb, quiet)
+	st := storeOf(b, rdb)
+	w := events.NewWriter(st, quiet)
 	defer w.Close()
-	sub, err := events.NewHub(rdb, quiet).Subscribe(b.Context(), "bench", events.SubscribeOptions{})
+	sub, err := events.NewHub(st, quiet).Subscribe(b.Context(), "bench", events.SubscribeOptions{})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -251,7 +260,7 @@ func BenchmarkEventDelivery(b *testing.B) {
 func TestWriterEmitAfterClose(t *testing.T) {
 	t.Parallel()
 	rdb := redistest.Start(t).Client(t)
-	w := events.NewWriter(rdb, quiet)
+	w := events.NewWriter(storeOf(t, rdb), quiet)
 	w.Emit("acme", protocol.Event{Type: protocol.EventCreated, SandboxID: "sb_1"})
 	var emitters sync.WaitGroup
 	start := make(chan struct{})

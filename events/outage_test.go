@@ -53,8 +53,8 @@ func TestEventsSurviveARedisOutage(t *testing.T) {
 			t.Cleanup(func() { raw.Close() })
 			st := store.NewWithOptions(raw, store.Options{Log: quiet})
 			t.Cleanup(st.Close)
-			rdb := st.Client()
-			w := events.NewWriterWithOptions(rdb, quiet, events.WriterOptions{Buffer: tc.buffer})
+			rdb := raw
+			w := events.NewWriterWithOptions(st, quiet, events.WriterOptions{Buffer: tc.buffer})
 			defer w.Close()
 			org := "o"
 			w.Emit(org, protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: "before"})

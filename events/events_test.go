@@ -3,6 +3,7 @@ package events_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -18,6 +19,7 @@ import (
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/store/redistest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func TestMain(m *testing.M) { servertest.Main(m) }
@@ -51,9 +53,20 @@ func TestSSEResume(t *testing.T) {
 		}
 		want = append(want, m.JTI)
 	}
-	// Another sandbox's events share the org stream but not this sandbox's.
+	// Another sandbox's events share the org stream but not this sandbox's: wait until its
+	// created event is in the log (the writer is asynchronous), after all ten.
 	b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "other"})
-	time.Sleep(300 * time.Millisecond) // the event writer batches asynchronously
+	octx, ocancel := context.WithTimeout(ctx, 10*time.Second)
+	defer ocancel()
+	b.Client.Events(octx, client.EventOptions{After: last, Follow: true}, func(e protocol.Event) error {
+		if e.Type == protocol.EventCreated && e.Name == "other" {
+			ocancel()
+		}
+		return nil
+	})
+	if errors.Is(octx.Err(), context.DeadlineExceeded) {
+		t.Fatal("the other sandbox's created event never reached the org's log")
+	}
 
 	var got []protocol.Event
 	rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
@@ -161,7 +174,7 @@ func TestLaggingSubscriber(t *testing.T) {
 	defer slow.Close()
 	fast, _ := hub.Subscribe(ctx, "acme", events.SubscribeOptions{})
 	defer fast.Close()
-	time.Sleep(50 * time.Millisecond) // both live
+	wait.Eventually(t, 10*time.Second, func() bool { return events.Live(slow) && events.Live(fast) }, "both subscriptions live")
 	ids := emit(t, rdb, "acme", 3000) // one burst, six buffers' worth
 	read := func(name string, sub *events.Subscription) {
 		for i, want := range ids {
@@ -216,7 +229,26 @@ func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
 		defer s.Close()
 		subs[i] = s
 	}
-	time.Sleep(200 * time.Millisecond) // the readers are up and waiting
+	// Every org's reader is up: each subscription is live and got an event through its reader,
+	// which then went back to waiting for the next.
+	wait.Eventually(t, 10*time.Second, func() bool {
+		for _, s := range subs {
+			if !events.Live(s) {
+				return false
+			}
+		}
+		return true
+	}, "every subscription live")
+	for i := range subs {
+		w.Emit(fmt.Sprintf("org-%d", i), protocol.Event{Type: protocol.EventCreated, SandboxID: "sb_warmup"})
+	}
+	for i, s := range subs {
+		select {
+		case <-s.C:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("org-%d: the warm-up event did not arrive", i)
+		}
+	}
 	start := time.Now()
 	if err := rdb.Ping(t.Context()).Err(); err != nil || time.Since(start) > time.Second {
 		t.Fatalf("PING with %d orgs followed on a pool of %d took %s: %v", orgs, pool, time.Since(start), err)
@@ -248,7 +280,9 @@ func BenchmarkEventDelivery(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer sub.Close()
-	time.Sleep(100 * time.Millisecond) // live
+	if !wait.Until(10*time.Second, func() bool { return events.Live(sub) }) {
+		b.Fatal("the subscription did not go live")
+	}
 	for b.Loop() {
 		w.Emit("bench", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1"})
 		<-sub.C

@@ -12,6 +12,7 @@ import (
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // Tests of what other packages keep in Redis through the store: delegation tokens' metadata, the
@@ -198,13 +199,9 @@ func testFollow(t *testing.T, s *store.Store, clk *clock) {
 			t.Fatalf("%d subscribers while following, want 1", n)
 		}
 		cancel()
-		deadline := time.Now().Add(5 * time.Second)
-		for c.PubSubNumSub(t.Context(), "sbx:test:follow:end").Val()["sbx:test:follow:end"] != 0 {
-			if time.Now().After(deadline) {
-				t.Fatal("the subscription outlived its context")
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		wait.Eventually(t, 10*time.Second, func() bool {
+			return c.PubSubNumSub(t.Context(), "sbx:test:follow:end").Val()["sbx:test:follow:end"] == 0
+		}, "the subscription ends with its context")
 	}
 	// A Follow that cannot subscribe says so.
 	dead, cancel := context.WithCancel(t.Context())

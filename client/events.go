@@ -27,6 +27,10 @@ type EventOptions struct {
 	Follow bool
 	// OnReconnect, when set, is told about each reconnect after a dropped stream.
 	OnReconnect func(err error, attempt int)
+	// OnOpen, when set, is called each time the stream opens (first and after every reconnect),
+	// before its first event: the broker has subscribed by then, so every event that happens
+	// after OnOpen is delivered. A caller that must not miss what it does next waits for it.
+	OnOpen func()
 }
 
 // Events streams sandbox events to fn until ctx ends, fn returns an error, or (without Follow) the
@@ -116,6 +120,9 @@ func (c *Client) streamOnce(ctx context.Context, o EventOptions, after string, o
 		return err
 	}
 	opened()
+	if o.OnOpen != nil {
+		o.OnOpen()
+	}
 	defer resp.Body.Close()
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)

@@ -148,3 +148,45 @@ func TestFollowStopsWhenTheBrokerWasNeverReachable(t *testing.T) {
 		t.Fatalf("following a broker that never answered: %v, want an unreachable error naming %s at once", err, addr)
 	}
 }
+
+// OnOpen says when the stream is subscribed: an event that happens after it is delivered, without
+// a backlog and without waiting "long enough" first; and it is called again after a reconnect.
+func TestFollowOnOpen(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	proxy := newCutter(t, strings.TrimPrefix(b.URL, "http://"))
+	c, err := client.New("http://"+proxy.l.Addr().String(), b.Client.APIKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	opened := make(chan struct{}, 4)
+	got := make(chan protocol.Event, 16)
+	fctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c.Events(fctx, client.EventOptions{Follow: true, OnOpen: func() { opened <- struct{}{} }},
+			func(e protocol.Event) error { got <- e; return nil })
+	}()
+	defer func() { cancel(); <-done }()
+	for round, name := range []string{"first", "after-reconnect"} {
+		select {
+		case <-opened:
+		case <-time.After(15 * time.Second):
+			t.Fatalf("round %d: OnOpen was not called", round)
+		}
+		if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: name}); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case e := <-got:
+			if e.Type != protocol.EventCreated || e.Name != name {
+				t.Fatalf("round %d: first event %+v, want created %s", round, e, name)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatalf("round %d: an event made after OnOpen was not delivered", round)
+		}
+		proxy.cut() // the follower reconnects, and opens again
+	}
+}

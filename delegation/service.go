@@ -10,8 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
 )
@@ -23,7 +21,6 @@ type Service struct {
 	issuer   *Issuer
 	verifier *Verifier
 	store    *store.Store
-	rdb      redis.UniversalClient
 	events   func(org string, e protocol.Event)
 	log      *slog.Logger
 	now      func() time.Time
@@ -44,7 +41,7 @@ type ServiceConfig struct {
 
 // NewService builds the service and its verifier (which consults the service for revocations).
 func NewService(cfg ServiceConfig) (*Service, error) {
-	s := &Service{store: cfg.Store, rdb: cfg.Store.Client(), events: cfg.Events, log: cfg.Log, dataplaneURL: cfg.DataplaneURL}
+	s := &Service{store: cfg.Store, events: cfg.Events, log: cfg.Log, dataplaneURL: cfg.DataplaneURL}
 	var err error
 	if s.issuer, err = NewIssuer(cfg.Keys, cfg.Token); err != nil {
 		return nil, err
@@ -99,17 +96,14 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 		return protocol.MintResponse{}, err
 	}
 	meta, _ := json.Marshal(metadata{Scopes: c.Scopes(), AllowCmd: c.Cmd, Iat: c.IssuedAt.Unix(), Exp: c.ExpiresAt.Unix(), Sub: actor, Gen: c.Gen})
-	key := store.DelegationsKey(rec.Org, rec.ID)
-	pipe := s.rdb.Pipeline()
-	pipe.HSet(ctx, key, c.ID, meta)
-	size := pipe.HLen(ctx, key)
-	if _, err := pipe.Exec(ctx); err != nil {
+	size, err := s.store.RecordToken(ctx, rec.Org, rec.ID, c.ID, meta)
+	if err != nil {
 		return protocol.MintResponse{}, fmt.Errorf("delegation: record token: %w", err)
 	}
 	// A sandbox minted for on every run, and never listed, would keep every expired entry.
-	if size.Val() > pruneAbove {
-		if all, err := s.rdb.HGetAll(ctx, key).Result(); err == nil {
-			s.pruneExpired(ctx, key, all)
+	if size > pruneAbove {
+		if all, err := s.store.Tokens(ctx, rec.Org, rec.ID); err == nil {
+			s.pruneExpired(ctx, rec, all)
 		}
 	}
 	s.events(rec.Org, protocol.Event{Type: protocol.EventTokenMinted, SandboxID: rec.ID, Name: rec.Name,
@@ -122,51 +116,36 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 
 // List returns the metadata of a sandbox's unexpired tokens, newest first, pruning expired ones.
 func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delegation, error) {
-	key := store.DelegationsKey(rec.Org, rec.ID)
-	all, err := s.rdb.HGetAll(ctx, key).Result()
+	all, err := s.store.Tokens(ctx, rec.Org, rec.ID)
 	if err != nil {
 		return nil, fmt.Errorf("delegation: list: %w", err)
 	}
-	live := s.pruneExpired(ctx, key, all)
-	pipe := s.rdb.Pipeline()
-	denied := make(map[string]*redis.IntCmd, len(live))
-	minters := map[string]*redis.SliceCmd{} // sub -> its key's org and revocation time
+	live := s.pruneExpired(ctx, rec, all)
+	jtis := make([]string, 0, len(live))
+	var keyIDs []string // the minting keys, each once
+	seen := map[string]bool{}
 	for jti, m := range live {
-		denied[jti] = pipe.Exists(ctx, store.RevokedKey(rec.Org, jti))
-		if id, ok := strings.CutPrefix(m.Sub, KeySubjectPrefix); ok && minters[m.Sub] == nil {
-			minters[m.Sub] = pipe.HMGet(ctx, store.APIKeyKey(id), "org", "revoked")
+		jtis = append(jtis, jti)
+		if id, ok := strings.CutPrefix(m.Sub, KeySubjectPrefix); ok && !seen[id] {
+			seen[id] = true
+			keyIDs = append(keyIDs, id)
 		}
 	}
-	if len(live) > 0 {
-		if _, err := pipe.Exec(ctx); err != nil {
-			return nil, fmt.Errorf("delegation: list: %w", err)
-		}
+	denied, liveKeys, err := s.store.TokensRevoked(ctx, rec.Org, jtis, keyIDs)
+	if err != nil {
+		return nil, fmt.Errorf("delegation: list: %w", err)
 	}
 	out := []protocol.Delegation{}
 	for jti, m := range live {
+		id, isKey := strings.CutPrefix(m.Sub, KeySubjectPrefix)
 		out = append(out, protocol.Delegation{
 			JTI: jti, SandboxID: rec.ID, Scopes: m.Scopes, AllowCmd: m.AllowCmd, IssuedBy: m.Sub,
 			IssuedAt: time.Unix(m.Iat, 0).UTC(), ExpiresAt: time.Unix(m.Exp, 0).UTC(),
-			Revoked: denied[jti].Val() == 1 || m.Gen < rec.Gen || !keyLive(minters[m.Sub], rec.Org),
+			Revoked: denied[jti] || m.Gen < rec.Gen || !isKey || !liveKeys[id],
 		})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].IssuedAt.After(out[j].IssuedAt) })
 	return out, nil
-}
-
-// keyLive reads an HMGET of an API key's org and revocation time: whether the key exists in org and
-// is not revoked. A nil cmd (a sub naming no key) is not live.
-func keyLive(cmd *redis.SliceCmd, org string) bool {
-	if cmd == nil {
-		return false
-	}
-	v := cmd.Val()
-	if len(v) != 2 {
-		return false
-	}
-	keyOrg, _ := v[0].(string)
-	revoked, _ := v[1].(string)
-	return keyOrg == org && (revoked == "" || revoked == "0")
 }
 
 // pruneAbove is the size of a sandbox's token record beyond which Mint removes expired entries.
@@ -174,7 +153,7 @@ const pruneAbove = 100
 
 // pruneExpired removes the entries of expired (or unreadable) tokens from a sandbox's token record
 // all, and returns the others.
-func (s *Service) pruneExpired(ctx context.Context, key string, all map[string]string) map[string]metadata {
+func (s *Service) pruneExpired(ctx context.Context, rec store.Record, all map[string]string) map[string]metadata {
 	now := s.now()
 	live := make(map[string]metadata, len(all))
 	var gone []string
@@ -186,16 +165,14 @@ func (s *Service) pruneExpired(ctx context.Context, key string, all map[string]s
 		}
 		live[jti] = m
 	}
-	if len(gone) > 0 {
-		s.rdb.HDel(ctx, key, gone...)
-	}
+	s.store.ForgetTokens(ctx, rec.Org, rec.ID, gone...)
 	return live
 }
 
 // Revoke denies one token by jti until it would have expired anyway, and tells every broker.
 func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti string) error {
-	raw, err := s.rdb.HGet(ctx, store.DelegationsKey(rec.Org, rec.ID), jti).Result()
-	if errors.Is(err, redis.Nil) {
+	raw, err := s.store.Token(ctx, rec.Org, rec.ID, jti)
+	if errors.Is(err, store.ErrNotFound) {
 		return protocol.Errorf(protocol.CodeNotFound, "sandbox %s has no unexpired token %q (see sbctl delegations)", rec.Name, clipJTI(jti))
 	}
 	if err != nil {
@@ -210,7 +187,7 @@ func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti strin
 	if ttl <= 0 {
 		return nil // already expired: nothing to deny
 	}
-	if err := s.rdb.Set(ctx, store.RevokedKey(rec.Org, jti), 1, ttl).Err(); err != nil {
+	if err := s.store.DenyToken(ctx, rec.Org, jti, ttl); err != nil {
 		return fmt.Errorf("delegation: revoke: %w", err)
 	}
 	s.announce(ctx, Revocation{Org: rec.Org, SandboxID: rec.ID, JTI: jti})
@@ -245,7 +222,7 @@ type Revocation struct {
 
 func (s *Service) announce(ctx context.Context, r Revocation) {
 	msg, _ := json.Marshal(r)
-	if err := s.rdb.Publish(ctx, store.RevocationsChannel, msg).Err(); err != nil {
+	if err := s.store.Publish(ctx, store.RevocationsChannel, string(msg)); err != nil {
 		s.log.Warn("could not announce a revocation; open connections learn it at their next re-check", "sandbox_id", r.SandboxID, "err", err)
 	}
 }
@@ -262,29 +239,21 @@ func (s *Service) announce(ctx context.Context, r Revocation) {
 // re-check and on introspection, never per dataplane operation, so the extra read is not on a hot
 // path. Open connections learn it from the key revocation announcement (hub.keyRevoked).
 func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
-	pipe := s.rdb.Pipeline()
-	denied := pipe.Exists(ctx, store.RevokedKey(c.Org, c.ID))
-	state := pipe.HMGet(ctx, store.SandboxKey(c.Org, c.Sbx), "gen", "status")
-	key := pipe.HMGet(ctx, store.APIKeyKey(c.KeyID()), "org", "revoked")
-	if _, err := pipe.Exec(ctx); err != nil {
+	st, err := s.store.TokenState(ctx, c.Org, c.Sbx, c.ID, c.KeyID())
+	if err != nil {
 		return err
 	}
-	if denied.Val() == 1 {
+	if st.Denied {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "the token was revoked")
 	}
-	vals := state.Val()
-	genStr, _ := vals[0].(string)
-	status, _ := vals[1].(string)
-	if genStr == "" || status == protocol.StatusDeleting {
+	if st.SandboxGone || st.Status == protocol.StatusDeleting {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "the token's sandbox was deleted")
 	}
-	var gen int64
-	fmt.Sscan(genStr, &gen)
-	if c.Gen < gen {
+	if c.Gen < st.Gen {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "every token of the sandbox was revoked")
 	}
 	// A key that is gone, of another org, or revoked (a non-zero revocation time) ends the token.
-	if !keyLive(key, c.Org) {
+	if !st.KeyLive {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "the API key that minted the token was revoked")
 	}
 	return nil
@@ -313,8 +282,8 @@ func (s *Service) Introspect(ctx context.Context, org, token string) (protocol.I
 // Redis has confirmed the subscription, so no announcement made after it returns is missed.
 // Announcements are best effort (Redis pub/sub): while disconnected a subscriber misses some, so
 // holders of long-lived connections also re-verify them periodically.
-func Subscribe(ctx context.Context, rdb redis.UniversalClient, fn func(Revocation)) error {
-	return follow(ctx, rdb, store.RevocationsChannel, func(payload string) {
+func Subscribe(ctx context.Context, st *store.Store, fn func(Revocation)) error {
+	return st.Follow(ctx, store.RevocationsChannel, func(payload string) {
 		var r Revocation
 		if json.Unmarshal([]byte(payload), &r) == nil {
 			fn(r)
@@ -322,36 +291,10 @@ func Subscribe(ctx context.Context, rdb redis.UniversalClient, fn func(Revocatio
 	})
 }
 
-// follow subscribes to channel, waits for Redis to confirm, and calls fn for each message in a
-// goroutine until ctx ends.
-func follow(ctx context.Context, rdb redis.UniversalClient, channel string, fn func(string)) error {
-	sub := rdb.Subscribe(ctx, channel)
-	if _, err := sub.Receive(ctx); err != nil {
-		sub.Close()
-		return fmt.Errorf("subscribe %s: %w", channel, err)
-	}
-	ch := sub.Channel(redis.WithChannelHealthCheckInterval(5 * time.Second))
-	go func() {
-		defer sub.Close()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case msg, ok := <-ch:
-				if !ok {
-					return
-				}
-				fn(msg.Payload)
-			}
-		}
-	}()
-	return nil
-}
-
 // FollowKeyRevocations calls fn with the id of every API key revoked by any broker (or by
 // `broker keys revoke`) until ctx ends; like Subscribe, it returns once subscribed.
-func FollowKeyRevocations(ctx context.Context, rdb redis.UniversalClient, fn func(keyID string)) error {
-	return follow(ctx, rdb, store.APIKeyRevokedChannel, fn)
+func FollowKeyRevocations(ctx context.Context, st *store.Store, fn func(keyID string)) error {
+	return st.Follow(ctx, store.APIKeyRevokedChannel, fn)
 }
 
 func clipJTI(s string) string {

@@ -8,11 +8,10 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
@@ -42,7 +41,7 @@ const DefaultBuffer = 20000
 // back; past the buffer it counts what it loses, per sandbox, and writes one gap event each after
 // the kept ones, so a pane knows.
 type Writer struct {
-	rdb     redis.UniversalClient
+	store   *store.Store
 	log     *slog.Logger
 	queue   chan queued
 	buffer  int
@@ -71,16 +70,16 @@ type WriterOptions struct {
 }
 
 // NewWriter starts a writer; Close flushes it.
-func NewWriter(rdb redis.UniversalClient, log *slog.Logger) *Writer {
-	return NewWriterWithOptions(rdb, log, WriterOptions{})
+func NewWriter(st *store.Store, log *slog.Logger) *Writer {
+	return NewWriterWithOptions(st, log, WriterOptions{})
 }
 
 // NewWriterWithOptions starts a writer with o.
-func NewWriterWithOptions(rdb redis.UniversalClient, log *slog.Logger, o WriterOptions) *Writer {
+func NewWriterWithOptions(st *store.Store, log *slog.Logger, o WriterOptions) *Writer {
 	if o.Buffer <= 0 {
 		o.Buffer = DefaultBuffer
 	}
-	w := &Writer{rdb: rdb, log: log, queue: make(chan queued, 8192), buffer: o.Buffer, done: make(chan struct{}),
+	w := &Writer{store: st, log: log, queue: make(chan queued, 8192), buffer: o.Buffer, done: make(chan struct{}),
 		overflow: map[lostKey]int64{}}
 	go w.run()
 	return w
@@ -266,21 +265,19 @@ func (w *Writer) run() {
 func (w *Writer) write(batch []queued) []queued {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	pipe := w.rdb.Pipeline()
-	cmds := make([]*redis.StringCmd, len(batch))
+	add := make([]store.StreamAppend, len(batch))
 	for i, q := range batch {
 		data, _ := json.Marshal(q.e)
-		cmds[i] = pipe.XAdd(ctx, &redis.XAddArgs{
-			Stream: store.EventsKey(q.org), MaxLen: StreamMaxLen, Approx: true, Values: []any{"data", data}})
+		add[i] = store.StreamAppend{Org: q.org, Data: data}
 	}
-	_, err := pipe.Exec(ctx)
-	appended := map[string]bool{}
+	ok, err := w.store.AppendEvents(ctx, add, StreamMaxLen)
+	var appended []string
 	var failed []queued
-	for i, c := range cmds {
-		if c.Err() != nil {
-			failed = append(failed, batch[i])
-		} else {
-			appended[batch[i].org] = true
+	for i, q := range batch {
+		if !ok[i] {
+			failed = append(failed, q)
+		} else if !slices.Contains(appended, q.org) {
+			appended = append(appended, q.org)
 		}
 	}
 	if len(failed) > 0 {
@@ -294,15 +291,8 @@ func (w *Writer) write(batch []queued) []queued {
 // after the appends have returned: on Cluster a pipeline's commands run on several nodes at once, and
 // a wake-up that overtook its append would find nothing new. A lost wake-up delays events by the
 // readers' poll interval at most.
-func (w *Writer) wake(ctx context.Context, orgs map[string]bool) {
-	if len(orgs) == 0 {
-		return
-	}
-	pipe := w.rdb.Pipeline()
-	for org := range orgs {
-		pipe.Publish(ctx, store.EventsChannel, org)
-	}
-	if _, err := pipe.Exec(ctx); err != nil {
+func (w *Writer) wake(ctx context.Context, orgs []string) {
+	if err := w.store.Publish(ctx, store.EventsChannel, orgs...); err != nil {
 		w.log.Warn("event wake-up failed; readers will find the events on their next poll", "err", err)
 	}
 }

@@ -3,6 +3,7 @@ package events_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -18,6 +19,7 @@ import (
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/store/redistest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func TestMain(m *testing.M) { servertest.Main(m) }
@@ -51,9 +53,20 @@ func TestSSEResume(t *testing.T) {
 		}
 		want = append(want, m.JTI)
 	}
-	// Another sandbox's events share the org stream but not this sandbox's.
+	// Another sandbox's events share the org stream but not this sandbox's: wait until its
+	// created event is in the log (the writer is asynchronous), after all ten.
 	b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "other"})
-	time.Sleep(300 * time.Millisecond) // the event writer batches asynchronously
+	octx, ocancel := context.WithTimeout(ctx, 10*time.Second)
+	defer ocancel()
+	b.Client.Events(octx, client.EventOptions{After: last, Follow: true}, func(e protocol.Event) error {
+		if e.Type == protocol.EventCreated && e.Name == "other" {
+			ocancel()
+		}
+		return nil
+	})
+	if errors.Is(octx.Err(), context.DeadlineExceeded) {
+		t.Fatal("the other sandbox's created event never reached the org's log")
+	}
 
 	var got []protocol.Event
 	rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
@@ -100,11 +113,18 @@ func emit(t *testing.T, rdb redis.UniversalClient, org string, n int) []string {
 	return ids
 }
 
+// storeOf wraps a test's client in a store, closed with the test.
+func storeOf(t testing.TB, rdb redis.UniversalClient) *store.Store {
+	st := store.New(rdb)
+	t.Cleanup(st.Close)
+	return st
+}
+
 // A position trimmed from the bounded log gets a reset event first, then what remains, in order.
 func TestResetWhenTrimmed(t *testing.T) {
 	t.Parallel()
 	rdb := redistest.Start(t).Client(t)
-	hub := events.NewHub(rdb, quiet)
+	hub := events.NewHub(storeOf(t, rdb), quiet)
 	ids := emit(t, rdb, "acme", events.StreamMaxLen+3000)
 	sub, err := hub.Subscribe(t.Context(), "acme", events.SubscribeOptions{After: ids[0]})
 	if err != nil {
@@ -145,7 +165,7 @@ func TestResetWhenTrimmed(t *testing.T) {
 func TestLaggingSubscriber(t *testing.T) {
 	t.Parallel()
 	rdb := redistest.Start(t).Client(t)
-	hub := events.NewHub(rdb, quiet)
+	hub := events.NewHub(storeOf(t, rdb), quiet)
 	ctx := t.Context()
 	slow, err := hub.Subscribe(ctx, "acme", events.SubscribeOptions{})
 	if err != nil {
@@ -154,7 +174,7 @@ func TestLaggingSubscriber(t *testing.T) {
 	defer slow.Close()
 	fast, _ := hub.Subscribe(ctx, "acme", events.SubscribeOptions{})
 	defer fast.Close()
-	time.Sleep(50 * time.Millisecond) // both live
+	wait.Eventually(t, 10*time.Second, func() bool { return events.Live(slow) && events.Live(fast) }, "both subscriptions live")
 	ids := emit(t, rdb, "acme", 3000) // one burst, six buffers' worth
 	read := func(name string, sub *events.Subscription) {
 		for i, want := range ids {
@@ -196,9 +216,10 @@ func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
 	const pool, orgs = 4, 12
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, PoolSize: pool, PoolTimeout: 10 * time.Second})
 	defer rdb.Close()
-	w := events.NewWriter(rdb, quiet)
+	st := storeOf(t, rdb)
+	w := events.NewWriter(st, quiet)
 	defer w.Close()
-	hub := events.NewHub(rdb, quiet)
+	hub := events.NewHub(st, quiet)
 	subs := make([]*events.Subscription, orgs)
 	for i := range subs {
 		s, err := hub.Subscribe(t.Context(), fmt.Sprintf("org-%d", i), events.SubscribeOptions{})
@@ -208,7 +229,26 @@ func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
 		defer s.Close()
 		subs[i] = s
 	}
-	time.Sleep(200 * time.Millisecond) // the readers are up and waiting
+	// Every org's reader is up: each subscription is live and got an event through its reader,
+	// which then went back to waiting for the next.
+	wait.Eventually(t, 10*time.Second, func() bool {
+		for _, s := range subs {
+			if !events.Live(s) {
+				return false
+			}
+		}
+		return true
+	}, "every subscription live")
+	for i := range subs {
+		w.Emit(fmt.Sprintf("org-%d", i), protocol.Event{Type: protocol.EventCreated, SandboxID: "sb_warmup"})
+	}
+	for i, s := range subs {
+		select {
+		case <-s.C:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("org-%d: the warm-up event did not arrive", i)
+		}
+	}
 	start := time.Now()
 	if err := rdb.Ping(t.Context()).Err(); err != nil || time.Since(start) > time.Second {
 		t.Fatalf("PING with %d orgs followed on a pool of %d took %s: %v", orgs, pool, time.Since(start), err)
@@ -232,14 +272,17 @@ func TestManyOrgsDoNotExhaustThePool(t *testing.T) {
 // wake-up, then the reader's XRANGE.
 func BenchmarkEventDelivery(b *testing.B) {
 	rdb := redistest.Start(b).Client(b)
-	w := events.NewWriter(rdb, quiet)
+	st := storeOf(b, rdb)
+	w := events.NewWriter(st, quiet)
 	defer w.Close()
-	sub, err := events.NewHub(rdb, quiet).Subscribe(b.Context(), "bench", events.SubscribeOptions{})
+	sub, err := events.NewHub(st, quiet).Subscribe(b.Context(), "bench", events.SubscribeOptions{})
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer sub.Close()
-	time.Sleep(100 * time.Millisecond) // live
+	if !wait.Until(10*time.Second, func() bool { return events.Live(sub) }) {
+		b.Fatal("the subscription did not go live")
+	}
 	for b.Loop() {
 		w.Emit("bench", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1"})
 		<-sub.C
@@ -251,7 +294,7 @@ func BenchmarkEventDelivery(b *testing.B) {
 func TestWriterEmitAfterClose(t *testing.T) {
 	t.Parallel()
 	rdb := redistest.Start(t).Client(t)
-	w := events.NewWriter(rdb, quiet)
+	w := events.NewWriter(storeOf(t, rdb), quiet)
 	w.Emit("acme", protocol.Event{Type: protocol.EventCreated, SandboxID: "sb_1"})
 	var emitters sync.WaitGroup
 	start := make(chan struct{})

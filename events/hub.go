@@ -10,8 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
 )
@@ -25,10 +23,10 @@ import (
 // feedPoll in case a wake-up was lost (a pub/sub reconnect): the stream stays the one source of
 // truth, so nothing is lost or repeated either way.
 type Hub struct {
-	rdb  redis.UniversalClient
-	log  *slog.Logger
-	mu   sync.Mutex
-	orgs map[string]*orgFeed
+	store *store.Store
+	log   *slog.Logger
+	mu    sync.Mutex
+	orgs  map[string]*orgFeed
 	// stopListen ends the wake-up subscription; nil while no org is followed.
 	stopListen func()
 }
@@ -41,8 +39,8 @@ const feedPoll = 2 * time.Second
 const feedPage = 256
 
 // NewHub makes a hub; readers start with the first subscriber of an org and stop with the last.
-func NewHub(rdb redis.UniversalClient, log *slog.Logger) *Hub {
-	return &Hub{rdb: rdb, log: log, orgs: map[string]*orgFeed{}}
+func NewHub(st *store.Store, log *slog.Logger) *Hub {
+	return &Hub{store: st, log: log, orgs: map[string]*orgFeed{}}
 }
 
 // orgFeed is the reader of one org stream and its subscribers.
@@ -61,7 +59,6 @@ type Subscription struct {
 	sandboxID string
 	hub       *Hub
 	org       string
-	key       string
 	ctx       context.Context
 	mu        sync.Mutex
 	closed    bool
@@ -96,9 +93,8 @@ func (h *Hub) Subscribe(ctx context.Context, org string, opts SubscribeOptions) 
 	if opts.After != "" && !validID(opts.After) {
 		return nil, badEventID(opts.After)
 	}
-	key := store.EventsKey(org)
 	s := &Subscription{C: make(chan protocol.Event, subscriberBuffer), done: make(chan struct{}), sandboxID: opts.SandboxID,
-		hub: h, org: org, key: key, ctx: ctx}
+		hub: h, org: org, ctx: ctx}
 	// Register before reading anything, so nothing that happens meanwhile escapes both the
 	// catch-up and the live feed.
 	if err := h.add(org, s); err != nil {
@@ -108,7 +104,7 @@ func (h *Hub) Subscribe(ctx context.Context, org string, opts SubscribeOptions) 
 	var first []protocol.Event
 	switch {
 	case after != "":
-		reset, from, err := h.trimmedSince(ctx, key, after)
+		reset, from, err := h.trimmedSince(ctx, org, after)
 		if err != nil {
 			s.Close()
 			return nil, err
@@ -118,7 +114,7 @@ func (h *Hub) Subscribe(ctx context.Context, org string, opts SubscribeOptions) 
 		}
 		after = from
 	default:
-		recent, end, err := h.recent(ctx, key, opts.Backlog, opts.SandboxID)
+		recent, end, err := h.recent(ctx, org, opts.Backlog, opts.SandboxID)
 		if err != nil {
 			s.Close()
 			return nil, err
@@ -139,9 +135,9 @@ func (s *Subscription) Done() <-chan struct{} { return s.done }
 // switches to live events. The switch re-reads under the lock, so events the hub delivered during
 // the catch-up (and that the subscription ignored) are not lost.
 func (s *Subscription) catchUp(after string) {
-	ctx, key := s.ctx, s.key
+	ctx, org := s.ctx, s.org
 	for {
-		msgs, err := s.hub.rdb.XRangeN(ctx, key, "("+after, "+", catchUpPage).Result()
+		msgs, err := s.hub.store.EventsAfter(ctx, org, after, catchUpPage)
 		if err != nil {
 			s.Close()
 			return
@@ -158,7 +154,7 @@ func (s *Subscription) catchUp(after string) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	msgs, err := s.hub.rdb.XRange(ctx, key, "("+after, "+").Result()
+	msgs, err := s.hub.store.EventsAfter(ctx, org, after, 0)
 	if err != nil {
 		s.closeLocked()
 		return
@@ -173,7 +169,7 @@ func (s *Subscription) catchUp(after string) {
 }
 
 // sendWait delivers a catch-up event, waiting for the subscriber to read.
-func (s *Subscription) sendWait(m redis.XMessage) bool {
+func (s *Subscription) sendWait(m store.StreamEntry) bool {
 	e, ok := decode(m)
 	if !ok || (s.sandboxID != "" && e.SandboxID != s.sandboxID) {
 		return true
@@ -198,10 +194,10 @@ func (s *Subscription) sendWait(m redis.XMessage) bool {
 // only counts XDEL), so the test is: the position is older than the oldest entry left, and some
 // entries were trimmed. (When the position was exactly the last entry trimmed, nothing was lost and
 // the reset is a false alarm; it says "may".)
-func (h *Hub) trimmedSince(ctx context.Context, key, after string) (*protocol.Event, string, error) {
-	info, err := h.rdb.XInfoStream(ctx, key).Result()
+func (h *Hub) trimmedSince(ctx context.Context, org, after string) (*protocol.Event, string, error) {
+	info, err := h.store.EventsInfo(ctx, org)
 	if err != nil {
-		if strings.Contains(err.Error(), "no such key") {
+		if errors.Is(err, store.ErrNotFound) {
 			if after == "0-0" {
 				return nil, after, nil
 			}
@@ -212,7 +208,7 @@ func (h *Hub) trimmedSince(ctx context.Context, key, after string) (*protocol.Ev
 	if last := info.LastGeneratedID; idLess(last, after) {
 		return aheadReset(after, last), last, nil
 	}
-	first := info.FirstEntry.ID
+	first := info.FirstID
 	if first == "" || info.EntriesAdded <= info.Length || !idLess(after, first) {
 		return nil, after, nil
 	}
@@ -239,15 +235,15 @@ func before(id string) string {
 
 // recent returns up to n of the latest events (for one sandbox, or all) and the stream's end, from
 // which the subscription continues.
-func (h *Hub) recent(ctx context.Context, key string, n int, sandboxID string) ([]protocol.Event, string, error) {
+func (h *Hub) recent(ctx context.Context, org string, n int, sandboxID string) ([]protocol.Event, string, error) {
 	n = min(n, subscriberBuffer-1)
 	// Read more than n when filtering by sandbox: other sandboxes' events share the stream.
 	scan := int64(max(n, 1))
 	if sandboxID != "" {
 		scan = int64(max(n*20, 1))
 	}
-	msgs, err := h.rdb.XRevRangeN(ctx, key, "+", "-", scan).Result()
-	if err != nil && !errors.Is(err, redis.Nil) {
+	msgs, err := h.store.LatestEvents(ctx, org, scan)
+	if err != nil {
 		return nil, "", err
 	}
 	end := "0-0"
@@ -269,10 +265,9 @@ func (h *Hub) recent(ctx context.Context, key string, n int, sandboxID string) (
 	return out, end, nil
 }
 
-func decode(m redis.XMessage) (protocol.Event, bool) {
-	data, _ := m.Values["data"].(string)
+func decode(m store.StreamEntry) (protocol.Event, bool) {
 	var e protocol.Event
-	if json.Unmarshal([]byte(data), &e) != nil {
+	if json.Unmarshal([]byte(m.Data), &e) != nil {
 		return e, false
 	}
 	e.ID = m.ID
@@ -293,7 +288,7 @@ func (h *Hub) add(org string, s *Subscription) error {
 		// together they leave no gap.
 		ctx, cancel := context.WithCancel(context.Background())
 		start := "0-0"
-		last, err := h.rdb.XRevRangeN(ctx, store.EventsKey(org), "+", "-", 1).Result()
+		last, err := h.store.LatestEvents(ctx, org, 1)
 		if err != nil {
 			cancel()
 			if len(h.orgs) == 0 {
@@ -317,42 +312,34 @@ func (h *Hub) add(org string, s *Subscription) error {
 // is confirmed before it returns, so a write after it is never missed. Called with h.mu held.
 func (h *Hub) listen() error {
 	ctx, cancel := context.WithCancel(context.Background())
-	ps := h.rdb.Subscribe(ctx, store.EventsChannel)
-	if _, err := ps.Receive(ctx); err != nil {
-		ps.Close()
+	// The follow reconnects and resubscribes by itself; wake-ups lost meanwhile are covered by the
+	// readers' feedPoll.
+	err := h.store.Follow(ctx, store.EventsChannel, func(org string) {
+		h.mu.Lock()
+		if f := h.orgs[org]; f != nil {
+			select {
+			case f.wake <- struct{}{}:
+			default:
+			}
+		}
+		h.mu.Unlock()
+	})
+	if err != nil {
 		cancel()
 		return err
 	}
-	h.stopListen = func() {
-		cancel()
-		ps.Close()
-	}
-	go func() {
-		// Channel reconnects and resubscribes by itself; wake-ups lost meanwhile are covered by
-		// the readers' feedPoll.
-		for m := range ps.Channel() {
-			h.mu.Lock()
-			if f := h.orgs[m.Payload]; f != nil {
-				select {
-				case f.wake <- struct{}{}:
-				default:
-				}
-			}
-			h.mu.Unlock()
-		}
-	}()
+	h.stopListen = cancel
 	return nil
 }
 
 // read follows one org stream, from the event after `from`, and hands each event to the org's
 // subscribers.
 func (h *Hub) read(ctx context.Context, org string, f *orgFeed, from string) {
-	key := store.EventsKey(org)
 	poll := time.NewTicker(feedPoll)
 	defer poll.Stop()
 	backoff := 100 * time.Millisecond
 	for {
-		msgs, err := h.rdb.XRangeN(ctx, key, "("+from, "+", feedPage).Result()
+		msgs, err := h.store.EventsAfter(ctx, org, from, feedPage)
 		if err != nil {
 			if ctx.Err() != nil {
 				return
@@ -500,15 +487,14 @@ func clip(s string) string {
 // History returns the events after opts.After (or the last opts.Backlog), without following: a
 // one-shot read for clients that do not stream. At most subscriberBuffer-1 events.
 func (h *Hub) History(ctx context.Context, org string, opts SubscribeOptions) ([]protocol.Event, error) {
-	key := store.EventsKey(org)
 	if opts.After == "" {
-		out, _, err := h.recent(ctx, key, max(opts.Backlog, 0), opts.SandboxID)
+		out, _, err := h.recent(ctx, org, max(opts.Backlog, 0), opts.SandboxID)
 		return out, err
 	}
 	if !validID(opts.After) {
 		return nil, badEventID(opts.After)
 	}
-	reset, from, err := h.trimmedSince(ctx, key, opts.After)
+	reset, from, err := h.trimmedSince(ctx, org, opts.After)
 	if err != nil {
 		return nil, err
 	}
@@ -516,7 +502,7 @@ func (h *Hub) History(ctx context.Context, org string, opts SubscribeOptions) ([
 	if reset != nil {
 		out = append(out, *reset)
 	}
-	msgs, err := h.rdb.XRangeN(ctx, key, "("+from, "+", subscriberBuffer-1).Result()
+	msgs, err := h.store.EventsAfter(ctx, org, from, subscriberBuffer-1)
 	if err != nil {
 		return nil, err
 	}

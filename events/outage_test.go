@@ -1,8 +1,12 @@
 package events_test
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,28 +16,44 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/store/redistest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // streamEvents reads org's whole stream once it holds want entries (or the deadline passes).
 func streamEvents(t *testing.T, rdb redis.UniversalClient, org string, want int) []protocol.Event {
 	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		msgs, err := rdb.XRange(t.Context(), store.EventsKey(org), "-", "+").Result()
-		if err == nil && (len(msgs) >= want || time.Now().After(deadline)) {
-			out := make([]protocol.Event, 0, len(msgs))
-			for _, m := range msgs {
-				var e protocol.Event
-				json.Unmarshal([]byte(m.Values["data"].(string)), &e)
-				out = append(out, e)
-			}
-			return out
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("reading the stream: %v", err)
-		}
-		time.Sleep(50 * time.Millisecond)
+	var msgs []redis.XMessage
+	var err error
+	wait.Until(15*time.Second, func() bool {
+		msgs, err = rdb.XRange(t.Context(), store.EventsKey(org), "-", "+").Result()
+		return err == nil && len(msgs) >= want
+	})
+	if err != nil {
+		t.Fatalf("reading the stream: %v", err)
 	}
+	out := make([]protocol.Event, 0, len(msgs))
+	for _, m := range msgs {
+		var e protocol.Event
+		json.Unmarshal([]byte(m.Values["data"].(string)), &e)
+		out = append(out, e)
+	}
+	return out
+}
+
+// failures counts the event writer's failed writes, from its log: the signal that it has met the
+// outage.
+type failures struct {
+	slog.Handler
+	n atomic.Int64
+}
+
+func (f *failures) Enabled(context.Context, slog.Level) bool { return true }
+
+func (f *failures) Handle(_ context.Context, r slog.Record) error {
+	if strings.HasPrefix(r.Message, "event log write failed") {
+		f.n.Add(1)
+	}
+	return nil
 }
 
 // Events emitted while Redis is down are kept and written, in order, when it is back; past the
@@ -53,8 +73,9 @@ func TestEventsSurviveARedisOutage(t *testing.T) {
 			t.Cleanup(func() { raw.Close() })
 			st := store.NewWithOptions(raw, store.Options{Log: quiet})
 			t.Cleanup(st.Close)
-			rdb := st.Client()
-			w := events.NewWriterWithOptions(rdb, quiet, events.WriterOptions{Buffer: tc.buffer})
+			rdb := raw
+			failed := &failures{Handler: quiet.Handler()}
+			w := events.NewWriterWithOptions(st, slog.New(failed), events.WriterOptions{Buffer: tc.buffer})
 			defer w.Close()
 			org := "o"
 			w.Emit(org, protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: "before"})
@@ -63,14 +84,21 @@ func TestEventsSurviveARedisOutage(t *testing.T) {
 			for i := range tc.emits {
 				w.Emit(org, protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: fmt.Sprint(i)})
 			}
-			time.Sleep(4 * time.Second) // the outage: the writer tries, and fails, meanwhile
+			// The outage: the writer tries, and fails, meanwhile. Two failed writes that start after
+			// the last Emit: the write before the second took everything queued (it drains the
+			// queue first), so every event above met the outage in the writer's buffer.
+			after := failed.n.Load()
+			wait.Eventually(t, 15*time.Second, func() bool { return failed.n.Load() >= after+2 }, "two failed writes while Redis is away")
 			srv.Restart(t)
-			w.Emit(org, protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: "after"})
 			kept := min(tc.buffer, tc.emits)
 			want := 1 + kept + 1
 			if kept < tc.emits {
 				want++ // the gap
 			}
+			// Once what the writer kept is written, a new event is written after it. (Before that,
+			// a full buffer counts it into the gap: nothing overtakes the gap.)
+			streamEvents(t, rdb, org, want-1)
+			w.Emit(org, protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: "after"})
 			got := streamEvents(t, rdb, org, want)
 			if len(got) != want {
 				t.Fatalf("%d events in the stream, want %d: %+v", len(got), want, got)

@@ -8,6 +8,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // createLeased creates n running sandboxes with a ttl-second lease and returns their names.
@@ -241,12 +242,8 @@ func TestShortLeaseWarnsOncePerExpiry(t *testing.T) {
 // once a second before it dials again).
 func waitRedis(t *testing.T, b *servertest.Broker) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for b.RDB.Ping(t.Context()).Err() != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("the broker did not reach the restarted Redis within 5s")
-		}
-		time.Sleep(20 * time.Millisecond)
+	if err := wait.For(10*time.Second, func() error { return b.RDB.Ping(t.Context()).Err() }); err != nil {
+		t.Fatalf("the broker did not reach the restarted Redis within 10s: %v", err)
 	}
 }
 

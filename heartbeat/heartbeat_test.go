@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func TestMain(m *testing.M) { servertest.Main(m) }
@@ -35,13 +37,7 @@ func history(t *testing.T, c *client.Client, ref string) []protocol.Event {
 // eventually waits for the event writer (asynchronous by design) to land events.
 func eventually(t *testing.T, cond func() bool) {
 	t.Helper()
-	for i := 0; i < 200; i++ {
-		if cond() {
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	t.Fatal("condition not met within 2s")
+	wait.Eventually(t, 10*time.Second, cond, "the events awaited reached the log")
 }
 
 func types(evs []protocol.Event, typ string) []protocol.Event {
@@ -140,8 +136,14 @@ func TestTwoBrokers(t *testing.T) {
 	seen := make(chan protocol.Event, 16)
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	go onB.Events(sctx, client.EventOptions{Follow: true}, func(e protocol.Event) error { seen <- e; return nil })
-	time.Sleep(100 * time.Millisecond) // let the subscription open
+	opened := make(chan struct{}, 1)
+	go onB.Events(sctx, client.EventOptions{Follow: true, OnOpen: func() { opened <- struct{}{} }},
+		func(e protocol.Event) error { seen <- e; return nil })
+	select {
+	case <-opened:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the event stream on broker B did not open")
+	}
 	res, err := a.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "shared", TTLSeconds: ttl(2)})
 	if err != nil {
 		t.Fatal(err)
@@ -164,8 +166,25 @@ func TestTwoBrokers(t *testing.T) {
 		go func() { defer wg.Done(); br.Sweeper.SweepOnce(ctx) }()
 	}
 	wg.Wait()
-	eventually(t, func() bool { return len(types(history(t, a.Client, "shared"), "stopped")) >= 1 })
-	time.Sleep(200 * time.Millisecond) // a second stop, if there were one, would have landed by now
+	// A barrier: an event emitted through each broker's writer after every sweep returned. Each
+	// writer appends in order, so once both are in the log, any second stop is there too.
+	var barrier []string
+	for _, c := range []*client.Client{a.Client, onB} {
+		m, err := c.Delegate(ctx, "shared", protocol.MintRequest{Scopes: []string{protocol.ScopeExec}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		barrier = append(barrier, m.JTI)
+	}
+	eventually(t, func() bool {
+		seen := 0
+		for _, e := range types(history(t, a.Client, "shared"), protocol.EventTokenMinted) {
+			if slices.Contains(barrier, e.JTI) {
+				seen++
+			}
+		}
+		return seen == len(barrier)
+	})
 	if n := len(types(history(t, a.Client, "shared"), "stopped")); n != 1 {
 		t.Fatalf("want one stopped event from four racing sweeps on two brokers, got %d", n)
 	}

@@ -8,8 +8,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/store"
@@ -105,37 +103,15 @@ func (s *Sweeper) Run(ctx context.Context) {
 	}
 }
 
-// lockScript takes the sweep lock or renews it for its holder.
-// KEYS: 1 lock. ARGV: 1 token, 2 ttl (ms). Answers 1 when the caller holds the lock.
-var lockScript = redis.NewScript(`
-local cur = redis.call('GET', KEYS[1])
-if cur == false then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-`)
-
-// unlockScript releases the lock only if the caller holds it. KEYS: 1 lock. ARGV: 1 token.
-var unlockScript = redis.NewScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-`)
-
 func (s *Sweeper) lock(ctx context.Context) (bool, error) {
 	ttl := 3 * s.cfg.Interval
-	n, err := lockScript.Run(ctx, s.cfg.Store.Client(), []string{store.SweepLockKey}, s.token, ttl.Milliseconds()).Int()
-	return n == 1, err
+	return s.cfg.Store.HoldSweepLock(ctx, s.token, ttl)
 }
 
 func (s *Sweeper) release() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	unlockScript.Run(ctx, s.cfg.Store.Client(), []string{store.SweepLockKey}, s.token)
+	s.cfg.Store.ReleaseSweepLock(ctx, s.token)
 }
 
 // maxRounds bounds the batches one org gets per sweep, so one huge org cannot starve the others.

@@ -44,25 +44,38 @@ const (
 // notify sends cmd to the broker hosting rec; actor is who asked, for a start ("" otherwise).
 func (m *Manager) notify(ctx context.Context, rec store.Record, cmd, actor string) {
 	msg, _ := json.Marshal(nodeCmd{Cmd: cmd, Org: rec.Org, ID: rec.ID, Actor: actor})
-	if err := m.cfg.Store.Client().Publish(ctx, store.NodeChannel(rec.Node), msg).Err(); err != nil {
+	if err := m.cfg.Store.Publish(ctx, store.NodeChannel(rec.Node), string(msg)); err != nil {
 		m.cfg.Log.Warn("could not notify the hosting broker; its reconcile will catch up", "sandbox_id", rec.ID, "node", rec.Node, "err", err)
 	}
 }
 
-// Run serves commands for this node and reconciles every interval until ctx ends.
+// Run serves commands for this node and reconciles every interval until ctx ends. Commands and
+// reconciles run one at a time, on this goroutine. When Redis cannot be subscribed to at first, it
+// tries again at every reconcile.
 func (m *Manager) Run(ctx context.Context, interval time.Duration) {
-	sub := m.cfg.Store.Client().Subscribe(ctx, store.NodeChannel(m.cfg.Node))
-	defer sub.Close()
-	msgs := sub.Channel()
+	msgs := make(chan string, 128)
+	follow := func() bool {
+		err := m.cfg.Store.Follow(ctx, store.NodeChannel(m.cfg.Node), func(payload string) {
+			select {
+			case msgs <- payload:
+			case <-ctx.Done():
+			}
+		})
+		if err != nil && ctx.Err() == nil {
+			m.cfg.Log.Warn("cannot follow this node's commands yet; the periodic reconcile covers them meanwhile", "err", err)
+		}
+		return err == nil
+	}
+	following := follow()
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case msg := <-msgs:
+		case payload := <-msgs:
 			var c nodeCmd
-			if json.Unmarshal([]byte(msg.Payload), &c) == nil {
+			if json.Unmarshal([]byte(payload), &c) == nil {
 				startBy := ""
 				if c.Cmd == cmdStart {
 					startBy = cmp.Or(c.Actor, "broker")
@@ -70,6 +83,9 @@ func (m *Manager) Run(ctx context.Context, interval time.Duration) {
 				m.reconcileOne(ctx, c.Org, c.ID, startBy)
 			}
 		case <-tick.C:
+			if !following {
+				following = follow()
+			}
 			m.reconcileAll(ctx)
 		}
 	}

@@ -93,7 +93,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		cfg.Limits.Connections = cfg.Dataplane.withDefaults().PerOrg
 	}
 	cfg.Store.SetDefaultLimits(cfg.Limits)
-	b := &Broker{events: events.NewWriter(cfg.Store.Client(), cfg.Log)}
+	b := &Broker{events: events.NewWriter(cfg.Store, cfg.Log)}
 	// Once Recover has restarted sandboxes, a failure must stop them again: nothing else would.
 	fail := func(err error) (*Broker, error) {
 		if b.Sandboxes != nil {
@@ -141,7 +141,6 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	if err := b.Sandboxes.Beat(ctx, live); err != nil {
 		return fail(err)
 	}
-	rdb := cfg.Store.Client()
 	prov := ProviderInfo{Name: cfg.Provider.Name(), Isolation: sandbox.Isolation(cfg.Provider.Name()),
 		LimitsEnforced: cfg.ProviderReport.LimitsEnforced, DiskQuota: cfg.ProviderReport.DiskQuota, Fallback: cfg.ProviderReport.Fallback}
 	var warnings []string
@@ -155,7 +154,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
-			if err := rdb.Ping(ctx).Err(); err != nil {
+			if err := cfg.Store.Ping(ctx); err != nil {
 				r.Ready, r.Redis = false, "unreachable"
 			}
 			return r

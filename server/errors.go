@@ -6,7 +6,6 @@ import (
 	"net/http"
 
 	"github.com/labstack/echo/v4"
-	"github.com/redis/go-redis/v9"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/store"
@@ -69,7 +68,7 @@ func apiError(err error) (int, *protocol.Error) {
 
 func isRedisDown(err error) bool {
 	var ne interface{ Timeout() bool }
-	return errors.Is(err, redis.ErrClosed) || errors.As(err, &ne) || store.Unavailable(err)
+	return errors.Is(err, store.ErrClientClosed) || errors.As(err, &ne) || store.Unavailable(err)
 }
 
 // errorHandler is echo's HTTPErrorHandler: every error answer goes through here.

@@ -163,7 +163,7 @@ func New(cfg Config) *Server {
 	h := newHub()
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count, cfg.Provider), hub: h,
-		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store.Client(), cfg.Log), clock: cfg.Now,
+		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store, cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
 		dpLimits: cfg.Dataplane.withDefaults()}
@@ -250,10 +250,10 @@ func (s *Server) Handler() http.Handler { return s.e }
 func (s *Server) Serve(l net.Listener) error {
 	// Subscribed before the first request is served, so no revocation can slip past a cache or an
 	// open connection.
-	if err := delegation.Subscribe(s.bgCtx, s.store.Client(), s.hub.revoked); err != nil {
+	if err := delegation.Subscribe(s.bgCtx, s.store, s.hub.revoked); err != nil {
 		return err
 	}
-	err := delegation.FollowKeyRevocations(s.bgCtx, s.store.Client(), func(id string) {
+	err := delegation.FollowKeyRevocations(s.bgCtx, s.store, func(id string) {
 		s.apiKeys.evict(id)
 		s.hub.keyRevoked(id)
 		s.streams.keyRevoked(id)

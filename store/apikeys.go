@@ -175,7 +175,7 @@ func (s *Store) RevokeAPIKey(ctx context.Context, id string, now time.Time) (API
 			return APIKey{}, fmt.Errorf("store: revoke API key: %w", err)
 		}
 		// Brokers cache verified keys briefly; tell them now (the cache's short TTL covers a lost message).
-		s.rdb.Publish(ctx, APIKeyRevokedChannel, id)
+		s.Publish(ctx, APIKeyRevokedChannel, id)
 		k.RevokedAt = now.UTC().Truncate(time.Millisecond)
 	}
 	return k, nil

@@ -22,6 +22,9 @@ const DefaultTimeout = time.Second
 // the call bound. Callers answer 503 (retry).
 var ErrUnavailable = errors.New("store: Redis is unavailable")
 
+// ErrClientClosed is a call on a closed Redis client: the broker is shutting down.
+var ErrClientClosed = redis.ErrClosed
+
 // BoundOptions sets the socket-level bounds of a client to timeout: dial, read, write and waiting
 // for a pooled connection, and makes the client honour context deadlines. Store adds the bound on
 // the whole call (retries included) on top; call this before redis.NewUniversalClient.

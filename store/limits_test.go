@@ -65,7 +65,7 @@ func TestOrgLimits(t *testing.T) {
 			}
 			// A status change into running counts the sandbox even if the count lost it (a record an
 			// older broker moved).
-			s.Client().Del(ctx, store.ActiveKey("acme"))
+			store.Raw(s).Del(ctx, store.ActiveKey("acme"))
 			if _, err := s.Transition(ctx, "acme", rec.ID, store.Transition{From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning}); err != nil {
 				t.Fatal(err)
 			}

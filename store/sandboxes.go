@@ -67,9 +67,6 @@ func NewWithOptions(rdb redis.UniversalClient, o Options) *Store {
 // the store any more (after the broker's Shutdown).
 func (s *Store) Close() { s.leases.close() }
 
-// Client is the underlying client, for packages that keep their own keys (events, delegation).
-func (s *Store) Client() redis.UniversalClient { return s.rdb }
-
 // One clock for every lease. Deadlines, the sweeper's "has it expired" and expiry warnings are all
 // decided by Redis' clock, read with TIME inside the scripts that decide them, so every broker on
 // one Redis agrees and a broker with a wrong clock can neither cut a lease short nor stop a sandbox

@@ -78,6 +78,11 @@ func TestStore(t *testing.T) {
 				{"APIKeys", testAPIKeys},
 				{"ExpiryWarnings", testExpiryWarnings},
 				{"UIDs", testUIDs},
+				{"Tokens", testTokens},
+				{"SweepLock", testSweepLock},
+				{"Follow", testFollow},
+				{"EventStream", testEventStream},
+				{"PingAndOrgs", testPingAndOrgs},
 			} {
 				t.Run(tc.name, func(t *testing.T) { clk.Set(t0); tc.fn(t, s, clk) })
 			}
@@ -356,7 +361,7 @@ func testAPIKeys(t *testing.T, s *store.Store, clk *clock) {
 	if err != nil || got.Org != "keys" || got.ID != k.ID {
 		t.Fatalf("authenticate: %v %+v", err, got)
 	}
-	raw, _ := s.Client().HGetAll(ctx, store.APIKeyKey(k.ID)).Result()
+	raw, _ := store.Raw(s).HGetAll(ctx, store.APIKeyKey(k.ID)).Result()
 	for f, v := range raw {
 		if v == key || (len(v) > 20 && len(key) > 20 && v == key[len(key)-20:]) {
 			t.Fatalf("field %s stores the key in clear", f)
@@ -534,7 +539,7 @@ func TestStoreClose(t *testing.T) {
 // answers its uid; a released uid comes back only after the rest of the range went round.
 func testUIDs(t *testing.T, s *store.Store, clk *clock) {
 	ctx := t.Context()
-	other := store.New(s.Client()) // a second broker on the same Redis
+	other := store.New(store.Raw(s)) // a second broker on the same Redis
 	r := store.UIDRange{First: 200000, Last: 200039, Skip: 200005}
 	if r.Size() != 39 {
 		t.Fatalf("size %d, want 39", r.Size())

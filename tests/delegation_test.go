@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // The delegation flow as a person runs it: delegate, introspect, revoke, introspect; run-config
@@ -131,15 +132,19 @@ func TestExecAndEventsThroughSbctl(t *testing.T) {
 		t.Fatalf("events table:\n%s", table)
 	}
 
-	// sbctl events -f follows live.
-	cmd := exec.Command(filepath.Join(bin, "sbctl"), "events", "box", "-f", "--backlog", "0", "-o", "json")
+	// sbctl events -f follows: from the last event seen (--since), so the exec below is shown
+	// whenever the stream opens, with no wait for it to open first.
+	since := lines[len(lines)-1].ID
+	if since == "" {
+		t.Fatalf("events -o json printed no id: %+v", lines[len(lines)-1])
+	}
+	cmd := exec.Command(filepath.Join(bin, "sbctl"), "events", "box", "-f", "--since", since, "-o", "json")
 	cmd.Env = append(os.Environ(), "HOME="+b.Home, "XDG_CONFIG_HOME=", "SBCTL_CONFIG=", "SBX_API_KEY=", "SBX_BROKER_URL=")
 	out, _ := cmd.StdoutPipe()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer cmd.Process.Kill()
-	time.Sleep(300 * time.Millisecond)
 	b.ok("exec", "box", "--", "true")
 	got := make(chan string, 8)
 	go func() {
@@ -178,7 +183,15 @@ func TestAttach(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Beats every second keep a 3 s lease alive well past 3 s; the broker's sweeper runs every 2 s.
-	time.Sleep(5 * time.Second)
+	// Wait until a beat at least 5 s after the create has moved the lease (without attach it would
+	// have been stopped by then, and its lease would never move).
+	wait.Eventually(t, 20*time.Second, func() bool {
+		var sb protocol.Sandbox
+		if err := json.Unmarshal([]byte(b.ok("get", "leased", "-o", "json")), &sb); err != nil {
+			t.Fatalf("get -o json: %v", err)
+		}
+		return sb.ExpiresAt != nil && sb.ExpiresAt.Sub(sb.CreatedAt) >= 8*time.Second
+	}, "attach renewed the lease of leased 5 s after its create\nattach said:\n%s", &stderr)
 	if got := b.ok("get", "leased"); !strings.Contains(got, "running") {
 		t.Fatalf("attached sandbox not running after 5 s:\n%s\nattach said:\n%s", got, stderr.String())
 	}
@@ -194,13 +207,7 @@ func TestAttach(t *testing.T) {
 	}
 	// Without attach, the 3 s lease runs out and the sweeper stops it (files kept).
 	b.ok("resume", "leased")
-	deadline := time.Now().Add(15 * time.Second)
-	for !strings.Contains(b.ok("get", "leased"), "ttl_expired") {
-		if time.Now().After(deadline) {
-			t.Fatalf("lease did not expire: %s", b.ok("get", "leased"))
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+	wait.Eventually(t, 15*time.Second, func() bool { return strings.Contains(b.ok("get", "leased"), "ttl_expired") }, "the lease of leased ran out")
 	if dry := b.ok("sweep", "--dry-run"); !strings.Contains(dry, "leased") || !strings.Contains(dry, "ttl_expired") {
 		t.Fatalf("sweep --dry-run:\n%s", dry)
 	}
@@ -265,18 +272,11 @@ func TestAdminCommands(t *testing.T) {
 	json.Unmarshal([]byte(b.ok("delegate", "rot", "--scope", "exec", "-o", "json")), &before)
 	admin("keys", "rotate-signing")
 	// The running broker picks the new key up within its reload interval.
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	wait.Eventually(t, 20*time.Second, func() bool {
 		var after protocol.MintResponse
 		json.Unmarshal([]byte(b.ok("delegate", "rot", "--scope", "exec", "-o", "json")), &after)
-		if kid(after.Token) != kid(before.Token) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("new tokens still carry the old kid 20 s after rotate-signing")
-		}
-		time.Sleep(time.Second)
-	}
+		return kid(after.Token) != kid(before.Token)
+	}, "new tokens carry the new kid after rotate-signing")
 	if out := b.sbctlIn(before.Token, "introspect"); !strings.HasPrefix(out.stdout, "active") {
 		t.Fatalf("a token signed before the rotation stopped verifying: %+v", out)
 	}

@@ -187,7 +187,7 @@ func printLimits(cmd *cobra.Command, c *config, s *store.Store, org, output stri
 	if c.validateLimitsErr() != nil {
 		return c.validateLimitsErr()
 	}
-	known, err := s.Client().SIsMember(ctx, store.OrgsKey, org).Result()
+	known, err := s.OrgExists(ctx, org)
 	if err != nil {
 		return err
 	}

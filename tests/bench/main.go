@@ -641,7 +641,7 @@ func sweep(expired, total int) (time.Duration, int, int, error) {
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	evw := events.NewWriter(rdb, log)
+	evw := events.NewWriter(st, log)
 	defer evw.Close()
 	mgr, err := sandbox.NewManager(sandbox.Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
 		Node: "bench", Events: evw.Emit, Log: log, Now: func() time.Time { return now }, DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour,

@@ -40,8 +40,8 @@ var rules = []struct {
 	{[]string{"delegation", "heartbeat", "sandbox"}, []string{"events"},
 		"domain packages emit through the function they are given (the server wires in the event log)", nil},
 	{[]string{"cmd", "server", "store", "sandbox", "delegation", "heartbeat", "events", "backend", "client", "protocol"},
-		[]string{"server/servertest", "store/redistest"}, "test helpers never link into the product",
-		[]string{"server/servertest", "store/redistest"}},
+		[]string{"server/servertest", "store/redistest", "tests/wait"}, "test helpers never link into the product",
+		[]string{"server/servertest", "store/redistest", "tests/wait"}},
 }
 
 // directRules forbid a direct import only: the package may still depend on the other through a
@@ -229,5 +229,47 @@ func TestInitIsLeaf(t *testing.T) {
 	t.Logf("sbx-init: %d bytes", st.Size())
 	if st.Size() > initMaxSize {
 		t.Errorf("sbx-init is %d bytes, more than %d: what made it grow?", st.Size(), initMaxSize)
+	}
+}
+
+// redisClient is the Redis client library. Only store issues Redis commands (docs/ARCHITECTURE.md,
+// "All Redis behind store"), so its test matrix covers every one; the others listed here build a
+// client to hand to store, or are test helpers that damage Redis on purpose.
+const redisClient = "github.com/redis/go-redis/v9"
+
+var mayImportRedis = map[string]string{
+	"store":             "the one owner of Redis",
+	"store/redistest":   "test helper: starts redis-server and Cluster for tests",
+	"server/servertest": "test helper: tests damage records through a raw client",
+	"cmd/broker":        "builds the client (URL, embedded, bounds) that it hands to store",
+	"tests/bench":       "builds a client for its embedded Redis and hands it to store",
+}
+
+func TestOnlyStoreImportsRedis(t *testing.T) {
+	out, err := exec.Command("go", "list", "-f", "{{.ImportPath}}{{range .Imports}} {{.}}{{end}}", module+"/...").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	seen := 0
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		from, ok := rel(f[0])
+		if !ok {
+			continue
+		}
+		for _, imp := range f[1:] {
+			if imp != redisClient && !strings.HasPrefix(imp, redisClient+"/") {
+				continue
+			}
+			seen++
+			if _, ok := mayImportRedis[from]; !ok {
+				t.Errorf("%s imports %s: Redis calls belong in store (add a method there and test it in its matrix)", from, imp)
+			}
+		}
+	}
+	if seen == 0 {
+		t.Fatal("no package imports the Redis client: is the list broken?")
 	}
 }

@@ -1,0 +1,70 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Announcements between brokers go over Redis pub/sub (the channels in keys.go). They are best
+// effort: a follower that is disconnected misses what is published meanwhile, so every user of them
+// also has a periodic catch-up (re-verification, reconcile, polling).
+
+// Publish sends each msg on channel, in one round trip. Their order is kept by one Redis, not by a
+// Cluster (the pipeline's PUBLISHes go to several nodes at once): send what must stay in order with
+// one call each.
+func (s *Store) Publish(ctx context.Context, channel string, msgs ...string) error {
+	var err error
+	switch len(msgs) {
+	case 0:
+		return nil
+	case 1:
+		err = s.rdb.Publish(ctx, channel, msgs[0]).Err()
+	default:
+		pipe := s.rdb.Pipeline()
+		for _, m := range msgs {
+			pipe.Publish(ctx, channel, m)
+		}
+		_, err = pipe.Exec(ctx)
+	}
+	if err != nil {
+		return fmt.Errorf("store: publish on %s: %w", channel, err)
+	}
+	return nil
+}
+
+// followHealthCheck is how often an idle subscription is pinged, so a connection that died silently
+// (a peer gone behind a quiet network) is noticed and re-established.
+const followHealthCheck = 5 * time.Second
+
+// Follow subscribes to channel and calls fn with each message's payload, from one goroutine, in
+// order, until ctx ends (the subscription is then closed). It returns once Redis has confirmed the
+// subscription, so no message published after it returns is missed; an error means nothing is
+// followed. A dropped connection is re-established and resubscribed by itself (messages published
+// meanwhile are lost), and the connection's health is checked while idle. fn may block: messages
+// wait meanwhile (a bounded buffer).
+func (s *Store) Follow(ctx context.Context, channel string, fn func(payload string)) error {
+	sub := s.rdb.Subscribe(ctx, channel)
+	if _, err := sub.Receive(ctx); err != nil {
+		sub.Close()
+		return fmt.Errorf("store: subscribe to %s: %w", channel, err)
+	}
+	ch := sub.Channel(redis.WithChannelHealthCheckInterval(followHealthCheck))
+	go func() {
+		defer sub.Close()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case msg, ok := <-ch:
+				if !ok {
+					return
+				}
+				fn(msg.Payload)
+			}
+		}
+	}()
+	return nil
+}

@@ -75,6 +75,11 @@ type call struct {
 	rep    reply
 	err    error
 	reason string // set when we asked the init to kill it
+	// pid is the command's pid as the init sees it (its process group too), 0 until the init said.
+	pid int
+	// outside ends the command from the broker's side if the init has not, killGrace after reason
+	// was set (outside.go).
+	outside *time.Timer
 }
 
 // launchSpec is what a provider hands to launch.
@@ -426,6 +431,16 @@ func (in *instance) readLoop() {
 		}
 		switch r.Op {
 		case opExit, opError, opStarted:
+		case opForked:
+			in.mu.Lock()
+			c := in.calls[r.ID]
+			in.mu.Unlock()
+			if c != nil {
+				c.mu.Lock()
+				c.pid = r.Pid
+				c.mu.Unlock()
+			}
+			continue
 		default:
 			continue
 		}
@@ -515,8 +530,8 @@ func (in *instance) unregister(c *call) {
 	in.mu.Unlock()
 }
 
-// send marshals and sends one request.
-func (in *instance) send(r *request, fds []int) error {
+// send marshals and sends one request, giving up after within if the init does not take it.
+func (in *instance) send(r *request, fds []int, within time.Duration) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
@@ -524,7 +539,10 @@ func (in *instance) send(r *request, fds []int) error {
 	if len(b) > maxMessage {
 		return invalidRequest("command and environment are %d bytes, more than %d", len(b), maxMessage)
 	}
-	if err := in.ctl.send(b, fds); err != nil {
+	if err := in.ctl.sendWithin(b, fds, within); err != nil {
+		if err == errInitNotTaking {
+			return err
+		}
 		in.mu.Lock()
 		dead := in.deadErr
 		in.mu.Unlock()
@@ -575,7 +593,7 @@ func (in *instance) startBackground(r *request) (ExecResult, error) {
 		return ExecResult{}, err
 	}
 	r.ID = c.id
-	if err := in.send(r, nil); err != nil {
+	if err := in.send(r, nil, startTimeout); err != nil {
 		in.unregister(c)
 		return ExecResult{}, err
 	}
@@ -644,7 +662,7 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 		return ExecResult{}, err
 	}
 	r.ID = c.id
-	if err := in.send(r, send); err != nil {
+	if err := in.send(r, send, timeout); err != nil {
 		in.unregister(c)
 		closeAll()
 		return ExecResult{}, err
@@ -682,6 +700,11 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	<-c.done
 	timer.Stop()
 	stopCancel()
+	c.mu.Lock()
+	if c.outside != nil {
+		c.outside.Stop()
+	}
+	c.mu.Unlock()
 	closeAll()
 	if stdinDone != nil {
 		// Closing our end stops the copy at its next write; it may still sit in Stdin.Read. As
@@ -714,7 +737,9 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	return res, nil
 }
 
-// killCall asks the init to end a command's tree, once.
+// killCall asks the init to end a command's tree, once, and makes sure it ends: if the init has not
+// reported its end killGrace later (it may be stopped, hung or starved), the broker ends it from
+// outside (outside.go).
 func (in *instance) killCall(c *call, reason string) {
 	c.mu.Lock()
 	if c.exited || c.reason != "" {
@@ -722,8 +747,9 @@ func (in *instance) killCall(c *call, reason string) {
 		return
 	}
 	c.reason = reason
+	c.outside = time.AfterFunc(killGrace, func() { in.killOutside(c) })
 	c.mu.Unlock()
-	in.send(&request{Op: opKill, ID: c.id}, nil)
+	in.send(&request{Op: opKill, ID: c.id}, nil, killGrace)
 }
 
 // oomKilled reports whether the cgroup's OOM-kill counter went up since the last time it was seen.

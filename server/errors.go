@@ -51,6 +51,8 @@ func apiError(err error) (int, *protocol.Error) {
 		return status, &protocol.Error{Code: pe.Code, Message: pe.Message}
 	case errors.As(err, &ire):
 		return 400, protocol.Errorf(protocol.CodeInvalidArgument, "%s", ire.Reason)
+	case errors.Is(err, provider.ErrMemoryLimit):
+		return 409, protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped: it reached its memory limit (memory_limit); resume it, and keep /tmp, /dev/shm and processes within the template's memory")
 	case errors.Is(err, provider.ErrStopped):
 		return 409, protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped")
 	case errors.As(err, &he):

@@ -348,6 +348,85 @@ func (s *cgroupSet) oomKills() int64 {
 	return -1
 }
 
+// memoryLimit is the memory limit in bytes, -1 if unknown or unlimited.
+func (s *cgroupSet) memoryLimit() int64 {
+	if s == nil || s.memDir == "" {
+		return -1
+	}
+	file := "memory.limit_in_bytes"
+	if s.v2 {
+		file = "memory.max"
+	}
+	b, err := os.ReadFile(filepath.Join(s.memDir, file))
+	if err != nil {
+		return -1
+	}
+	n, err := strconv.ParseInt(string(bytes.TrimSpace(b)), 10, 64)
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+// shmem is the cgroup's memory that no process holds: tmpfs files (/tmp, /dev/shm) and SysV shared
+// memory, -1 if unknown.
+func (s *cgroupSet) shmem() int64 {
+	if s == nil || s.memDir == "" {
+		return -1
+	}
+	b, err := os.ReadFile(filepath.Join(s.memDir, "memory.stat"))
+	if err != nil {
+		return -1
+	}
+	for _, line := range bytes.Split(b, []byte("\n")) {
+		// v1 has shmem (this cgroup) and total_shmem (with children); v2 has shmem only.
+		if v, ok := bytes.CutPrefix(line, []byte("shmem ")); ok {
+			if n, err := strconv.ParseInt(string(bytes.TrimSpace(v)), 10, 64); err == nil {
+				return n
+			}
+		}
+	}
+	return -1
+}
+
+// watchOOM calls fn after each OOM event of the cgroup (v1: an eventfd registered on
+// memory.oom_control) until the returned stop is called. Where it cannot watch (v2, no memory
+// controller, no permission) it returns a no-op: callers then look only when a command was killed.
+func (s *cgroupSet) watchOOM(fn func()) (stop func()) {
+	nop := func() {}
+	if s == nil || s.memDir == "" || s.v2 {
+		return nop
+	}
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return nop
+	}
+	oc, err := os.Open(filepath.Join(s.memDir, "memory.oom_control"))
+	if err != nil {
+		unix.Close(efd)
+		return nop
+	}
+	defer oc.Close() // the registration holds its own reference
+	reg := fmt.Sprintf("%d %d", efd, oc.Fd())
+	if err := os.WriteFile(filepath.Join(s.memDir, "cgroup.event_control"), []byte(reg), 0); err != nil {
+		unix.Close(efd)
+		return nop
+	}
+	// The kernel signals the eventfd on removal only once the memory cgroup is freed, which may be
+	// long after rmdir (while pages are still charged to it), so the owner closes it.
+	ev := os.NewFile(uintptr(efd), "oom-events")
+	go func() {
+		var buf [8]byte
+		for {
+			if _, err := ev.Read(buf[:]); err != nil {
+				return
+			}
+			fn()
+		}
+	}()
+	return func() { ev.Close() }
+}
+
 // stat reads one value file of the set (tests and diagnostics): e.g. "pids.max".
 func (s *cgroupSet) stat(file string) string {
 	if s == nil {

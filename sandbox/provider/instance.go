@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -53,12 +54,20 @@ type instance struct {
 	initPid int    // host pid of the init
 	pidfd   int    // the init's pidfd (namespace), so Stop never signals a reused pid
 	netStop func() // ends the network helper; nil when there is none
+	oomStop func() // ends the OOM event watch; nil when there is none
 	ended   bool   // wait has torn down: a helper started now must be stopped at once
 
 	env      map[string]string
 	done     chan struct{}
 	stopOnce sync.Once
 	oomSeen  atomic.Int64
+	// lastOOM is when an exec last reported an OOM kill (unix nanoseconds), so that wait can tell an
+	// init killed by the memory limit even when that exec consumed the counter's last step.
+	lastOOM atomic.Int64
+	// stopping is set when the sandbox is ended on purpose (Stop, a failed start, memory wedged).
+	stopping atomic.Bool
+	// why is the reason the instance ended without a Stop (EndReason), set before done closes.
+	why atomic.Pointer[string]
 }
 
 // call is one command in flight.
@@ -235,6 +244,17 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 			return abort(err)
 		}
 		in.oomSeen.Store(max(in.cg.oomKills(), 0))
+		// Memory no process holds can fill the limit without any exec being killed for it (a
+		// shell that survives its child's kill), so the wedge is checked at each OOM event.
+		stop := in.cg.watchOOM(in.endIfMemoryWedged)
+		in.mu.Lock()
+		if in.ended {
+			in.mu.Unlock()
+			stop()
+		} else {
+			in.oomStop = stop
+			in.mu.Unlock()
+		}
 	}
 	if ls.network != nil {
 		stop, err := ls.network(ctx, pid)
@@ -345,8 +365,12 @@ func (in *instance) awaitReady(ctx context.Context) (int, error) {
 
 // wait reaps the init's process and tears everything down, however the init ended.
 func (in *instance) wait() {
-	_ = in.cmd.Wait()
-	in.fail(fmt.Errorf("%w: the sandbox's init exited", ErrStopped))
+	err := in.cmd.Wait()
+	// The cgroup goes below: whether its OOM killer took the init must be read first.
+	if !in.stopping.Load() && killedBySIGKILL(in.cmd, err) && in.oomSince() {
+		in.setWhy(ReasonMemoryLimit)
+	}
+	in.fail(in.endErr())
 	if in.kind == kindDir && in.initPid > 0 {
 		// Without a pid namespace, processes that outlived the init (their parent died, and so did
 		// their subreaper) are still in its session.
@@ -358,11 +382,14 @@ func (in *instance) wait() {
 		unix.Close(in.pidfd)
 		in.pidfd = 0
 	}
-	netStop := in.netStop
-	in.netStop, in.ended = nil, true
+	netStop, oomStop := in.netStop, in.oomStop
+	in.netStop, in.oomStop, in.ended = nil, nil, true
 	in.mu.Unlock()
 	if netStop != nil {
 		netStop()
+	}
+	if oomStop != nil {
+		oomStop()
 	}
 	in.cg.remove()
 	in.release()
@@ -371,6 +398,7 @@ func (in *instance) wait() {
 
 // kill ends everything in the sandbox; wait does the rest.
 func (in *instance) kill() {
+	in.stopping.Store(true)
 	select {
 	case <-in.done:
 		return
@@ -419,7 +447,7 @@ func (in *instance) readLoop() {
 			closeFDs(fds)
 		}
 		if err != nil || n == 0 {
-			in.fail(fmt.Errorf("%w: the sandbox's init exited", ErrStopped))
+			in.fail(in.endErr())
 			return
 		}
 		if flags&unix.MSG_TRUNC != 0 {
@@ -732,6 +760,7 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	} else if killed && in.oomKilled() {
 		// A shell reports its SIGKILLed child as 137, so an OOM kill of a pipeline member counts.
 		res.Reason = ReasonMemoryLimit
+		in.endIfMemoryWedged()
 	}
 	res.Duration = time.Since(start)
 	return res, nil
@@ -766,12 +795,77 @@ func (in *instance) oomKilled() bool {
 				break
 			}
 			if in.oomSeen.CompareAndSwap(old, n) {
+				in.lastOOM.Store(time.Now().UnixNano())
 				return true
 			}
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
 	return false
+}
+
+// oomSince reports whether the memory limit's OOM killer acted since an exec last looked, or an
+// exec saw it act within the last oomRecent: the init itself, or bwrap, was then its victim.
+func (in *instance) oomSince() bool {
+	if n := in.cg.oomKills(); n >= 0 && n > in.oomSeen.Load() {
+		return true
+	}
+	last := in.lastOOM.Load()
+	return last > 0 && time.Since(time.Unix(0, last)) < oomRecent
+}
+
+// oomRecent is how close to an exec's OOM kill the init's own SIGKILL counts as the memory limit's.
+const oomRecent = 2 * time.Second
+
+// wedgeHeadroom is the memory a command needs to start at all (a shell, its libraries' pages). When
+// less than this is left beside memory no process holds (tmpfs, /dev/shm, SysV shared memory), the
+// kernel cannot free anything by killing processes, and every command is killed as it starts.
+const wedgeHeadroom = 8 << 20
+
+// endIfMemoryWedged ends the sandbox, with reason memory_limit, when the memory its processes do not
+// hold fills its limit: every command would be OOM-killed as it starts, and nothing could run to free
+// it. Files in the workspace stay; /tmp and /dev/shm go with the stop.
+func (in *instance) endIfMemoryWedged() {
+	limit, shmem := in.cg.memoryLimit(), in.cg.shmem()
+	if limit <= 0 || shmem < 0 || shmem+wedgeHeadroom < limit {
+		return
+	}
+	select {
+	case <-in.done:
+		return
+	default:
+	}
+	in.setWhy(ReasonMemoryLimit)
+	go in.stopOnce.Do(in.kill)
+}
+
+func (in *instance) setWhy(reason string) { in.why.CompareAndSwap(nil, &reason) }
+
+func (in *instance) endReason() string {
+	if p := in.why.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
+// endErr is what calls in flight and new ones get once the init is gone.
+func (in *instance) endErr() error {
+	if in.endReason() == ReasonMemoryLimit {
+		return ErrMemoryLimit
+	}
+	return fmt.Errorf("%w: the sandbox's init exited", ErrStopped)
+}
+
+// killedBySIGKILL reports whether the init's process (bwrap's, which reports its child's signal as
+// 128+n) ended by SIGKILL.
+func killedBySIGKILL(cmd *exec.Cmd, err error) bool {
+	if err == nil || cmd.ProcessState == nil {
+		return false
+	}
+	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return ws.Signal() == unix.SIGKILL
+	}
+	return cmd.ProcessState.ExitCode() == 128+int(unix.SIGKILL)
 }
 
 var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}

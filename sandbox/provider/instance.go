@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"runtime"
@@ -105,6 +106,8 @@ type launchSpec struct {
 	// info, when set, is the read end of bwrap's --info-fd: it names the sandbox's first process
 	// as soon as bwrap has cloned it, so the cgroup attach can run while the init is still starting.
 	info *os.File
+	// placed: the init is forked inside cg (cgroupSet.placeThread), so nothing needs attaching.
+	placed bool
 	// network, when set, attaches the sandbox's network helper to the namespaces of the init (host
 	// pid) once it is ready; the function it returns ends the helper and runs when the sandbox ends.
 	network func(ctx context.Context, initPid int) (stop func(), err error)
@@ -167,7 +170,11 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		ctl.close()
 		return fail(fmt.Errorf("send init config: %w", err))
 	}
-	err = spawn(in.cmd)
+	if ls.placed {
+		err = spawn(in.cmd, in.cg)
+	} else {
+		err = spawn(in.cmd, nil)
+	}
 	initEnd.Close()
 	closeExtra()
 	if err != nil {
@@ -217,7 +224,7 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		in.pidfd = pfd
 	}
 	in.mu.Unlock()
-	if in.cg != nil {
+	if in.cg != nil && !ls.placed {
 		// The attach must be complete before the first command: everything the init forks from
 		// then on inherits the cgroups.
 		attachedPid, err := -1, error(nil)
@@ -243,6 +250,8 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		if err != nil {
 			return abort(err)
 		}
+	}
+	if in.cg != nil {
 		in.oomSeen.Store(max(in.cg.oomKills(), 0))
 		// Memory no process holds can fill the limit without any exec being killed for it (a
 		// shell that survives its child's kill), so the wedge is checked at each OOM event.
@@ -1114,20 +1123,36 @@ var spawner struct {
 
 type spawnReq struct {
 	cmd *exec.Cmd
+	in  *cgroupSet // fork the process inside these cgroups (placeThread); nil: where the broker is
 	err chan error
 }
 
-func spawn(cmd *exec.Cmd) error {
+// spawn starts cmd from the spawner thread, forked inside cg's cgroups when cg is not nil. The
+// thread goes back to the broker's cgroups after the answer, off the caller's path.
+func spawn(cmd *exec.Cmd, cg *cgroupSet) error {
 	spawner.once.Do(func() {
 		spawner.reqs = make(chan spawnReq)
 		go func() {
 			runtime.LockOSThread() // never unlocked: this thread must outlive every sandbox
 			for r := range spawner.reqs {
+				if r.in == nil {
+					r.err <- r.cmd.Start()
+					continue
+				}
+				if err := r.in.placeThread(); err != nil {
+					r.err <- err
+					continue
+				}
 				r.err <- r.cmd.Start()
+				if err := r.in.homeThread(-1); err != nil {
+					// Left in the sandbox's cgroups, the thread would keep them from being removed;
+					// the next placement moves it on all the same.
+					slog.Error("sandbox spawner", "err", err)
+				}
 			}
 		}()
 	})
-	r := spawnReq{cmd: cmd, err: make(chan error, 1)}
+	r := spawnReq{cmd: cmd, in: cg, err: make(chan error, 1)}
 	spawner.reqs <- r
 	return <-r.err
 }

@@ -287,7 +287,10 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	}
 	var info, infoW *os.File
 	var pre []string
-	if cg != nil {
+	// Born in its cgroups, the sandbox's cgroup namespace is rooted at them; otherwise bwrap and its
+	// child are moved there as soon as bwrap names the child.
+	placed := cg.placeable()
+	if cg != nil && !placed {
 		if info, infoW, err = os.Pipe(); err != nil {
 			closeFiles()
 			return fail(err)
@@ -339,6 +342,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		limits:  limits,
 		release: release,
 		info:    info,
+		placed:  placed,
 		network: network,
 	})
 	if err != nil {

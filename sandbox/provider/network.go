@@ -156,7 +156,7 @@ func (n *Namespace) startNetwork(ctx context.Context, spec Spec, pid int, net Ne
 		SysProcAttr: attr,
 		WaitDelay:   time.Second,
 	}
-	if err := spawn(cmd); err != nil {
+	if err := spawn(cmd, nil); err != nil {
 		return nil, fmt.Errorf("sandbox network: start %s: %w: install pasta: apt-get install -y passt", n.pasta, err)
 	}
 	h := &netHelper{cmd: cmd, done: make(chan struct{})}

@@ -100,6 +100,19 @@ func TestSandboxProc(t *testing.T) {
 			t.Errorf("cgroup namespace inside %q, the broker's %q", out, host)
 		}
 	})
+	t.Run("/proc/self/cgroup names nothing of the host", func(t *testing.T) {
+		// Every hierarchy's path is the cgroup namespace's root: no sandbox id, no parent, no
+		// broker's cgroup, whatever the cgroup version.
+		_, out := sh(t, in, "cat /proc/self/cgroup /proc/1/cgroup")
+		if strings.Contains(out, spec.ID) || strings.Contains(out, "..") || strings.Contains(out, n.cfg.CgroupParent) {
+			t.Errorf("/proc/self/cgroup inside:\n%s", out)
+		}
+		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+			if f := strings.SplitN(line, ":", 3); len(f) != 3 || f[2] != "/" {
+				t.Errorf("cgroup line %q, want its path to be /", line)
+			}
+		}
+	})
 	t.Run("the mount table names no host path", func(t *testing.T) {
 		_, out := sh(t, in, "cat /proc/self/mountinfo")
 		data := filepath.Dir(filepath.Dir(n.WorkspaceDir(spec))) // <data dir>/sandboxes

@@ -235,6 +235,9 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if err := spec.Template.validateContent(); err != nil {
 		return nil, fmt.Errorf("template %q: %w", spec.Template.Name, err)
 	}
+	if spec.Template.Network.Enabled && !n.asRoot {
+		return nil, errNetworkNeedsRoot(spec.Template.Name)
+	}
 	ws := n.layout.workspaceDir(spec.ID)
 	if _, err := os.Stat(ws); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)

@@ -7,7 +7,7 @@ const (
 	EventCreated      = "created"
 	EventReused       = "reused"
 	EventResumed      = "resumed"
-	EventStopped      = "stopped" // reason: requested | ttl_expired | runtime_lost
+	EventStopped      = "stopped" // reason: requested | ttl_expired | runtime_lost | memory_limit
 	EventFailed       = "failed"  // reason: create_failed | start_failed | setup_failed | broker_restart
 	EventDeleted      = "deleted"
 	EventExpiring     = "expiring" // seconds_left before the sweeper stops it

@@ -20,6 +20,7 @@ const (
 	StopRequested   = "requested"    // the owner asked (sbctl stop, attach --stop-on-exit)
 	StopTTLExpired  = "ttl_expired"  // no heartbeat within ttl_seconds: the sweeper stopped it
 	StopRuntimeLost = "runtime_lost" // the sandbox's processes ended without being asked to
+	StopMemoryLimit = "memory_limit" // it reached its memory limit: the OOM killer took its init, or memory no process holds (/tmp, /dev/shm) filled it
 )
 
 // Isolation levels of a sandbox: how far its commands are kept from the host and from other

@@ -348,14 +348,18 @@ func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	reason := protocol.StopRuntimeLost
+	if provider.EndReason(inst) == provider.ReasonMemoryLimit {
+		reason = protocol.StopMemoryLimit
+	}
 	rec, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
 		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
-		Fields: map[string]string{store.FieldStopReason: protocol.StopRuntimeLost}})
+		Fields: map[string]string{store.FieldStopReason: reason}})
 	if err != nil {
 		return
 	}
-	m.cfg.Log.Warn("sandbox processes ended on their own; sandbox stopped", "sandbox_id", id, "org", org)
-	m.emit(Caller{Org: org, Actor: "broker"}, rec, protocol.EventStopped, func(e *protocol.Event) { e.Reason = protocol.StopRuntimeLost })
+	m.cfg.Log.Warn("sandbox processes ended on their own; sandbox stopped", "sandbox_id", id, "org", org, "reason", reason)
+	m.emit(Caller{Org: org, Actor: "broker"}, rec, protocol.EventStopped, func(e *protocol.Event) { e.Reason = reason })
 }
 
 // waitSettled waits while a sandbox is provisioning (another caller is starting it).

@@ -87,6 +87,8 @@ func execError(err error) error {
 	switch {
 	case errors.As(err, &ire):
 		return protocol.Errorf(protocol.CodeInvalidArgument, "%s", ire.Reason)
+	case errors.Is(err, provider.ErrMemoryLimit):
+		return protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped: it reached its memory limit (memory_limit); resume it, and keep /tmp, /dev/shm and processes within the template's memory")
 	case errors.Is(err, provider.ErrStopped):
 		return protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped")
 	}

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/protocol"
@@ -68,5 +69,46 @@ func TestDiskQuotaOverTheDataplane(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(b.DataDir, "sandboxes", m.Sandbox.SandboxID)); !os.IsNotExist(err) {
 		t.Fatalf("the sandbox's files after delete: %v", err)
+	}
+}
+
+// A sandbox that filled its disk quota still loses its lease on time: the sweep warns, then stops it
+// (ttl_expired), and its files are kept.
+func TestFullDiskLeaseExpiresOnTime(t *testing.T) {
+	t.Parallel()
+	clock := servertest.NewClock(time.Now())
+	tmpl := map[string]provider.Template{
+		"default": provider.DefaultTemplate(),
+		"small":   {Name: "small", Disk: 16 << 20},
+	}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", Templates: tmpl, Now: clock.Now})
+	ctx := t.Context()
+	ttl := int64(2)
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "full", Template: "small", TTLSeconds: &ttl}); err != nil {
+		t.Fatal(err)
+	}
+	full, _ := dialToken(t, b, "full", protocol.MintRequest{Scopes: []string{"fs:read", "exec"}})
+	res, err := full.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "echo kept > kept; dd if=/dev/zero of=big bs=1M count=64", Combined: true}})
+	if err != nil || res.Output == nil || !strings.Contains(*res.Output, "No space left") {
+		t.Fatalf("filling the disk: %v %+v", err, res)
+	}
+	clock.Advance(1500 * time.Millisecond)
+	if r, err := b.Sweeper.SweepOnce(ctx); err != nil || r.Warned != 1 {
+		t.Fatalf("first sweep: %+v %v", r, err)
+	}
+	clock.Advance(time.Second)
+	if r, err := b.Sweeper.SweepOnce(ctx); err != nil || r.Stopped != 1 {
+		t.Fatalf("second sweep: %+v %v", r, err)
+	}
+	got, err := b.Client.GetSandbox(ctx, "full")
+	if err != nil || got.Status != protocol.StatusStopped || got.StopReason != protocol.StopTTLExpired {
+		t.Fatalf("after the lease: %v %+v", err, got)
+	}
+	if _, err := b.Client.ResumeSandbox(ctx, "full"); err != nil {
+		t.Fatal(err)
+	}
+	again, _ := dialToken(t, b, "full", protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if rr, err := again.Read(ctx, protocol.ReadArgs{Path: "kept"}); err != nil || rr.Content != "kept\n" {
+		t.Fatalf("files after the ttl stop: %v %+v", err, rr)
 	}
 }

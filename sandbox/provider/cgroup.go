@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -23,6 +24,9 @@ var cgroupControllers = []string{"memory", "pids", "cpu"}
 type cgroupHost struct {
 	version string            // "v2", "v1", or "" when nothing is usable
 	parents map[string]string // controller → <mount>/<parent>; on v2 all three are the same dir
+	// homes (v1) is controller → the broker's own cgroup dir in that hierarchy, where the spawner
+	// thread goes back after it forked a sandbox from inside the sandbox's cgroups (placeThread).
+	homes map[string]string
 	// reason says why some or all limits are not enforced; empty when all are.
 	reason string
 }
@@ -89,6 +93,7 @@ func detectCgroups(parent string) *cgroupHost {
 	}
 	if len(h.parents) > 0 {
 		h.version = "v1"
+		h.homes = v1Homes(mounts)
 	}
 	var why []string
 	if len(missing) > 0 {
@@ -120,6 +125,30 @@ func setupV2Parent(root, dir string) error {
 		}
 	}
 	return nil
+}
+
+// v1Homes is controller → the dir of this process's cgroup in that controller's v1 hierarchy, from
+// /proc/self/cgroup ("4:memory:/some/path"), for the controllers limits use.
+func v1Homes(mounts []cgroupMount) map[string]string {
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return nil
+	}
+	homes := map[string]string{}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.SplitN(line, ":", 3)
+		if len(f) != 3 {
+			continue
+		}
+		for _, c := range strings.Split(f[1], ",") {
+			for _, m := range mounts {
+				if !m.v2 && m.has(c) {
+					homes[c] = filepath.Join(m.dir, f[2])
+				}
+			}
+		}
+	}
+	return homes
 }
 
 type cgroupMount struct {
@@ -239,6 +268,9 @@ type cgroupSet struct {
 	v2     bool
 	dirs   []string // distinct dirs, for attach and remove
 	memDir string   // where the OOM-kill counter lives; "" without a memory controller
+	// homes are, for each of dirs (v1), the broker's own cgroup in the same hierarchy; nil when the
+	// sandbox cannot be born in its cgroups (v2, or a home unknown): see placeThread.
+	homes []string
 }
 
 // create makes the sandbox's cgroups and writes its limits. An existing cgroup of the same name (a
@@ -262,6 +294,7 @@ func (h *cgroupHost) create(id string, l Limits) (*cgroupSet, error) {
 			}
 			seen[dir] = true
 			s.dirs = append(s.dirs, dir)
+			s.homes = append(s.homes, h.homes[c])
 		}
 		if err := s.writeLimit(c, dir, l); err != nil {
 			s.remove()
@@ -271,7 +304,46 @@ func (h *cgroupHost) create(id string, l Limits) (*cgroupSet, error) {
 			s.memDir = dir
 		}
 	}
+	if s.v2 || slices.Contains(s.homes, "") {
+		s.homes = nil
+	}
 	return s, nil
+}
+
+// placeable reports whether a sandbox can be forked inside these cgroups (placeThread).
+func (s *cgroupSet) placeable() bool { return s != nil && len(s.homes) > 0 }
+
+// placeThread moves the calling OS thread, alone, into the set's cgroups (v1 lets threads of one
+// process sit in different cgroups), so that a process it forks is born in them. bwrap clones the
+// sandbox with its cgroup namespace right after it starts, before the broker could move it, and a
+// cgroup namespace's root is its creator's cgroup: born inside, the sandbox sees its own cgroups as
+// / in /proc/self/cgroup, where moved later it saw the broker's cgroup path and its own id below
+// it. The caller must be locked to its thread and call homeThread after the fork.
+func (s *cgroupSet) placeThread() error {
+	tid := []byte(strconv.Itoa(unix.Gettid()))
+	for i, dir := range s.dirs {
+		if err := os.WriteFile(filepath.Join(dir, "tasks"), tid, 0); err != nil {
+			s.homeThread(i)
+			return fmt.Errorf("place the spawner thread in cgroup %s: %w", dir, err)
+		}
+	}
+	return nil
+}
+
+// homeThread moves the calling thread back to the broker's cgroups, for the first n dirs (-1: all).
+// The sandbox's cgroups can be removed only once it is out.
+func (s *cgroupSet) homeThread(n int) error {
+	if n < 0 {
+		n = len(s.dirs)
+	}
+	tid := []byte(strconv.Itoa(unix.Gettid()))
+	var errs []error
+	for i := 0; i < n; i++ {
+		if err := os.WriteFile(filepath.Join(s.homes[i], "tasks"), tid, 0); err != nil {
+			errs = append(errs, fmt.Errorf("move the spawner thread back to cgroup %s: %w", s.homes[i], err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 func (s *cgroupSet) writeLimit(controller, dir string, l Limits) error {
@@ -346,6 +418,85 @@ func (s *cgroupSet) oomKills() int64 {
 		}
 	}
 	return -1
+}
+
+// memoryLimit is the memory limit in bytes, -1 if unknown or unlimited.
+func (s *cgroupSet) memoryLimit() int64 {
+	if s == nil || s.memDir == "" {
+		return -1
+	}
+	file := "memory.limit_in_bytes"
+	if s.v2 {
+		file = "memory.max"
+	}
+	b, err := os.ReadFile(filepath.Join(s.memDir, file))
+	if err != nil {
+		return -1
+	}
+	n, err := strconv.ParseInt(string(bytes.TrimSpace(b)), 10, 64)
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+// shmem is the cgroup's memory that no process holds: tmpfs files (/tmp, /dev/shm) and SysV shared
+// memory, -1 if unknown.
+func (s *cgroupSet) shmem() int64 {
+	if s == nil || s.memDir == "" {
+		return -1
+	}
+	b, err := os.ReadFile(filepath.Join(s.memDir, "memory.stat"))
+	if err != nil {
+		return -1
+	}
+	for _, line := range bytes.Split(b, []byte("\n")) {
+		// v1 has shmem (this cgroup) and total_shmem (with children); v2 has shmem only.
+		if v, ok := bytes.CutPrefix(line, []byte("shmem ")); ok {
+			if n, err := strconv.ParseInt(string(bytes.TrimSpace(v)), 10, 64); err == nil {
+				return n
+			}
+		}
+	}
+	return -1
+}
+
+// watchOOM calls fn after each OOM event of the cgroup (v1: an eventfd registered on
+// memory.oom_control) until the returned stop is called. Where it cannot watch (v2, no memory
+// controller, no permission) it returns a no-op: callers then look only when a command was killed.
+func (s *cgroupSet) watchOOM(fn func()) (stop func()) {
+	nop := func() {}
+	if s == nil || s.memDir == "" || s.v2 {
+		return nop
+	}
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return nop
+	}
+	oc, err := os.Open(filepath.Join(s.memDir, "memory.oom_control"))
+	if err != nil {
+		unix.Close(efd)
+		return nop
+	}
+	defer oc.Close() // the registration holds its own reference
+	reg := fmt.Sprintf("%d %d", efd, oc.Fd())
+	if err := os.WriteFile(filepath.Join(s.memDir, "cgroup.event_control"), []byte(reg), 0); err != nil {
+		unix.Close(efd)
+		return nop
+	}
+	// The kernel signals the eventfd on removal only once the memory cgroup is freed, which may be
+	// long after rmdir (while pages are still charged to it), so the owner closes it.
+	ev := os.NewFile(uintptr(efd), "oom-events")
+	go func() {
+		var buf [8]byte
+		for {
+			if _, err := ev.Read(buf[:]); err != nil {
+				return
+			}
+			fn()
+		}
+	}()
+	return func() { ev.Close() }
 }
 
 // stat reads one value file of the set (tests and diagnostics): e.g. "pids.max".

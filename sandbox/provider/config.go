@@ -74,6 +74,9 @@ var (
 	ErrRunning = errors.New("sandbox is running")
 	// ErrStopped is returned by Exec once the sandbox's init has exited (Stop, a crash, a kill).
 	ErrStopped = errors.New("sandbox stopped")
+	// ErrMemoryLimit is ErrStopped for a sandbox that ended at its memory limit: the OOM killer took
+	// its init, or memory no process holds (tmpfs, shared memory) left no room to run anything.
+	ErrMemoryLimit = fmt.Errorf("%w: it reached its memory limit", ErrStopped)
 	// ErrInvalidRequest is what every *InvalidRequestError is (errors.Is): Exec returns one for a
 	// request that cannot run as given (bad cwd, bad environment name, both or neither of Command
 	// and Argv, a cwd that does not exist).

@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -54,12 +56,20 @@ type instance struct {
 	initPid int    // host pid of the init
 	pidfd   int    // the init's pidfd (namespace), so Stop never signals a reused pid
 	netStop func() // ends the network helper; nil when there is none
+	oomStop func() // ends the OOM event watch; nil when there is none
 	ended   bool   // wait has torn down: a helper started now must be stopped at once
 
 	env      map[string]string
 	done     chan struct{}
 	stopOnce sync.Once
 	oomSeen  atomic.Int64
+	// lastOOM is when an exec last reported an OOM kill (unix nanoseconds), so that wait can tell an
+	// init killed by the memory limit even when that exec consumed the counter's last step.
+	lastOOM atomic.Int64
+	// stopping is set when the sandbox is ended on purpose (Stop, a failed start, memory wedged).
+	stopping atomic.Bool
+	// why is the reason the instance ended without a Stop (EndReason), set before done closes.
+	why atomic.Pointer[string]
 }
 
 // call is one command in flight.
@@ -76,6 +86,11 @@ type call struct {
 	rep    reply
 	err    error
 	reason string // set when we asked the init to kill it
+	// pid is the command's pid as the init sees it (its process group too), 0 until the init said.
+	pid int
+	// outside ends the command from the broker's side if the init has not, killGrace after reason
+	// was set (outside.go).
+	outside *time.Timer
 }
 
 // launchSpec is what a provider hands to launch.
@@ -92,6 +107,8 @@ type launchSpec struct {
 	// info, when set, is the read end of bwrap's --info-fd: it names the sandbox's first process
 	// as soon as bwrap has cloned it, so the cgroup attach can run while the init is still starting.
 	info *os.File
+	// placed: the init is forked inside cg (cgroupSet.placeThread), so nothing needs attaching.
+	placed bool
 	// network, when set, attaches the sandbox's network helper to the namespaces of the init (host
 	// pid) once it is ready; the function it returns ends the helper and runs when the sandbox ends.
 	network func(ctx context.Context, initPid int) (stop func(), err error)
@@ -154,7 +171,11 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		ctl.close()
 		return fail(fmt.Errorf("send init config: %w", err))
 	}
-	err = spawn(in.cmd)
+	if ls.placed {
+		err = spawn(in.cmd, in.cg)
+	} else {
+		err = spawn(in.cmd, nil)
+	}
 	initEnd.Close()
 	closeExtra()
 	if err != nil {
@@ -204,7 +225,7 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		in.pidfd = pfd
 	}
 	in.mu.Unlock()
-	if in.cg != nil {
+	if in.cg != nil && !ls.placed {
 		// The attach must be complete before the first command: everything the init forks from
 		// then on inherits the cgroups.
 		attachedPid, err := -1, error(nil)
@@ -230,7 +251,20 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		if err != nil {
 			return abort(err)
 		}
+	}
+	if in.cg != nil {
 		in.oomSeen.Store(max(in.cg.oomKills(), 0))
+		// Memory no process holds can fill the limit without any exec being killed for it (a
+		// shell that survives its child's kill), so the wedge is checked at each OOM event.
+		stop := in.cg.watchOOM(in.endIfMemoryWedged)
+		in.mu.Lock()
+		if in.ended {
+			in.mu.Unlock()
+			stop()
+		} else {
+			in.oomStop = stop
+			in.mu.Unlock()
+		}
 	}
 	if ls.network != nil {
 		stop, err := ls.network(ctx, pid)
@@ -341,8 +375,12 @@ func (in *instance) awaitReady(ctx context.Context) (int, error) {
 
 // wait reaps the init's process and tears everything down, however the init ended.
 func (in *instance) wait() {
-	_ = in.cmd.Wait()
-	in.fail(fmt.Errorf("%w: the sandbox's init exited", ErrStopped))
+	err := in.cmd.Wait()
+	// The cgroup goes below: whether its OOM killer took the init must be read first.
+	if !in.stopping.Load() && killedBySIGKILL(in.cmd, err) && in.oomSince() {
+		in.setWhy(ReasonMemoryLimit)
+	}
+	in.fail(in.endErr())
 	if in.kind == kindDir && in.initPid > 0 {
 		// Without a pid namespace, processes that outlived the init (their parent died, and so did
 		// their subreaper) are still in its session.
@@ -354,11 +392,14 @@ func (in *instance) wait() {
 		unix.Close(in.pidfd)
 		in.pidfd = 0
 	}
-	netStop := in.netStop
-	in.netStop, in.ended = nil, true
+	netStop, oomStop := in.netStop, in.oomStop
+	in.netStop, in.oomStop, in.ended = nil, nil, true
 	in.mu.Unlock()
 	if netStop != nil {
 		netStop()
+	}
+	if oomStop != nil {
+		oomStop()
 	}
 	in.cg.remove()
 	in.release()
@@ -367,6 +408,7 @@ func (in *instance) wait() {
 
 // kill ends everything in the sandbox; wait does the rest.
 func (in *instance) kill() {
+	in.stopping.Store(true)
 	select {
 	case <-in.done:
 		return
@@ -415,7 +457,7 @@ func (in *instance) readLoop() {
 			closeFDs(fds)
 		}
 		if err != nil || n == 0 {
-			in.fail(fmt.Errorf("%w: the sandbox's init exited", ErrStopped))
+			in.fail(in.endErr())
 			return
 		}
 		if flags&unix.MSG_TRUNC != 0 {
@@ -427,6 +469,16 @@ func (in *instance) readLoop() {
 		}
 		switch r.Op {
 		case opExit, opError, opStarted:
+		case opForked:
+			in.mu.Lock()
+			c := in.calls[r.ID]
+			in.mu.Unlock()
+			if c != nil {
+				c.mu.Lock()
+				c.pid = r.Pid
+				c.mu.Unlock()
+			}
+			continue
 		default:
 			continue
 		}
@@ -516,8 +568,8 @@ func (in *instance) unregister(c *call) {
 	in.mu.Unlock()
 }
 
-// send marshals and sends one request.
-func (in *instance) send(r *request, fds []int) error {
+// send marshals and sends one request, giving up after within if the init does not take it.
+func (in *instance) send(r *request, fds []int, within time.Duration) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
@@ -525,7 +577,10 @@ func (in *instance) send(r *request, fds []int) error {
 	if len(b) > maxMessage {
 		return invalidRequest("command and environment are %d bytes, more than %d", len(b), maxMessage)
 	}
-	if err := in.ctl.send(b, fds); err != nil {
+	if err := in.ctl.sendWithin(b, fds, within); err != nil {
+		if err == errInitNotTaking {
+			return err
+		}
 		in.mu.Lock()
 		dead := in.deadErr
 		in.mu.Unlock()
@@ -576,7 +631,7 @@ func (in *instance) startBackground(r *request) (ExecResult, error) {
 		return ExecResult{}, err
 	}
 	r.ID = c.id
-	if err := in.send(r, nil); err != nil {
+	if err := in.send(r, nil, startTimeout); err != nil {
 		in.unregister(c)
 		return ExecResult{}, err
 	}
@@ -645,7 +700,7 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 		return ExecResult{}, err
 	}
 	r.ID = c.id
-	if err := in.send(r, send); err != nil {
+	if err := in.send(r, send, timeout); err != nil {
 		in.unregister(c)
 		closeAll()
 		return ExecResult{}, err
@@ -683,6 +738,11 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	<-c.done
 	timer.Stop()
 	stopCancel()
+	c.mu.Lock()
+	if c.outside != nil {
+		c.outside.Stop()
+	}
+	c.mu.Unlock()
 	closeAll()
 	if stdinDone != nil {
 		// Closing our end stops the copy at its next write; it may still sit in Stdin.Read. As
@@ -710,12 +770,15 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	} else if killed && in.oomKilled() {
 		// A shell reports its SIGKILLed child as 137, so an OOM kill of a pipeline member counts.
 		res.Reason = ReasonMemoryLimit
+		in.endIfMemoryWedged()
 	}
 	res.Duration = time.Since(start)
 	return res, nil
 }
 
-// killCall asks the init to end a command's tree, once.
+// killCall asks the init to end a command's tree, once, and makes sure it ends: if the init has not
+// reported its end killGrace later (it may be stopped, hung or starved), the broker ends it from
+// outside (outside.go).
 func (in *instance) killCall(c *call, reason string) {
 	c.mu.Lock()
 	if c.exited || c.reason != "" {
@@ -723,8 +786,9 @@ func (in *instance) killCall(c *call, reason string) {
 		return
 	}
 	c.reason = reason
+	c.outside = time.AfterFunc(killGrace, func() { in.killOutside(c) })
 	c.mu.Unlock()
-	in.send(&request{Op: opKill, ID: c.id}, nil)
+	in.send(&request{Op: opKill, ID: c.id}, nil, killGrace)
 }
 
 // oomKilled reports whether the cgroup's OOM-kill counter went up since the last time it was seen.
@@ -741,12 +805,77 @@ func (in *instance) oomKilled() bool {
 				break
 			}
 			if in.oomSeen.CompareAndSwap(old, n) {
+				in.lastOOM.Store(time.Now().UnixNano())
 				return true
 			}
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
 	return false
+}
+
+// oomSince reports whether the memory limit's OOM killer acted since an exec last looked, or an
+// exec saw it act within the last oomRecent: the init itself, or bwrap, was then its victim.
+func (in *instance) oomSince() bool {
+	if n := in.cg.oomKills(); n >= 0 && n > in.oomSeen.Load() {
+		return true
+	}
+	last := in.lastOOM.Load()
+	return last > 0 && time.Since(time.Unix(0, last)) < oomRecent
+}
+
+// oomRecent is how close to an exec's OOM kill the init's own SIGKILL counts as the memory limit's.
+const oomRecent = 2 * time.Second
+
+// wedgeHeadroom is the memory a command needs to start at all (a shell, its libraries' pages). When
+// less than this is left beside memory no process holds (tmpfs, /dev/shm, SysV shared memory), the
+// kernel cannot free anything by killing processes, and every command is killed as it starts.
+const wedgeHeadroom = 8 << 20
+
+// endIfMemoryWedged ends the sandbox, with reason memory_limit, when the memory its processes do not
+// hold fills its limit: every command would be OOM-killed as it starts, and nothing could run to free
+// it. Files in the workspace stay; /tmp and /dev/shm go with the stop.
+func (in *instance) endIfMemoryWedged() {
+	limit, shmem := in.cg.memoryLimit(), in.cg.shmem()
+	if limit <= 0 || shmem < 0 || shmem+wedgeHeadroom < limit {
+		return
+	}
+	select {
+	case <-in.done:
+		return
+	default:
+	}
+	in.setWhy(ReasonMemoryLimit)
+	go in.stopOnce.Do(in.kill)
+}
+
+func (in *instance) setWhy(reason string) { in.why.CompareAndSwap(nil, &reason) }
+
+func (in *instance) endReason() string {
+	if p := in.why.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
+// endErr is what calls in flight and new ones get once the init is gone.
+func (in *instance) endErr() error {
+	if in.endReason() == ReasonMemoryLimit {
+		return ErrMemoryLimit
+	}
+	return fmt.Errorf("%w: the sandbox's init exited", ErrStopped)
+}
+
+// killedBySIGKILL reports whether the init's process (bwrap's, which reports its child's signal as
+// 128+n) ended by SIGKILL.
+func killedBySIGKILL(cmd *exec.Cmd, err error) bool {
+	if err == nil || cmd.ProcessState == nil {
+		return false
+	}
+	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return ws.Signal() == unix.SIGKILL
+	}
+	return cmd.ProcessState.ExitCode() == 128+int(unix.SIGKILL)
 }
 
 var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
@@ -979,20 +1108,36 @@ var spawner struct {
 
 type spawnReq struct {
 	cmd *exec.Cmd
+	in  *cgroupSet // fork the process inside these cgroups (placeThread); nil: where the broker is
 	err chan error
 }
 
-func spawn(cmd *exec.Cmd) error {
+// spawn starts cmd from the spawner thread, forked inside cg's cgroups when cg is not nil. The
+// thread goes back to the broker's cgroups after the answer, off the caller's path.
+func spawn(cmd *exec.Cmd, cg *cgroupSet) error {
 	spawner.once.Do(func() {
 		spawner.reqs = make(chan spawnReq)
 		go func() {
 			runtime.LockOSThread() // never unlocked: this thread must outlive every sandbox
 			for r := range spawner.reqs {
+				if r.in == nil {
+					r.err <- r.cmd.Start()
+					continue
+				}
+				if err := r.in.placeThread(); err != nil {
+					r.err <- err
+					continue
+				}
 				r.err <- r.cmd.Start()
+				if err := r.in.homeThread(-1); err != nil {
+					// Left in the sandbox's cgroups, the thread would keep them from being removed;
+					// the next placement moves it on all the same.
+					slog.Error("sandbox spawner", "err", err)
+				}
 			}
 		}()
 	})
-	r := spawnReq{cmd: cmd, err: make(chan error, 1)}
+	r := spawnReq{cmd: cmd, in: cg, err: make(chan error, 1)}
 	spawner.reqs <- r
 	return <-r.err
 }

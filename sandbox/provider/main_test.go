@@ -21,6 +21,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(preflightHelperEnv) != "" {
 		preflightHelper()
 	}
+	if mode := os.Getenv(nonRootHelperEnv); mode != "" {
+		nonRootHelper(mode)
+	}
 	if mode := os.Getenv(helperEnv); mode != "" {
 		crashHelper(mode)
 	}

@@ -235,6 +235,9 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if err := spec.Template.validateContent(); err != nil {
 		return nil, fmt.Errorf("template %q: %w", spec.Template.Name, err)
 	}
+	if spec.Template.Network.Enabled && !n.asRoot {
+		return nil, errNetworkNeedsRoot(spec.Template.Name)
+	}
 	ws := n.layout.workspaceDir(spec.ID)
 	if _, err := os.Stat(ws); err != nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotCreated, spec.ID)
@@ -287,7 +290,10 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	}
 	var info, infoW *os.File
 	var pre []string
-	if cg != nil {
+	// Born in its cgroups, the sandbox's cgroup namespace is rooted at them; otherwise bwrap and its
+	// child are moved there as soon as bwrap names the child.
+	placed := cg.placeable()
+	if cg != nil && !placed {
 		if info, infoW, err = os.Pipe(); err != nil {
 			closeFiles()
 			return fail(err)
@@ -339,6 +345,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		limits:  limits,
 		release: release,
 		info:    info,
+		placed:  placed,
 		network: network,
 	})
 	if err != nil {

@@ -117,8 +117,18 @@ func TestNamespaceLimits(t *testing.T) {
 				t.Errorf("%s = %q, want %q", f, got, v)
 			}
 		}
-		// A command's cgroups, as the kernel reports them, all name the sandbox.
-		_, out := sh(t, in, "cat /proc/self/cgroup")
+		// A command's cgroups, as the host's kernel reports them, all name the sandbox (inside,
+		// each is / of the sandbox's cgroup namespace: TestSandboxProc).
+		m := marker()
+		if _, err := in.Exec(context.Background(), ExecRequest{Command: m, Background: true}); err != nil {
+			t.Fatal(err)
+		}
+		waitHostRunning(t, m)
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", hostPids(m)[0]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := string(b)
 		for _, c := range []string{"memory", "pids", "cpu"} {
 			found := false
 			for _, line := range strings.Split(out, "\n") {

@@ -36,6 +36,14 @@ import (
 // sandbox (and with the broker: Pdeathsig). If it cannot start, neither does the sandbox: there is no
 // fallback to the host's network.
 
+// errNetworkNeedsRoot refuses a network sandbox under a broker that is not root. Its firewall
+// (egress.go) is installed from inside the sandbox's network namespace, which needs CAP_SYS_ADMIN on
+// the host; without it pasta would connect the sandbox to every address of the host but loopback
+// (a docker0 bridge, a second NIC), so the sandbox does not start at all.
+func errNetworkNeedsRoot(template string) error {
+	return fmt.Errorf("template %q: the network needs the broker to run as root, to install the firewall that keeps a network sandbox from the host's addresses: run the broker as root, or set network: false in the template", template)
+}
+
 // pastaReadyTimeout bounds how long Start waits for pasta to have configured the namespace.
 const pastaReadyTimeout = 10 * time.Second
 
@@ -119,9 +127,8 @@ func (n *Namespace) startNetwork(ctx context.Context, spec Spec, pid int, net Ne
 		if err := applyEgress(int(netns.Fd()), hostAddrs, allow); err != nil {
 			return nil, fmt.Errorf("sandbox network: %w", err)
 		}
-	} else if allow != nil {
-		// Entering another network namespace to install rules needs CAP_SYS_ADMIN on the host.
-		return nil, errors.New("sandbox network: an egress allowlist (network.allow) needs the broker to run as root, to install the sandbox's firewall: run the broker as root or remove network.allow from the template")
+	} else {
+		return nil, errNetworkNeedsRoot(spec.Template.Name)
 	}
 	// pasta writes its pid into this file when the namespace is ready. It runs as the sandbox uid,
 	// so the file is made for it; the state dir is not visible inside the sandbox.
@@ -156,7 +163,7 @@ func (n *Namespace) startNetwork(ctx context.Context, spec Spec, pid int, net Ne
 		SysProcAttr: attr,
 		WaitDelay:   time.Second,
 	}
-	if err := spawn(cmd); err != nil {
+	if err := spawn(cmd, nil); err != nil {
 		return nil, fmt.Errorf("sandbox network: start %s: %w: install pasta: apt-get install -y passt", n.pasta, err)
 	}
 	h := &netHelper{cmd: cmd, done: make(chan struct{})}

@@ -100,14 +100,28 @@ func TestSandboxProc(t *testing.T) {
 			t.Errorf("cgroup namespace inside %q, the broker's %q", out, host)
 		}
 	})
+	t.Run("/proc/self/cgroup names nothing of the host", func(t *testing.T) {
+		// Every hierarchy's path is the cgroup namespace's root: no sandbox id, no parent, no
+		// broker's cgroup, whatever the cgroup version.
+		_, out := sh(t, in, "cat /proc/self/cgroup /proc/1/cgroup")
+		if strings.Contains(out, spec.ID) || strings.Contains(out, "..") || strings.Contains(out, n.cfg.CgroupParent) {
+			t.Errorf("/proc/self/cgroup inside:\n%s", out)
+		}
+		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+			if f := strings.SplitN(line, ":", 3); len(f) != 3 || f[2] != "/" {
+				t.Errorf("cgroup line %q, want its path to be /", line)
+			}
+		}
+	})
 	t.Run("the mount table names no host path", func(t *testing.T) {
 		_, out := sh(t, in, "cat /proc/self/mountinfo")
 		data := filepath.Dir(filepath.Dir(n.WorkspaceDir(spec))) // <data dir>/sandboxes
 		for _, m := range parseMountinfo(out) {
-			if m.point == WorkspacePath {
+			if m.point == WorkspacePath && !n.asRoot {
 				// A bind mount shows its directory's path within the host filesystem, and only a
-				// filesystem of the sandbox's own (a per-sandbox disk image) can hide it. Until
-				// then this one line names the data dir; see docs/ARCHITECTURE.md.
+				// filesystem of the sandbox's own (its disk image, which a root broker mounts)
+				// hides it. Under a broker that cannot mount, this one line names the data dir;
+				// see docs/ARCHITECTURE.md.
 				continue
 			}
 			if strings.Contains(m.line, spec.ID) || strings.Contains(m.line, data) || strings.Contains(m.line, n.cfg.DataDir) {

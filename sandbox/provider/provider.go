@@ -155,3 +155,13 @@ type Limits struct {
 // Duration is a time.Duration that reads and writes as a Go duration string ("30s", "10m") in
 // template files.
 type Duration time.Duration
+
+// EndReason says why an instance ended without a Stop, once its Done is closed: ReasonMemoryLimit
+// when the memory limit's OOM killer took its init, "" for anything else (a crash, a kill from the
+// host).
+func EndReason(inst Instance) string {
+	if r, ok := inst.(interface{ endReason() string }); ok {
+		return r.endReason()
+	}
+	return ""
+}

@@ -1,9 +1,12 @@
 package provider
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"os"
 	"syscall"
+	"time"
 
 	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
 	"golang.org/x/sys/unix"
@@ -30,6 +33,7 @@ const (
 	opKill     = sbxinit.OpKill
 	opReady    = sbxinit.OpReady
 	opStarted  = sbxinit.OpStarted
+	opForked   = sbxinit.OpForked
 	opExit     = sbxinit.OpExit
 	opError    = sbxinit.OpError
 	errKindCwd = sbxinit.ErrKindCwd
@@ -79,6 +83,38 @@ func (c *ctlConn) send(msg []byte, fds []int) error {
 		return err
 	}
 	return serr
+}
+
+// errInitNotTaking is a request the init did not take within its bound: its end of the socket is
+// full because it stopped reading (stopped, hung or starved). It maps to "timed out; retry".
+var errInitNotTaking = fmt.Errorf("the sandbox's init is not taking requests: %w", context.DeadlineExceeded)
+
+// sendWithin is send that gives up after d with errInitNotTaking, so that a request to an init that
+// stopped reading never blocks its caller past the request's own timeout. A message is sent whole or
+// not at all, so giving up leaves the stream intact.
+func (c *ctlConn) sendWithin(msg []byte, fds []int, d time.Duration) error {
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	var deadline time.Time
+	for wait := 50 * time.Microsecond; ; wait = min(wait*2, 20*time.Millisecond) {
+		var serr error
+		if err := c.rc.Control(func(fd uintptr) {
+			serr = unix.Sendmsg(int(fd), msg, oob, nil, unix.MSG_NOSIGNAL|unix.MSG_DONTWAIT)
+		}); err != nil {
+			return err
+		}
+		if serr != unix.EAGAIN {
+			return serr
+		}
+		if deadline.IsZero() {
+			deadline = time.Now().Add(d)
+		} else if time.Now().After(deadline) {
+			return errInitNotTaking
+		}
+		time.Sleep(wait)
+	}
 }
 
 // recv reads one message into buf and its control data into oob. n == 0 with a nil error is the

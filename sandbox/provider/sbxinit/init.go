@@ -321,7 +321,12 @@ func (p *initProc) exec(req *Request, fds []int) {
 	}
 	if req.Bg {
 		p.reply(&Reply{Op: OpStarted, ID: req.ID, Pid: pid})
+		return
 	}
+	// The broker enforces the command's timeout itself when we do not answer (we may be stopped,
+	// hung or starved): it needs the pid, which is the command's process group, to find what to
+	// end from outside.
+	p.reply(&Reply{Op: OpForked, ID: req.ID, Pid: pid})
 }
 
 // notRunnable reports a program that cannot be run the way a shell does: a message on the command's

@@ -13,6 +13,7 @@ const (
 const (
 	OpReady   = "ready"   // the init is set up; sent once, after config
 	OpStarted = "started" // a background command started (Pid)
+	OpForked  = "forked"  // a foreground command started (Pid), so the broker can end it without us
 	OpExit    = "exit"    // a foreground command ended (Code or Signal)
 	OpError   = "error"   // a command could not start (Err, Kind)
 )

@@ -1,0 +1,70 @@
+package provider
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// TestMemoryLimitEndsTheSandbox: a sandbox that reaches its memory limit in a way no command's death
+// can undo ends with reason memory_limit, and its requests say so, rather than hang or fail with a
+// generic error.
+func TestMemoryLimitEndsTheSandbox(t *testing.T) {
+	n := newNamespace(t, Config{})
+	if ok, why := n.LimitsEnforced(); !ok {
+		t.Fatalf("memory limits are not enforced on this host: %s", why)
+	}
+	ended := func(t *testing.T, in Instance) {
+		t.Helper()
+		select {
+		case <-in.Done():
+		case <-time.After(20 * time.Second):
+			t.Fatal("the sandbox did not end")
+		}
+		if r := EndReason(in); r != ReasonMemoryLimit {
+			t.Errorf("end reason %q, want %q", r, ReasonMemoryLimit)
+		}
+		_, err := in.Exec(context.Background(), ExecRequest{Command: "true"})
+		if !errors.Is(err, ErrMemoryLimit) || !errors.Is(err, ErrStopped) {
+			t.Errorf("exec after the end: %v, want ErrMemoryLimit", err)
+		}
+	}
+	t.Run("tmpfs and shared memory fill it", func(t *testing.T) {
+		t.Parallel()
+		// /tmp and /dev/shm are sized (here larger than the template default, a quarter each):
+		// their pages are charged to the limit and no OOM kill frees them, so once they fill it
+		// every command is killed as it starts.
+		in, _ := startSandbox(t, n, Template{Limits: Limits{MemoryBytes: 64 << 20}, Tmp: 48 << 20})
+		var out bytes.Buffer
+		res, err := in.Exec(context.Background(), ExecRequest{
+			Command: "head -c 40M /dev/zero > /dev/shm/a; head -c 40M /dev/zero > /tmp/b; echo filled",
+			Stdout:  &out, Timeout: 30 * time.Second})
+		// It is killed (memory_limit), or the sandbox ends under it first (ErrMemoryLimit).
+		if !errors.Is(err, ErrMemoryLimit) && (err != nil || res.Reason != ReasonMemoryLimit) {
+			t.Errorf("the exec that filled it: %+v %v %q, want it ended for the memory limit", res, err, out.String())
+		}
+		ended(t, in)
+	})
+	t.Run("the OOM killer takes the init", func(t *testing.T) {
+		t.Parallel()
+		in, _ := startSandbox(t, n, Template{Limits: Limits{MemoryBytes: 64 << 20}, Tmp: 48 << 20})
+		// The init is never the OOM killer's first choice from inside (TestInitWithstandsTenant);
+		// made its likeliest victim from the host, it is taken when /dev/shm and /tmp fill the
+		// limit: the writer is small, and what fills memory is no process's.
+		inst := in.(*instance)
+		if err := os.WriteFile("/proc/"+strconv.Itoa(inst.initPid)+"/oom_score_adj", []byte("1000"), 0); err != nil {
+			t.Fatal(err)
+		}
+		_, err := in.Exec(context.Background(), ExecRequest{
+			Command: "head -c 40M /dev/zero > /dev/shm/a; head -c 40M /dev/zero > /tmp/b; sleep 30",
+			Timeout: 30 * time.Second})
+		if !errors.Is(err, ErrStopped) {
+			t.Errorf("the exec in flight: %v, want the sandbox stopped", err)
+		}
+		ended(t, in)
+	})
+}

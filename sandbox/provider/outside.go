@@ -1,0 +1,239 @@
+package provider
+
+import (
+	"bytes"
+	"os"
+	"strconv"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// killGrace is how long the broker lets the init end a command (after a timeout or a cancel) before
+// it ends the command itself from outside. The init does it in well under a millisecond; it misses
+// this only when it is stopped, hung or starved, and the timeout must fire all the same.
+const killGrace = time.Second
+
+// outsideReport is how long killOutside waits, after its kill, for the init's own report of the
+// command's end before it answers for it.
+const outsideReport = 100 * time.Millisecond
+
+// killOutside ends a command from the broker's side: every process of the sandbox in the command's
+// process group, every one that holds the command's output pipes (a child that left the group and
+// its parent still keeps the exec open), and all their descendants. Then, if the init still has not
+// reported the end, it completes the call itself: the command was killed for c.reason.
+//
+// The sandbox's processes are the host processes descending from its init: in a pid namespace every
+// orphan is reparented to the init (pid 1), and in the dir provider the init is their subreaper.
+// Nothing else is ever signalled, and never the init itself.
+func (in *instance) killOutside(c *call) {
+	c.mu.Lock()
+	exited, pid := c.exited, c.pid
+	var pipes []string
+	for _, f := range c.outs {
+		// Through SyscallConn, not Fd: Fd would put the pipe in blocking mode, and drain's
+		// deadlines would stop working.
+		rc, err := f.SyscallConn()
+		if err != nil {
+			continue
+		}
+		var st unix.Stat_t
+		var serr error
+		if rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }) == nil && serr == nil {
+			pipes = append(pipes, "pipe:["+strconv.FormatUint(st.Ino, 10)+"]")
+		}
+	}
+	c.mu.Unlock()
+	in.mu.Lock()
+	initPid := in.initPid
+	in.mu.Unlock()
+	if exited || initPid <= 0 {
+		return
+	}
+	killGroupOutside(initPid, pid, pipes)
+	select {
+	case <-c.done:
+		return
+	case <-time.After(outsideReport):
+	}
+	in.mu.Lock()
+	if in.calls[c.id] == c {
+		delete(in.calls, c.id)
+	}
+	in.mu.Unlock()
+	c.complete(reply{Op: opExit, ID: c.id, Signal: int(unix.SIGKILL)})
+}
+
+// hostProc is what killGroupOutside needs of a process, as the host sees it.
+type hostProc struct {
+	pid, ppid int
+	pgid      int // its process group as the sandbox sees it (NSpgid's innermost)
+}
+
+// killGroupOutside freezes then kills, from the host, the descendants of initPid that are in process
+// group pgid as the sandbox sees it (0: none) or hold one of the pipes ("pipe:[inode]"), and all
+// their descendants. Like sbxinit.KillTree it stops what it finds first (a stopped process cannot
+// fork, exit or be reaped, so no pid is reused under us), rescans until nothing new appears, then
+// kills the lot.
+func killGroupOutside(initPid, pgid int, pipes []string) {
+	stopped := map[int]bool{}
+	self := os.Getpid()
+	for round := 0; round < 100; round++ {
+		procs := scanHostProcs()
+		children := make(map[int][]int, len(procs))
+		byPid := make(map[int]hostProc, len(procs))
+		for _, p := range procs {
+			children[p.ppid] = append(children[p.ppid], p.pid)
+			byPid[p.pid] = p
+		}
+		// The sandbox: everything below the init.
+		inSandbox := map[int]bool{}
+		queue := append([]int(nil), children[initPid]...)
+		for len(queue) > 0 {
+			pid := queue[len(queue)-1]
+			queue = queue[:len(queue)-1]
+			if inSandbox[pid] || pid == initPid || pid == self {
+				continue
+			}
+			inSandbox[pid] = true
+			queue = append(queue, children[pid]...)
+		}
+		// The command: its group, the holders of its pipes, and what is below them.
+		for pid := range inSandbox {
+			if stopped[pid] || pgid > 0 && byPid[pid].pgid == pgid || holdsAny(pid, pipes) {
+				queue = append(queue, pid)
+			}
+		}
+		target := map[int]bool{}
+		for len(queue) > 0 {
+			pid := queue[len(queue)-1]
+			queue = queue[:len(queue)-1]
+			if target[pid] || !inSandbox[pid] {
+				continue
+			}
+			target[pid] = true
+			queue = append(queue, children[pid]...)
+		}
+		var fresh []int
+		for pid := range target {
+			if !stopped[pid] {
+				stopped[pid] = true
+				unix.Kill(pid, unix.SIGSTOP)
+				fresh = append(fresh, pid)
+			}
+		}
+		if len(fresh) == 0 {
+			break
+		}
+		waitHostStopped(fresh)
+	}
+	for pid := range stopped {
+		unix.Kill(pid, unix.SIGKILL)
+	}
+}
+
+// scanHostProcs reads every process's parent and (innermost) process group from /proc/<pid>/status.
+func scanHostProcs() []hostProc {
+	d, err := os.Open("/proc")
+	if err != nil {
+		return nil
+	}
+	names, _ := d.Readdirnames(-1)
+	d.Close()
+	out := make([]hostProc, 0, len(names))
+	buf := make([]byte, 4096)
+	for _, name := range names {
+		pid, err := strconv.Atoi(name)
+		if err != nil {
+			continue
+		}
+		fd, err := unix.Open("/proc/"+name+"/status", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		n, _ := unix.Read(fd, buf)
+		unix.Close(fd)
+		if n <= 0 {
+			continue
+		}
+		p := hostProc{pid: pid, ppid: -1, pgid: -1}
+		for _, line := range bytes.Split(buf[:n], []byte("\n")) {
+			k, v, ok := bytes.Cut(line, []byte(":"))
+			if !ok {
+				continue
+			}
+			f := bytes.Fields(v)
+			if len(f) == 0 {
+				continue
+			}
+			switch string(k) {
+			case "PPid":
+				p.ppid, _ = strconv.Atoi(string(f[0]))
+			case "NSpgid":
+				p.pgid, _ = strconv.Atoi(string(f[len(f)-1]))
+			}
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+// holdsAny reports whether the process has one of the pipes open.
+func holdsAny(pid int, pipes []string) bool {
+	if len(pipes) == 0 {
+		return false
+	}
+	dir := "/proc/" + strconv.Itoa(pid) + "/fd"
+	d, err := os.Open(dir)
+	if err != nil {
+		return false
+	}
+	names, _ := d.Readdirnames(-1)
+	d.Close()
+	for _, name := range names {
+		target, err := os.Readlink(dir + "/" + name)
+		if err != nil {
+			continue
+		}
+		for _, p := range pipes {
+			if target == p {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// waitHostStopped waits briefly until each pid is stopped, a zombie or gone (a process in an
+// uninterruptible sleep stops only when it leaves it).
+func waitHostStopped(pids []int) {
+	deadline := time.Now().Add(200 * time.Millisecond)
+	buf := make([]byte, 512)
+	for _, pid := range pids {
+		for time.Now().Before(deadline) {
+			st := hostProcState(pid, buf)
+			if st == 0 || st == 'T' || st == 't' || st == 'Z' || st == 'X' {
+				break
+			}
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+}
+
+// hostProcState is the state letter from /proc/<pid>/stat, 0 if the process is gone.
+func hostProcState(pid int, buf []byte) byte {
+	fd, err := unix.Open("/proc/"+strconv.Itoa(pid)+"/stat", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0
+	}
+	n, _ := unix.Read(fd, buf)
+	unix.Close(fd)
+	if n <= 0 {
+		return 0
+	}
+	i := bytes.LastIndexByte(buf[:n], ')')
+	if i < 0 || i+2 >= n {
+		return 0
+	}
+	return buf[i+2]
+}

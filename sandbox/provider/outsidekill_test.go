@@ -1,0 +1,114 @@
+package provider
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestTimeoutFiresWithoutTheInit: an exec's timeout is the broker's, not the init's. With the
+// resident init frozen (as if a tenant had stopped it, or it hung), a command that ignores the
+// polite signals and a child that left its session and its parent, holding the output pipe, still
+// end at the timeout, and the answer says timed out. The init, once thawed, keeps serving.
+func TestTimeoutFiresWithoutTheInit(t *testing.T) {
+	for _, p := range providers(t) {
+		t.Run(p.Name(), func(t *testing.T) {
+			t.Parallel()
+			in, _ := startSandbox(t, p, Template{})
+			inst := in.(*instance)
+			main, away := marker(), marker()
+			// The subshell exits at once: the setsid child is an orphan in its own session and
+			// process group, found only through the output pipe it holds.
+			cmd := fmt.Sprintf("trap '' TERM INT HUP; (setsid %s &); %s", away, main)
+			type result struct {
+				res ExecResult
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				res, err := in.Exec(context.Background(), ExecRequest{Command: cmd, Stdout: &bytes.Buffer{}, Timeout: 700 * time.Millisecond})
+				done <- result{res, err}
+			}()
+			waitHostRunning(t, main)
+			waitHostRunning(t, away)
+			inst.mu.Lock()
+			initPid := inst.initPid
+			inst.mu.Unlock()
+			if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			thawed := false
+			thaw := func() {
+				if !thawed {
+					thawed = true
+					unix.Kill(initPid, unix.SIGCONT)
+				}
+			}
+			defer thaw()
+			select {
+			case r := <-done:
+				if r.err != nil {
+					t.Fatalf("exec: %v", r.err)
+				}
+				if r.res.Reason != ReasonTimeout || r.res.Signal != "KILL" || r.res.ExitCode != 137 {
+					t.Errorf("result %+v, want a KILL for timeout", r.res)
+				}
+			case <-time.After(15 * time.Second):
+				t.Fatal("the exec did not end at its timeout while the init was frozen")
+			}
+			waitHostGone(t, main)
+			waitHostGone(t, away)
+			thaw()
+			if res, out := sh(t, in, "echo alive"); out != "alive\n" || res.ExitCode != 0 {
+				t.Errorf("after the init was thawed: %+v %q", res, out)
+			}
+		})
+	}
+}
+
+// TestRequestsToAFrozenInitEnd: requests that the init cannot take (it stopped reading, so its end of
+// the socket is full) end at their timeout with an error rather than block their caller for good.
+func TestRequestsToAFrozenInitEnd(t *testing.T) {
+	n := newNamespace(t, Config{})
+	in, _ := startSandbox(t, n, Template{})
+	inst := in.(*instance)
+	inst.mu.Lock()
+	initPid := inst.initPid
+	inst.mu.Unlock()
+	if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Kill(initPid, unix.SIGCONT)
+	// Two of these fill the socket's buffer (about 200 KiB).
+	big := strings.Repeat("x", 100<<10)
+	const execs = 4
+	errs := make(chan error, execs)
+	for i := 0; i < execs; i++ {
+		go func() {
+			_, err := in.Exec(context.Background(), ExecRequest{Argv: []string{"true", big}, Timeout: 500 * time.Millisecond})
+			errs <- err
+		}()
+	}
+	notTaken := 0
+	for i := 0; i < execs; i++ {
+		select {
+		case err := <-errs:
+			if errors.Is(err, context.DeadlineExceeded) {
+				notTaken++
+			} else if err != nil {
+				t.Errorf("exec: %v", err)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatalf("%d of %d execs to a frozen init did not end at their timeout", execs-i, execs)
+		}
+	}
+	if notTaken == 0 {
+		t.Error("every request fitted in the socket: the test sent too little to fill it")
+	}
+}

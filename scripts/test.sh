@@ -5,5 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 go vet ./...
+# sbctl and the Go SDK build for every OS and CPU people run them on (the broker itself is Linux only).
+for os in linux darwin windows; do
+  for arch in amd64 arm64; do
+    GOOS=$os GOARCH=$arch CGO_ENABLED=0 go build -o /dev/null ./cmd/sbctl ./client ./backend ./protocol ||
+      { echo "sbctl or the SDK does not build for $os/$arch" >&2; exit 1; }
+  done
+done
 go test -count=1 -timeout 20m ./...
 (cd examples/langgraph-config && npm ci --no-audit --no-fund && npm test)

@@ -15,7 +15,7 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
+	"golang.org/x/term"
 	"sigs.k8s.io/yaml"
 
 	"github.com/sbxbroker/broker/client"
@@ -268,8 +268,7 @@ func isTerminal(r any) bool {
 	if !ok {
 		return false
 	}
-	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
-	return err == nil
+	return term.IsTerminal(int(f.Fd()))
 }
 
 // annOutputs is the annotation of a command that prints only some of the -o formats: the formats,

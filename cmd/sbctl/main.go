@@ -231,8 +231,14 @@ func exitCodeOf(err error) int {
 		switch pe.Code {
 		case protocol.CodeNotFound:
 			return exitNotFound
-		case protocol.CodeUnauthenticated, protocol.CodeForbidden, protocol.CodeDelegateForbidden:
+		case protocol.CodeUnauthenticated, protocol.CodeForbidden, protocol.CodeDelegateForbidden,
+			protocol.CodeScopeDenied, protocol.CodeCommandNotAllowed: // what the credential does not allow
 			return exitAuth
+		}
+		if strings.HasPrefix(pe.Code, "token_") { // a token refused: malformed, expired, revoked, another sandbox's
+			return exitAuth
+		}
+		switch pe.Code {
 		case protocol.CodeNameConflict, protocol.CodeInvalidState, protocol.CodeSandboxFailed, protocol.CodeNotRunning,
 			protocol.CodeWrongNode: // a 409 like the others: the sandbox is in a state (elsewhere) that refuses this
 			return exitConflict

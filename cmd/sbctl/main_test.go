@@ -221,3 +221,25 @@ func TestGetSaysBrokerLost(t *testing.T) {
 		t.Errorf("sbctl get: exit %d\nstdout: %s\nstderr: %s", code, out, stderr)
 	}
 }
+
+// Every refusal of a credential exits 4 as the help says, whichever way it is refused: a bad,
+// expired or revoked token, a scope or command the token does not allow.
+func TestCredentialRefusalsExit4(t *testing.T) {
+	t.Parallel()
+	for _, code := range []string{
+		protocol.CodeUnauthenticated, protocol.CodeForbidden, protocol.CodeDelegateForbidden,
+		protocol.CodeTokenMalformed, protocol.CodeTokenExpired, protocol.CodeTokenRevoked, protocol.CodeTokenSignature,
+		protocol.CodeTokenSandbox, protocol.CodeTokenAudience, protocol.CodeScopeDenied, protocol.CodeCommandNotAllowed,
+	} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusUnauthorized)
+			json.NewEncoder(w).Encode(protocol.ErrorBody{Error: protocol.Error{Code: code, Message: "refused"}})
+		}))
+		exit, _, stderr := sbctl(t, t.Context(), srv.URL, "", "get", "dev")
+		srv.Close()
+		if exit != exitAuth {
+			t.Errorf("%s: exit %d (%s); want %d", code, exit, stderr, exitAuth)
+		}
+	}
+}

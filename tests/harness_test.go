@@ -29,7 +29,8 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	for _, name := range []string{"broker", "sbctl", "sbx-init"} {
-		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, name), "../cmd/"+name)
+		// -buildvcs=auto over a GOFLAGS=-buildvcs=false: --version names the commit (TestVersion).
+		cmd := exec.Command("go", "build", "-buildvcs=auto", "-o", filepath.Join(dir, name), "../cmd/"+name)
 		cmd.Stderr = os.Stderr
 		if name == "sbx-init" {
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0") // as scripts/broker.sh builds it: static

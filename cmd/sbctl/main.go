@@ -141,6 +141,8 @@ command's own code.`,
 			return nil
 		},
 	}
+	root.Version = client.Version()
+	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	root.SuggestionsMinimumDistance = 2
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageErr("%v", err) })
 	pf := root.PersistentFlags()

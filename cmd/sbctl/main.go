@@ -156,6 +156,7 @@ command's own code.`,
 		heartbeatCmd(g), delegateCmd(g), delegationsCmd(g), revokeCmd(g), runConfigCmd(g), introspectCmd(g),
 		execCmd(g), attachCmd(g), eventsCmd(g), sweepCmd(g), limitsCmd(g),
 	)
+	addCompletions(g, root)
 	return root
 }
 

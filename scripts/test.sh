@@ -12,5 +12,8 @@ for os in linux darwin windows; do
       { echo "sbctl or the SDK does not build for $os/$arch" >&2; exit 1; }
   done
 done
+# docs/openapi.yaml against the OpenAPI 3.0 schema with a standard validator (swagger-parser, pinned
+# by scripts/openapi/package-lock.json); the Go tests check the server against the same file.
+(cd scripts/openapi && npm ci --no-audit --no-fund --loglevel=error && npm run -s check)
 go test -count=1 -timeout 20m ./...
 (cd examples/langgraph-config && npm ci --no-audit --no-fund && npm test)

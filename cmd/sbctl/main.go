@@ -154,7 +154,7 @@ command's own code.`,
 	root.AddCommand(
 		createCmd(g), listCmd(g), getCmd(g), deleteCmd(g), stopCmd(g), resumeCmd(g), extendCmd(g),
 		heartbeatCmd(g), delegateCmd(g), delegationsCmd(g), revokeCmd(g), runConfigCmd(g), introspectCmd(g),
-		execCmd(g), attachCmd(g), eventsCmd(g), sweepCmd(g), limitsCmd(g),
+		execCmd(g), attachCmd(g), eventsCmd(g), watchCmd(g), sweepCmd(g), limitsCmd(g),
 	)
 	addCompletions(g, root)
 	return root

@@ -151,6 +151,12 @@ func TestWatch(t *testing.T) {
 		t.Fatalf("an escape sequence from an event reached the terminal: the window title is %q", title)
 	}
 
+	// The broker restarts: the pane says the stream dropped, reconnects with Last-Event-ID and
+	// shows what happens after.
+	b.restart()
+	b.ok("exec", "dev", "--", "echo", "after-restart")
+	p.waitText("exec  echo after-restart  -> exit 0")
+
 	// Select dev, show its events only, stop and resume it.
 	p.keys("j")
 	p.waitMatch(`(?m)^> dev `)
@@ -274,4 +280,18 @@ func TestWatchPlain(t *testing.T) {
 	want(`^\d\d:\d\d:\d\d dev +created`)
 	b.ok("exec", "dev", "--", "printf", "\x1b]2;pwned\x07")
 	want(`^\d\d:\d\d:\d\d dev +exec +printf \\x1b\]2;pwned\\x07 +-> exit 0`)
+
+	// Across a broker restart the stream resumes where it was: later events come, none twice.
+	b.restart()
+	b.ok("exec", "dev", "--", "echo", "after-restart")
+	want(`^\d\d:\d\d:\d\d dev +exec +echo after-restart +-> exit 0`)
+	created := 0
+	for _, l := range seen {
+		if regexp.MustCompile(`^\d\d:\d\d:\d\d dev +created`).MatchString(l) {
+			created++
+		}
+	}
+	if created != 1 {
+		t.Fatalf("dev's created event shown %d times across the restart:\n%s", created, strings.Join(seen, "\n"))
+	}
 }

@@ -135,6 +135,11 @@ func TestWatch(t *testing.T) {
 	b := startBroker(t)
 	b.ok("create", "dev", "--tag", "team=infra")
 	b.ok("create", "ci", "--tag", "team=web")
+	// A broker that is not there is an error on the command line, not a screen that says so.
+	down := startPane(t, b, 80, 24, "--broker", "http://127.0.0.1:1", "watch")
+	down.waitText("sbctl-exited=6")
+	down.waitText("cannot reach the broker")
+
 	p := startPane(t, b, 80, 24, "watch")
 
 	// Both rows with their brokers, and the backlog of events.

@@ -173,6 +173,11 @@ func newWatchModel(ctx context.Context, c *client.Client, broker, ref string, fi
 }
 
 func watchTUI(ctx context.Context, g *globals, c *client.Client, ref string, sel map[string]string, backlog int) error {
+	// A broker that is not there or a key it refuses is an error on the command line (exit 6, 4),
+	// not a full screen that only says so.
+	if _, err := c.ListSandboxes(ctx, client.ListOptions{Limit: 1}); err != nil {
+		return err
+	}
 	if ref != "" {
 		s, err := c.GetSandbox(ctx, ref)
 		if err != nil {

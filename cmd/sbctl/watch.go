@@ -523,6 +523,9 @@ func (m *watchModel) View() string {
 		if !m.allEvents && (!ok || e.SandboxID != s.ID) {
 			continue
 		}
+		if m.allEvents && len(m.filter) > 0 && !matchesAny(m.sandboxes, e.SandboxID) {
+			continue // a tag filter narrows the org's events to the sandboxes it lists
+		}
 		evs = append(evs, fit(strings.ReplaceAll(eventLine(e, m.allEvents), "\t", "  "), w))
 	}
 	for i := len(evs) - 1; i >= 0; i-- { // oldest first, the newest at the bottom

@@ -64,3 +64,26 @@ func TestWatchViewEscapesData(t *testing.T) {
 		}
 	}
 }
+
+// With a tag filter, the org's events pane shows only the listed sandboxes' events; the selected
+// sandbox's pane shows only its own.
+func TestWatchEventsFollowTheFilter(t *testing.T) {
+	m := newWatchModel(t.Context(), nil, "http://b", "", map[string]string{"team": "web"})
+	m.loaded = true
+	m.sandboxes = []protocol.Sandbox{{ID: "sb_ci", Name: "ci", Status: "running"}, {ID: "sb_web", Name: "web", Status: "running"}}
+	m.selected = "sb_ci"
+	m.events = []protocol.Event{
+		{Type: "created", SandboxID: "sb_ci", Name: "ci"},
+		{Type: "created", SandboxID: "sb_dev", Name: "dev"},
+		{Type: "created", SandboxID: "sb_web", Name: "web"},
+	}
+	v := m.View()
+	if !strings.Contains(v, "ci  created") || !strings.Contains(v, "web  created") || strings.Contains(v, "dev  created") {
+		t.Fatalf("filtered org pane:\n%s", v)
+	}
+	m.allEvents = false
+	v = m.View()
+	if !strings.Contains(v, "events: ci ") || strings.Count(v, "created") != 1 {
+		t.Fatalf("selected sandbox's pane:\n%s", v)
+	}
+}

@@ -40,6 +40,9 @@ func New(baseURL, apiKey string) (*Client, error) {
 func (c *Client) SetHTTPClient(h *http.Client) { c.http = h }
 
 // APIKey is the credential this client sends.
+// BaseURL is the broker URL the client talks to, with any password in it masked.
+func (c *Client) BaseURL() string { return c.base.Redacted() }
+
 func (c *Client) APIKey() string { return c.apiKey }
 
 // UnreachableError is returned when the broker cannot be reached at all.

@@ -48,18 +48,34 @@ func LoadConfig(path string) (Config, error) {
 	return c, nil
 }
 
-// WriteConfig writes a config file readable by its owner only (it holds a key).
+// WriteConfig writes a config file readable by its owner only (it holds a key), atomically: a
+// reader sees the old file or the whole new one, never a part, and a failed write leaves the old
+// file as it was.
 func WriteConfig(path string, c Config) error {
-	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
 	b, err := yaml.Marshal(c)
 	if err != nil {
 		return err
 	}
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, append([]byte("# sbctl configuration (written by the broker on its first start)\n"), b...), 0o600); err != nil {
+	f, err := os.CreateTemp(dir, ".config-*.tmp") // 0600
+	if err != nil {
 		return err
 	}
-	return os.Rename(tmp, path)
+	_, err = f.Write(append([]byte("# sbctl configuration (written by the broker on its first start)\n"), b...))
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), path)
+	}
+	if err != nil {
+		os.Remove(f.Name())
+	}
+	return err
 }

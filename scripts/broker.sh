@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 mkdir -p bin
-go build -o bin/ ./cmd/broker ./cmd/sbctl
+# -buildvcs=auto: --version names the commit (where git can read the checkout).
+go build -buildvcs=auto -o bin/ ./cmd/broker ./cmd/sbctl 2>/dev/null || go build -o bin/ ./cmd/broker ./cmd/sbctl
 # The sandboxes' init runs inside templates' own root filesystems, which may have no libc: static.
 CGO_ENABLED=0 go build -o bin/ ./cmd/sbx-init
 echo "built bin/broker, bin/sbctl and bin/sbx-init; starting the broker (Ctrl-C to stop)" >&2

@@ -2,7 +2,7 @@
 # Installs what the broker and its tests need when it is missing: redis-server (the embedded Redis
 # and the tests' real Redis), bubblewrap (the namespace sandbox provider), pasta (package passt: the
 # user-mode network stack of network: true sandboxes), e2fsprogs (mkfs.ext4: per-sandbox disk
-# quotas), and the toolchains the sandbox tests run
+# quotas), tmux (the TUI tests), and the toolchains the sandbox tests run
 # inside a sandbox, from Debian packages.
 set -euo pipefail
 
@@ -26,6 +26,8 @@ fi
 [ -x /usr/bin/python3 ] || missing+=(python3)
 [ -x /usr/bin/pip3 ] || missing+=(python3-pip)
 /usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+# tmux drives sbctl watch's full-screen TUI in the end-to-end tests (send-keys, capture-pane).
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
 # A static shell for the test of a template whose rootfs holds no libc (sandbox/provider).
 [ -x /bin/busybox ] || missing+=(busybox-static)
 [ ${#missing[@]} -eq 0 ] && exit 0

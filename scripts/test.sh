@@ -5,5 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 go vet ./...
+# sbctl and the Go SDK build for every OS and CPU people run them on (the broker itself is Linux only).
+for os in linux darwin windows; do
+  for arch in amd64 arm64; do
+    GOOS=$os GOARCH=$arch CGO_ENABLED=0 go build -o /dev/null ./cmd/sbctl ./client ./backend ./protocol ||
+      { echo "sbctl or the SDK does not build for $os/$arch" >&2; exit 1; }
+  done
+done
+# docs/openapi.yaml against the OpenAPI 3.0 schema with a standard validator (swagger-parser, pinned
+# by scripts/openapi/package-lock.json); the Go tests check the server against the same file.
+(cd scripts/openapi && npm ci --no-audit --no-fund --loglevel=error && npm run -s check)
 go test -count=1 -timeout 20m ./...
 (cd examples/langgraph-config && npm ci --no-audit --no-fund && npm test)

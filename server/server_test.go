@@ -474,7 +474,7 @@ func TestTemplatesAndSetup(t *testing.T) {
 		!strings.Contains(err.Error(), `another template ("py")`) {
 		t.Fatalf("reuse with another template: %v", err)
 	}
-	if env, err := b.Client.Environment(ctx, "ok"); err != nil || env.Env["STACK"] != "python" || env.Env["HOME"] != "/workspace" {
+	if env, err := b.Client.Environment(ctx, "ok"); err != nil || env.Env["STACK"] != "python" || env.Env["HOME"] != "/home/user" {
 		t.Fatalf("template env: %v %+v", err, env.Env)
 	}
 	_, err = b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "bad", Template: "broken"})

@@ -12,6 +12,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/sandbox/provider"
 )
 
@@ -61,6 +62,8 @@ from it, and without it points at 127.0.0.1.`,
 			return serve(cmd.Context(), c)
 		},
 	}
+	root.Version = client.Version()
+	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	storageFlags(root.PersistentFlags(), c)
 	serveFlags(root.Flags(), c)
 	limitFlags(root.Flags(), c)

@@ -55,11 +55,6 @@ func serve(parent context.Context, c *config) error {
 	if prov.Name() == provider.ChoiceDir {
 		shout(c, log, notIsolated(c, report))
 	}
-	if st.embedded != nil {
-		if err := bootstrap(ctx, c, st, log); err != nil {
-			return err
-		}
-	}
 	uid := -1 // files the broker creates belong to the sandbox user when sandboxes run as one
 	var uids store.UIDRange
 	if os.Geteuid() == 0 {
@@ -91,6 +86,15 @@ func serve(parent context.Context, c *config) error {
 	if err != nil {
 		b.Shutdown(context.Background())
 		return fmt.Errorf("--listen (SBX_LISTEN): %w", err)
+	}
+	if st.embedded != nil {
+		// Only now that the address is ours: a broker that cannot serve (port taken) must neither
+		// create a key nobody will get, nor point sbctl away from the broker that does serve there.
+		if err := bootstrap(ctx, c, st, log); err != nil {
+			l.Close()
+			b.Shutdown(context.Background())
+			return err
+		}
 	}
 	log.Info("broker ready", "listen", l.Addr().String(), "advertise", c.advertise(), "node", node,
 		"provider", prov.Name(), "redis", st.where, "data_dir", c.DataDir)
@@ -210,7 +214,8 @@ func hostsSandboxes(dataDir string) bool {
 	return false
 }
 
-// bootstrap gives a fresh embedded broker an org and a key, and points sbctl at it.
+// bootstrap gives a fresh embedded broker an org and a key, and points sbctl at it. It runs once
+// the broker holds its listen address.
 func bootstrap(ctx context.Context, c *config, st *storage, log *slog.Logger) error {
 	orgs, err := st.store.Orgs(ctx)
 	if err != nil || len(orgs) > 0 {
@@ -223,7 +228,8 @@ func bootstrap(ctx context.Context, c *config, st *storage, log *slog.Logger) er
 	cfgPath := client.ConfigPath()
 	existing, _ := client.LoadConfig(cfgPath)
 	if existing.Broker != "" && existing.Broker != c.advertise() {
-		// Never clobber a config that points at another broker.
+		// Never clobber a config that points at another broker. One that points at this address
+		// holds no working key: this broker serves the address now, and it had no key until now.
 		cfgPath = filepath.Join(c.DataDir, "sbctl-config.yaml")
 	}
 	if err := client.WriteConfig(cfgPath, client.Config{Broker: c.advertise(), APIKey: key}); err != nil {

@@ -15,7 +15,7 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
+	"golang.org/x/term"
 	"sigs.k8s.io/yaml"
 
 	"github.com/sbxbroker/broker/client"
@@ -141,6 +141,8 @@ command's own code.`,
 			return nil
 		},
 	}
+	root.Version = client.Version()
+	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	root.SuggestionsMinimumDistance = 2
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageErr("%v", err) })
 	pf := root.PersistentFlags()
@@ -152,8 +154,9 @@ command's own code.`,
 	root.AddCommand(
 		createCmd(g), listCmd(g), getCmd(g), deleteCmd(g), stopCmd(g), resumeCmd(g), extendCmd(g),
 		heartbeatCmd(g), delegateCmd(g), delegationsCmd(g), revokeCmd(g), runConfigCmd(g), introspectCmd(g),
-		execCmd(g), attachCmd(g), eventsCmd(g), sweepCmd(g), limitsCmd(g),
+		execCmd(g), attachCmd(g), eventsCmd(g), watchCmd(g), sweepCmd(g), limitsCmd(g),
 	)
+	addCompletions(g, root)
 	return root
 }
 
@@ -231,8 +234,14 @@ func exitCodeOf(err error) int {
 		switch pe.Code {
 		case protocol.CodeNotFound:
 			return exitNotFound
-		case protocol.CodeUnauthenticated, protocol.CodeForbidden, protocol.CodeDelegateForbidden:
+		case protocol.CodeUnauthenticated, protocol.CodeForbidden, protocol.CodeDelegateForbidden,
+			protocol.CodeScopeDenied, protocol.CodeCommandNotAllowed: // what the credential does not allow
 			return exitAuth
+		}
+		if strings.HasPrefix(pe.Code, "token_") { // a token refused: malformed, expired, revoked, another sandbox's
+			return exitAuth
+		}
+		switch pe.Code {
 		case protocol.CodeNameConflict, protocol.CodeInvalidState, protocol.CodeSandboxFailed, protocol.CodeNotRunning,
 			protocol.CodeWrongNode: // a 409 like the others: the sandbox is in a state (elsewhere) that refuses this
 			return exitConflict
@@ -268,8 +277,7 @@ func isTerminal(r any) bool {
 	if !ok {
 		return false
 	}
-	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
-	return err == nil
+	return term.IsTerminal(int(f.Fd()))
 }
 
 // annOutputs is the annotation of a command that prints only some of the -o formats: the formats,

@@ -221,3 +221,75 @@ func TestGetSaysBrokerLost(t *testing.T) {
 		t.Errorf("sbctl get: exit %d\nstdout: %s\nstderr: %s", code, out, stderr)
 	}
 }
+
+// Every refusal of a credential exits 4 as the help says, whichever way it is refused: a bad,
+// expired or revoked token, a scope or command the token does not allow.
+func TestCredentialRefusalsExit4(t *testing.T) {
+	t.Parallel()
+	for _, code := range []string{
+		protocol.CodeUnauthenticated, protocol.CodeForbidden, protocol.CodeDelegateForbidden,
+		protocol.CodeTokenMalformed, protocol.CodeTokenExpired, protocol.CodeTokenRevoked, protocol.CodeTokenSignature,
+		protocol.CodeTokenSandbox, protocol.CodeTokenAudience, protocol.CodeScopeDenied, protocol.CodeCommandNotAllowed,
+	} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusUnauthorized)
+			json.NewEncoder(w).Encode(protocol.ErrorBody{Error: protocol.Error{Code: code, Message: "refused"}})
+		}))
+		exit, _, stderr := sbctl(t, t.Context(), srv.URL, "", "get", "dev")
+		srv.Close()
+		if exit != exitAuth {
+			t.Errorf("%s: exit %d (%s); want %d", code, exit, stderr, exitAuth)
+		}
+	}
+}
+
+// Shell completion offers the org's sandbox names for a REF and its tags for --tag, from the
+// broker, and never a name a shell or terminal would misread.
+func TestCompletion(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/sandboxes" {
+			http.NotFound(w, r)
+			return
+		}
+		json.NewEncoder(w).Encode(protocol.ListSandboxesResponse{Items: []protocol.Sandbox{
+			{ID: "sb_1", Name: "dev", Tags: map[string]string{"thread_id": "T42", "team": "infra"}},
+			{ID: "sb_2", Name: "demo", Tags: map[string]string{"thread_id": "T7"}},
+			{ID: "sb_3", Name: "ci", Tags: map[string]string{"evil": "a\x1b]0;x\x07"}},
+		}})
+	}))
+	defer srv.Close()
+	complete := func(args ...string) []string {
+		t.Helper()
+		var out, errb bytes.Buffer
+		all := append([]string{"__complete", "--broker", srv.URL, "--api-key", "sbk_test", "--config", filepath.Join(t.TempDir(), "none.yaml")}, args...)
+		if code := run(t.Context(), all, strings.NewReader(""), &out, &errb); code != 0 {
+			t.Fatalf("sbctl %v: exit %d: %s", all, code, errb.String())
+		}
+		var got []string
+		for _, l := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+			if !strings.HasPrefix(l, ":") {
+				got = append(got, l)
+			}
+		}
+		return got
+	}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"get", ""}, "ci demo dev"},
+		{[]string{"stop", "de"}, "demo dev"},
+		{[]string{"get", "dev", ""}, ""}, // one REF only
+		{[]string{"heartbeat", "dev", ""}, "ci demo"},
+		{[]string{"exec", "d"}, "demo dev"},
+		{[]string{"list", "--tag", "thread_id="}, "thread_id=T42 thread_id=T7"},
+		{[]string{"delete", "--tag", ""}, "team=infra thread_id=T42 thread_id=T7"},
+		{[]string{"list", "--status", "r"}, "running"},
+	} {
+		if got := strings.Join(complete(tc.args...), " "); got != tc.want {
+			t.Errorf("complete %q: %q, want %q", tc.args, got, tc.want)
+		}
+	}
+}

@@ -58,6 +58,10 @@ const (
 	sandboxUID  = 1000
 	sandboxGID  = 1000
 	sandboxUser = "user"
+	// HomePath is the sandbox user's home (HOME, and its /etc/passwd entry) in a namespace sandbox:
+	// a link to homeStore, a directory in the sandbox's /tmp.
+	HomePath  = "/home/" + sandboxUser
+	homeStore = "/tmp/home"
 )
 
 // basePath is PATH inside every sandbox.

@@ -249,7 +249,7 @@ func TestExecSemantics(t *testing.T) {
 			})
 			t.Run("environment", func(t *testing.T) {
 				env := in.Environment()
-				home := WorkspacePath
+				home := HomePath
 				if p.Name() == kindDir {
 					home = p.WorkspaceDir(spec)
 				}

@@ -192,7 +192,7 @@ func (n *Namespace) writeIdentity(spec Spec) error {
 	state := n.layout.stateDir(spec.ID)
 	files := map[string]string{
 		"passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n" +
-			fmt.Sprintf("%s:x:%d:%d:sandbox user:%s:%s\n", sandboxUser, sandboxUID, sandboxGID, WorkspacePath, shell) +
+			fmt.Sprintf("%s:x:%d:%d:sandbox user:%s:%s\n", sandboxUser, sandboxUID, sandboxGID, HomePath, shell) +
 			"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
 		"group": "root:x:0:\n" + fmt.Sprintf("%s:x:%d:\n", sandboxUser, sandboxGID) + "nogroup:x:65534:\n",
 	}
@@ -326,7 +326,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if spec.Template.Rootfs != "" {
 		shell = loginShell(spec.Template.Rootfs)
 	}
-	env := sandboxEnv(WorkspacePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
+	env := sandboxEnv(HomePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
 	var network func(context.Context, int) (func(), error)
 	if spec.Template.Network.Enabled {
 		network = func(ctx context.Context, pid int) (func(), error) {
@@ -456,6 +456,11 @@ func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 		"--dev", "/dev",
 		"--size", tmpSize, "--tmpfs", "/dev/shm",
 		"--size", tmpSize, "--tmpfs", "/tmp",
+		// The user's home is outside the workspace, so that tools' dotfiles and caches
+		// (~/.gitconfig, ~/.npm) stay out of the project; it lives in /tmp's tmpfs (its size and
+		// memory accounting) and, like /tmp, starts empty on each start.
+		"--perms", "0700", "--dir", homeStore,
+		"--symlink", homeStore, HomePath,
 		"--bind", n.layout.workspaceDir(spec.ID), WorkspacePath)
 	for _, m := range t.Mounts {
 		a = append(a, "--ro-bind", m.Source, path.Clean(m.Target))
@@ -489,7 +494,7 @@ func (n *Namespace) rootfsArgs(t Template) ([]string, bool, error) {
 	for _, e := range entries {
 		name := e.Name()
 		switch name {
-		case "proc", "dev", "tmp", "sys", "workspace", ".sbx":
+		case "proc", "dev", "tmp", "sys", "workspace", ".sbx", "home":
 			continue
 		}
 		src, dst := filepath.Join(t.Rootfs, name), "/"+name

@@ -51,7 +51,7 @@ func TestNamespaceIsolation(t *testing.T) {
 		}
 	})
 	t.Run("identity", func(t *testing.T) {
-		if _, out := sh(t, in, "id -u; id -g; id -un; hostname; echo $HOME"); out != "1000\n1000\nuser\nsandbox\n/workspace\n" {
+		if _, out := sh(t, in, "id -u; id -g; id -un; hostname; echo $HOME"); out != "1000\n1000\nuser\nsandbox\n/home/user\n" {
 			t.Errorf("identity inside: %q", out)
 		}
 		ws := n.WorkspaceDir(spec)
@@ -218,7 +218,7 @@ func TestNamespaceTemplateFeatures(t *testing.T) {
 		if out != "rootfs\n1000\n/workspace\ntmpl\n" {
 			t.Errorf("inside the rootfs: %q", out)
 		}
-		if env := in.Environment(); env["HOME"] != WorkspacePath || env["FROM"] != "tmpl" {
+		if env := in.Environment(); env["HOME"] != HomePath || env["FROM"] != "tmpl" {
 			t.Errorf("environment without env(1): %v", env)
 		}
 	})

@@ -19,6 +19,7 @@ import type {
   SandboxBackendProtocolV2,
   WriteResult,
 } from "deepagents";
+import { createHash } from "node:crypto";
 import { getConfig } from "@langchain/langgraph";
 import { DataplaneClient, type CallOptions, type DataplaneOptions } from "./dataplane.js";
 import { asDataplaneError, describeForModel, isCredentialRefusal, type DataplaneError } from "./errors.js";
@@ -161,8 +162,19 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     return new BrokerSandbox(DataplaneClient.failing(err));
   }
 
-  /** A backend for the sandbox a run-config block names. Connects on first use. */
-  static fromBlock(block: SandboxBlock, opts: BrokerSandboxOptions & Partial<DataplaneOptions> = {}): BrokerSandbox {
+  /**
+   * The backend for the sandbox a run-config block names, from the process-wide pool (defaultPool):
+   * the same block (and options) gives the same backend and so one WebSocket, however often it is
+   * called, so a deepagents factory (`backend: () => BrokerSandbox.fromBlock(...)`, called at every
+   * tool call) keeps one connection per sandbox. Connects on first use. close() closes it for
+   * every holder; a backend the broker closed for good is replaced at the next call.
+   */
+  static fromBlock(block: SandboxBlock, opts?: BrokerSandboxOptions & PoolDialOptions): BrokerSandbox {
+    return defaultPool.get(block, opts);
+  }
+
+  /** A backend with a connection of its own (not pooled): close() it when done. */
+  static dedicated(block: SandboxBlock, opts: BrokerSandboxOptions & PoolDialOptions = {}): BrokerSandbox {
     const client = new DataplaneClient({ ...opts, url: block.dataplane_url, credential: block.credential, sandboxId: block.sandbox_id });
     return new BrokerSandbox(client, opts);
   }
@@ -382,3 +394,123 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   }
 }
 
+
+/** Dial tuning of a pooled backend (URL, credential and sandbox id come from each block). */
+export type PoolDialOptions = Omit<DataplaneOptions, "url" | "credential" | "sandboxId">;
+
+// Options are part of a pooled backend's key; a function (a signal source) counts by identity.
+const functionIds = new WeakMap<object, number>();
+let nextFunctionId = 0;
+function optionsKey(opts: object | undefined): string {
+  if (!opts) return "";
+  const entries = Object.entries(opts)
+    .filter(([, v]) => v !== undefined)
+    .sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0))
+    .map(([k, v]) => {
+      if (typeof v !== "function") return [k, v];
+      let id = functionIds.get(v);
+      if (id === undefined) functionIds.set(v, (id = ++nextFunctionId));
+      return [k, `function#${id}`];
+    });
+  return JSON.stringify(entries);
+}
+
+/** Options of a pool's connections. */
+export interface SandboxPoolOptions {
+  /** Most connections kept open; the least recently used beyond it are closed (default 64). */
+  maxConnections?: number;
+  /** A connection unused for this long is closed (default 10 min); the next call re-dials. */
+  idleMs?: number;
+  /** Dial tuning (URL, credential and sandbox id come from each block). */
+  dial?: PoolDialOptions;
+  /** Command tuning of every backend. */
+  sandbox?: BrokerSandboxOptions;
+}
+
+/**
+ * Backends keyed by dataplane URL, sandbox id and credential: one connection each. A backend whose
+ * connection the broker closed for good (revoked, expired, sandbox stopped) is dropped, so the next
+ * run with a fresh block, or after the owner resumed the sandbox, dials again.
+ */
+export class SandboxPool {
+  private readonly entries = new Map<string, BrokerSandbox>();
+  private readonly max: number;
+  private readonly idleMs: number;
+  private sweeper?: NodeJS.Timeout;
+
+  constructor(private readonly o: SandboxPoolOptions = {}) {
+    this.max = Math.max(1, o.maxConnections ?? 64);
+    this.idleMs = o.idleMs ?? 10 * 60_000;
+  }
+
+  private static keyOf(b: SandboxBlock, opts?: BrokerSandboxOptions & PoolDialOptions): string {
+    const cred = createHash("sha256").update(b.credential).digest("base64url");
+    return `${b.dataplane_url}\n${b.sandbox_id}\n${cred}\n${optionsKey(opts)}`;
+  }
+
+  /**
+   * The backend for a block, created (not yet connected) on first use; opts, when given, tune it
+   * over the pool's options, and a block with other options is another backend.
+   */
+  get(block: SandboxBlock, opts?: BrokerSandboxOptions & PoolDialOptions): BrokerSandbox {
+    const key = SandboxPool.keyOf(block, opts);
+    let sb = this.entries.get(key);
+    if (sb && sb.client.finished) {
+      this.entries.delete(key);
+      sb = undefined;
+    }
+    if (sb) {
+      // Most recently used last: Map order is the eviction order.
+      this.entries.delete(key);
+      this.entries.set(key, sb);
+      return sb;
+    }
+    const created = BrokerSandbox.dedicated(block, { ...this.o.dial, ...this.o.sandbox, ...opts });
+    created.client.onEnded = () => {
+      if (this.entries.get(key) === created) this.entries.delete(key);
+      created.close();
+    };
+    this.entries.set(key, created);
+    // Over the cap: close the least recently used connections with no call under way, dialling
+    // included (a busy pool may stay over the cap until its calls end).
+    for (const [k, sb] of this.entries) {
+      if (this.entries.size <= this.max) break;
+      if (sb !== created && sb.client.inflight === 0) {
+        this.entries.delete(k);
+        sb.close();
+      }
+    }
+    this.startSweeper();
+    return created;
+  }
+
+  private startSweeper(): void {
+    if (this.sweeper) return;
+    this.sweeper = setInterval(() => {
+      const cutoff = Date.now() - this.idleMs;
+      for (const [key, sb] of this.entries) {
+        if (sb.client.lastUsed < cutoff && sb.client.inflight === 0) {
+          this.entries.delete(key);
+          sb.close();
+        }
+      }
+    }, Math.max(1000, Math.floor(this.idleMs / 2)));
+    this.sweeper.unref();
+  }
+
+  /** Open backends (for tests and metrics). */
+  get size(): number {
+    return this.entries.size;
+  }
+
+  /** Closes every connection. */
+  close(): void {
+    if (this.sweeper) clearInterval(this.sweeper);
+    this.sweeper = undefined;
+    for (const sb of this.entries.values()) sb.close();
+    this.entries.clear();
+  }
+}
+
+/** The process-wide pool that RunConfigSandbox and BrokerSandbox.fromBlock use unless given one. */
+export const defaultPool = new SandboxPool();

@@ -8,9 +8,11 @@ import { join } from "node:path";
 import { after, before, describe, it } from "node:test";
 import { AIMessage, HumanMessage, ToolMessage, type BaseMessage } from "@langchain/core/messages";
 import { fakeModel } from "@langchain/core/testing";
+import { getConfig } from "@langchain/langgraph";
 import { createDeepAgent } from "deepagents";
+import { BrokerSandbox } from "../src/backend.js";
 import { RunConfigSandbox, SandboxPool } from "../src/routing.js";
-import type { SandboxBlock } from "../src/runconfig.js";
+import { sandboxBlockOf, type SandboxBlock } from "../src/runconfig.js";
 import { startBroker, type Broker, type Sandbox } from "./helpers/broker.js";
 import { followEvents, type SandboxEvent } from "./helpers/events.js";
 
@@ -226,6 +228,36 @@ describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
       assert.ok(seenTools[0]!.includes(name), `the model was not offered ${name}: ${seenTools[0]}`);
     }
     assert.equal(pool.size, before, "the block's pooled connection was reused");
+  });
+});
+
+describe("the factory wiring", { timeout: 120_000 }, () => {
+  it("backend: () => BrokerSandbox.fromBlock(...) keeps one connection per sandbox", async () => {
+    const sb = await broker.create("factory");
+    const block = await broker.block("factory", "--expires", "10m");
+    const events = await followEvents(broker.url, broker.apiKey, sb.id);
+    const model = scripted(
+      [{ id: "f1", name: "write_file", args: { file_path: "/f.txt", content: "one\n" } }],
+      [{ id: "f2", name: "read_file", args: { file_path: "/f.txt" } }],
+      [{ id: "f3", name: "ls", args: { path: "/" } }],
+      [{ id: "f4", name: "execute", args: { command: "cat f.txt" } }],
+      [{ id: "f5", name: "grep", args: { pattern: "one" } }],
+      [{ id: "f6", name: "write_file", args: { file_path: "/last.txt", content: "six\n" } }],
+    );
+    // The wiring deepagents' docs show for a backend per run: a factory called at every tool call.
+    const agent = createDeepAgent({ model, backend: () => BrokerSandbox.fromBlock(sandboxBlockOf(getConfig().configurable)) });
+    const res = await agent.invoke({ messages: [new HumanMessage("go")] }, { configurable: { sandbox: block } });
+    assert.match(toolText(res.messages, "f4"), /^one\n/);
+    assert.match(toolText(res.messages, "f6"), /Successfully wrote/);
+    try {
+      // The last call's file_written comes after every connection's connected event.
+      const seen = await events.waitFor((ev) => ev.some((e) => e.type === "file_written" && e.path === "/workspace/last.txt"));
+      const connected = seen.filter((e) => e.type === "connected").length;
+      assert.equal(connected, 1, `six tool calls opened ${connected} connections`);
+    } finally {
+      events.close();
+    }
+    assert.equal(BrokerSandbox.fromBlock(block), BrokerSandbox.fromBlock(block), "one backend per block");
   });
 });
 

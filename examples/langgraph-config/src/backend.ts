@@ -86,6 +86,30 @@ export function toSandboxPath(p: string | null | undefined): string {
   return p;
 }
 
+/**
+ * Whether answers to a call that named path should use the agent's view, where the workspace is /
+ * (true), or sandbox paths (false): a path the agent wrote as /workspace/... is answered as such,
+ * anything else ("/notes.md", "/", a relative path, none) in the agent's view.
+ */
+function agentView(path: string | null | undefined): boolean {
+  return !(path === WORKSPACE || (typeof path === "string" && path.startsWith(`${WORKSPACE}/`)));
+}
+
+/** A sandbox path as the agent sees it: /workspace is /, /workspace/x is /x; anything else as is. */
+export function toAgentPath(p: string): string {
+  if (p === WORKSPACE || p === `${WORKSPACE}/`) return "/";
+  if (p.startsWith(`${WORKSPACE}/`)) return p.slice(WORKSPACE.length);
+  return p;
+}
+
+// A /workspace path inside a sentence (an error message), not part of a longer name.
+const WORKSPACE_IN_TEXT = /(?<![\w./-])\/workspace(?:\/|(?![\w/-]|\.\w))/g;
+
+/** A sentence with its sandbox paths in the agent's view. */
+function toAgentText(text: string): string {
+  return text.replace(WORKSPACE_IN_TEXT, "/");
+}
+
 // deepagents decides text or binary by extension (its getMimeType / isTextMimeType, not exported).
 const BINARY_TYPES: Record<string, string> = {
   ".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp",
@@ -117,9 +141,10 @@ export function isTextMimeType(m: string): boolean {
 
 const BASE64 = /^[A-Za-z0-9+/\s]*={0,2}\s*$/;
 
-function toInfo(f: WireFileInfo): FileInfo {
+function toInfo(f: WireFileInfo, view: boolean): FileInfo {
   const dir = f.type === "dir";
-  return { path: dir ? `${f.path}/` : f.path, is_dir: dir, size: dir ? 0 : f.size, modified_at: f.mod_time };
+  const path = view ? toAgentPath(f.path) : f.path;
+  return { path: dir && path !== "/" ? `${path}/` : path, is_dir: dir, size: dir ? 0 : f.size, modified_at: f.mod_time };
 }
 
 /** deepagents' per-file error codes are a closed set; each dataplane code goes to the nearest. */
@@ -196,8 +221,15 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     return { signal: (this.opts.signal ?? runSignal)() };
   }
 
-  private describe(err: unknown, path?: string): string {
-    return describeForModel(err, { path, allowCmd: this.client.hello?.allow_cmd });
+  /** The sentence a model reads for err, in the view of the path the call named. */
+  private describe(err: unknown, path?: string | null): string {
+    const s = describeForModel(err, { path: path ?? undefined, allowCmd: this.client.hello?.allow_cmd });
+    return agentView(path) ? toAgentText(s) : s;
+  }
+
+  /** A result path in the view of the path the call named. */
+  private answerPath(p: string, asked: string | null | undefined): string {
+    return agentView(asked) ? toAgentPath(p) : p;
   }
 
   /**
@@ -216,7 +248,8 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   async ls(path: string): Promise<LsResult> {
     try {
       const r = await this.client.ls(toSandboxPath(path), this.call());
-      return { files: (r.entries ?? []).map(toInfo) };
+      const view = agentView(path);
+      return { files: (r.entries ?? []).map((f) => toInfo(f, view)) };
     } catch (e) {
       return { error: this.describe(e, path) };
     }
@@ -283,7 +316,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
         return { error: `Content for ${filePath} must be base64: its type is binary (${mimeTypeOf(filePath)}).` };
       }
       const w = await this.put(p, binary ? Buffer.from(content, "base64") : content);
-      return { path: w.path, filesUpdate: null };
+      return { path: this.answerPath(w.path, filePath), filesUpdate: null };
     } catch (e) {
       return { error: this.describe(e, filePath) };
     }
@@ -296,13 +329,13 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
         // deepagents' convention: an empty old string sets the content of an empty file.
         const info = await this.client.stat(p, this.call());
         if (info.size !== 0) return { error: "Error: old_string cannot be empty when the file has content." };
-        if (newString === "") return { path: info.path, filesUpdate: null, occurrences: 0 };
+        if (newString === "") return { path: this.answerPath(info.path, filePath), filesUpdate: null, occurrences: 0 };
         const w = await this.put(p, newString);
-        return { path: w.path, filesUpdate: null, occurrences: 1 };
+        return { path: this.answerPath(w.path, filePath), filesUpdate: null, occurrences: 1 };
       }
       if (oldString === newString) return { error: "Error: old_string and new_string are identical; nothing to replace." };
       const r = await this.client.edit({ path: p, old: oldString, new: newString, replace_all: replaceAll || undefined }, this.call());
-      return { path: r.path, filesUpdate: null, occurrences: r.occurrences };
+      return { path: this.answerPath(r.path, filePath), filesUpdate: null, occurrences: r.occurrences };
     } catch (e) {
       return { error: this.describe(e, filePath) };
     }
@@ -313,9 +346,11 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     try {
       const max = maxCount === undefined || maxCount === null ? undefined : Math.min(Math.max(1, Math.floor(maxCount)), GREP_MAX);
       const r = await this.client.grep({ pattern, path: toSandboxPath(path), glob: glob || undefined, max_count: max }, this.call());
-      return { matches: r.matches ?? [], truncated: r.truncated || undefined };
+      const view = agentView(path);
+      const matches = (r.matches ?? []).map((m) => (view ? { ...m, path: toAgentPath(m.path) } : m));
+      return { matches, truncated: r.truncated || undefined };
     } catch (e) {
-      return { error: this.describe(e, path ?? undefined) };
+      return { error: this.describe(e, path) };
     }
   }
 
@@ -323,16 +358,19 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     try {
       let base = toSandboxPath(path);
       let pat = pattern;
+      let view = agentView(path);
       // A pattern given as an absolute path is relative to the root it names.
       if (pat.startsWith(`${WORKSPACE}/`)) {
         pat = pat.slice(WORKSPACE.length + 1);
         base = WORKSPACE;
+        view = false;
       } else if (pat.startsWith("/")) {
         pat = pat.replace(/^\/+/, "");
         base = WORKSPACE;
+        view = true;
       }
       const r = await this.client.glob({ pattern: pat, path: base }, this.call());
-      return { files: (r.files ?? []).map(toInfo), truncated: r.truncated || undefined };
+      return { files: (r.files ?? []).map((f) => toInfo(f, view)), truncated: r.truncated || undefined };
     } catch (e) {
       return { error: this.describe(e, path) };
     }
@@ -342,7 +380,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   async delete(filePath: string): Promise<DeleteResult> {
     try {
       const r = await this.client.delete({ path: toSandboxPath(filePath), recursive: true }, this.call());
-      return { path: r.path, filesUpdate: null };
+      return { path: this.answerPath(r.path, filePath), filesUpdate: null };
     } catch (e) {
       return { error: this.describe(e, filePath) };
     }

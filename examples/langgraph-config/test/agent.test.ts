@@ -103,9 +103,9 @@ describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
     assert.equal(toolText(messages, "r1"), "@@ lines 2-3 of 6 | next offset 3 @@\n    # TODO: greet\n    print('hello')");
     assert.equal(toolText(messages, "e1"), "Successfully replaced 1 occurrence(s) in '/workspace/app/main.py'");
     assert.equal(toolText(messages, "l1"), "/workspace/app/ (directory)\n/workspace/notes/ (directory)");
-    assert.equal(toolText(messages, "g1"), "/workspace/notes/todo.md");
+    assert.equal(toolText(messages, "g1"), "/notes/todo.md"); // no path given: the agent's view
     assert.equal(toolText(messages, "s1"), "/workspace/app/main.py:\n  2:     # TODO: greet\n/workspace/notes/todo.md:\n  1: - TODO: ship");
-    assert.equal(toolText(messages, "s2"), "/workspace/app/main.py:\n  3:     print('hello, sandbox')");
+    assert.equal(toolText(messages, "s2"), "/app/main.py:\n  3:     print('hello, sandbox')");
     assert.match(toolText(messages, "x1"), /hello, sandbox/);
     assert.match(toolText(messages, "x1"), /\[Command succeeded with exit code 0\]/);
     const failed = toolText(messages, "x2");
@@ -228,6 +228,39 @@ describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
       assert.ok(seenTools[0]!.includes(name), `the model was not offered ${name}: ${seenTools[0]}`);
     }
     assert.equal(pool.size, before, "the block's pooled connection was reused");
+  });
+});
+
+describe("answers in the agent's paths", { timeout: 120_000 }, () => {
+  it("a run that names files from / reads / back, never /workspace", async () => {
+    const sb = await broker.create("paths");
+    const block = await broker.block("paths", "--expires", "10m");
+    const messages = await runAgent(
+      scripted(
+        [{ id: "w", name: "write_file", args: { file_path: "/src/a.py", content: "x = 1\n" } }],
+        [
+          { id: "l", name: "ls", args: { path: "/" } },
+          { id: "l2", name: "ls", args: { path: "/src" } },
+          { id: "g", name: "glob", args: { pattern: "**/*.py" } },
+          { id: "s", name: "grep", args: { pattern: "x =" } },
+          { id: "r", name: "read_file", args: { file_path: "/missing.py" } },
+          { id: "e", name: "edit_file", args: { file_path: "/missing.py", old_string: "a", new_string: "b" } },
+        ],
+        [{ id: "d", name: "delete", args: { file_path: "/src" } }],
+      ),
+      { sandbox: block },
+    );
+    assert.equal(toolText(messages, "w"), "Successfully wrote to '/src/a.py'");
+    assert.equal(toolText(messages, "l"), "/src/ (directory)");
+    assert.equal(toolText(messages, "l2"), "/src/a.py (6 bytes)");
+    assert.equal(toolText(messages, "g"), "/src/a.py");
+    assert.equal(toolText(messages, "s"), "/src/a.py:\n  1: x = 1");
+    for (const id of ["r", "e"]) {
+      assert.match(toolText(messages, id), /\/missing\.py/, id);
+      assert.doesNotMatch(toolText(messages, id), /\/workspace/, id);
+    }
+    assert.equal(toolText(messages, "d"), "Deleted /src");
+    assert.equal(existsSync(join(broker.workspace(sb.id), "src")), false);
   });
 });
 

@@ -35,6 +35,9 @@ export const WORKSPACE = "/workspace";
  */
 export const UNCONFIGURED_ID = "sbx-broker";
 
+/** Where deepagents saves tool answers too large for the model's context. */
+const LARGE_RESULTS = "/large_tool_results/";
+
 /** What deepagents' read_file shows for an empty file (its EMPTY_CONTENT_WARNING). */
 export const EMPTY_CONTENT_WARNING = "System reminder: File exists but has empty contents";
 
@@ -309,6 +312,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
 
   /** Creates or replaces a file. Content for binary types (.png, .pdf, ...) is base64, as in deepagents. */
   async write(filePath: string, content: string): Promise<WriteResult> {
+    if (filePath.startsWith(LARGE_RESULTS)) return this.saveLargeResult(filePath, content);
     try {
       const p = toSandboxPath(filePath);
       const binary = !isTextMimeType(mimeTypeOf(filePath));
@@ -319,6 +323,26 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       return { path: this.answerPath(w.path, filePath), filesUpdate: null };
     } catch (e) {
       return { error: this.describe(e, filePath) };
+    }
+  }
+
+  /**
+   * deepagents saves a tool answer too large for the model's context (a long command output) under
+   * /large_tool_results/ and shows the model a preview; when the save fails it shows only the
+   * error. So a save that cannot happen (no fs:write scope) or fails answers with an error that
+   * says why and carries the whole output, which the model then reads instead of losing it.
+   */
+  private async saveLargeResult(filePath: string, content: string): Promise<WriteResult> {
+    const kept = `\nThe output was not saved in the sandbox, so here it is in full:\n\n${content}`;
+    const scopes = this.client.hello?.scopes;
+    if (scopes && !scopes.includes("fs:write")) {
+      return { error: `this run's sandbox credential has no fs:write scope.${kept}` };
+    }
+    try {
+      const w = await this.put(toSandboxPath(filePath), content);
+      return { path: this.answerPath(w.path, filePath), filesUpdate: null };
+    } catch (e) {
+      return { error: `${this.describe(e, filePath)}${kept}` };
     }
   }
 

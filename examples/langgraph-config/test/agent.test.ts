@@ -349,6 +349,20 @@ describe("refused runs: the model reads why, the run goes on", { timeout: 120_00
     assert.equal(existsSync(join(broker.workspace(sb.id), "ro.txt")), false);
   });
 
+  it("a token without fs:write: a large command output is kept, and the answer says why it was not saved", async () => {
+    const sb = await broker.create("no-write");
+    const block = await broker.block("no-write", "--scope", "fs:read,exec");
+    // About 170 000 characters: past deepagents' eviction threshold (20 000 tokens, 80 000 characters).
+    const messages = await runAgent(scripted([{ id: "big", name: "execute", args: { command: "seq 1 30000" } }]), { sandbox: block });
+    const text = toolText(messages, "big");
+    assert.match(text, /could not be saved/);
+    assert.match(text, /no fs:write scope/);
+    assert.match(text, /\n1\n2\n3\n/);
+    assert.match(text, /\n29999\n30000\n/);
+    assert.equal(finalText(messages), "done");
+    assert.equal(existsSync(join(broker.workspace(sb.id), "large_tool_results")), false);
+  });
+
   it("a command allowlist: other commands answer Not allowed with the allowed programs", async () => {
     await broker.create("allowlist");
     const block = await broker.block("allowlist", "--allow-cmd", "echo,true");

@@ -352,10 +352,11 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       if (oldString === "") {
         // deepagents' convention: an empty old string sets the content of an empty file.
         const info = await this.client.stat(p, this.call());
-        if (info.size !== 0) return { error: "Error: old_string cannot be empty when the file has content." };
+        // deepagents reports 0 replacements here: nothing was replaced, the content was set.
+        if (info.size !== 0) return { error: "Error: oldString cannot be empty when file has content" };
         if (newString === "") return { path: this.answerPath(info.path, filePath), filesUpdate: null, occurrences: 0 };
         const w = await this.put(p, newString);
-        return { path: this.answerPath(w.path, filePath), filesUpdate: null, occurrences: 1 };
+        return { path: this.answerPath(w.path, filePath), filesUpdate: null, occurrences: 0 };
       }
       if (oldString === newString) return { error: "Error: old_string and new_string are identical; nothing to replace." };
       const r = await this.client.edit({ path: p, old: oldString, new: newString, replace_all: replaceAll || undefined }, this.call());
@@ -410,16 +411,23 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     }
   }
 
-  /** Runs a /bin/sh -c command in the workspace; stdout and stderr are combined as written. */
+  /**
+   * Runs a /bin/sh -c command in the workspace; stdout and stderr are combined as written. The
+   * output streams as bytes and is decoded here as deepagents' own backends decode theirs (Node's
+   * UTF-8 decoder: one U+FFFD per invalid byte), and it stays out of the broker's budget for
+   * buffered answers.
+   */
   async execute(command: string): Promise<ExecuteResponse> {
     try {
+      const decoder = new TextDecoder("utf-8");
+      let output = "";
       const r = await this.client.exec({
         command,
         combined: true,
         timeout_ms: this.opts.execTimeoutMs,
         max_output: this.opts.maxOutputBytes === undefined ? undefined : Math.min(this.opts.maxOutputBytes, MAX_EXEC_OUTPUT),
-      }, this.call());
-      let output = r.output ?? "";
+      }, { ...this.call(), onStdout: (chunk) => (output += decoder.decode(chunk, { stream: true })) });
+      output += decoder.decode();
       if (r.reason === "timeout") output += "\n[The broker killed the command: it ran past its timeout.]";
       else if (r.reason === "memory_limit") output += "\n[The command was killed: the sandbox's memory limit was reached.]";
       else if (r.signal) output += `\n[The command was killed by signal ${r.signal}.]`;

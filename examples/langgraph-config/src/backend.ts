@@ -22,7 +22,7 @@ import type {
 import { createHash } from "node:crypto";
 import { getConfig } from "@langchain/langgraph";
 import { DataplaneClient, type CallOptions, type DataplaneOptions } from "./dataplane.js";
-import { asDataplaneError, describeForModel, isCredentialRefusal, type DataplaneError } from "./errors.js";
+import { DataplaneError, asDataplaneError, describeForModel, isCredentialRefusal } from "./errors.js";
 import { ErrorCode, type FileInfo as WireFileInfo, type WriteResult as WireWriteResult } from "./protocol.js";
 import type { SandboxBlock } from "./runconfig.js";
 
@@ -34,6 +34,35 @@ export const WORKSPACE = "/workspace";
  * non-empty, so deepagents keeps the execute tool.
  */
 export const UNCONFIGURED_ID = "sbx-broker";
+
+/**
+ * When a credential expires (ms since the epoch), if it says so: a JWT's exp claim, read without
+ * verifying it (the broker verifies every token); undefined for anything else.
+ */
+export function credentialExpiry(credential: string): number | undefined {
+  const parts = credential.split(".");
+  if (parts.length !== 3) return undefined;
+  try {
+    const claims = JSON.parse(Buffer.from(parts[1]!, "base64url").toString("utf8")) as { exp?: unknown };
+    return typeof claims.exp === "number" && Number.isFinite(claims.exp) ? claims.exp * 1000 : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * The refusal of a block whose credential has expired, or undefined. Agent servers keep a run's
+ * config in thread state, so a later run without a block inherits the old one: it is refused here,
+ * before anything is dialled, with a sentence that asks for a fresh block.
+ */
+export function expiredBlock(block: SandboxBlock, now = Date.now()): DataplaneError | undefined {
+  const exp = credentialExpiry(block.credential);
+  if (exp === undefined || exp > now) return undefined;
+  return new DataplaneError(
+    ErrorCode.TokenExpired,
+    `the run config's sandbox credential expired at ${new Date(exp).toISOString()}; send a fresh run config (sbctl run-config) with this run`,
+  );
+}
 
 /** Where deepagents saves tool answers too large for the model's context. */
 const LARGE_RESULTS = "/large_tool_results/";
@@ -203,6 +232,8 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
 
   /** A backend with a connection of its own (not pooled): close() it when done. */
   static dedicated(block: SandboxBlock, opts: BrokerSandboxOptions & PoolDialOptions = {}): BrokerSandbox {
+    const expired = expiredBlock(block);
+    if (expired) return BrokerSandbox.failing(expired);
     const client = new DataplaneClient({ ...opts, url: block.dataplane_url, credential: block.credential, sandboxId: block.sandbox_id });
     return new BrokerSandbox(client, opts);
   }
@@ -525,6 +556,15 @@ export class SandboxPool {
   get(block: SandboxBlock, opts?: BrokerSandboxOptions & PoolDialOptions): BrokerSandbox {
     const key = SandboxPool.keyOf(block, opts);
     let sb = this.entries.get(key);
+    const expired = expiredBlock(block);
+    if (expired) {
+      // Refused before dialling; a connection it still has closes now.
+      if (sb) {
+        this.entries.delete(key);
+        sb.close();
+      }
+      return BrokerSandbox.failing(expired);
+    }
     if (sb && sb.client.finished) {
       this.entries.delete(key);
       sb = undefined;

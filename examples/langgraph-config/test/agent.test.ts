@@ -378,6 +378,37 @@ describe("refused runs: the model reads why, the run goes on", { timeout: 120_00
     assert.equal(finalText(messages), "done");
   });
 
+  it("an expired block: refused before dialling, the model is told to send a fresh one", async () => {
+    const sb = await broker.create("expired");
+    const events = await followEvents(broker.url, broker.apiKey, sb.id);
+    const block = await broker.block("expired", "--expires", "1s");
+    const exp = JSON.parse(Buffer.from(block.credential.split(".")[1]!, "base64url").toString()).exp as number;
+    while (Date.now() <= exp * 1000) await new Promise((r) => setTimeout(r, 50)); // the token's own clock
+    const before = pool.size;
+    const messages = await runAgent(scripted(everyTool("expired")), { sandbox: block });
+    for (const id of ["w", "r", "x", "l"]) {
+      assert.match(toolText(messages, id), /Not allowed: this sandbox credential expired\. .*send a fresh run config/, id);
+    }
+    assert.equal(finalText(messages), "done");
+    assert.equal(pool.size, before, "nothing was dialled for it");
+    // A fresh block works at once; the expired one never reached the broker.
+    const fresh = await runAgent(scripted([{ id: "l", name: "ls", args: {} }]), { sandbox: await broker.block("expired", "--expires", "5m") });
+    assert.match(toolText(fresh, "l"), /^No files found in \/$/);
+    try {
+      const seen = await events.waitFor((ev) => ev.some((e) => e.type === "connected"));
+      assert.equal(seen.filter((e) => e.type === "connected").length, 1, "only the fresh block connected");
+    } finally {
+      events.close();
+    }
+  });
+
+  it("sbctl run-config mints a token that fits one run by default (30 min, not the broker's hour)", async () => {
+    await broker.create("default-expiry");
+    const block = await broker.block("default-expiry");
+    const claims = JSON.parse(Buffer.from(block.credential.split(".")[1]!, "base64url").toString()) as { exp: number; iat: number };
+    assert.equal(claims.exp - claims.iat, 30 * 60);
+  });
+
   it("a missing or malformed block: every tool names the problem", async () => {
     const cases: Array<[Record<string, unknown>, RegExp]> = [
       [{}, /no sandbox block \(configurable\.sandbox\); send one with every run/],

@@ -495,7 +495,6 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   }
 }
 
-
 /** Dial tuning of a pooled backend (URL, credential and sandbox id come from each block). */
 export type PoolDialOptions = Omit<DataplaneOptions, "url" | "credential" | "sandboxId">;
 

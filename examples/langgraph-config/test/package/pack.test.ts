@@ -1,6 +1,8 @@
 // The package as a user gets it: `npm pack` builds a tarball of JavaScript and type declarations,
 // which installs into a scratch project (the tarball, plus the npm registry for its dependencies)
 // and works from plain Node, from a TypeScript project, and in a graph served by `langgraph dev`.
+// It runs as npm run test:package (the end of npm test), in its own file with its own timeout:
+// installing the scratch project takes minutes.
 
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
@@ -8,8 +10,8 @@ import { mkdir, readFile, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { after, before, describe, it } from "node:test";
 import { promisify } from "node:util";
-import { PKG_DIR, freePort, startBroker, waitHTTP, type Broker } from "./helpers/broker.js";
-import { startProc, type Proc } from "./helpers/procs.js";
+import { PKG_DIR, freePort, startBroker, waitHTTP, type Broker } from "../helpers/broker.js";
+import { startProc, type Proc } from "../helpers/procs.js";
 
 const run = promisify(execFile);
 

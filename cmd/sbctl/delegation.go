@@ -158,6 +158,11 @@ func revokeCmd(g *globals) *cobra.Command {
 	return cmd
 }
 
+// runConfigExpires is run-config's default token lifetime: long enough for one agent run, short
+// enough that the copy an agent server keeps in thread state (and returns from its thread
+// endpoints) soon stops working. A client sends a fresh block with every run.
+const runConfigExpires = 30 * time.Minute
+
 func runConfigCmd(g *globals) *cobra.Command {
 	var f grantFlags
 	var thread, format, template string
@@ -171,8 +176,9 @@ run's file and shell tools work in the sandbox:
   {"config":{"configurable":{"sandbox":{"sandbox_id":...,"credential":...,"dataplane_url":...}}}}
 
 With --thread T it first creates or reuses the thread's own sandbox (named from the thread id,
-tagged thread_id=T), so one thread keeps one sandbox across runs. Tokens are short-lived: send a
-fresh block with every run.
+tagged thread_id=T), so one thread keeps one sandbox across runs. Tokens are short-lived (30 minutes
+unless --expires says otherwise): agent servers keep the block in thread state, so send a fresh
+block with every run.
 
 Formats: config (the whole object, default), block (just the sandbox block), env (shell exports).`,
 		Example: `  sbctl run-config dev
@@ -192,6 +198,10 @@ Formats: config (the whole object, default), block (just the sandbox block), env
 			req, err := f.request(cmd)
 			if err != nil {
 				return err
+			}
+			if req.TTLSeconds == nil {
+				secs := int64(runConfigExpires / time.Second)
+				req.TTLSeconds = &secs
 			}
 			ttlSecs, err := secondsFlag(cmd, "ttl", ttl)
 			if err != nil {
@@ -221,6 +231,7 @@ Formats: config (the whole object, default), block (just the sandbox block), env
 		},
 	}, "it prints JSON (or shell exports); choose what with --format config|block|env", "table", "json")
 	f.register(cmd, []string{protocol.ScopeFSRead, protocol.ScopeFSWrite, protocol.ScopeExec})
+	cmd.Flags().Lookup("expires").Usage = "token lifetime, e.g. 15m or 2h (default 30m: one run's worth, since agent servers keep the block in thread state)"
 	cmd.Flags().StringVar(&thread, "thread", "", "use the thread's own sandbox (created or reused), tagged thread_id=T")
 	cmd.Flags().StringVar(&format, "format", "config", "config (the run-config object), block (the sandbox block) or env (shell exports)")
 	cmd.Flags().StringVar(&template, "template", "", "with --thread: template of a new sandbox")

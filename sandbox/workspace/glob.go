@@ -23,11 +23,15 @@ var errStop = errors.New("stop walking")
 
 // pattern is a compiled glob: '/'-separated segments, where "**" matches zero or more path
 // segments and any other segment is matched against one name with path.Match (so '*', '?' and
-// '[...]' stay within a segment, and dotfiles match like any name). It runs as an NFA: a state set
+// '[...]' stay within a segment, and dotfiles match like any name), after expanding its brace
+// groups ("{a,b}", nested, within one segment). It runs as an NFA: a state set
 // holds the pattern positions still possible, so a walk carries the state down the tree, prunes
 // subtrees that cannot match, and never backtracks.
 type pattern struct {
 	segs []string
+	// alts holds, for a segment with brace groups ("*.{ts,tsx}"), the brace-free patterns it
+	// expands to; a name matches the segment when it matches any of them. nil for the others.
+	alts [][]string
 }
 
 // states is a set of positions in pattern.segs; position len(segs) means "matched".
@@ -43,8 +47,14 @@ func compilePattern(p string) (*pattern, error) {
 	case strings.IndexByte(p, 0) >= 0 || !utf8.ValidString(p):
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern %s contains a NUL byte or invalid UTF-8", quote(p))
 	}
+	parts, ok := splitSegments(p)
+	if !ok {
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern %s has a \"/\" inside braces; braces choose within one path segment here: write {src,lib}/*.go, not {src/*.go,lib/*.go}", quote(p))
+	}
 	var segs []string
-	for s := range strings.SplitSeq(p, "/") {
+	var alts [][]string
+	for _, s := range parts {
+		var expanded []string
 		switch {
 		case s == "" || s == ".":
 			continue
@@ -55,11 +65,18 @@ func compilePattern(p string) (*pattern, error) {
 				continue // "**/**" is "**"
 			}
 		default:
-			if _, err := path.Match(s, ""); err != nil {
-				return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern %s is malformed at %s (check its brackets and backslashes)", quote(p), quote(s))
+			var err error
+			if expanded, _, err = expandBraces(s); err != nil {
+				return nil, err
+			}
+			for _, x := range append(expanded, s) {
+				if _, err := path.Match(x, ""); err != nil {
+					return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern %s is malformed at %s (check its brackets and backslashes)", quote(p), quote(s))
+				}
 			}
 		}
 		segs = append(segs, s)
+		alts = append(alts, expanded)
 	}
 	switch {
 	case len(segs) == 0:
@@ -67,7 +84,21 @@ func compilePattern(p string) (*pattern, error) {
 	case len(segs) > maxPatternSegs:
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern has %d segments; the limit is %d", len(segs), maxPatternSegs)
 	}
-	return &pattern{segs: segs}, nil
+	return &pattern{segs: segs, alts: alts}, nil
+}
+
+// matchSeg says name matches segment i (not "**").
+func (p *pattern) matchSeg(i int, name string) bool {
+	if p.alts[i] == nil {
+		ok, _ := path.Match(p.segs[i], name)
+		return ok
+	}
+	for _, a := range p.alts[i] {
+		if ok, _ := path.Match(a, name); ok {
+			return true
+		}
+	}
+	return false
 }
 
 func (p *pattern) start() states { return p.closure(1) }
@@ -91,7 +122,7 @@ func (p *pattern) step(s states, name string) states {
 		}
 		if seg == "**" {
 			next |= 1 << i // "**" consumes the name and stays
-		} else if ok, _ := path.Match(seg, name); ok {
+		} else if p.matchSeg(i, name) {
 			next |= 1 << (i + 1)
 		}
 	}
@@ -108,8 +139,8 @@ func (p *pattern) live(s states) bool { return s&^(1<<len(p.segs)) != 0 }
 // directory a walk can start in instead of the base.
 func (p *pattern) literalPrefix() []string {
 	var out []string
-	for _, s := range p.segs[:len(p.segs)-1] {
-		if s == "**" || strings.ContainsAny(s, `*?[\`) {
+	for i, s := range p.segs[:len(p.segs)-1] {
+		if s == "**" || p.alts[i] != nil || strings.ContainsAny(s, `*?[\`) {
 			break
 		}
 		out = append(out, s)

@@ -201,8 +201,7 @@ func (g *grepper) wanted(name string, next states) bool {
 	case g.filter == nil:
 		return true
 	case g.baseOnly:
-		ok, _ := path.Match(g.filter.segs[0], name)
-		return ok
+		return g.filter.matchSeg(0, name)
 	}
 	return g.filter.accepts(next)
 }

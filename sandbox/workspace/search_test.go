@@ -58,6 +58,9 @@ func TestGlob(t *testing.T) {
 		{args: protocol.GlobArgs{Pattern: "nope/*.go"}, want: ""},
 		{args: protocol.GlobArgs{Pattern: "a.go/*"}, want: ""},
 		{args: protocol.GlobArgs{Pattern: "**"}, want: ".hidden.go [lit]", trunc: true},
+		{args: protocol.GlobArgs{Pattern: "*.{go,txt}"}, want: ".hidden.go a.go b.txt xlink.go"},
+		{args: protocol.GlobArgs{Pattern: "{src,nope}/**/*.{txt,md}"}, want: "src/sub/z.txt"},
+		{args: protocol.GlobArgs{Pattern: "src/{sub/y,x}.go"}, code: protocol.CodeInvalidArgument}, // a brace choosing across segments
 		{args: protocol.GlobArgs{Pattern: "["}, code: protocol.CodeInvalidArgument},
 		{args: protocol.GlobArgs{Pattern: ""}, code: protocol.CodeInvalidArgument},
 		{args: protocol.GlobArgs{Pattern: "../*"}, code: protocol.CodeInvalidArgument},
@@ -119,6 +122,18 @@ func TestGlobPattern(t *testing.T) {
 		{"x/*/z", "x/y/w/z", false},
 		{`\*`, "*", true},
 		{`\*`, "a", false},
+		{"*.{ts,tsx}", "a.tsx", true},
+		{"*.{ts,tsx}", "a.ts", true},
+		{"*.{ts,tsx}", "a.js", false},
+		{"*.{js,{ts,tsx}}", "a.tsx", true},
+		{"a{,b}", "a", true},
+		{"a{,b}", "ab", true},
+		{"{src,lib}/**/*.py", "lib/x/y.py", true},
+		{"{src,lib}/**/*.py", "bin/y.py", false},
+		{"{a}", "{a}", true},       // no comma: literal, as in bash and picomatch
+		{"{a,b", "{a,b", true},     // unclosed: literal
+		{`\{a,b}`, "{a,b}", true},  // escaped: literal
+		{"[{]a,b}", "{a,b}", true}, // a brace in a class is a character
 	}
 	for _, tt := range tests {
 		p, err := compilePattern(tt.pattern)
@@ -185,6 +200,9 @@ func TestGrep(t *testing.T) {
 		{name: "no match", args: protocol.GrepArgs{Pattern: "absent"}, want: ""},
 		{name: "bad regex", args: protocol.GrepArgs{Pattern: "(", Regex: true}, code: protocol.CodeInvalidArgument},
 		{name: "empty pattern", args: protocol.GrepArgs{Pattern: ""}, code: protocol.CodeInvalidArgument},
+		{name: "brace glob", args: protocol.GrepArgs{Pattern: "TODO", Glob: "*.{txt,go}", Path: "src"},
+			want: "src/sub/y.go:1:TODO y1|src/sub/y.go:3:TODO y2|src/sub/z.txt:1:TODO z|src/x.go:2:// TODO: x"},
+		{name: "brace path glob", args: protocol.GrepArgs{Pattern: "TODO", Glob: "src/{sub,nope}/*.{txt,md}"}, want: "src/sub/z.txt:1:TODO z"},
 		{name: "bad glob", args: protocol.GrepArgs{Pattern: "x", Glob: "[z"}, code: protocol.CodeInvalidArgument},
 		{name: "negative max", args: protocol.GrepArgs{Pattern: "x", MaxCount: -1}, code: protocol.CodeInvalidArgument},
 		{name: "missing path", args: protocol.GrepArgs{Pattern: "x", Path: "nope"}, code: protocol.CodeFileNotFound},

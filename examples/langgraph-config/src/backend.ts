@@ -19,9 +19,10 @@ import type {
   SandboxBackendProtocolV2,
   WriteResult,
 } from "deepagents";
+import { createHash } from "node:crypto";
 import { getConfig } from "@langchain/langgraph";
 import { DataplaneClient, type CallOptions, type DataplaneOptions } from "./dataplane.js";
-import { asDataplaneError, describeForModel, isCredentialRefusal, type DataplaneError } from "./errors.js";
+import { DataplaneError, asDataplaneError, describeForModel, isCredentialRefusal } from "./errors.js";
 import { ErrorCode, type FileInfo as WireFileInfo, type WriteResult as WireWriteResult } from "./protocol.js";
 import type { SandboxBlock } from "./runconfig.js";
 
@@ -33,6 +34,38 @@ export const WORKSPACE = "/workspace";
  * non-empty, so deepagents keeps the execute tool.
  */
 export const UNCONFIGURED_ID = "sbx-broker";
+
+/**
+ * When a credential expires (ms since the epoch), if it says so: a JWT's exp claim, read without
+ * verifying it (the broker verifies every token); undefined for anything else.
+ */
+export function credentialExpiry(credential: string): number | undefined {
+  const parts = credential.split(".");
+  if (parts.length !== 3) return undefined;
+  try {
+    const claims = JSON.parse(Buffer.from(parts[1]!, "base64url").toString("utf8")) as { exp?: unknown };
+    return typeof claims.exp === "number" && Number.isFinite(claims.exp) ? claims.exp * 1000 : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * The refusal of a block whose credential has expired, or undefined. Agent servers keep a run's
+ * config in thread state, so a later run without a block inherits the old one: it is refused here,
+ * before anything is dialled, with a sentence that asks for a fresh block.
+ */
+export function expiredBlock(block: SandboxBlock, now = Date.now()): DataplaneError | undefined {
+  const exp = credentialExpiry(block.credential);
+  if (exp === undefined || exp > now) return undefined;
+  return new DataplaneError(
+    ErrorCode.TokenExpired,
+    `the run config's sandbox credential expired at ${new Date(exp).toISOString()}; send a fresh run config (sbctl run-config) with this run`,
+  );
+}
+
+/** Where deepagents saves tool answers too large for the model's context. */
+const LARGE_RESULTS = "/large_tool_results/";
 
 /** What deepagents' read_file shows for an empty file (its EMPTY_CONTENT_WARNING). */
 export const EMPTY_CONTENT_WARNING = "System reminder: File exists but has empty contents";
@@ -85,6 +118,30 @@ export function toSandboxPath(p: string | null | undefined): string {
   return p;
 }
 
+/**
+ * Whether answers to a call that named path should use the agent's view, where the workspace is /
+ * (true), or sandbox paths (false): a path the agent wrote as /workspace/... is answered as such,
+ * anything else ("/notes.md", "/", a relative path, none) in the agent's view.
+ */
+function agentView(path: string | null | undefined): boolean {
+  return !(path === WORKSPACE || (typeof path === "string" && path.startsWith(`${WORKSPACE}/`)));
+}
+
+/** A sandbox path as the agent sees it: /workspace is /, /workspace/x is /x; anything else as is. */
+export function toAgentPath(p: string): string {
+  if (p === WORKSPACE || p === `${WORKSPACE}/`) return "/";
+  if (p.startsWith(`${WORKSPACE}/`)) return p.slice(WORKSPACE.length);
+  return p;
+}
+
+// A /workspace path inside a sentence (an error message), not part of a longer name.
+const WORKSPACE_IN_TEXT = /(?<![\w./-])\/workspace(?:\/|(?![\w/-]|\.\w))/g;
+
+/** A sentence with its sandbox paths in the agent's view. */
+function toAgentText(text: string): string {
+  return text.replace(WORKSPACE_IN_TEXT, "/");
+}
+
 // deepagents decides text or binary by extension (its getMimeType / isTextMimeType, not exported).
 const BINARY_TYPES: Record<string, string> = {
   ".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp",
@@ -116,9 +173,10 @@ export function isTextMimeType(m: string): boolean {
 
 const BASE64 = /^[A-Za-z0-9+/\s]*={0,2}\s*$/;
 
-function toInfo(f: WireFileInfo): FileInfo {
+function toInfo(f: WireFileInfo, view: boolean): FileInfo {
   const dir = f.type === "dir";
-  return { path: dir ? `${f.path}/` : f.path, is_dir: dir, size: dir ? 0 : f.size, modified_at: f.mod_time };
+  const path = view ? toAgentPath(f.path) : f.path;
+  return { path: dir && path !== "/" ? `${path}/` : path, is_dir: dir, size: dir ? 0 : f.size, modified_at: f.mod_time };
 }
 
 /** deepagents' per-file error codes are a closed set; each dataplane code goes to the nearest. */
@@ -161,8 +219,21 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     return new BrokerSandbox(DataplaneClient.failing(err));
   }
 
-  /** A backend for the sandbox a run-config block names. Connects on first use. */
-  static fromBlock(block: SandboxBlock, opts: BrokerSandboxOptions & Partial<DataplaneOptions> = {}): BrokerSandbox {
+  /**
+   * The backend for the sandbox a run-config block names, from the process-wide pool (defaultPool):
+   * the same block (and options) gives the same backend and so one WebSocket, however often it is
+   * called, so a deepagents factory (`backend: () => BrokerSandbox.fromBlock(...)`, called at every
+   * tool call) keeps one connection per sandbox. Connects on first use. close() closes it for
+   * every holder; a backend the broker closed for good is replaced at the next call.
+   */
+  static fromBlock(block: SandboxBlock, opts?: BrokerSandboxOptions & PoolDialOptions): BrokerSandbox {
+    return defaultPool.get(block, opts);
+  }
+
+  /** A backend with a connection of its own (not pooled): close() it when done. */
+  static dedicated(block: SandboxBlock, opts: BrokerSandboxOptions & PoolDialOptions = {}): BrokerSandbox {
+    const expired = expiredBlock(block);
+    if (expired) return BrokerSandbox.failing(expired);
     const client = new DataplaneClient({ ...opts, url: block.dataplane_url, credential: block.credential, sandboxId: block.sandbox_id });
     return new BrokerSandbox(client, opts);
   }
@@ -184,8 +255,15 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     return { signal: (this.opts.signal ?? runSignal)() };
   }
 
-  private describe(err: unknown, path?: string): string {
-    return describeForModel(err, { path, allowCmd: this.client.hello?.allow_cmd });
+  /** The sentence a model reads for err, in the view of the path the call named. */
+  private describe(err: unknown, path?: string | null): string {
+    const s = describeForModel(err, { path: path ?? undefined, allowCmd: this.client.hello?.allow_cmd });
+    return agentView(path) ? toAgentText(s) : s;
+  }
+
+  /** A result path in the view of the path the call named. */
+  private answerPath(p: string, asked: string | null | undefined): string {
+    return agentView(asked) ? toAgentPath(p) : p;
   }
 
   /**
@@ -204,7 +282,8 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   async ls(path: string): Promise<LsResult> {
     try {
       const r = await this.client.ls(toSandboxPath(path), this.call());
-      return { files: (r.entries ?? []).map(toInfo) };
+      const view = agentView(path);
+      return { files: (r.entries ?? []).map((f) => toInfo(f, view)) };
     } catch (e) {
       return { error: this.describe(e, path) };
     }
@@ -264,6 +343,7 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
 
   /** Creates or replaces a file. Content for binary types (.png, .pdf, ...) is base64, as in deepagents. */
   async write(filePath: string, content: string): Promise<WriteResult> {
+    if (filePath.startsWith(LARGE_RESULTS)) return this.saveLargeResult(filePath, content);
     try {
       const p = toSandboxPath(filePath);
       const binary = !isTextMimeType(mimeTypeOf(filePath));
@@ -271,9 +351,29 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
         return { error: `Content for ${filePath} must be base64: its type is binary (${mimeTypeOf(filePath)}).` };
       }
       const w = await this.put(p, binary ? Buffer.from(content, "base64") : content);
-      return { path: w.path, filesUpdate: null };
+      return { path: this.answerPath(w.path, filePath), filesUpdate: null };
     } catch (e) {
       return { error: this.describe(e, filePath) };
+    }
+  }
+
+  /**
+   * deepagents saves a tool answer too large for the model's context (a long command output) under
+   * /large_tool_results/ and shows the model a preview; when the save fails it shows only the
+   * error. So a save that cannot happen (no fs:write scope) or fails answers with an error that
+   * says why and carries the whole output, which the model then reads instead of losing it.
+   */
+  private async saveLargeResult(filePath: string, content: string): Promise<WriteResult> {
+    const kept = `\nThe output was not saved in the sandbox, so here it is in full:\n\n${content}`;
+    const scopes = this.client.hello?.scopes;
+    if (scopes && !scopes.includes("fs:write")) {
+      return { error: `this run's sandbox credential has no fs:write scope.${kept}` };
+    }
+    try {
+      const w = await this.put(toSandboxPath(filePath), content);
+      return { path: this.answerPath(w.path, filePath), filesUpdate: null };
+    } catch (e) {
+      return { error: `${this.describe(e, filePath)}${kept}` };
     }
   }
 
@@ -283,14 +383,15 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
       if (oldString === "") {
         // deepagents' convention: an empty old string sets the content of an empty file.
         const info = await this.client.stat(p, this.call());
-        if (info.size !== 0) return { error: "Error: old_string cannot be empty when the file has content." };
-        if (newString === "") return { path: info.path, filesUpdate: null, occurrences: 0 };
+        // deepagents reports 0 replacements here: nothing was replaced, the content was set.
+        if (info.size !== 0) return { error: "Error: oldString cannot be empty when file has content" };
+        if (newString === "") return { path: this.answerPath(info.path, filePath), filesUpdate: null, occurrences: 0 };
         const w = await this.put(p, newString);
-        return { path: w.path, filesUpdate: null, occurrences: 1 };
+        return { path: this.answerPath(w.path, filePath), filesUpdate: null, occurrences: 0 };
       }
       if (oldString === newString) return { error: "Error: old_string and new_string are identical; nothing to replace." };
       const r = await this.client.edit({ path: p, old: oldString, new: newString, replace_all: replaceAll || undefined }, this.call());
-      return { path: r.path, filesUpdate: null, occurrences: r.occurrences };
+      return { path: this.answerPath(r.path, filePath), filesUpdate: null, occurrences: r.occurrences };
     } catch (e) {
       return { error: this.describe(e, filePath) };
     }
@@ -301,9 +402,11 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     try {
       const max = maxCount === undefined || maxCount === null ? undefined : Math.min(Math.max(1, Math.floor(maxCount)), GREP_MAX);
       const r = await this.client.grep({ pattern, path: toSandboxPath(path), glob: glob || undefined, max_count: max }, this.call());
-      return { matches: r.matches ?? [], truncated: r.truncated || undefined };
+      const view = agentView(path);
+      const matches = (r.matches ?? []).map((m) => (view ? { ...m, path: toAgentPath(m.path) } : m));
+      return { matches, truncated: r.truncated || undefined };
     } catch (e) {
-      return { error: this.describe(e, path ?? undefined) };
+      return { error: this.describe(e, path) };
     }
   }
 
@@ -311,16 +414,19 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     try {
       let base = toSandboxPath(path);
       let pat = pattern;
+      let view = agentView(path);
       // A pattern given as an absolute path is relative to the root it names.
       if (pat.startsWith(`${WORKSPACE}/`)) {
         pat = pat.slice(WORKSPACE.length + 1);
         base = WORKSPACE;
+        view = false;
       } else if (pat.startsWith("/")) {
         pat = pat.replace(/^\/+/, "");
         base = WORKSPACE;
+        view = true;
       }
       const r = await this.client.glob({ pattern: pat, path: base }, this.call());
-      return { files: (r.files ?? []).map(toInfo), truncated: r.truncated || undefined };
+      return { files: (r.files ?? []).map((f) => toInfo(f, view)), truncated: r.truncated || undefined };
     } catch (e) {
       return { error: this.describe(e, path) };
     }
@@ -330,22 +436,29 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   async delete(filePath: string): Promise<DeleteResult> {
     try {
       const r = await this.client.delete({ path: toSandboxPath(filePath), recursive: true }, this.call());
-      return { path: r.path, filesUpdate: null };
+      return { path: this.answerPath(r.path, filePath), filesUpdate: null };
     } catch (e) {
       return { error: this.describe(e, filePath) };
     }
   }
 
-  /** Runs a /bin/sh -c command in the workspace; stdout and stderr are combined as written. */
+  /**
+   * Runs a /bin/sh -c command in the workspace; stdout and stderr are combined as written. The
+   * output streams as bytes and is decoded here as deepagents' own backends decode theirs (Node's
+   * UTF-8 decoder: one U+FFFD per invalid byte), and it stays out of the broker's budget for
+   * buffered answers.
+   */
   async execute(command: string): Promise<ExecuteResponse> {
     try {
+      const decoder = new TextDecoder("utf-8");
+      let output = "";
       const r = await this.client.exec({
         command,
         combined: true,
         timeout_ms: this.opts.execTimeoutMs,
         max_output: this.opts.maxOutputBytes === undefined ? undefined : Math.min(this.opts.maxOutputBytes, MAX_EXEC_OUTPUT),
-      }, this.call());
-      let output = r.output ?? "";
+      }, { ...this.call(), onStdout: (chunk) => (output += decoder.decode(chunk, { stream: true })) });
+      output += decoder.decode();
       if (r.reason === "timeout") output += "\n[The broker killed the command: it ran past its timeout.]";
       else if (r.reason === "memory_limit") output += "\n[The command was killed: the sandbox's memory limit was reached.]";
       else if (r.signal) output += `\n[The command was killed by signal ${r.signal}.]`;
@@ -382,3 +495,131 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
   }
 }
 
+/** Dial tuning of a pooled backend (URL, credential and sandbox id come from each block). */
+export type PoolDialOptions = Omit<DataplaneOptions, "url" | "credential" | "sandboxId">;
+
+// Options are part of a pooled backend's key; a function (a signal source) counts by identity.
+const functionIds = new WeakMap<object, number>();
+let nextFunctionId = 0;
+function optionsKey(opts: object | undefined): string {
+  if (!opts) return "";
+  const entries = Object.entries(opts)
+    .filter(([, v]) => v !== undefined)
+    .sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0))
+    .map(([k, v]) => {
+      if (typeof v !== "function") return [k, v];
+      let id = functionIds.get(v);
+      if (id === undefined) functionIds.set(v, (id = ++nextFunctionId));
+      return [k, `function#${id}`];
+    });
+  return JSON.stringify(entries);
+}
+
+/** Options of a pool's connections. */
+export interface SandboxPoolOptions {
+  /** Most connections kept open; the least recently used beyond it are closed (default 64). */
+  maxConnections?: number;
+  /** A connection unused for this long is closed (default 10 min); the next call re-dials. */
+  idleMs?: number;
+  /** Dial tuning (URL, credential and sandbox id come from each block). */
+  dial?: PoolDialOptions;
+  /** Command tuning of every backend. */
+  sandbox?: BrokerSandboxOptions;
+}
+
+/**
+ * Backends keyed by dataplane URL, sandbox id and credential: one connection each. A backend whose
+ * connection the broker closed for good (revoked, expired, sandbox stopped) is dropped, so the next
+ * run with a fresh block, or after the owner resumed the sandbox, dials again.
+ */
+export class SandboxPool {
+  private readonly entries = new Map<string, BrokerSandbox>();
+  private readonly max: number;
+  private readonly idleMs: number;
+  private sweeper?: NodeJS.Timeout;
+
+  constructor(private readonly o: SandboxPoolOptions = {}) {
+    this.max = Math.max(1, o.maxConnections ?? 64);
+    this.idleMs = o.idleMs ?? 10 * 60_000;
+  }
+
+  private static keyOf(b: SandboxBlock, opts?: BrokerSandboxOptions & PoolDialOptions): string {
+    const cred = createHash("sha256").update(b.credential).digest("base64url");
+    return `${b.dataplane_url}\n${b.sandbox_id}\n${cred}\n${optionsKey(opts)}`;
+  }
+
+  /**
+   * The backend for a block, created (not yet connected) on first use; opts, when given, tune it
+   * over the pool's options, and a block with other options is another backend.
+   */
+  get(block: SandboxBlock, opts?: BrokerSandboxOptions & PoolDialOptions): BrokerSandbox {
+    const key = SandboxPool.keyOf(block, opts);
+    let sb = this.entries.get(key);
+    const expired = expiredBlock(block);
+    if (expired) {
+      // Refused before dialling; a connection it still has closes now.
+      if (sb) {
+        this.entries.delete(key);
+        sb.close();
+      }
+      return BrokerSandbox.failing(expired);
+    }
+    if (sb && sb.client.finished) {
+      this.entries.delete(key);
+      sb = undefined;
+    }
+    if (sb) {
+      // Most recently used last: Map order is the eviction order.
+      this.entries.delete(key);
+      this.entries.set(key, sb);
+      return sb;
+    }
+    const created = BrokerSandbox.dedicated(block, { ...this.o.dial, ...this.o.sandbox, ...opts });
+    created.client.onEnded = () => {
+      if (this.entries.get(key) === created) this.entries.delete(key);
+      created.close();
+    };
+    this.entries.set(key, created);
+    // Over the cap: close the least recently used connections with no call under way, dialling
+    // included (a busy pool may stay over the cap until its calls end).
+    for (const [k, sb] of this.entries) {
+      if (this.entries.size <= this.max) break;
+      if (sb !== created && sb.client.inflight === 0) {
+        this.entries.delete(k);
+        sb.close();
+      }
+    }
+    this.startSweeper();
+    return created;
+  }
+
+  private startSweeper(): void {
+    if (this.sweeper) return;
+    this.sweeper = setInterval(() => {
+      const cutoff = Date.now() - this.idleMs;
+      for (const [key, sb] of this.entries) {
+        if (sb.client.lastUsed < cutoff && sb.client.inflight === 0) {
+          this.entries.delete(key);
+          sb.close();
+        }
+      }
+    }, Math.max(1000, Math.floor(this.idleMs / 2)));
+    this.sweeper.unref();
+  }
+
+  /** Open backends (for tests and metrics). */
+  get size(): number {
+    return this.entries.size;
+  }
+
+  /** Closes every connection. */
+  close(): void {
+    if (this.sweeper) clearInterval(this.sweeper);
+    this.sweeper = undefined;
+    for (const sb of this.entries.values()) sb.close();
+    this.entries.clear();
+  }
+}
+
+/** The process-wide pool that RunConfigSandbox and BrokerSandbox.fromBlock use unless given one. */
+export const defaultPool = new SandboxPool();

@@ -19,7 +19,8 @@ export const backend = new RunConfigSandbox({
 });
 
 const SYSTEM_PROMPT = `Your file tools and the execute tool work in a sandbox lent to this run by its owner.
-Its workspace is /workspace: file paths are under it (or relative to it), and commands start in it.
+File tools see its workspace as / (/notes.md is the file notes.md there); commands start in it, where
+it is /workspace.
 If a tool answers "Not allowed", do not retry it: the sandbox's owner decides what this run may do.`;
 
 export const graph = createDeepAgent({

@@ -6,8 +6,8 @@
 // Each run then sends {"config": {"configurable": {"sandbox": {sandbox_id, credential,
 // dataplane_url}}}} (sbctl run-config) and its tools work in that sandbox.
 
-export { BrokerSandbox, WORKSPACE, EMPTY_CONTENT_WARNING, toSandboxPath, mimeTypeOf, isTextMimeType } from "./backend.js";
-export type { BrokerSandboxOptions } from "./backend.js";
+export { BrokerSandbox, WORKSPACE, EMPTY_CONTENT_WARNING, toSandboxPath, toAgentPath, credentialExpiry, expiredBlock, mimeTypeOf, isTextMimeType } from "./backend.js";
+export type { BrokerSandboxOptions, PoolDialOptions } from "./backend.js";
 export { RunConfigSandbox, SandboxPool, defaultPool, parseOrigins, UNCONFIGURED_ID } from "./routing.js";
 export type { RunConfigSandboxOptions, SandboxPoolOptions } from "./routing.js";
 export { DataplaneClient, Connection } from "./dataplane.js";

@@ -3,7 +3,6 @@
 // backend calls deepagents makes with only {state}). Connections are pooled by sandbox and
 // credential, so parallel tool calls and later runs with the same block share one WebSocket.
 
-import { createHash } from "node:crypto";
 import { getConfig } from "@langchain/langgraph";
 import type {
   DeleteResult,
@@ -19,110 +18,13 @@ import type {
   SandboxBackendProtocolV2,
   WriteResult,
 } from "deepagents";
-import { BrokerSandbox, UNCONFIGURED_ID, type BrokerSandboxOptions } from "./backend.js";
-import type { DataplaneOptions } from "./dataplane.js";
+import { BrokerSandbox, SandboxPool, UNCONFIGURED_ID, defaultPool } from "./backend.js";
 import { DataplaneError, asDataplaneError } from "./errors.js";
 import { ErrorCode } from "./protocol.js";
 import { dataplaneURLProblem, sandboxBlockOf, type SandboxBlock } from "./runconfig.js";
 
-export { UNCONFIGURED_ID };
-
-/** Options of a pool's connections. */
-export interface SandboxPoolOptions {
-  /** Most connections kept open; the least recently used beyond it are closed (default 64). */
-  maxConnections?: number;
-  /** A connection unused for this long is closed (default 10 min); the next call re-dials. */
-  idleMs?: number;
-  /** Dial tuning (URL, credential and sandbox id come from each block). */
-  dial?: Omit<DataplaneOptions, "url" | "credential" | "sandboxId">;
-  /** Command tuning of every backend. */
-  sandbox?: BrokerSandboxOptions;
-}
-
-/**
- * Backends keyed by dataplane URL, sandbox id and credential: one connection each. A backend whose
- * connection the broker closed for good (revoked, expired, sandbox stopped) is dropped, so the next
- * run with a fresh block, or after the owner resumed the sandbox, dials again.
- */
-export class SandboxPool {
-  private readonly entries = new Map<string, BrokerSandbox>();
-  private readonly max: number;
-  private readonly idleMs: number;
-  private sweeper?: NodeJS.Timeout;
-
-  constructor(private readonly o: SandboxPoolOptions = {}) {
-    this.max = Math.max(1, o.maxConnections ?? 64);
-    this.idleMs = o.idleMs ?? 10 * 60_000;
-  }
-
-  private static keyOf(b: SandboxBlock): string {
-    const cred = createHash("sha256").update(b.credential).digest("base64url");
-    return `${b.dataplane_url}\n${b.sandbox_id}\n${cred}`;
-  }
-
-  /** The backend for a block, created (not yet connected) on first use. */
-  get(block: SandboxBlock): BrokerSandbox {
-    const key = SandboxPool.keyOf(block);
-    let sb = this.entries.get(key);
-    if (sb && sb.client.finished) {
-      this.entries.delete(key);
-      sb = undefined;
-    }
-    if (sb) {
-      // Most recently used last: Map order is the eviction order.
-      this.entries.delete(key);
-      this.entries.set(key, sb);
-      return sb;
-    }
-    const created = BrokerSandbox.fromBlock(block, { ...this.o.dial, ...this.o.sandbox });
-    created.client.onEnded = () => {
-      if (this.entries.get(key) === created) this.entries.delete(key);
-      created.close();
-    };
-    this.entries.set(key, created);
-    // Over the cap: close the least recently used connections with no call under way, dialling
-    // included (a busy pool may stay over the cap until its calls end).
-    for (const [k, sb] of this.entries) {
-      if (this.entries.size <= this.max) break;
-      if (sb !== created && sb.client.inflight === 0) {
-        this.entries.delete(k);
-        sb.close();
-      }
-    }
-    this.startSweeper();
-    return created;
-  }
-
-  private startSweeper(): void {
-    if (this.sweeper) return;
-    this.sweeper = setInterval(() => {
-      const cutoff = Date.now() - this.idleMs;
-      for (const [key, sb] of this.entries) {
-        if (sb.client.lastUsed < cutoff && sb.client.inflight === 0) {
-          this.entries.delete(key);
-          sb.close();
-        }
-      }
-    }, Math.max(1000, Math.floor(this.idleMs / 2)));
-    this.sweeper.unref();
-  }
-
-  /** Open backends (for tests and metrics). */
-  get size(): number {
-    return this.entries.size;
-  }
-
-  /** Closes every connection. */
-  close(): void {
-    if (this.sweeper) clearInterval(this.sweeper);
-    this.sweeper = undefined;
-    for (const sb of this.entries.values()) sb.close();
-    this.entries.clear();
-  }
-}
-
-/** The process-wide pool that RunConfigSandbox uses unless given one. */
-export const defaultPool = new SandboxPool();
+export { UNCONFIGURED_ID, SandboxPool, defaultPool };
+export type { SandboxPoolOptions } from "./backend.js";
 
 /** Options of RunConfigSandbox. */
 export interface RunConfigSandboxOptions {

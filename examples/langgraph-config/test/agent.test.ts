@@ -8,9 +8,11 @@ import { join } from "node:path";
 import { after, before, describe, it } from "node:test";
 import { AIMessage, HumanMessage, ToolMessage, type BaseMessage } from "@langchain/core/messages";
 import { fakeModel } from "@langchain/core/testing";
+import { getConfig } from "@langchain/langgraph";
 import { createDeepAgent } from "deepagents";
+import { BrokerSandbox } from "../src/backend.js";
 import { RunConfigSandbox, SandboxPool } from "../src/routing.js";
-import type { SandboxBlock } from "../src/runconfig.js";
+import { sandboxBlockOf, type SandboxBlock } from "../src/runconfig.js";
 import { startBroker, type Broker, type Sandbox } from "./helpers/broker.js";
 import { followEvents, type SandboxEvent } from "./helpers/events.js";
 
@@ -101,9 +103,9 @@ describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
     assert.equal(toolText(messages, "r1"), "@@ lines 2-3 of 6 | next offset 3 @@\n    # TODO: greet\n    print('hello')");
     assert.equal(toolText(messages, "e1"), "Successfully replaced 1 occurrence(s) in '/workspace/app/main.py'");
     assert.equal(toolText(messages, "l1"), "/workspace/app/ (directory)\n/workspace/notes/ (directory)");
-    assert.equal(toolText(messages, "g1"), "/workspace/notes/todo.md");
+    assert.equal(toolText(messages, "g1"), "/notes/todo.md"); // no path given: the agent's view
     assert.equal(toolText(messages, "s1"), "/workspace/app/main.py:\n  2:     # TODO: greet\n/workspace/notes/todo.md:\n  1: - TODO: ship");
-    assert.equal(toolText(messages, "s2"), "/workspace/app/main.py:\n  3:     print('hello, sandbox')");
+    assert.equal(toolText(messages, "s2"), "/app/main.py:\n  3:     print('hello, sandbox')");
     assert.match(toolText(messages, "x1"), /hello, sandbox/);
     assert.match(toolText(messages, "x1"), /\[Command succeeded with exit code 0\]/);
     const failed = toolText(messages, "x2");
@@ -229,6 +231,69 @@ describe("deepagents runs through the dataplane", { timeout: 150_000 }, () => {
   });
 });
 
+describe("answers in the agent's paths", { timeout: 120_000 }, () => {
+  it("a run that names files from / reads / back, never /workspace", async () => {
+    const sb = await broker.create("paths");
+    const block = await broker.block("paths", "--expires", "10m");
+    const messages = await runAgent(
+      scripted(
+        [{ id: "w", name: "write_file", args: { file_path: "/src/a.py", content: "x = 1\n" } }],
+        [
+          { id: "l", name: "ls", args: { path: "/" } },
+          { id: "l2", name: "ls", args: { path: "/src" } },
+          { id: "g", name: "glob", args: { pattern: "**/*.py" } },
+          { id: "s", name: "grep", args: { pattern: "x =" } },
+          { id: "r", name: "read_file", args: { file_path: "/missing.py" } },
+          { id: "e", name: "edit_file", args: { file_path: "/missing.py", old_string: "a", new_string: "b" } },
+        ],
+        [{ id: "d", name: "delete", args: { file_path: "/src" } }],
+      ),
+      { sandbox: block },
+    );
+    assert.equal(toolText(messages, "w"), "Successfully wrote to '/src/a.py'");
+    assert.equal(toolText(messages, "l"), "/src/ (directory)");
+    assert.equal(toolText(messages, "l2"), "/src/a.py (6 bytes)");
+    assert.equal(toolText(messages, "g"), "/src/a.py");
+    assert.equal(toolText(messages, "s"), "/src/a.py:\n  1: x = 1");
+    for (const id of ["r", "e"]) {
+      assert.match(toolText(messages, id), /\/missing\.py/, id);
+      assert.doesNotMatch(toolText(messages, id), /\/workspace/, id);
+    }
+    assert.equal(toolText(messages, "d"), "Deleted /src");
+    assert.equal(existsSync(join(broker.workspace(sb.id), "src")), false);
+  });
+});
+
+describe("the factory wiring", { timeout: 120_000 }, () => {
+  it("backend: () => BrokerSandbox.fromBlock(...) keeps one connection per sandbox", async () => {
+    const sb = await broker.create("factory");
+    const block = await broker.block("factory", "--expires", "10m");
+    const events = await followEvents(broker.url, broker.apiKey, sb.id);
+    const model = scripted(
+      [{ id: "f1", name: "write_file", args: { file_path: "/f.txt", content: "one\n" } }],
+      [{ id: "f2", name: "read_file", args: { file_path: "/f.txt" } }],
+      [{ id: "f3", name: "ls", args: { path: "/" } }],
+      [{ id: "f4", name: "execute", args: { command: "cat f.txt" } }],
+      [{ id: "f5", name: "grep", args: { pattern: "one" } }],
+      [{ id: "f6", name: "write_file", args: { file_path: "/last.txt", content: "six\n" } }],
+    );
+    // The wiring deepagents' docs show for a backend per run: a factory called at every tool call.
+    const agent = createDeepAgent({ model, backend: () => BrokerSandbox.fromBlock(sandboxBlockOf(getConfig().configurable)) });
+    const res = await agent.invoke({ messages: [new HumanMessage("go")] }, { configurable: { sandbox: block } });
+    assert.match(toolText(res.messages, "f4"), /^one\n/);
+    assert.match(toolText(res.messages, "f6"), /Successfully wrote/);
+    try {
+      // The last call's file_written comes after every connection's connected event.
+      const seen = await events.waitFor((ev) => ev.some((e) => e.type === "file_written" && e.path === "/workspace/last.txt"));
+      const connected = seen.filter((e) => e.type === "connected").length;
+      assert.equal(connected, 1, `six tool calls opened ${connected} connections`);
+    } finally {
+      events.close();
+    }
+    assert.equal(BrokerSandbox.fromBlock(block), BrokerSandbox.fromBlock(block), "one backend per block");
+  });
+});
+
 describe("refused runs: the model reads why, the run goes on", { timeout: 120_000 }, () => {
   const everyTool = (p: string): Call[] => [
     { id: "w", name: "write_file", args: { file_path: `/workspace/${p}.txt`, content: "x\n" } },
@@ -284,6 +349,20 @@ describe("refused runs: the model reads why, the run goes on", { timeout: 120_00
     assert.equal(existsSync(join(broker.workspace(sb.id), "ro.txt")), false);
   });
 
+  it("a token without fs:write: a large command output is kept, and the answer says why it was not saved", async () => {
+    const sb = await broker.create("no-write");
+    const block = await broker.block("no-write", "--scope", "fs:read,exec");
+    // About 170 000 characters: past deepagents' eviction threshold (20 000 tokens, 80 000 characters).
+    const messages = await runAgent(scripted([{ id: "big", name: "execute", args: { command: "seq 1 30000" } }]), { sandbox: block });
+    const text = toolText(messages, "big");
+    assert.match(text, /could not be saved/);
+    assert.match(text, /no fs:write scope/);
+    assert.match(text, /\n1\n2\n3\n/);
+    assert.match(text, /\n29999\n30000\n/);
+    assert.equal(finalText(messages), "done");
+    assert.equal(existsSync(join(broker.workspace(sb.id), "large_tool_results")), false);
+  });
+
   it("a command allowlist: other commands answer Not allowed with the allowed programs", async () => {
     await broker.create("allowlist");
     const block = await broker.block("allowlist", "--allow-cmd", "echo,true");
@@ -297,6 +376,37 @@ describe("refused runs: the model reads why, the run goes on", { timeout: 120_00
     assert.match(toolText(messages, "ok"), /allowed\n/);
     assert.match(toolText(messages, "no"), /Not allowed: .*Allowed programs: echo, true/s);
     assert.equal(finalText(messages), "done");
+  });
+
+  it("an expired block: refused before dialling, the model is told to send a fresh one", async () => {
+    const sb = await broker.create("expired");
+    const events = await followEvents(broker.url, broker.apiKey, sb.id);
+    const block = await broker.block("expired", "--expires", "1s");
+    const exp = JSON.parse(Buffer.from(block.credential.split(".")[1]!, "base64url").toString()).exp as number;
+    while (Date.now() <= exp * 1000) await new Promise((r) => setTimeout(r, 50)); // the token's own clock
+    const before = pool.size;
+    const messages = await runAgent(scripted(everyTool("expired")), { sandbox: block });
+    for (const id of ["w", "r", "x", "l"]) {
+      assert.match(toolText(messages, id), /Not allowed: this sandbox credential expired\. .*send a fresh run config/, id);
+    }
+    assert.equal(finalText(messages), "done");
+    assert.equal(pool.size, before, "nothing was dialled for it");
+    // A fresh block works at once; the expired one never reached the broker.
+    const fresh = await runAgent(scripted([{ id: "l", name: "ls", args: {} }]), { sandbox: await broker.block("expired", "--expires", "5m") });
+    assert.match(toolText(fresh, "l"), /^No files found in \/$/);
+    try {
+      const seen = await events.waitFor((ev) => ev.some((e) => e.type === "connected"));
+      assert.equal(seen.filter((e) => e.type === "connected").length, 1, "only the fresh block connected");
+    } finally {
+      events.close();
+    }
+  });
+
+  it("sbctl run-config mints a token that fits one run by default (30 min, not the broker's hour)", async () => {
+    await broker.create("default-expiry");
+    const block = await broker.block("default-expiry");
+    const claims = JSON.parse(Buffer.from(block.credential.split(".")[1]!, "base64url").toString()) as { exp: number; iat: number };
+    assert.equal(claims.exp - claims.iat, 30 * 60);
   });
 
   it("a missing or malformed block: every tool names the problem", async () => {

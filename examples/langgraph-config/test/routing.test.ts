@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { isSandboxBackend } from "deepagents";
-import { toSandboxPath } from "../src/backend.js";
+import { toAgentPath, toSandboxPath } from "../src/backend.js";
 import { RunConfigSandbox, SandboxPool, UNCONFIGURED_ID } from "../src/routing.js";
 
 const blk = (i: number, cred = `c${i}`) => ({
@@ -86,5 +86,12 @@ describe("paths", () => {
     assert.equal(toSandboxPath("/large_tool_results/x.txt"), "/workspace/large_tool_results/x.txt");
     assert.equal(toSandboxPath("/workspaces/x"), "/workspace/workspaces/x");
     assert.equal(toSandboxPath("src/a.py"), "src/a.py"); // the broker resolves it against /workspace
+  });
+
+  it("map back to the agent's view", () => {
+    assert.equal(toAgentPath("/workspace"), "/");
+    assert.equal(toAgentPath("/workspace/a/b.py"), "/a/b.py");
+    assert.equal(toAgentPath("/workspaces/x"), "/workspaces/x");
+    for (const p of ["/", "/notes.md", "/large_tool_results/x.txt", "/workspace/a"]) assert.equal(toAgentPath(toSandboxPath(p)), p.startsWith("/workspace/") ? "/a" : p);
   });
 });

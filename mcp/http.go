@@ -196,9 +196,7 @@ func endsSession(code string) bool {
 func (s *httpSession) watch(r *backend.Remote, ss *sdk.ServerSession) {
 	defer r.Close()
 	if ss == nil {
-		<-r.Ended()
-		s.end(r.EndedErr())
-		return
+		return // no session to serve (it closed before its first call got here)
 	}
 	done := make(chan struct{})
 	go func() { ss.Wait(); close(done) }()

@@ -2,12 +2,10 @@ package mcp
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"log/slog"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -40,20 +38,30 @@ type HTTPConfig struct {
 	Logger         *slog.Logger
 }
 
-// HTTP serves MCP over Streamable HTTP. Each session belongs to one delegation token (its jti): a
-// request with another token's session id is refused, and the session's dataplane connection,
-// opened with that token on the first tool call, ends the session when the broker ends the
-// connection (the token was revoked or expired, the sandbox stopped).
+// HTTP serves MCP over Streamable HTTP. Each session belongs to one delegation token (its jti): the
+// SDK refuses a session's id to any other token. A session's dataplane connection is opened with
+// its token on its first tool call, and ends the session when the broker ends the connection (the
+// token was revoked or expired, the sandbox stopped).
 type HTTP struct {
 	cfg     HTTPConfig
 	handler http.Handler
-	schemas *sdk.SchemaCache
 
 	mu sync.Mutex
+	// servers are the MCP servers by tool set (scopes and allowlist): sessions of tokens with the
+	// same rights share one. The SDK asks for a server on every request, so this is a lookup.
+	servers map[string]*sdk.Server
+	// sessions are the sessions that made a tool call, by session id.
+	sessions map[string]*httpSession
 	// ended remembers why sessions the broker ended did end, until their token would have expired,
 	// so that the session's next request hears why rather than "session not found".
 	ended map[string]endedSession
 }
+
+// maxCachedServers bounds the servers kept by tool set; past it a server is built per session.
+const maxCachedServers = 256
+
+// maxEnded bounds the ended sessions remembered.
+const maxEnded = 10000
 
 type endedSession struct {
 	err *protocol.Error
@@ -72,6 +80,8 @@ func identityOf(ctx context.Context) (Identity, bool) {
 	return id, ok
 }
 
+const identityExtra = "sbx.identity"
+
 // NewHTTP builds the Streamable HTTP front end.
 func NewHTTP(cfg HTTPConfig) *HTTP {
 	if cfg.SessionTimeout <= 0 {
@@ -83,8 +93,8 @@ func NewHTTP(cfg HTTPConfig) *HTTP {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	h := &HTTP{cfg: cfg, ended: map[string]endedSession{}}
-	sh := sdk.NewStreamableHTTPHandler(h.newSession, &sdk.StreamableHTTPOptions{
+	h := &HTTP{cfg: cfg, servers: map[string]*sdk.Server{}, sessions: map[string]*httpSession{}, ended: map[string]endedSession{}}
+	sh := sdk.NewStreamableHTTPHandler(h.server, &sdk.StreamableHTTPOptions{
 		Logger:         cfg.Logger,
 		SessionTimeout: cfg.SessionTimeout,
 		// Room for the largest arguments a tool takes, so that a call over MaxArgBytes gets a
@@ -92,13 +102,13 @@ func NewHTTP(cfg HTTPConfig) *HTTP {
 		MaxRequestBodyBytes: int64(cfg.Options.MaxArgBytes) + 64<<10,
 	})
 	// The SDK binds a session to the user id of the request that opened it and refuses it to any
-	// other: the user here is the token's jti.
+	// other: the user here is the token's jti. The identity rides along to the tool calls.
 	h.handler = auth.RequireBearerToken(func(ctx context.Context, _ string, _ *http.Request) (*auth.TokenInfo, error) {
 		id, ok := identityOf(ctx)
 		if !ok {
 			return nil, auth.ErrInvalidToken
 		}
-		return &auth.TokenInfo{UserID: id.JTI, Scopes: id.Scopes, Expiration: id.ExpiresAt}, nil
+		return &auth.TokenInfo{UserID: id.JTI, Scopes: id.Scopes, Expiration: id.ExpiresAt, Extra: map[string]any{identityExtra: id}}, nil
 	}, nil)(sh)
 	return h
 }
@@ -119,43 +129,58 @@ func (h *HTTP) Serve(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-// newSession builds the server of a new session, for the token of the request that opens it.
-func (h *HTTP) newSession(r *http.Request) *sdk.Server {
+// server is the MCP server for the token of r: one per tool set.
+func (h *HTTP) server(r *http.Request) *sdk.Server {
 	id, ok := identityOf(r.Context())
 	if !ok {
 		return nil
 	}
-	s := &httpSession{h: h, id: id, sid: newSessionID()}
+	key := strings.Join(id.Scopes, " ") + "\x00" + strings.Join(id.AllowCmd, "\x00")
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if srv, ok := h.servers[key]; ok {
+		return srv
+	}
 	o := h.cfg.Options
 	o.Scopes, o.AllowCmd = id.Scopes, id.AllowCmd
-	s.srv = newServer(s, o, func() string { return s.sid })
-	return s.srv
+	srv := newServer(h.dataplane, o)
+	if len(h.servers) < maxCachedServers {
+		h.servers[key] = srv
+	}
+	return srv
 }
 
-func newSessionID() string {
-	var b [16]byte
-	rand.Read(b[:])
-	return hex.EncodeToString(b[:])
+// dataplane is the dataplane connection of a tool call's session, opened on its first call with
+// the token that opened the session.
+func (h *HTTP) dataplane(ctx context.Context, req *sdk.CallToolRequest) (Dataplane, error) {
+	ss := req.Session
+	var id Identity
+	if req.Extra != nil && req.Extra.TokenInfo != nil {
+		id, _ = req.Extra.TokenInfo.Extra[identityExtra].(Identity)
+	}
+	if ss == nil || id.Token == "" {
+		return nil, protocol.Errorf(protocol.CodeUnauthenticated, "the MCP request carries no verified delegation token")
+	}
+	sid := ss.ID()
+	h.mu.Lock()
+	s, ok := h.sessions[sid]
+	if !ok {
+		s = &httpSession{h: h, id: id, sid: sid, ss: ss}
+		h.sessions[sid] = s
+	}
+	h.mu.Unlock()
+	return s.dataplane(ctx)
 }
 
-// httpSession is one session's dataplane connection, opened on its first tool call.
+// httpSession is one session's dataplane connection.
 type httpSession struct {
 	h   *HTTP
 	id  Identity
 	sid string
-	srv *sdk.Server
+	ss  *sdk.ServerSession
 
 	mu     sync.Mutex
 	remote *backend.Remote
-}
-
-// Call runs op on the session's dataplane connection, opening it first.
-func (s *httpSession) Call(ctx context.Context, op string, args any) (json.RawMessage, error) {
-	r, err := s.dataplane(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return r.Call(ctx, op, args)
 }
 
 func (s *httpSession) dataplane(ctx context.Context) (*backend.Remote, error) {
@@ -169,17 +194,20 @@ func (s *httpSession) dataplane(ctx context.Context) (*backend.Remote, error) {
 	if err != nil {
 		var pe *protocol.Error
 		if errors.As(err, &pe) && endsSession(pe.Code) {
-			s.end(pe)
+			go s.end(pe)
 		}
+		s.h.forget(s.sid)
 		return nil, err
 	}
 	s.remote = r
-	var ss *sdk.ServerSession
-	for x := range s.srv.Sessions() {
-		ss = x
-	}
-	go s.watch(r, ss)
+	go s.watch(r)
 	return r, nil
+}
+
+func (h *HTTP) forget(sid string) {
+	h.mu.Lock()
+	delete(h.sessions, sid)
+	h.mu.Unlock()
 }
 
 // endsSession says whether a refusal at connection time ends the session for good.
@@ -193,13 +221,13 @@ func endsSession(code string) bool {
 
 // watch ends the session when the broker ends its dataplane connection, and closes the connection
 // when the session ends.
-func (s *httpSession) watch(r *backend.Remote, ss *sdk.ServerSession) {
-	defer r.Close()
-	if ss == nil {
-		return // no session to serve (it closed before its first call got here)
-	}
+func (s *httpSession) watch(r *backend.Remote) {
+	defer func() {
+		r.Close()
+		s.h.forget(s.sid)
+	}()
 	done := make(chan struct{})
-	go func() { ss.Wait(); close(done) }()
+	go func() { s.ss.Wait(); close(done) }()
 	select {
 	case <-r.Ended():
 		s.end(r.EndedErr())
@@ -217,15 +245,15 @@ func (s *httpSession) end(err *protocol.Error) {
 	h := s.h
 	now := time.Now()
 	h.mu.Lock()
-	for k, e := range h.ended {
-		if now.After(e.exp) {
-			delete(h.ended, k)
+	if len(h.ended) >= maxEnded {
+		for k, e := range h.ended {
+			if now.After(e.exp) || len(h.ended) >= maxEnded {
+				delete(h.ended, k)
+			}
 		}
 	}
 	h.ended[s.sid] = endedSession{err: err, exp: s.id.ExpiresAt}
 	h.mu.Unlock()
 	h.cfg.Logger.Info("mcp session ended", "jti", s.id.JTI, "sandbox_id", s.id.SandboxID, "code", err.Code)
-	for ss := range s.srv.Sessions() {
-		ss.Close()
-	}
+	s.ss.Close()
 }

@@ -28,7 +28,7 @@ type fixture struct {
 	sbx protocol.Sandbox
 }
 
-func newFixture(t *testing.T) *fixture {
+func newFixture(t testing.TB) *fixture {
 	t.Helper()
 	b := servertest.New(t, servertest.Options{})
 	res, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "mcp"})
@@ -58,7 +58,7 @@ func (b bearerTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 func (f *fixture) mcpURL() string { return f.b.URL + "/v1/sandboxes/" + f.sbx.ID + "/mcp" }
 
 // connect opens an MCP session over Streamable HTTP with token.
-func (f *fixture) connect(t *testing.T, token string, opts *sdk.ClientOptions) *sdk.ClientSession {
+func (f *fixture) connect(t testing.TB, token string, opts *sdk.ClientOptions) *sdk.ClientSession {
 	t.Helper()
 	c := sdk.NewClient(&sdk.Implementation{Name: "test", Version: "v0"}, opts)
 	cs, err := c.Connect(t.Context(), &sdk.StreamableClientTransport{Endpoint: f.mcpURL(),

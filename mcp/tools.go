@@ -108,9 +108,14 @@ type executeArgs struct {
 }
 
 // NewServer builds an MCP server whose tools call dp. Only the tools opts.Scopes allow are added.
-func NewServer(dp Dataplane, opts Options) *sdk.Server { return newServer(dp, opts, nil) }
+func NewServer(dp Dataplane, opts Options) *sdk.Server {
+	return newServer(func(context.Context, *sdk.CallToolRequest) (Dataplane, error) { return dp, nil }, opts)
+}
 
-func newServer(dp Dataplane, opts Options, sessionID func() string) *sdk.Server {
+// resolver finds the dataplane of a tool call's session.
+type resolver func(ctx context.Context, req *sdk.CallToolRequest) (Dataplane, error)
+
+func newServer(dp resolver, opts Options) *sdk.Server {
 	if opts.ProgressEvery <= 0 {
 		opts.ProgressEvery = time.Second
 	}
@@ -122,7 +127,6 @@ func newServer(dp Dataplane, opts Options, sessionID func() string) *sdk.Server 
 	}
 	srv := sdk.NewServer(&sdk.Implementation{Name: "sbx-sandbox", Title: "sandbox", Version: opts.Version}, &sdk.ServerOptions{
 		Logger:       opts.Logger,
-		GetSessionID: sessionID,
 		Capabilities: &sdk.ServerCapabilities{Tools: &sdk.ToolCapabilities{}},
 		Instructions: "Tools work on one sandbox: files live under /workspace and commands run there. " +
 			"Only the tools this credential allows are listed.",
@@ -138,7 +142,7 @@ type toolDef struct {
 	run        func(ctx context.Context, req *sdk.CallToolRequest, raw json.RawMessage) (*sdk.CallToolResult, error)
 }
 
-func addTools(srv *sdk.Server, dp Dataplane, o Options) {
+func addTools(srv *sdk.Server, dp resolver, o Options) {
 	allowed := map[string]bool{}
 	for _, s := range o.Scopes {
 		allowed[s] = true
@@ -150,9 +154,9 @@ func addTools(srv *sdk.Server, dp Dataplane, o Options) {
 			strings.Join(o.AllowCmd, ", ") + "."
 	}
 	defs := []toolDef{
-		{ToolLs, "List a directory of the sandbox (not recursive).", schemaFor[lsArgs](), true,
+		{ToolLs, "List a directory of the sandbox (not recursive).", lsSchema, true,
 			simple(dp, o, protocol.OpLs, func(a lsArgs) (any, error) { return protocol.LsArgs{Path: orWorkspace(a.Path)}, nil }, renderLs)},
-		{ToolRead, "Read a file of the sandbox, whole or a window of lines (offset, limit).", schemaFor[readArgs](), true,
+		{ToolRead, "Read a file of the sandbox, whole or a window of lines (offset, limit).", readSchema, true,
 			simple(dp, o, protocol.OpRead, func(a readArgs) (any, error) {
 				if a.FilePath == "" {
 					return nil, errors.New("file_path is required")
@@ -162,7 +166,7 @@ func addTools(srv *sdk.Server, dp Dataplane, o Options) {
 				}
 				return protocol.ReadArgs{Path: a.FilePath, LineOffset: a.Offset, LineLimit: a.Limit}, nil
 			}, renderRead)},
-		{ToolWrite, "Write a whole file in the sandbox, creating it and its parent directories, or replacing it.", schemaFor[writeArgs](), false,
+		{ToolWrite, "Write a whole file in the sandbox, creating it and its parent directories, or replacing it.", writeSchema, false,
 			simple(dp, o, protocol.OpWrite, func(a writeArgs) (any, error) {
 				if a.FilePath == "" {
 					return nil, errors.New("file_path is required")
@@ -170,21 +174,21 @@ func addTools(srv *sdk.Server, dp Dataplane, o Options) {
 				return protocol.WriteArgs{Path: a.FilePath, Content: a.Content}, nil
 			}, renderJSON)},
 		{ToolEdit, "Replace exact text in a file of the sandbox. old_string must occur exactly once unless replace_all is set; the result says how many occurrences were replaced.",
-			schemaFor[editArgs](), false,
+			editSchema, false,
 			simple(dp, o, protocol.OpEdit, func(a editArgs) (any, error) {
 				if a.FilePath == "" || a.OldString == "" {
 					return nil, errors.New("file_path and old_string are required")
 				}
 				return protocol.EditArgs{Path: a.FilePath, Old: a.OldString, New: a.NewString, ReplaceAll: a.ReplaceAll}, nil
 			}, renderJSON)},
-		{ToolGlob, "Find files of the sandbox whose paths match a glob pattern.", schemaFor[globArgs](), true,
+		{ToolGlob, "Find files of the sandbox whose paths match a glob pattern.", globSchema, true,
 			simple(dp, o, protocol.OpGlob, func(a globArgs) (any, error) {
 				if a.Pattern == "" {
 					return nil, errors.New("pattern is required")
 				}
 				return protocol.GlobArgs{Pattern: a.Pattern, Path: a.Path}, nil
 			}, renderGlob)},
-		{ToolGrep, "Search file contents in the sandbox (binary files are skipped); answers path:line:text per match.", schemaFor[grepArgs](), true,
+		{ToolGrep, "Search file contents in the sandbox (binary files are skipped); answers path:line:text per match.", grepSchema, true,
 			simple(dp, o, protocol.OpGrep, func(a grepArgs) (any, error) {
 				if a.Pattern == "" {
 					return nil, errors.New("pattern is required")
@@ -194,7 +198,7 @@ func addTools(srv *sdk.Server, dp Dataplane, o Options) {
 				}
 				return protocol.GrepArgs{Pattern: a.Pattern, Path: a.Path, Glob: a.Glob, Regex: a.Regex, IgnoreCase: a.IgnoreCase, MaxCount: a.MaxCount}, nil
 			}, renderGrep)},
-		{ToolExecute, execDesc, schemaFor[executeArgs](), false, executeTool(dp, o)},
+		{ToolExecute, execDesc, executeSchema, false, executeTool(dp, o)},
 	}
 	for _, d := range defs {
 		if !allowed[ToolScopes[d.name]] {
@@ -221,6 +225,17 @@ func orWorkspace(p string) string {
 	}
 	return p
 }
+
+// The tools' input schemas, made once.
+var (
+	lsSchema      = schemaFor[lsArgs]()
+	readSchema    = schemaFor[readArgs]()
+	writeSchema   = schemaFor[writeArgs]()
+	editSchema    = schemaFor[editArgs]()
+	globSchema    = schemaFor[globArgs]()
+	grepSchema    = schemaFor[grepArgs]()
+	executeSchema = schemaFor[executeArgs]()
+)
 
 func schemaFor[T any]() *jsonschema.Schema {
 	s, err := jsonschema.For[T](nil)
@@ -276,8 +291,8 @@ func jsonKind(k string) string {
 
 // simple is a tool that decodes its arguments, maps them to one dataplane operation and renders
 // the operation's result.
-func simple[A any](dp Dataplane, o Options, op string, args func(A) (any, error), render func(json.RawMessage) string) func(context.Context, *sdk.CallToolRequest, json.RawMessage) (*sdk.CallToolResult, error) {
-	return func(ctx context.Context, _ *sdk.CallToolRequest, raw json.RawMessage) (*sdk.CallToolResult, error) {
+func simple[A any](resolve resolver, o Options, op string, args func(A) (any, error), render func(json.RawMessage) string) func(context.Context, *sdk.CallToolRequest, json.RawMessage) (*sdk.CallToolResult, error) {
+	return func(ctx context.Context, req *sdk.CallToolRequest, raw json.RawMessage) (*sdk.CallToolResult, error) {
 		var a A
 		if err := decodeArgs(raw, &a); err != nil {
 			return nil, err
@@ -285,6 +300,10 @@ func simple[A any](dp Dataplane, o Options, op string, args func(A) (any, error)
 		dpArgs, err := args(a)
 		if err != nil {
 			return nil, invalidParams("invalid arguments: %v", err)
+		}
+		dp, err := resolve(ctx, req)
+		if err != nil {
+			return failure(ctx, err)
 		}
 		res, err := dp.Call(ctx, op, dpArgs)
 		if err != nil {
@@ -408,7 +427,7 @@ func renderExec(res json.RawMessage) string {
 
 // executeTool runs a command (never retried) and, when the client asked for progress, reports the
 // time it has run every ProgressEvery until it ends. Cancelling the call cancels the command.
-func executeTool(dp Dataplane, o Options) func(context.Context, *sdk.CallToolRequest, json.RawMessage) (*sdk.CallToolResult, error) {
+func executeTool(resolve resolver, o Options) func(context.Context, *sdk.CallToolRequest, json.RawMessage) (*sdk.CallToolResult, error) {
 	return func(ctx context.Context, req *sdk.CallToolRequest, raw json.RawMessage) (*sdk.CallToolResult, error) {
 		var a executeArgs
 		if err := decodeArgs(raw, &a); err != nil {
@@ -419,6 +438,10 @@ func executeTool(dp Dataplane, o Options) func(context.Context, *sdk.CallToolReq
 		}
 		if a.TimeoutMS < 0 {
 			return nil, invalidParams("invalid arguments: timeout_ms must not be negative")
+		}
+		dp, err := resolve(ctx, req)
+		if err != nil {
+			return failure(ctx, err)
 		}
 		if tok := req.Params.GetProgressToken(); tok != nil && req.Session != nil {
 			stop := make(chan struct{})

@@ -1,16 +1,20 @@
 package server
 
 import (
+	"crypto/sha256"
 	"encoding/json"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
 	"strconv"
+	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/labstack/echo/v4"
 
+	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/mcp"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
@@ -23,6 +27,9 @@ import (
 // in process on the dataplane's operations later; the wire hop costs a loopback round trip.)
 type mcpFront struct {
 	http *mcp.HTTP
+	// checked are tokens whose signature and claims were checked, so that a session's requests
+	// after the first cost a hash, not an Ed25519 verification.
+	checked checkedTokens
 	// self is this broker's own base WebSocket URL (ws://127.0.0.1:port), set by Serve.
 	self atomic.Pointer[string]
 }
@@ -152,10 +159,17 @@ func (s *Server) mcpServe(c echo.Context) error {
 	}
 	ctx := r.Context()
 	v := s.delegation.Verifier()
+	var claims *delegation.Claims
 	var err error
-	claims, err := v.Check(cred)
-	if err == nil && r.Header.Get("Mcp-Session-Id") == "" {
+	if r.Header.Get("Mcp-Session-Id") == "" {
 		claims, err = v.Verify(ctx, cred)
+		if err == nil {
+			s.mcp.checked.put(cred, claims)
+		}
+	} else if claims = s.mcp.checked.get(cred, s.now()); claims == nil {
+		if claims, err = v.Check(cred); err == nil {
+			s.mcp.checked.put(cred, claims)
+		}
 	}
 	if err != nil {
 		return err
@@ -170,4 +184,36 @@ func (s *Server) mcpServe(c echo.Context) error {
 	id := mcp.Identity{Token: cred, JTI: claims.ID, SandboxID: claims.Sbx, Scopes: claims.Scopes(), AllowCmd: claims.Cmd,
 		ExpiresAt: claims.ExpiresAt.Time}
 	return s.mcp.http.Serve(c.Response(), r.WithContext(mcp.WithIdentity(ctx, id)))
+}
+
+// checkedTokens remembers tokens that passed the verifier, by their SHA-256, until they expire. It
+// holds what Check would answer again (signature, issuer, audience, expiry) for a token it
+// answered once; revocation is not its business (see mcpEndpoint).
+type checkedTokens struct {
+	mu sync.Mutex
+	m  map[[32]byte]*delegation.Claims
+}
+
+// maxCheckedTokens bounds the cache; when full it starts over.
+const maxCheckedTokens = 4096
+
+func (c *checkedTokens) get(token string, now time.Time) *delegation.Claims {
+	k := sha256.Sum256([]byte(token))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	cl, ok := c.m[k]
+	if !ok || cl.ExpiresAt == nil || !now.Before(cl.ExpiresAt.Time) {
+		return nil
+	}
+	return cl
+}
+
+func (c *checkedTokens) put(token string, cl *delegation.Claims) {
+	k := sha256.Sum256([]byte(token))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil || len(c.m) >= maxCheckedTokens {
+		c.m = map[[32]byte]*delegation.Claims{}
+	}
+	c.m[k] = cl
 }

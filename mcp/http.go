@@ -1,8 +1,12 @@
 package mcp
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"strings"
@@ -10,6 +14,7 @@ import (
 	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/auth"
+	"github.com/modelcontextprotocol/go-sdk/jsonrpc"
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/sbxbroker/broker/backend"
@@ -125,8 +130,114 @@ func (h *HTTP) Serve(w http.ResponseWriter, r *http.Request) error {
 			return e.err
 		}
 	}
+	if r.Method == http.MethodPost && r.Body != nil {
+		// The SDK answers a body that is not JSON, or too large, in plain text: MCP clients read
+		// JSON-RPC errors, so these get one here.
+		limit := int64(h.cfg.Options.MaxArgBytes) + 64<<10
+		body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+		switch {
+		case err != nil:
+			return protocol.Errorf(protocol.CodeInvalidArgument, "reading the request: %v", err)
+		case int64(len(body)) > limit:
+			writeRPCError(w, http.StatusRequestEntityTooLarge, jsonrpc.CodeInvalidRequest,
+				fmt.Sprintf("the request is over %d bytes, this endpoint's limit", limit))
+			return nil
+		case !json.Valid(body):
+			writeRPCError(w, http.StatusBadRequest, jsonrpc.CodeParseError, "the request body is not valid JSON")
+			return nil
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		rw := &rpcErrors{ResponseWriter: w, id: requestID(body)}
+		defer rw.finish()
+		w = rw
+	}
 	h.handler.ServeHTTP(w, r)
 	return nil
+}
+
+// requestID is the id of a single JSON-RPC request, or nil.
+func requestID(body []byte) any {
+	var m struct {
+		ID json.RawMessage `json:"id"`
+	}
+	if json.Unmarshal(body, &m) != nil || len(m.ID) == 0 {
+		return nil
+	}
+	var id any
+	if json.Unmarshal(m.ID, &id) != nil {
+		return nil
+	}
+	switch id.(type) {
+	case string, float64:
+		return m.ID
+	}
+	return nil
+}
+
+// rpcErrors turns the SDK's plain-text refusals of a POST (a payload that is no JSON-RPC message, a
+// method it does not handle, a wrong Accept or Content-Type) into JSON-RPC error responses with the
+// same status, so that a client reads an error it understands. 404 (the session is gone) stays as
+// the transport specifies it: clients act on the status.
+type rpcErrors struct {
+	http.ResponseWriter
+	id      any
+	rewrite bool
+	status  int
+	buf     bytes.Buffer
+}
+
+func (e *rpcErrors) WriteHeader(status int) {
+	ct := e.Header().Get("Content-Type")
+	if status >= 400 && status != http.StatusNotFound && !strings.HasPrefix(ct, "application/json") {
+		e.rewrite, e.status = true, status
+		return
+	}
+	e.ResponseWriter.WriteHeader(status)
+}
+
+func (e *rpcErrors) Write(p []byte) (int, error) {
+	if e.rewrite {
+		if e.buf.Len() < 4096 {
+			e.buf.Write(p)
+		}
+		return len(p), nil
+	}
+	return e.ResponseWriter.Write(p)
+}
+
+func (e *rpcErrors) Flush() {
+	if f, ok := e.ResponseWriter.(http.Flusher); ok && !e.rewrite {
+		f.Flush()
+	}
+}
+
+func (e *rpcErrors) Unwrap() http.ResponseWriter { return e.ResponseWriter }
+
+// finish writes the JSON-RPC error of a rewritten refusal.
+func (e *rpcErrors) finish() {
+	if !e.rewrite {
+		return
+	}
+	msg := strings.TrimSpace(e.buf.String())
+	code := int64(jsonrpc.CodeInvalidRequest)
+	// The SDK says so only in its text: a method it does not handle.
+	if strings.Contains(msg, "not handled") || strings.Contains(msg, "unsupported") {
+		code = jsonrpc.CodeMethodNotFound
+	}
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": e.id, "error": map[string]any{"code": code, "message": msg}})
+	e.Header().Del("X-Content-Type-Options")
+	e.Header().Set("Content-Type", "application/json")
+	e.Header().Del("Content-Length")
+	e.ResponseWriter.WriteHeader(e.status)
+	e.ResponseWriter.Write(body)
+}
+
+// writeRPCError answers a request that never reached MCP with a JSON-RPC error of no id.
+func writeRPCError(w http.ResponseWriter, status int, code int64, msg string) {
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": nil, "error": map[string]any{"code": code, "message": msg}})
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(body)
 }
 
 // server is the MCP server for the token of r: one per tool set.

@@ -1,9 +1,11 @@
 package mcp_test
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"reflect"
 	"slices"
@@ -404,8 +406,6 @@ func TestConcurrentProgressCancel(t *testing.T) {
 
 	params := &sdk.CallToolParams{Name: "execute", Arguments: map[string]any{"command": "sleep 1.5; echo done"}}
 	params.SetProgressToken("p1")
-	r := call(t, cs, "execute", params.Arguments)
-	_ = r
 	r2, err := cs.CallTool(t.Context(), params)
 	if err != nil || !strings.HasPrefix(text(r2), "done\n") {
 		t.Fatalf("execute with progress: %v %s", err, text(r2))
@@ -417,23 +417,106 @@ func TestConcurrentProgressCancel(t *testing.T) {
 		t.Errorf("no progress notification during a 1.5 s command")
 	}
 
-	// Cancel: the command is killed, so its marker file is never written.
+	// Cancel: the command is killed, so it ends long before its sleep would and never finishes.
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() {
-		_, err := cs.CallTool(ctx, &sdk.CallToolParams{Name: "execute", Arguments: map[string]any{"command": "sleep 2; touch cancelled-but-ran"}})
+		_, err := cs.CallTool(ctx, &sdk.CallToolParams{Name: "execute", Arguments: map[string]any{"command": "touch started; sleep 30; touch finished"}})
 		done <- err
 	}()
-	time.Sleep(300 * time.Millisecond) // let the command start; the assertion below does not depend on it
+	eventually(t, "the command started", func() bool {
+		return strings.Contains(text(call(t, cs, "glob", map[string]any{"pattern": "started"})), "started")
+	})
 	cancel()
 	if err := <-done; err == nil {
 		t.Errorf("a cancelled call returned no error")
 	}
-	time.Sleep(2500 * time.Millisecond)
-	g := call(t, cs, "glob", map[string]any{"pattern": "cancelled-but-ran"})
-	if strings.Contains(text(g), "cancelled-but-ran") {
+	var ended *protocol.Event
+	eventually(t, "the cancelled command's exec event", func() bool {
+		ectx, ecancel := context.WithTimeout(t.Context(), 5*time.Second)
+		defer ecancel()
+		f.b.Client.Events(ectx, client.EventOptions{Ref: f.sbx.ID, Backlog: 200}, func(ev protocol.Event) error {
+			if ev.Type == protocol.EventExec && strings.HasPrefix(ev.Command, "touch started") {
+				ended = &ev
+				return errors.New("found")
+			}
+			return nil
+		})
+		return ended != nil
+	})
+	if ended.DurationMS == nil || *ended.DurationMS >= 30000 {
+		t.Errorf("the cancelled command ran %v ms", ended.DurationMS)
+	}
+	if g := call(t, cs, "glob", map[string]any{"pattern": "finished"}); strings.Contains(text(g), "finished") {
 		t.Errorf("the cancelled command ran to its end")
 	}
+}
+
+// eventually polls cond until it holds, failing the test after 15 s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 15 s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A POST that is not JSON, or not a message the server handles, gets a JSON-RPC error, and the
+// stdio transport answers a line that is not JSON with one and goes on.
+func TestMalformedMessages(t *testing.T) {
+	f := newFixture(t)
+	m := f.mint(t, protocol.Scopes)
+	for _, tc := range []struct {
+		body   string
+		status int
+		code   int
+	}{
+		{"{not json", 400, -32700},
+		{`{"jsonrpc":"2.0","id":4,"method":"no/such/method"}`, 400, -32601},
+		{`{"jsonrpc":"2.0","id":5,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"x","version":"1"}},"extra":"` + strings.Repeat("x", mcp.DefaultMaxArgBytes+64<<10) + `"}`, 413, -32600},
+	} {
+		req, _ := http.NewRequest("POST", f.mcpURL(), strings.NewReader(tc.body))
+		req.Header.Set("Authorization", "Bearer "+m.Token)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		req.Header.Set("Mcp-Protocol-Version", "2025-06-18")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var msg struct {
+			Error struct {
+				Code int `json:"code"`
+			} `json:"error"`
+		}
+		json.NewDecoder(resp.Body).Decode(&msg)
+		resp.Body.Close()
+		if resp.StatusCode != tc.status || msg.Error.Code != tc.code {
+			t.Errorf("%.40s: %d %d, want %d and JSON-RPC error %d", tc.body, resp.StatusCode, msg.Error.Code, tc.status, tc.code)
+		}
+	}
+
+	inR, inW := io.Pipe()
+	outR, outW := io.Pipe()
+	srv := mcp.NewServer(nil, mcp.Options{Scopes: []string{protocol.ScopeFSRead}})
+	go srv.Run(t.Context(), mcp.StdioTransport(inR, outW))
+	lines := bufio.NewScanner(outR)
+	send := func(s string) { io.WriteString(inW, s+"\n") }
+	send(`{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"x","version":"1"}}}`)
+	lines.Scan()
+	send(`{"jsonrpc":"2.0","method":"notifications/initialized"}`)
+	send(`{not json`)
+	if !lines.Scan() || !strings.Contains(lines.Text(), `"code":-32700`) {
+		t.Errorf("a line that is not JSON: %s", lines.Text())
+	}
+	send(`{"jsonrpc":"2.0","id":2,"method":"tools/list"}`)
+	if !lines.Scan() || !strings.Contains(lines.Text(), `"id":2`) || !strings.Contains(lines.Text(), `"read_file"`) {
+		t.Errorf("the session did not go on: %s", lines.Text())
+	}
+	inW.Close()
 }
 
 func sameJSON(a, b string) bool {

@@ -12,7 +12,6 @@ import (
 	"sync"
 	"time"
 
-	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/backend"
@@ -90,7 +89,7 @@ func serveMCP(ctx context.Context, g *globals, c *client.Client, ref string, req
 		defer close(renewed)
 		dp.renew(runCtx)
 	}()
-	err := srv.Run(runCtx, &sdk.IOTransport{Reader: io.NopCloser(g.stdin), Writer: nopWriteCloser{g.stdout}})
+	err := srv.Run(runCtx, mcp.StdioTransport(g.stdin, g.stdout))
 	if cause := context.Cause(runCtx); cause != nil && !errors.Is(cause, context.Canceled) {
 		return cause
 	}
@@ -102,10 +101,6 @@ func serveMCP(ctx context.Context, g *globals, c *client.Client, ref string, req
 	}
 	return err
 }
-
-type nopWriteCloser struct{ io.Writer }
-
-func (nopWriteCloser) Close() error { return nil }
 
 // renewingDataplane is the dataplane of sbctl mcp: a token it minted, replaced by a fresh one before
 // it expires (calls in flight finish on the old connection, which is then closed and its token

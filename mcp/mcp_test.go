@@ -526,3 +526,42 @@ func sameJSON(a, b string) bool {
 	}
 	return reflect.DeepEqual(x, y)
 }
+
+// A session belongs to the token that opened it: another token of the same sandbox may not use it.
+func TestSessionBoundToToken(t *testing.T) {
+	f := newFixture(t)
+	a, b := f.mint(t, protocol.Scopes), f.mint(t, protocol.Scopes)
+	var sid string
+	c := sdk.NewClient(&sdk.Implementation{Name: "test", Version: "v0"}, nil)
+	tr := &sdk.StreamableClientTransport{Endpoint: f.mcpURL(), HTTPClient: &http.Client{Transport: bearerTransport{a.Token}}}
+	cs, err := c.Connect(t.Context(), tr, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cs.Close()
+	sid = cs.ID()
+	req, _ := http.NewRequest("POST", f.mcpURL(), strings.NewReader(`{"jsonrpc":"2.0","id":7,"method":"tools/list"}`))
+	req.Header.Set("Authorization", "Bearer "+b.Token)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, text/event-stream")
+	req.Header.Set("Mcp-Session-Id", sid)
+	req.Header.Set("Mcp-Protocol-Version", "2025-06-18")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var msg struct {
+		ID    int `json:"id"`
+		Error struct {
+			Code int `json:"code"`
+		} `json:"error"`
+	}
+	json.NewDecoder(resp.Body).Decode(&msg)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusForbidden || msg.ID != 7 || msg.Error.Code == 0 {
+		t.Errorf("another token on the session: %d %+v, want 403 and a JSON-RPC error", resp.StatusCode, msg)
+	}
+	if _, err := cs.ListTools(t.Context(), nil); err != nil {
+		t.Errorf("the session's own token: %v", err)
+	}
+}

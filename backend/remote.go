@@ -47,6 +47,10 @@ type Remote struct {
 	// ended is set when the broker closed the connection for good (revoked, expired, stopped).
 	ended *protocol.Error
 	hello protocol.Hello
+	// endedCh is closed, once, when the broker ends a connection for good; see Ended.
+	endedCh   chan struct{}
+	endedOnce sync.Once
+	endedErr  *protocol.Error
 }
 
 // Dial connects to a sandbox's dataplane.
@@ -63,7 +67,7 @@ func Dial(ctx context.Context, cfg Config) (*Remote, error) {
 	if cfg.Reconnects == 0 {
 		cfg.Reconnects = 5
 	}
-	r := &Remote{cfg: cfg}
+	r := &Remote{cfg: cfg, endedCh: make(chan struct{})}
 	if _, err := r.connection(ctx); err != nil {
 		return nil, err
 	}
@@ -123,7 +127,7 @@ func (r *Remote) connection(ctx context.Context) (*conn, error) {
 			case <-time.After(min(100*time.Millisecond<<(attempt-1), 5*time.Second)):
 			}
 		}
-		c, hello, err := dial(ctx, r.cfg)
+		c, hello, err := dial(ctx, r.cfg, r.markEnded)
 		if err == nil {
 			r.conn, r.hello = c, hello
 			return c, nil
@@ -137,7 +141,30 @@ func (r *Remote) connection(ctx context.Context) (*conn, error) {
 	return nil, last
 }
 
-func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
+// Ended is closed when the broker ends the connection for good: the credential was revoked or
+// expired, or the sandbox stopped. Every later call fails with EndedErr. A front end that serves a
+// session over this backend (the MCP server) ends that session then, instead of waiting for its
+// next call to find out.
+func (r *Remote) Ended() <-chan struct{} { return r.endedCh }
+
+// EndedErr is why the broker ended the connection (nil until Ended is closed).
+func (r *Remote) EndedErr() *protocol.Error {
+	select {
+	case <-r.endedCh:
+		return r.endedErr
+	default:
+		return nil
+	}
+}
+
+func (r *Remote) markEnded(e *protocol.Error) {
+	r.endedOnce.Do(func() {
+		r.endedErr = e
+		close(r.endedCh)
+	})
+}
+
+func dial(ctx context.Context, cfg Config, onEnd func(*protocol.Error)) (*conn, protocol.Hello, error) {
 	d := websocket.Dialer{
 		HandshakeTimeout: cfg.DialTimeout,
 		Subprotocols:     []string{protocol.Subprotocol},
@@ -178,7 +205,7 @@ func dial(ctx context.Context, cfg Config) (*conn, protocol.Hello, error) {
 		slots = 64
 	}
 	c := &conn{ws: ws, pending: map[uint32]*call{}, dead: make(chan struct{}), slots: make(chan struct{}, slots),
-		maxFrame: first.Hello.Limits.MaxFrameBytes}
+		maxFrame: first.Hello.Limits.MaxFrameBytes, onEnd: onEnd}
 	go c.readLoop()
 	return c, *first.Hello, nil
 }
@@ -204,6 +231,7 @@ type conn struct {
 	maxFrame int
 	err      error           // why it died
 	end      *protocol.Error // set when the broker ended it for good
+	onEnd    func(*protocol.Error)
 }
 
 // call is one request in flight: its final answer, and sinks for the binary frames it receives.
@@ -292,9 +320,15 @@ func (c *conn) readLoop() {
 		if err != nil {
 			var ce *websocket.CloseError
 			if errors.As(err, &ce) && (ce.Code == protocol.CloseCredentialEnded || ce.Code == protocol.CloseSandboxGone) {
+				end := &protocol.Error{Code: ce.Text, Message: closeMessage(ce)}
 				c.mu.Lock()
-				c.end = &protocol.Error{Code: ce.Text, Message: closeMessage(ce)}
+				c.end = end
 				c.mu.Unlock()
+				c.close(err)
+				if c.onEnd != nil {
+					c.onEnd(end)
+				}
+				return
 			}
 			c.close(err)
 			return
@@ -534,6 +568,36 @@ func (r *Remote) call(ctx context.Context, op string, args, out any, retry bool)
 			}
 		}
 		return nil
+	}
+}
+
+// Call runs one dataplane operation with args and returns its result exactly as the broker sent it,
+// for front ends that pass results through unchanged (the MCP server). Operations that only read
+// are retried once on a fresh connection when the old one broke under them, as the typed methods
+// do; others fail with KindUnreachable. Upload and download, which stream, are not for Call.
+func (r *Remote) Call(ctx context.Context, op string, args any) (json.RawMessage, error) {
+	var retry bool
+	switch op {
+	case protocol.OpStat, protocol.OpLs, protocol.OpRead, protocol.OpGlob, protocol.OpGrep, protocol.OpEnv, protocol.OpPing:
+		retry = true
+	case protocol.OpUpload, protocol.OpDownload:
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "%s streams its bytes: use Upload or Download", op)
+	}
+	for attempt := 0; ; attempt++ {
+		c, err := r.connection(ctx)
+		if err != nil {
+			return nil, err
+		}
+		cl := &call{}
+		err = c.roundTrip(ctx, op, args, cl, nil)
+		var pe *protocol.Error
+		if err != nil && retry && attempt == 0 && errors.As(err, &pe) && pe.Code == protocol.CodeUnreachable {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return cl.result, nil
 	}
 }
 

@@ -85,6 +85,10 @@ func SandboxBlockOf(configurable any) (protocol.SandboxBlock, bool, error) {
 			return b, true, bad("configurable.sandbox.%s must be a non-empty string", f.key)
 		}
 	}
+	// mcp_url is optional: blocks from brokers before it, and other writers, lack it.
+	if v, ok := fields["mcp_url"]; ok {
+		json.Unmarshal(v, &b.MCPURL)
+	}
 	return b, true, nil
 }
 

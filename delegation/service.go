@@ -110,7 +110,7 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 		Time: s.now().UTC(), Actor: actor, JTI: c.ID})
 	return protocol.MintResponse{
 		Token: token, JTI: c.ID, ExpiresAt: c.ExpiresAt.Time.UTC(),
-		Sandbox: protocol.SandboxBlock{SandboxID: rec.ID, Credential: token, DataplaneURL: url},
+		Sandbox: protocol.SandboxBlock{SandboxID: rec.ID, Credential: token, DataplaneURL: url, MCPURL: protocol.MCPURLOf(url)},
 	}, nil
 }
 

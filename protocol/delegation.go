@@ -26,6 +26,9 @@ type SandboxBlock struct {
 	// Credential is opaque to the agent server: today a delegation token.
 	Credential   string `json:"credential"`
 	DataplaneURL string `json:"dataplane_url"`
+	// MCPURL is the sandbox's MCP endpoint (Streamable HTTP) on the same broker, for agent servers
+	// with an MCP client; the same credential opens it. Readers that do not know it ignore it.
+	MCPURL string `json:"mcp_url,omitempty"`
 }
 
 // RunConfig is the whole object an agent run request merges in:

@@ -98,3 +98,26 @@ func DataplaneURL(base, ref string) (string, error) {
 	}
 	return u.String() + "/v1/sandboxes/" + url.PathEscape(ref) + "/dataplane", nil
 }
+
+// MCPURLOf is the MCP (Streamable HTTP) URL beside a sandbox's dataplane URL: the same broker and
+// path prefix, http:// for ws:// and https:// for wss://, ending in /mcp instead of /dataplane.
+// It answers "" for anything that is not a dataplane URL.
+func MCPURLOf(dataplaneURL string) string {
+	u, err := url.Parse(dataplaneURL)
+	if err != nil || u.Host == "" || u.RawQuery != "" || u.Fragment != "" {
+		return ""
+	}
+	switch strings.ToLower(u.Scheme) {
+	case "ws":
+		u.Scheme = "http"
+	case "wss":
+		u.Scheme = "https"
+	default:
+		return ""
+	}
+	p, ok := strings.CutSuffix(u.EscapedPath(), "/dataplane")
+	if !ok {
+		return ""
+	}
+	return u.Scheme + "://" + u.Host + p + "/mcp"
+}

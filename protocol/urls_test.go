@@ -68,3 +68,19 @@ func TestSandboxIDs(t *testing.T) {
 		t.Error("a canonical id is refused")
 	}
 }
+
+func TestMCPURLOf(t *testing.T) {
+	for in, want := range map[string]string{
+		"ws://127.0.0.1:7070/v1/sandboxes/sb_1/dataplane":         "http://127.0.0.1:7070/v1/sandboxes/sb_1/mcp",
+		"wss://broker.example/prefix/v1/sandboxes/sb_1/dataplane": "https://broker.example/prefix/v1/sandboxes/sb_1/mcp",
+		"WSS://broker.example/v1/sandboxes/a%2Fb/dataplane":       "https://broker.example/v1/sandboxes/a%2Fb/mcp",
+		"http://broker.example/v1/sandboxes/sb_1/dataplane":       "",
+		"ws://broker.example/v1/sandboxes/sb_1/events":            "",
+		"ws://broker.example/v1/sandboxes/sb_1/dataplane?token=x": "",
+		"": "",
+	} {
+		if got := protocol.MCPURLOf(in); got != want {
+			t.Errorf("protocol.MCPURLOf(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

@@ -15,5 +15,7 @@ done
 # docs/openapi.yaml against the OpenAPI 3.0 schema with a standard validator (swagger-parser, pinned
 # by scripts/openapi/package-lock.json); the Go tests check the server against the same file.
 (cd scripts/openapi && npm ci --no-audit --no-fund --loglevel=error && npm run -s check)
+# The MCP tests (tests/mcp_test.go) drive the broker with the official TypeScript MCP client.
+(cd tests/mcp && npm ci --no-audit --no-fund)
 go test -count=1 -timeout 20m ./...
 (cd examples/langgraph-config && npm ci --no-audit --no-fund && npm test)

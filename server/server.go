@@ -153,6 +153,8 @@ type Server struct {
 
 	// dataplaneURL is Config.DataplaneURL.
 	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
+	// mcp is the Streamable HTTP MCP endpoint (mcp.go).
+	mcp *mcpFront
 }
 
 // maxBody bounds every REST request body.
@@ -168,6 +170,7 @@ func New(cfg Config) *Server {
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
 		dpLimits: cfg.Dataplane.withDefaults()}
 	s.dataplaneURL = cfg.DataplaneURL
+	s.newMCP()
 	s.metrics.reg.MustRegister(s.dataplaneGauges()...)
 	if s.events == nil {
 		s.events = events.Discard
@@ -215,6 +218,10 @@ func New(cfg Config) *Server {
 	e.POST("/v1/tokens/introspect", s.introspect, owner...)
 	// The dataplane authenticates API keys and delegation tokens itself (docs/dataplane.md).
 	e.GET("/v1/sandboxes/:ref/dataplane", s.dataplane)
+	// MCP (Streamable HTTP) takes a delegation token only, checked by its handler (mcp.go).
+	e.POST("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
+	e.GET("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
+	e.DELETE("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
 	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
 	e.GET("/v1/events", s.orgEvents, owner...)
 	e.GET("/v1/orphans", s.orphans, owner...)
@@ -248,6 +255,7 @@ func (s *Server) Handler() http.Handler { return s.e }
 // Serve serves on l until Shutdown. It also follows revocations announced by every broker, to close
 // the dataplane connections they concern. Call it once.
 func (s *Server) Serve(l net.Listener) error {
+	s.mcp.setSelf(l.Addr())
 	// Subscribed before the first request is served, so no revocation can slip past a cache or an
 	// open connection.
 	if err := delegation.Subscribe(s.bgCtx, s.store, s.hub.revoked); err != nil {

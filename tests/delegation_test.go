@@ -60,16 +60,17 @@ func TestDelegationThroughSbctl(t *testing.T) {
 	var generic map[string]map[string]map[string]map[string]string
 	json.Unmarshal([]byte(raw), &generic)
 	blk := generic["config"]["configurable"]["sandbox"]
-	if len(blk) != 3 || blk["sandbox_id"] == "" || blk["credential"] == "" || blk["dataplane_url"] == "" {
-		t.Fatalf("run-config block must have exactly the three keys: %s", raw)
+	if len(blk) != 4 || blk["sandbox_id"] == "" || blk["credential"] == "" || blk["dataplane_url"] == "" ||
+		blk["mcp_url"] != strings.Replace(strings.Replace(blk["dataplane_url"], "ws://", "http://", 1), "/dataplane", "/mcp", 1) {
+		t.Fatalf("run-config block must have exactly the four keys, mcp_url beside dataplane_url: %s", raw)
 	}
 	var bare map[string]string
 	json.Unmarshal([]byte(b.ok("run-config", "dev", "--format", "block")), &bare)
-	if len(bare) != 3 || bare["sandbox_id"] != blk["sandbox_id"] {
+	if len(bare) != 4 || bare["sandbox_id"] != blk["sandbox_id"] {
 		t.Fatalf("block format: %v", bare)
 	}
 	env := b.ok("run-config", "dev", "--format", "env")
-	for _, k := range []string{"SBX_SANDBOX_ID=", "SBX_SANDBOX_CREDENTIAL=", "SBX_DATAPLANE_URL="} {
+	for _, k := range []string{"SBX_SANDBOX_ID=", "SBX_SANDBOX_CREDENTIAL=", "SBX_DATAPLANE_URL=", "SBX_MCP_URL="} {
 		if !strings.Contains(env, "export "+k) {
 			t.Fatalf("env format lacks %s:\n%s", k, env)
 		}

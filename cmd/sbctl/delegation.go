@@ -173,7 +173,10 @@ func runConfigCmd(g *globals) *cobra.Command {
 		Long: `Mint a delegation token and print the run config an agent server run request merges in, so the
 run's file and shell tools work in the sandbox:
 
-  {"config":{"configurable":{"sandbox":{"sandbox_id":...,"credential":...,"dataplane_url":...}}}}
+  {"config":{"configurable":{"sandbox":{"sandbox_id":...,"credential":...,"dataplane_url":...,"mcp_url":...}}}}
+
+mcp_url is the sandbox's MCP endpoint (Streamable HTTP) for agent servers with an MCP client; the
+same credential opens it.
 
 With --thread T it first creates or reuses the thread's own sandbox (named from the thread id,
 tagged thread_id=T), so one thread keeps one sandbox across runs. Tokens are short-lived (30 minutes
@@ -244,6 +247,9 @@ func printRunConfig(w io.Writer, format string, b protocol.SandboxBlock) error {
 	case "env":
 		fmt.Fprintf(w, "export SBX_SANDBOX_ID=%s\nexport SBX_SANDBOX_CREDENTIAL=%s\nexport SBX_DATAPLANE_URL=%s\n",
 			shellQuote(b.SandboxID), shellQuote(b.Credential), shellQuote(b.DataplaneURL))
+		if b.MCPURL != "" {
+			fmt.Fprintf(w, "export SBX_MCP_URL=%s\n", shellQuote(b.MCPURL))
+		}
 		return nil
 	case "block":
 		return json.NewEncoder(w).Encode(b)

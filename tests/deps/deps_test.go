@@ -32,6 +32,9 @@ var rules = []struct {
 }{
 	{[]string{"protocol"}, []string{""}, "protocol is the shared wire format and imports nothing of ours", nil},
 	{[]string{"backend", "client"}, append([]string{"cmd"}, serverSide...), "the SDKs talk to the broker over the wire only", nil},
+	// (Not sandbox: mcp reaches sandbox/workspace through backend, a known violation above.)
+	{[]string{"mcp"}, []string{"cmd", "server", "store", "delegation", "heartbeat", "events"},
+		"the MCP front end drives the dataplane over the wire, like any delegate", nil},
 	{[]string{"delegation", "heartbeat", "events", "sandbox", "store"}, []string{"server", "client", "backend", "cmd"},
 		"domain packages sit under the HTTP layer and never call the broker over the wire", nil},
 	{[]string{"store"}, []string{"server", "sandbox", "delegation", "heartbeat", "events", "client", "backend", "cmd"},
@@ -39,7 +42,7 @@ var rules = []struct {
 	{[]string{"cmd/broker"}, []string{"client"}, "the broker does not use the SDK of its own API", nil},
 	{[]string{"delegation", "heartbeat", "sandbox"}, []string{"events"},
 		"domain packages emit through the function they are given (the server wires in the event log)", nil},
-	{[]string{"cmd", "server", "store", "sandbox", "delegation", "heartbeat", "events", "backend", "client", "protocol"},
+	{[]string{"cmd", "server", "store", "sandbox", "delegation", "heartbeat", "events", "backend", "client", "protocol", "mcp"},
 		[]string{"server/servertest", "store/redistest", "tests/wait"}, "test helpers never link into the product",
 		[]string{"server/servertest", "store/redistest", "tests/wait"}},
 }

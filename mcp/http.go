@@ -1,0 +1,370 @@
+package mcp
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/modelcontextprotocol/go-sdk/auth"
+	"github.com/modelcontextprotocol/go-sdk/jsonrpc"
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// Identity is the verified delegation token behind one HTTP request.
+type Identity struct {
+	// Token is the credential itself: a session's tool calls open the dataplane with it.
+	Token     string
+	JTI       string
+	SandboxID string
+	Scopes    []string
+	AllowCmd  []string
+	ExpiresAt time.Time
+}
+
+// HTTPConfig configures the Streamable HTTP front end.
+type HTTPConfig struct {
+	// DataplaneURL is the dataplane URL of a sandbox on this broker (its own listener, so a session
+	// drives exactly the dataplane any delegate would).
+	DataplaneURL func(sandboxID string) string
+	Options      Options
+	// SessionTimeout closes a session idle this long (default 30 minutes).
+	SessionTimeout time.Duration
+	Logger         *slog.Logger
+}
+
+// HTTP serves MCP over Streamable HTTP. Each session belongs to one delegation token (its jti): the
+// SDK refuses a session's id to any other token. A session's dataplane connection is opened with
+// its token on its first tool call, and ends the session when the broker ends the connection (the
+// token was revoked or expired, the sandbox stopped).
+type HTTP struct {
+	cfg     HTTPConfig
+	handler http.Handler
+
+	mu sync.Mutex
+	// servers are the MCP servers by tool set (scopes and allowlist): sessions of tokens with the
+	// same rights share one. The SDK asks for a server on every request, so this is a lookup.
+	servers map[string]*sdk.Server
+	// sessions are the sessions that made a tool call, by session id.
+	sessions map[string]*httpSession
+	// ended remembers why sessions the broker ended did end, until their token would have expired,
+	// so that the session's next request hears why rather than "session not found".
+	ended map[string]endedSession
+}
+
+// maxCachedServers bounds the servers kept by tool set; past it a server is built per session.
+const maxCachedServers = 256
+
+// maxEnded bounds the ended sessions remembered.
+const maxEnded = 10000
+
+type endedSession struct {
+	err *protocol.Error
+	exp time.Time
+}
+
+type identityKey struct{}
+
+// WithIdentity returns a request context carrying id, which HTTP.Serve requires.
+func WithIdentity(ctx context.Context, id Identity) context.Context {
+	return context.WithValue(ctx, identityKey{}, id)
+}
+
+func identityOf(ctx context.Context) (Identity, bool) {
+	id, ok := ctx.Value(identityKey{}).(Identity)
+	return id, ok
+}
+
+const identityExtra = "sbx.identity"
+
+// NewHTTP builds the Streamable HTTP front end.
+func NewHTTP(cfg HTTPConfig) *HTTP {
+	if cfg.SessionTimeout <= 0 {
+		cfg.SessionTimeout = 30 * time.Minute
+	}
+	if cfg.Options.MaxArgBytes <= 0 {
+		cfg.Options.MaxArgBytes = DefaultMaxArgBytes
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	h := &HTTP{cfg: cfg, servers: map[string]*sdk.Server{}, sessions: map[string]*httpSession{}, ended: map[string]endedSession{}}
+	sh := sdk.NewStreamableHTTPHandler(h.server, &sdk.StreamableHTTPOptions{
+		Logger:         cfg.Logger,
+		SessionTimeout: cfg.SessionTimeout,
+		// Room for the largest arguments a tool takes, so that a call over MaxArgBytes gets a
+		// JSON-RPC error that says so rather than a bare 413.
+		MaxRequestBodyBytes: int64(cfg.Options.MaxArgBytes) + 64<<10,
+	})
+	// The SDK binds a session to the user id of the request that opened it and refuses it to any
+	// other: the user here is the token's jti. The identity rides along to the tool calls.
+	h.handler = auth.RequireBearerToken(func(ctx context.Context, _ string, _ *http.Request) (*auth.TokenInfo, error) {
+		id, ok := identityOf(ctx)
+		if !ok {
+			return nil, auth.ErrInvalidToken
+		}
+		return &auth.TokenInfo{UserID: id.JTI, Scopes: id.Scopes, Expiration: id.ExpiresAt, Extra: map[string]any{identityExtra: id}}, nil
+	}, nil)(sh)
+	return h
+}
+
+// Serve answers one MCP request whose token the caller verified and put in the context with
+// WithIdentity. A request of a session the broker ended is answered with the error that ended it
+// (returned, for the caller to write in its own error shape).
+func (h *HTTP) Serve(w http.ResponseWriter, r *http.Request) error {
+	if sid := r.Header.Get("Mcp-Session-Id"); sid != "" {
+		h.mu.Lock()
+		e, ok := h.ended[sid]
+		h.mu.Unlock()
+		if ok {
+			return e.err
+		}
+	}
+	if r.Method == http.MethodPost && r.Body != nil {
+		// The SDK answers a body that is not JSON, or too large, in plain text: MCP clients read
+		// JSON-RPC errors, so these get one here.
+		limit := int64(h.cfg.Options.MaxArgBytes) + 64<<10
+		body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+		switch {
+		case err != nil:
+			return protocol.Errorf(protocol.CodeInvalidArgument, "reading the request: %v", err)
+		case int64(len(body)) > limit:
+			writeRPCError(w, http.StatusRequestEntityTooLarge, jsonrpc.CodeInvalidRequest,
+				fmt.Sprintf("the request is over %d bytes, this endpoint's limit", limit))
+			return nil
+		case !json.Valid(body):
+			writeRPCError(w, http.StatusBadRequest, jsonrpc.CodeParseError, "the request body is not valid JSON")
+			return nil
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		rw := &rpcErrors{ResponseWriter: w, id: requestID(body)}
+		defer rw.finish()
+		w = rw
+	}
+	h.handler.ServeHTTP(w, r)
+	return nil
+}
+
+// requestID is the id of a single JSON-RPC request, or nil.
+func requestID(body []byte) any {
+	var m struct {
+		ID json.RawMessage `json:"id"`
+	}
+	if json.Unmarshal(body, &m) != nil || len(m.ID) == 0 {
+		return nil
+	}
+	var id any
+	if json.Unmarshal(m.ID, &id) != nil {
+		return nil
+	}
+	switch id.(type) {
+	case string, float64:
+		return m.ID
+	}
+	return nil
+}
+
+// rpcErrors turns the SDK's plain-text refusals of a POST (a payload that is no JSON-RPC message, a
+// method it does not handle, a wrong Accept or Content-Type) into JSON-RPC error responses with the
+// same status, so that a client reads an error it understands. 404 (the session is gone) stays as
+// the transport specifies it: clients act on the status.
+type rpcErrors struct {
+	http.ResponseWriter
+	id      any
+	rewrite bool
+	status  int
+	buf     bytes.Buffer
+}
+
+func (e *rpcErrors) WriteHeader(status int) {
+	ct := e.Header().Get("Content-Type")
+	if status >= 400 && status != http.StatusNotFound && !strings.HasPrefix(ct, "application/json") {
+		e.rewrite, e.status = true, status
+		return
+	}
+	e.ResponseWriter.WriteHeader(status)
+}
+
+func (e *rpcErrors) Write(p []byte) (int, error) {
+	if e.rewrite {
+		if e.buf.Len() < 4096 {
+			e.buf.Write(p)
+		}
+		return len(p), nil
+	}
+	return e.ResponseWriter.Write(p)
+}
+
+func (e *rpcErrors) Flush() {
+	if f, ok := e.ResponseWriter.(http.Flusher); ok && !e.rewrite {
+		f.Flush()
+	}
+}
+
+func (e *rpcErrors) Unwrap() http.ResponseWriter { return e.ResponseWriter }
+
+// finish writes the JSON-RPC error of a rewritten refusal.
+func (e *rpcErrors) finish() {
+	if !e.rewrite {
+		return
+	}
+	msg := strings.TrimSpace(e.buf.String())
+	code := int64(jsonrpc.CodeInvalidRequest)
+	// The SDK says so only in its text: a method it does not handle.
+	if strings.Contains(msg, "not handled") || strings.Contains(msg, "unsupported") {
+		code = jsonrpc.CodeMethodNotFound
+	}
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": e.id, "error": map[string]any{"code": code, "message": msg}})
+	e.Header().Del("X-Content-Type-Options")
+	e.Header().Set("Content-Type", "application/json")
+	e.Header().Del("Content-Length")
+	e.ResponseWriter.WriteHeader(e.status)
+	e.ResponseWriter.Write(body)
+}
+
+// writeRPCError answers a request that never reached MCP with a JSON-RPC error of no id.
+func writeRPCError(w http.ResponseWriter, status int, code int64, msg string) {
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": nil, "error": map[string]any{"code": code, "message": msg}})
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(body)
+}
+
+// server is the MCP server for the token of r: one per tool set.
+func (h *HTTP) server(r *http.Request) *sdk.Server {
+	id, ok := identityOf(r.Context())
+	if !ok {
+		return nil
+	}
+	key := strings.Join(id.Scopes, " ") + "\x00" + strings.Join(id.AllowCmd, "\x00")
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if srv, ok := h.servers[key]; ok {
+		return srv
+	}
+	o := h.cfg.Options
+	o.Scopes, o.AllowCmd = id.Scopes, id.AllowCmd
+	srv := newServer(h.dataplane, o)
+	if len(h.servers) < maxCachedServers {
+		h.servers[key] = srv
+	}
+	return srv
+}
+
+// dataplane is the dataplane connection of a tool call's session, opened on its first call with
+// the token that opened the session.
+func (h *HTTP) dataplane(ctx context.Context, req *sdk.CallToolRequest) (Dataplane, error) {
+	ss := req.Session
+	var id Identity
+	if req.Extra != nil && req.Extra.TokenInfo != nil {
+		id, _ = req.Extra.TokenInfo.Extra[identityExtra].(Identity)
+	}
+	if ss == nil || id.Token == "" {
+		return nil, protocol.Errorf(protocol.CodeUnauthenticated, "the MCP request carries no verified delegation token")
+	}
+	sid := ss.ID()
+	h.mu.Lock()
+	s, ok := h.sessions[sid]
+	if !ok {
+		s = &httpSession{h: h, id: id, sid: sid, ss: ss}
+		h.sessions[sid] = s
+	}
+	h.mu.Unlock()
+	return s.dataplane(ctx)
+}
+
+// httpSession is one session's dataplane connection.
+type httpSession struct {
+	h   *HTTP
+	id  Identity
+	sid string
+	ss  *sdk.ServerSession
+
+	mu     sync.Mutex
+	remote *backend.Remote
+}
+
+func (s *httpSession) dataplane(ctx context.Context) (*backend.Remote, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.remote != nil {
+		return s.remote, nil
+	}
+	r, err := backend.Dial(ctx, backend.Config{URL: s.h.cfg.DataplaneURL(s.id.SandboxID), Credential: s.id.Token,
+		SandboxID: s.id.SandboxID, Reconnects: 1})
+	if err != nil {
+		var pe *protocol.Error
+		if errors.As(err, &pe) && endsSession(pe.Code) {
+			go s.end(pe)
+		}
+		s.h.forget(s.sid)
+		return nil, err
+	}
+	s.remote = r
+	go s.watch(r)
+	return r, nil
+}
+
+func (h *HTTP) forget(sid string) {
+	h.mu.Lock()
+	delete(h.sessions, sid)
+	h.mu.Unlock()
+}
+
+// endsSession says whether a refusal at connection time ends the session for good.
+func endsSession(code string) bool {
+	switch code {
+	case protocol.CodeTokenRevoked, protocol.CodeTokenExpired, protocol.CodeNotRunning, protocol.CodeNotFound:
+		return true
+	}
+	return false
+}
+
+// watch ends the session when the broker ends its dataplane connection, and closes the connection
+// when the session ends.
+func (s *httpSession) watch(r *backend.Remote) {
+	defer func() {
+		r.Close()
+		s.h.forget(s.sid)
+	}()
+	done := make(chan struct{})
+	go func() { s.ss.Wait(); close(done) }()
+	select {
+	case <-r.Ended():
+		s.end(r.EndedErr())
+		<-done
+	case <-done:
+	}
+}
+
+// end records why the session ended and closes it: its next request is answered with err.
+func (s *httpSession) end(err *protocol.Error) {
+	if err == nil {
+		return
+	}
+	err = &protocol.Error{Code: err.Code, Message: "the MCP session ended: " + err.Message, Status: err.Status}
+	h := s.h
+	now := time.Now()
+	h.mu.Lock()
+	if len(h.ended) >= maxEnded {
+		for k, e := range h.ended {
+			if now.After(e.exp) || len(h.ended) >= maxEnded {
+				delete(h.ended, k)
+			}
+		}
+	}
+	h.ended[s.sid] = endedSession{err: err, exp: s.id.ExpiresAt}
+	h.mu.Unlock()
+	h.cfg.Logger.Info("mcp session ended", "jti", s.id.JTI, "sandbox_id", s.id.SandboxID, "code", err.Code)
+	s.ss.Close()
+}

@@ -1,0 +1,219 @@
+package server
+
+import (
+	"crypto/sha256"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/sbxbroker/broker/delegation"
+	"github.com/sbxbroker/broker/mcp"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/store"
+)
+
+// mcpFront is the Streamable HTTP MCP endpoint. Each session drives this broker's own dataplane
+// with the caller's delegation token through the Go dataplane client, so scopes, the command
+// allowlist, limits, revocation and events apply exactly as for any delegate. (It could dispatch
+// in process on the dataplane's operations later; the wire hop costs a loopback round trip.)
+type mcpFront struct {
+	http *mcp.HTTP
+	// checked are tokens whose signature and claims were checked, so that a session's requests
+	// after the first cost a hash, not an Ed25519 verification.
+	checked checkedTokens
+	// self is this broker's own base WebSocket URL (ws://127.0.0.1:port), set by Serve.
+	self atomic.Pointer[string]
+}
+
+func (s *Server) newMCP() {
+	s.mcp = &mcpFront{}
+	s.mcp.http = mcp.NewHTTP(mcp.HTTPConfig{
+		DataplaneURL: func(id string) string {
+			base := s.mcp.self.Load()
+			if base == nil {
+				return ""
+			}
+			return *base + "/v1/sandboxes/" + url.PathEscape(id) + "/dataplane"
+		},
+		Logger: s.log,
+	})
+}
+
+// setSelf records the listener the broker serves on, for MCP sessions' dataplane connections: an
+// unspecified address (0.0.0.0, ::) is reached on loopback.
+func (m *mcpFront) setSelf(addr net.Addr) {
+	tcp, ok := addr.(*net.TCPAddr)
+	if !ok {
+		return
+	}
+	ip := tcp.IP
+	if ip == nil || ip.IsUnspecified() {
+		ip = net.IPv4(127, 0, 0, 1)
+		if tcp.IP != nil && tcp.IP.To4() == nil {
+			ip = net.IPv6loopback
+		}
+	}
+	base := "ws://" + net.JoinHostPort(ip.String(), strconv.Itoa(tcp.Port))
+	m.self.Store(&base)
+}
+
+var errMCPNoToken = protocol.Errorf(protocol.CodeUnauthenticated,
+	"missing credentials: send Authorization: Bearer <delegation token> (sbctl delegate REF, or the credential of sbctl run-config REF)")
+
+var errMCPOwnerKey = protocol.Errorf(protocol.CodeForbidden,
+	"the MCP endpoint takes a delegation token, not an API key: mint one with sbctl delegate REF --scope ..., or run sbctl mcp REF for a local MCP client")
+
+// mcpEndpoint authenticates GET, POST and DELETE /v1/sandboxes/{id}/mcp with a delegation token
+// of that sandbox and hands the request to the MCP front end. A request that opens a session is
+// checked against revocations too; a session's later requests are checked by signature and expiry
+// alone (no Redis round trip), because the session's dataplane connection ends it on revocation.
+func (s *Server) mcpEndpoint(c echo.Context) error {
+	if err := s.mcpServe(c); err != nil {
+		s.mcpError(c, err)
+	}
+	return nil
+}
+
+// mcpError answers a refusal as a JSON-RPC error response (what an MCP client reads and shows), with
+// the HTTP status and the stable code of every other answer: data.code is the code of the REST
+// error shape, and the message starts with it.
+func (s *Server) mcpError(c echo.Context, err error) {
+	status, pe := apiError(err)
+	pe.RequestID = requestID(c)
+	if status >= 500 {
+		s.log.Error("request failed", "request_id", pe.RequestID, "route", c.Path(), "err", err)
+	} else {
+		c.Set(ctxErrCode, pe.Code)
+	}
+	if status == http.StatusTooManyRequests {
+		c.Response().Header().Set("Retry-After", retryAfter(err))
+		s.countRefusal(c, err)
+	}
+	id := json.RawMessage("null")
+	if c.Request().Method == http.MethodPost {
+		var m struct {
+			ID json.RawMessage `json:"id"`
+		}
+		if json.NewDecoder(io.LimitReader(c.Request().Body, 64<<10)).Decode(&m) == nil && validRPCID(m.ID) {
+			id = m.ID
+		}
+	}
+	c.JSON(status, mcpErrorBody{JSONRPC: "2.0", ID: id, Error: mcpRPCError{Code: mcpErrorCode, Message: pe.Code + ": " + pe.Message,
+		Data: mcpErrorData{Code: pe.Code, RequestID: pe.RequestID}}})
+}
+
+// mcpErrorCode is the JSON-RPC error code of every refusal of the MCP endpoint (the range -32000 to
+// -32099 is the implementation's); data.code says which.
+const mcpErrorCode = -32001
+
+type mcpErrorBody struct {
+	JSONRPC string          `json:"jsonrpc"`
+	ID      json.RawMessage `json:"id"`
+	Error   mcpRPCError     `json:"error"`
+}
+
+type mcpRPCError struct {
+	Code    int          `json:"code"`
+	Message string       `json:"message"`
+	Data    mcpErrorData `json:"data"`
+}
+
+type mcpErrorData struct {
+	Code      string `json:"code"`
+	RequestID string `json:"request_id,omitempty"`
+}
+
+// validRPCID is a JSON-RPC id worth echoing: a string or a number.
+func validRPCID(id json.RawMessage) bool {
+	if len(id) == 0 || len(id) > 256 {
+		return false
+	}
+	var v any
+	if json.Unmarshal(id, &v) != nil {
+		return false
+	}
+	switch v.(type) {
+	case string, float64:
+		return true
+	}
+	return false
+}
+
+func (s *Server) mcpServe(c echo.Context) error {
+	r := c.Request()
+	cred := bearer(r)
+	if cred == "" {
+		return errMCPNoToken
+	}
+	if store.LooksLikeAPIKey(cred) {
+		return errMCPOwnerKey
+	}
+	ctx := r.Context()
+	v := s.delegation.Verifier()
+	var claims *delegation.Claims
+	var err error
+	if r.Header.Get("Mcp-Session-Id") == "" {
+		claims, err = v.Verify(ctx, cred)
+		if err == nil {
+			s.mcp.checked.put(cred, claims)
+		}
+	} else if claims = s.mcp.checked.get(cred, s.now()); claims == nil {
+		if claims, err = v.Check(cred); err == nil {
+			s.mcp.checked.put(cred, claims)
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if err := s.limitCredential(ctx, claims.Org, "token:"+claims.ID); err != nil {
+		return err
+	}
+	// A token reaches its own sandbox only; any other ref gets the answer of a missing one.
+	if ref := c.Param("ref"); ref != claims.Sbx {
+		return sandbox.NotFound(ref)
+	}
+	id := mcp.Identity{Token: cred, JTI: claims.ID, SandboxID: claims.Sbx, Scopes: claims.Scopes(), AllowCmd: claims.Cmd,
+		ExpiresAt: claims.ExpiresAt.Time}
+	return s.mcp.http.Serve(c.Response(), r.WithContext(mcp.WithIdentity(ctx, id)))
+}
+
+// checkedTokens remembers tokens that passed the verifier, by their SHA-256, until they expire. It
+// holds what Check would answer again (signature, issuer, audience, expiry) for a token it
+// answered once; revocation is not its business (see mcpEndpoint).
+type checkedTokens struct {
+	mu sync.Mutex
+	m  map[[32]byte]*delegation.Claims
+}
+
+// maxCheckedTokens bounds the cache; when full it starts over.
+const maxCheckedTokens = 4096
+
+func (c *checkedTokens) get(token string, now time.Time) *delegation.Claims {
+	k := sha256.Sum256([]byte(token))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	cl, ok := c.m[k]
+	if !ok || cl.ExpiresAt == nil || !now.Before(cl.ExpiresAt.Time) {
+		return nil
+	}
+	return cl
+}
+
+func (c *checkedTokens) put(token string, cl *delegation.Claims) {
+	k := sha256.Sum256([]byte(token))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil || len(c.m) >= maxCheckedTokens {
+		c.m = map[[32]byte]*delegation.Claims{}
+	}
+	c.m[k] = cl
+}

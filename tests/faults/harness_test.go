@@ -62,10 +62,15 @@ func TestMain(m *testing.M) {
 		}
 	}
 	bin = dir
+	redis.SetLogger(quiet{}) // the test's own client logs every refused dial while Redis is down
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
 }
+
+type quiet struct{}
+
+func (quiet) Printf(context.Context, string, ...interface{}) {}
 
 // eventually polls cond every 50 ms until it holds or d passes, then fails with what.
 func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {

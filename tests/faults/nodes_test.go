@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -165,4 +166,51 @@ func markedProcesses(t *testing.T, dataDir string) []int {
 func markerOf(dataDir string) string {
 	sum := sha256.Sum256([]byte(filepath.Clean(dataDir)))
 	return hex.EncodeToString(sum[:8])
+}
+
+// Every answer that shows a sandbox names its dataplane on the broker hosting it, so a client that
+// created or listed it through any broker dials the right one: create, list and get.
+func TestViewsNameTheHostingDataplane(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	key := r.apiKey("acme")
+	a := startBroker(t, r, "a")
+	b := startBroker(t, r, "b")
+	ca, cb := a.client(key), b.client(key)
+	onA, onB := create(t, ca, "on-a", time.Hour), create(t, cb, "on-b", time.Hour)
+	want := map[string]string{}
+	for _, sb := range []protocol.Sandbox{onA, onB} {
+		want[sb.ID] = get(t, ca, sb.ID).DataplaneURL
+		if want[sb.ID] == "" {
+			t.Fatalf("GET of %s names no dataplane", sb.Name)
+		}
+		if sb.DataplaneURL != want[sb.ID] {
+			t.Errorf("the create answer of %s names dataplane %q, want %q", sb.Name, sb.DataplaneURL, want[sb.ID])
+		}
+	}
+	if !strings.Contains(want[onB.ID], strings.TrimPrefix(b.URL, "http://")) {
+		t.Fatalf("on-b's dataplane %q is not on B (%s)", want[onB.ID], b.URL)
+	}
+	for _, c := range []*client.Client{ca, cb} {
+		items, err := c.ListAllSandboxes(context.Background(), client.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, it := range items {
+			if it.DataplaneURL != want[it.ID] {
+				t.Errorf("list names dataplane %q for %s, want %q", it.DataplaneURL, it.Name, want[it.ID])
+			}
+		}
+	}
+	// A reuse, a stop and a resume answer name it too.
+	res, err := ca.CreateSandbox(context.Background(), protocol.CreateSandboxRequest{Name: "on-b"})
+	if err != nil || res.Outcome != protocol.OutcomeReused || res.Sandbox.DataplaneURL != want[onB.ID] {
+		t.Errorf("reuse through A: %v %s %q", err, res.Outcome, res.Sandbox.DataplaneURL)
+	}
+	if _, err := ca.StopSandbox(context.Background(), "on-a"); err != nil {
+		t.Fatal(err)
+	}
+	if sb, err := ca.ResumeSandbox(context.Background(), "on-a"); err != nil || sb.DataplaneURL != want[onA.ID] {
+		t.Errorf("resume answer: %v %q", err, sb.DataplaneURL)
+	}
 }

@@ -162,16 +162,23 @@ func (s *Sweeper) sweepOrg(ctx context.Context, org string, r *Report) error {
 	if err != nil {
 		return err
 	}
-	due, err := s.cfg.Store.WarnExpiring(ctx, org, s.cfg.Warning, s.cfg.Batch)
-	if err != nil {
-		return err
+	// Warnings in batches, as many rounds as stops get: a mass expiry (1,000 leases running out at
+	// once) is warned in one sweep, so its stops are not spread over later sweeps, one batch each.
+	for round := 0; round < maxRounds; round++ {
+		due, err := s.cfg.Store.WarnExpiring(ctx, org, s.cfg.Warning, s.cfg.Batch)
+		if err != nil {
+			return err
+		}
+		for _, w := range due {
+			left := int64(w.StopAt.Sub(now).Round(time.Second) / time.Second)
+			s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: w.ID, Name: w.Name, Time: s.cfg.Now().UTC(),
+				Actor: "sweeper", SecondsLeft: &left, Status: protocol.StatusRunning})
+		}
+		r.Warned += len(due)
+		if len(due) < s.cfg.Batch {
+			break
+		}
 	}
-	for _, w := range due {
-		left := int64(w.StopAt.Sub(now).Round(time.Second) / time.Second)
-		s.cfg.Events.Emit(org, protocol.Event{Type: protocol.EventExpiring, SandboxID: w.ID, Name: w.Name, Time: s.cfg.Now().UTC(),
-			Actor: "sweeper", SecondsLeft: &left, Status: protocol.StatusRunning})
-	}
-	r.Warned += len(due)
 	for round := 0; round < maxRounds; round++ {
 		ids, err := s.cfg.Store.Expired(ctx, org, now, s.cfg.Batch)
 		if err != nil {

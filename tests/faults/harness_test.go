@@ -458,3 +458,7 @@ func get(t *testing.T, c *client.Client, ref string) protocol.Sandbox {
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+func clientListRunning() client.ListOptions {
+	return client.ListOptions{Statuses: []string{protocol.StatusRunning}}
+}

@@ -139,3 +139,54 @@ func TestGracefulShutdownDrainsInflight(t *testing.T) {
 		t.Fatalf("no graceful shutdown in the log:\n%s", b.Log())
 	}
 }
+
+// One credential or one org cannot take every dataplane connection: past its cap an upgrade is
+// refused with 429 too_many_connections and a Retry-After, and another org still connects.
+func TestDataplaneConnectionCaps(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	key, otherKey := r.apiKey("acme"), r.apiKey("bystander")
+	b := startBroker(t, r, "n1", "--max-dataplane-connections-per-credential", "2", "--max-dataplane-connections-per-org", "3")
+	c := b.client(key)
+	sb := create(t, c, "dev", time.Hour)
+	url := get(t, c, sb.ID).DataplaneURL
+	refused := func(cred string) (int, string, string) {
+		d := websocket.Dialer{Subprotocols: []string{protocol.Subprotocol}, HandshakeTimeout: 10 * time.Second}
+		ws, resp, err := d.Dial(url, http.Header{"Authorization": {"Bearer " + cred}})
+		if err == nil {
+			t.Cleanup(func() { ws.Close() })
+			return 101, "", ""
+		}
+		if resp == nil {
+			t.Fatalf("dial: %v", err)
+		}
+		var body bytes.Buffer
+		body.ReadFrom(resp.Body)
+		return resp.StatusCode, resp.Header.Get("Retry-After"), body.String()
+	}
+	for i := 0; i < 2; i++ {
+		if code, _, body := refused(key); code != 101 {
+			t.Fatalf("connection %d within the cap: %d %s", i+1, code, body)
+		}
+	}
+	if code, retry, body := refused(key); code != http.StatusTooManyRequests || retry == "" || !strings.Contains(body, "too_many_connections") {
+		t.Fatalf("a third connection of one key: %d, Retry-After %q, %s", code, retry, body)
+	}
+	// The org's third connection, through a delegation token (another credential), is its last.
+	mint, err := c.Delegate(context.Background(), sb.ID, protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code, _, body := refused(mint.Token); code != 101 {
+		t.Fatalf("the org's third connection: %d %s", code, body)
+	}
+	if code, _, body := refused(mint.Token); code != http.StatusTooManyRequests || !strings.Contains(body, "too_many_connections") {
+		t.Fatalf("the org's fourth connection: %d %s", code, body)
+	}
+	oc := b.client(otherKey)
+	other := create(t, oc, "other", time.Hour)
+	url = get(t, oc, other.ID).DataplaneURL
+	if code, _, body := refused(otherKey); code != 101 {
+		t.Fatalf("another org's connection: %d %s", code, body)
+	}
+}

@@ -29,9 +29,10 @@ func uploadTemps(t *testing.T, dir string) []string {
 	return m
 }
 
-// startUpload begins an upload of path through agent that sends 1 MiB and then waits; it returns
-// once the broker has the temporary file on disk, with the function that cancels the upload.
-func startUpload(t *testing.T, agent *backend.Remote, ws, path string) (cancel func(), errc <-chan error) {
+// startUpload begins an upload of path through agent that sends 1 MiB and then waits for more; it
+// returns once the broker has the temporary file on disk, with the upload's source (to end or fail)
+// and the cancel of its context.
+func startUpload(t *testing.T, agent *backend.Remote, ws, path string) (src *io.PipeWriter, cancel func(), errc <-chan error) {
 	t.Helper()
 	pr, pw := io.Pipe()
 	ctx, cancelCtx := context.WithCancel(context.Background())
@@ -42,7 +43,8 @@ func startUpload(t *testing.T, agent *backend.Remote, ws, path string) (cancel f
 	}()
 	go pw.Write(bytes.Repeat([]byte("u"), 1<<20))
 	eventually(t, 20*time.Second, "no temporary file appeared for the upload", func() bool { return len(uploadTemps(t, ws)) > 0 })
-	return func() { cancelCtx(); pw.CloseWithError(io.ErrUnexpectedEOF) }, ch
+	t.Cleanup(cancelCtx)
+	return pw, cancelCtx, ch
 }
 
 // An upload cut short leaves nothing: while it runs its temporary file is in no ls, glob or grep
@@ -59,7 +61,7 @@ func TestInterruptedUploadsLeaveNothing(t *testing.T) {
 	ws := filepath.Join(b.DataDir, "sandboxes", sb.ID, "workspace")
 	agent := agentOn(t, c, "dev")
 
-	cancel, errc := startUpload(t, agent, ws, "/workspace/big.bin")
+	src, cancel, errc := startUpload(t, agent, ws, "/workspace/big.bin")
 	ctx, done := context.WithTimeout(context.Background(), 10*time.Second)
 	defer done()
 	ls, err := agent.Ls(ctx, "/workspace")
@@ -74,7 +76,9 @@ func TestInterruptedUploadsLeaveNothing(t *testing.T) {
 	if g, err := agent.Glob(ctx, protocol.GlobArgs{Pattern: "**"}); err != nil || strings.Contains(fmt.Sprint(g), ".sbx-tmp-") {
 		t.Fatalf("glob during an upload: %+v %v", g, err)
 	}
+	// Cancelled, with the source ending cleanly just after: the upload is not completed.
 	cancel()
+	src.Close()
 	if err := <-errc; err == nil {
 		t.Fatal("a cancelled upload succeeded")
 	}
@@ -82,8 +86,19 @@ func TestInterruptedUploadsLeaveNothing(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(ws, "big.bin")); !os.IsNotExist(err) {
 		t.Fatalf("the target of a cancelled upload exists: %v", err)
 	}
+	// A source that fails midway as an HTTP body cut short does (io.ErrUnexpectedEOF): the upload
+	// fails, and no half file takes the target's place.
+	src, _, errc = startUpload(t, agent, ws, "/workspace/big.bin")
+	src.CloseWithError(io.ErrUnexpectedEOF)
+	if err := <-errc; err == nil {
+		t.Fatal("an upload whose source failed succeeded")
+	}
+	eventually(t, 10*time.Second, "a failed upload's temporary file stayed on disk", func() bool { return len(uploadTemps(t, ws)) == 0 })
+	if _, err := os.Stat(filepath.Join(ws, "big.bin")); !os.IsNotExist(err) {
+		t.Fatalf("the target of an upload whose source failed exists: %v", err)
+	}
 
-	_, _ = startUpload(t, agent, ws, "/workspace/big.bin")
+	startUpload(t, agent, ws, "/workspace/big.bin")
 	b.kill9()
 	if len(uploadTemps(t, ws)) == 0 {
 		t.Fatal("the killed broker left no temporary file: the rest of this test proves nothing")

@@ -165,8 +165,9 @@ func TestEventsFollowAcrossOutageAndRestart(t *testing.T) {
 	}
 }
 
-// Events emitted while Redis is away are kept up to --event-buffer and written when it returns;
-// past it, one gap event per sandbox says how many were lost, after the kept ones.
+// Events emitted while Redis is away are kept up to --event-buffer (and the batch being sent when
+// Redis went) and written when it returns; past it, one gap event per sandbox says how many were
+// lost, after the kept ones.
 func TestEventsPastTheBufferLeaveAGap(t *testing.T) {
 	t.Parallel()
 	const buffer, writes = 10, 25
@@ -192,10 +193,10 @@ func TestEventsPastTheBufferLeaveAGap(t *testing.T) {
 		evs = of(r.orgEvents("acme"), sb.ID, protocol.EventFileWritten, protocol.EventGap)
 		return len(evs) > 0 && evs[len(evs)-1].Path == "/workspace/after"
 	})
-	// The kept events (the buffer, and the batch the writer was sending when Redis went: at most
-	// one more here, written one at a time), in order, then the gap that counts the rest.
+	// The kept events (the buffer, and the batch the writer was sending when Redis went: a few
+	// here), in order, then the gap that counts the rest.
 	kept := len(evs) - 2
-	if kept < buffer || kept > buffer+1 {
+	if kept < buffer || kept > buffer+5 {
 		t.Fatalf("%d events kept of %d with --event-buffer %d: %+v", kept, writes, buffer, evs)
 	}
 	for i := 0; i < kept; i++ {

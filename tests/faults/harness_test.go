@@ -1,11 +1,10 @@
 // Package faults is the fault suite: it builds the real broker and sbctl, starts a real
 // redis-server of its own and brokers on it, and breaks them as infrastructure breaks: Redis
-// stopped, hung (SIGSTOP), flushed or on a skewed clock, a broker killed with SIGKILL among two,
-// connections cut. Each test names the point of the failure-modes table in docs/operations.md it
-// covers.
+// stopped, hung (SIGSTOP) or flushed, a broker killed with SIGKILL among two, connections cut.
+// The failure-modes table of docs/operations.md names the test of each fault.
 //
 // The short variants run with `go test ./...` (and so .ci/run). SBX_FAULTS_LONG=1 runs the long
-// ones too: a 3-minute Redis outage, many more kill rounds.
+// ones: a 3-minute Redis outage with 30 s leases, 400 kill rounds, 200 leases expiring together.
 package faults
 
 import (
@@ -108,19 +107,15 @@ type redisProc struct {
 	t      *testing.T
 	Addr   string
 	dir    string
-	skew   string // a faketime offset ("+1h", "-1h"): Redis' clock, not the brokers'
 	cmd    *exec.Cmd
 	exited chan struct{}
 	rdb    *redis.Client
 }
 
-func startRedis(t *testing.T) *redisProc { return startRedisSkewed(t, "") }
-
-// startRedisSkewed starts a redis-server whose clock is off by skew (through libfaketime), so the
-// brokers' clocks are off by as much from Redis'.
-func startRedisSkewed(t *testing.T, skew string) *redisProc {
+// startRedis starts a redis-server of the test's own, its data in an append-only file.
+func startRedis(t *testing.T) *redisProc {
 	t.Helper()
-	r := &redisProc{t: t, Addr: freeAddr(t), dir: t.TempDir(), skew: skew}
+	r := &redisProc{t: t, Addr: freeAddr(t), dir: t.TempDir()}
 	r.rdb = redis.NewClient(&redis.Options{Addr: r.Addr, MaxRetries: -1, DialTimeout: time.Second, ReadTimeout: time.Second})
 	r.start()
 	t.Cleanup(func() { r.rdb.Close(); r.kill() })
@@ -132,15 +127,7 @@ func (r *redisProc) start() {
 	_, port, _ := net.SplitHostPort(r.Addr)
 	args := []string{"--port", port, "--bind", "127.0.0.1", "--dir", r.dir, "--appendonly", "yes",
 		"--appendfsync", "always", "--save", "", "--daemonize", "no", "--logfile", "redis.log"}
-	prog := "redis-server"
-	if r.skew != "" {
-		ft, err := exec.LookPath("faketime")
-		if err != nil {
-			r.t.Fatal("faketime is not installed: run scripts/deps.sh (apt-get install -y faketime)")
-		}
-		prog, args = ft, append([]string{"-f", r.skew, "redis-server"}, args...)
-	}
-	r.cmd = exec.Command(prog, args...)
+	r.cmd = exec.Command("redis-server", args...)
 	r.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := r.cmd.Start(); err != nil {
 		r.t.Fatal(err)
@@ -184,16 +171,6 @@ func (r *redisProc) flushAll() {
 	if err := r.rdb.FlushAll(context.Background()).Err(); err != nil {
 		r.t.Fatal(err)
 	}
-}
-
-// now is Redis' clock (TIME).
-func (r *redisProc) now() time.Time {
-	r.t.Helper()
-	tm, err := r.rdb.Time(context.Background()).Result()
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	return tm
 }
 
 // apiKey creates an org's API key with `broker keys create`, as an operator does.

@@ -4,7 +4,7 @@
 // The failure-modes table of docs/operations.md names the test of each fault.
 //
 // The short variants run with `go test ./...` (and so .ci/run). SBX_FAULTS_LONG=1 runs the long
-// ones: a 3-minute Redis outage with 30 s leases, 100 kill rounds, 200 leases expiring together.
+// ones: a 3-minute Redis outage with 30 s leases, 25 kill rounds, 200 leases expiring together.
 package faults
 
 import (

@@ -501,14 +501,14 @@ func (c *conn) sendData(ctx context.Context, id uint32, r io.Reader, answered <-
 			return nil
 		default:
 		}
-		n, err := io.ReadFull(r, buf[protocol.FrameHeaderLen:])
+		n, err := fill(r, buf[protocol.FrameHeaderLen:])
 		if n > 0 {
 			protocol.PutFrameHeader(buf, protocol.FrameData, id)
 			if werr := c.write(websocket.BinaryMessage, buf[:protocol.FrameHeaderLen+n]); werr != nil {
 				return c.failure()
 			}
 		}
-		if err == io.EOF || err == io.ErrUnexpectedEOF {
+		if err == io.EOF {
 			break
 		}
 		if err != nil {
@@ -518,11 +518,30 @@ func (c *conn) sendData(ctx context.Context, id uint32, r io.Reader, answered <-
 			return ctx.Err()
 		}
 	}
+	// A call cancelled while its source was read is not completed, however the source ended.
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 	protocol.PutFrameHeader(buf, protocol.FrameEnd, id)
 	if err := c.write(websocket.BinaryMessage, buf[:protocol.FrameHeaderLen]); err != nil {
 		return c.failure()
 	}
 	return nil
+}
+
+// fill reads r into p until p is full or r ends (io.EOF). Unlike io.ReadFull it passes r's own
+// errors through unchanged: a source that fails with io.ErrUnexpectedEOF (an HTTP body cut short)
+// is a failed upload, not its end, and must never complete a truncated file.
+func fill(r io.Reader, p []byte) (int, error) {
+	n := 0
+	for n < len(p) {
+		m, err := r.Read(p[n:])
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 // cancel asks the broker to stop request id and stops waiting for it.

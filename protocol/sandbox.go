@@ -74,7 +74,7 @@ type Sandbox struct {
 	// back. NodeLostAt says since when.
 	NodeStatus string     `json:"node_status,omitempty"`
 	NodeLostAt *time.Time `json:"node_lost_at,omitempty"`
-	// DataplaneURL is the sandbox's dataplane on the broker hosting it (GET of one sandbox only):
+	// DataplaneURL is the sandbox's dataplane on the broker hosting it (create, list, get, stop, resume):
 	// an owner's client dials it there, since any other broker answers wrong_node.
 	DataplaneURL string `json:"dataplane_url,omitempty"`
 }

@@ -45,8 +45,10 @@ type BrokerConfig struct {
 	// SweepInterval runs the sweeper in the background; 0 leaves it to the caller (tests call
 	// Sweeper.SweepOnce).
 	SweepInterval, ExpiryWarning, Retention time.Duration
-	AllowedOrigins                          []string
-	DataplaneRenewsLease                    bool
+	// EventBuffer is how many events the broker keeps while Redis is away (0: events.DefaultBuffer).
+	EventBuffer          int
+	AllowedOrigins       []string
+	DataplaneRenewsLease bool
 	// NodeHeartbeat is how often this broker renews its node record (its URL and liveness) in
 	// Redis; NodeLostAfter is how long a node may be silent before another broker declares it
 	// lost. Zero: DefaultNodeHeartbeat, DefaultNodeLostAfter.
@@ -93,7 +95,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		cfg.Limits.Connections = cfg.Dataplane.withDefaults().PerOrg
 	}
 	cfg.Store.SetDefaultLimits(cfg.Limits)
-	b := &Broker{events: events.NewWriter(cfg.Store, cfg.Log)}
+	b := &Broker{events: events.NewWriterWithOptions(cfg.Store, cfg.Log, events.WriterOptions{Buffer: cfg.EventBuffer})}
 	// Once Recover has restarted sandboxes, a failure must stop them again: nothing else would.
 	fail := func(err error) (*Broker, error) {
 		if b.Sandboxes != nil {

@@ -8,7 +8,9 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"net/url"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -86,7 +88,7 @@ func (s *Server) createSandbox(c echo.Context) error {
 		status = http.StatusCreated
 	}
 	c.Set(ctxSandbox, rec)
-	return c.JSON(status, protocol.CreateSandboxResponse{Outcome: string(outcome), Sandbox: sandbox.View(rec)})
+	return c.JSON(status, protocol.CreateSandboxResponse{Outcome: string(outcome), Sandbox: s.viewer(c).view(rec)})
 }
 
 // Listing limits.
@@ -113,8 +115,9 @@ func (s *Server) listSandboxes(c echo.Context) error {
 		return err
 	}
 	out := protocol.ListSandboxesResponse{Items: make([]protocol.Sandbox, 0, len(page.Records)), NextCursor: page.Next}
+	views := s.viewer(c)
 	for _, r := range page.Records {
-		out.Items = append(out.Items, sandbox.View(r))
+		out.Items = append(out.Items, views.view(r))
 	}
 	return c.JSON(http.StatusOK, out)
 }
@@ -152,17 +155,46 @@ func filterFromQuery(c echo.Context) (store.Filter, error) {
 }
 
 func (s *Server) getSandbox(c echo.Context) error {
-	rec := sandboxOf(c)
+	return c.JSON(http.StatusOK, s.viewer(c).view(sandboxOf(c)))
+}
+
+// viewer makes the views of one answer. Each names the sandbox's dataplane on the broker hosting
+// it (clients dial it from there: another broker answers wrong_node); a hosting broker's base URL
+// is looked up once per answer, so a list costs one Redis read per other broker, not per sandbox.
+type viewer struct {
+	s     *Server
+	c     echo.Context
+	bases map[string]string // node -> dataplane URL prefix ("" when it could not be had)
+}
+
+func (s *Server) viewer(c echo.Context) *viewer {
+	return &viewer{s: s, c: c, bases: map[string]string{}}
+}
+
+func (w *viewer) view(rec store.Record) protocol.Sandbox {
 	v := sandbox.View(rec)
-	if s.dataplaneURL != nil {
-		// Clients dial the hosting broker's dataplane from here: another broker's answers wrong_node.
-		if u, err := s.dataplaneURL(c.Request().Context(), rec); err == nil {
-			v.DataplaneURL = u
-		} else {
-			s.log.Warn("sandbox view without its dataplane URL", "request_id", requestID(c), "sandbox_id", rec.ID, "err", err)
-		}
+	if w.s.dataplaneURL == nil {
+		return v
 	}
-	return c.JSON(http.StatusOK, v)
+	suffix := url.PathEscape(rec.ID) + "/dataplane"
+	prefix, known := w.bases[rec.Node]
+	if !known {
+		u, err := w.s.dataplaneURL(w.c.Request().Context(), rec)
+		if err != nil {
+			w.s.log.Warn("sandbox view without its dataplane URL", "request_id", requestID(w.c), "sandbox_id", rec.ID, "err", err)
+		}
+		// The URL ends in the sandbox's id and "/dataplane" (protocol.DataplaneURL); the rest is the
+		// hosting broker's, the same for its other sandboxes.
+		prefix = strings.TrimSuffix(u, suffix)
+		if prefix == u {
+			prefix = ""
+		}
+		w.bases[rec.Node] = prefix
+	}
+	if prefix != "" {
+		v.DataplaneURL = prefix + suffix
+	}
+	return v
 }
 
 func (s *Server) stopSandbox(c echo.Context) error {
@@ -170,7 +202,7 @@ func (s *Server) stopSandbox(c echo.Context) error {
 	if err != nil {
 		return err
 	}
-	return c.JSON(http.StatusOK, sandbox.View(rec))
+	return c.JSON(http.StatusOK, s.viewer(c).view(rec))
 }
 
 func (s *Server) resumeSandbox(c echo.Context) error {
@@ -178,7 +210,7 @@ func (s *Server) resumeSandbox(c echo.Context) error {
 	if err != nil {
 		return err
 	}
-	return c.JSON(http.StatusOK, sandbox.View(rec))
+	return c.JSON(http.StatusOK, s.viewer(c).view(rec))
 }
 
 func (s *Server) deleteSandbox(c echo.Context) error {

@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server"
@@ -50,6 +51,7 @@ type config struct {
 	NodeLostAfter   time.Duration
 	ExpiryWarning   time.Duration
 	Retention       time.Duration
+	EventBuffer     int
 	DataplaneRenews bool
 	AllowedOrigins  []string
 	DebugListen     string
@@ -72,7 +74,7 @@ var envOf = map[string]string{
 	"sandbox-uid": "SBX_SANDBOX_UID", "sandbox-uids": "SBX_SANDBOX_UIDS", "disk-reserve": "SBX_DISK_RESERVE", "shutdown-timeout": "SBX_SHUTDOWN_TIMEOUT",
 	"signing-keys": "SBX_SIGNING_KEYS", "token-ttl": "SBX_TOKEN_TTL", "token-max-ttl": "SBX_TOKEN_MAX_TTL",
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "node-heartbeat": "SBX_NODE_HEARTBEAT", "node-lost-after": "SBX_NODE_LOST_AFTER",
-	"expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION",
+	"expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION", "event-buffer": "SBX_EVENT_BUFFER",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
 	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING", "org-max-sandboxes": "SBX_ORG_MAX_SANDBOXES",
 	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
@@ -156,6 +158,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.DurationVar(&c.NodeHeartbeat, "node-heartbeat", server.DefaultNodeHeartbeat, "how often this broker renews its node record (its URL and liveness) in Redis")
 	fs.DurationVar(&c.NodeLostAfter, "node-lost-after", server.DefaultNodeLostAfter, "a broker silent this long is declared lost by another: its sandboxes say node_status lost until it is back")
 	fs.DurationVar(&c.ExpiryWarning, "expiry-warning", time.Minute, "send an expiring event this long before a sandbox's lease runs out")
+	fs.IntVar(&c.EventBuffer, "event-buffer", events.DefaultBuffer, "events this broker keeps (about 400 bytes each) while Redis is away, written when it returns; past it a gap event per sandbox says how many were lost")
 	fs.Var(client.Duration{D: &c.Retention}, "retention", "delete sandboxes stopped longer than this, e.g. 7d; 0, the default, keeps them until deleted")
 	fs.BoolVar(&c.DataplaneRenews, "dataplane-renews-lease", false, "let dataplane activity renew a sandbox's lease (off: only the owner's heartbeats and calls do, so an agent left running cannot keep a sandbox alive)")
 	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
@@ -258,6 +261,9 @@ func (c *config) validate() error {
 	}
 	if c.ExpiryWarning <= 0 {
 		bad("expiry-warning", "must be positive")
+	}
+	if c.EventBuffer < 1 || c.EventBuffer > 10_000_000 {
+		bad("event-buffer", "%d must be between 1 and 10000000", c.EventBuffer)
 	}
 	if c.Retention < 0 || (c.Retention > 0 && c.Retention < time.Minute) {
 		bad("retention", "must be 0 (off) or at least 1m")

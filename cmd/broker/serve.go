@@ -67,7 +67,7 @@ func serve(parent context.Context, c *config) error {
 		Store: st.store, Provider: prov, Templates: templates, ProviderReport: report,
 		Node: node, AdvertiseURL: c.advertise(), DataDir: c.DataDir, SigningKeys: c.signingDir(), WorkspaceUID: uid, SandboxUIDs: uids,
 		Log: log, DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, TokenTTL: c.TokenTTL, TokenMaxTTL: c.TokenMaxTTL,
-		SweepInterval: c.SweepInterval, NodeHeartbeat: c.NodeHeartbeat, NodeLostAfter: c.NodeLostAfter, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention,
+		SweepInterval: c.SweepInterval, NodeHeartbeat: c.NodeHeartbeat, NodeLostAfter: c.NodeLostAfter, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention, EventBuffer: c.EventBuffer,
 		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.orgDefaults(),
 		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow,
 		Dataplane: server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},

@@ -31,6 +31,7 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // answer is a server text frame ending a request, and the binary frames that came for it before.
@@ -273,18 +274,6 @@ func dpConnections(t testing.TB, b *servertest.Broker) int {
 	}
 	t.Fatal("no sbx_dataplane_connections metric")
 	return 0
-}
-
-// waitFor polls cond until it holds or d passes.
-func waitFor(d time.Duration, cond func() bool) bool {
-	for end := time.Now().Add(d); ; time.Sleep(20 * time.Millisecond) {
-		if cond() {
-			return true
-		}
-		if time.Now().After(end) {
-			return false
-		}
-	}
 }
 
 func newSandbox(t testing.TB, b *servertest.Broker, name string) (id, url string) {
@@ -994,10 +983,10 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 
 	// The abusive client goes; everything it held is released.
 	flood.ws.Close()
-	if !waitFor(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
+	if !wait.Until(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
 		t.Errorf("%d connections 5s after the flooder left, want %d", dpConnections(t, b), baseConns)
 	}
-	if !waitFor(5*time.Second, func() bool { return runtime.NumGoroutine() <= baseGoroutines+5 }) {
+	if !wait.Until(5*time.Second, func() bool { return runtime.NumGoroutine() <= baseGoroutines+5 }) {
 		t.Errorf("%d goroutines after the flooder left, %d before", runtime.NumGoroutine(), baseGoroutines)
 	}
 	if h := heapInuse(); h > baseHeap+32<<20 {
@@ -1044,7 +1033,7 @@ func TestDataplaneDownloadNeverRead(t *testing.T) {
 	for _, c := range slow {
 		c.ws.Close()
 	}
-	if !waitFor(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
+	if !wait.Until(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
 		t.Errorf("%d connections after the readers left, want %d", dpConnections(t, b), baseConns)
 	}
 	if h := heapInuse(); h > baseHeap+32<<20 {
@@ -1064,7 +1053,7 @@ func TestDataplaneCancel(t *testing.T) {
 	// An exec's whole process tree dies: a shell, a child in the background, a grandchild.
 	tree := `sleep 300 & echo $! > child.pid; sh -c 'sleep 300 & echo $! > grandchild.pid; wait' & echo $$ > shell.pid; wait`
 	c.sendJSON(protocol.Request{ID: 1, Op: "exec", Args: map[string]any{"command": tree}})
-	if !waitFor(5*time.Second, func() bool {
+	if !wait.Until(5*time.Second, func() bool {
 		for _, f := range []string{"child.pid", "grandchild.pid", "shell.pid"} {
 			if data, _ := os.ReadFile(filepath.Join(ws, f)); !bytes.HasSuffix(data, []byte("\n")) {
 				return false
@@ -1090,7 +1079,7 @@ func TestDataplaneCancel(t *testing.T) {
 	// A second exec looks for them: gone, or zombies waiting for the reaper.
 	check := `for p in ` + strings.Join(pids, " ") + `; do s=$(sed -n 's/^State:\t\(.\).*/\1/p' /proc/$p/status 2>/dev/null); [ -z "$s" ] || [ "$s" = Z ] || echo "$p alive ($s)"; done`
 	alive := ""
-	waitFor(3*time.Second, func() bool {
+	wait.Until(3*time.Second, func() bool {
 		got := c.call(2, "exec", map[string]any{"command": check})
 		var er protocol.ExecResult
 		if got.Error != nil || got.decode(&er) != nil {
@@ -1163,7 +1152,7 @@ func TestDataplaneCancel(t *testing.T) {
 	}
 	quitter.ping()
 	quitter.ws.Close()
-	if !waitFor(5*time.Second, func() bool { return dpConnections(t, b) == conns }) {
+	if !wait.Until(5*time.Second, func() bool { return dpConnections(t, b) == conns }) {
 		t.Errorf("the quitter's connection is still counted")
 	}
 	after := treeSnapshot(t, ws)

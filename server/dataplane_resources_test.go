@@ -24,6 +24,7 @@ import (
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // bigOutput is a shell command that prints n bytes of 'x' (no newline).
@@ -63,7 +64,7 @@ func TestDataplaneHangupsReleaseEverything(t *testing.T) {
 	}
 	// Every connection's writer is stuck on a 4 MiB answer its client does not read, and the
 	// answers behind it hold broker-wide slots (before fair shares: all sixteen).
-	if !waitFor(20*time.Second, func() bool { return server.Usage(b.Server).HeavySlots >= 4 }) {
+	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).HeavySlots >= 4 }) {
 		t.Fatalf("the unread answers hold %+v, want heavy slots", server.Usage(b.Server))
 	}
 	for _, c := range crashed {
@@ -71,17 +72,17 @@ func TestDataplaneHangupsReleaseEverything(t *testing.T) {
 			c.sendJSON(protocol.Request{ID: j, Op: "exec", Args: map[string]any{"command": bigOutput(8 << 20), "max_output": 8 << 20}})
 		}
 	}
-	if !waitFor(30*time.Second, func() bool { return server.Usage(b.Server).ExecOutputBytes >= 32<<20 }) {
+	if !wait.Until(30*time.Second, func() bool { return server.Usage(b.Server).ExecOutputBytes >= 32<<20 }) {
 		t.Fatalf("the unread execs hold %+v, want their output", server.Usage(b.Server))
 	}
 	t.Logf("held before the hang-ups: %+v", server.Usage(b.Server))
 	for _, c := range crashed {
 		c.ws.UnderlyingConn().Close() // a crash: no close frame
 	}
-	if !waitFor(10*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
+	if !wait.Until(10*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
 		t.Fatalf("%d connections after the hang-ups, want %d", dpConnections(t, b), baseConns)
 	}
-	if !waitFor(5*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+	if !wait.Until(5*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
 		t.Errorf("after the hang-ups the broker still holds %+v, want nothing", server.Usage(b.Server))
 	}
 
@@ -193,7 +194,7 @@ func TestDataplaneUnreadExecsStayInBudget(t *testing.T) {
 	for _, c := range clients {
 		c.ws.Close()
 	}
-	if !waitFor(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+	if !wait.Until(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
 		t.Errorf("after the clients left the broker still holds %+v", server.Usage(b.Server))
 	}
 }
@@ -260,7 +261,7 @@ func TestDataplaneUnreadDownloadsAreCounted(t *testing.T) {
 	for _, c := range clients {
 		c.ws.Close()
 	}
-	if !waitFor(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+	if !wait.Until(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
 		t.Errorf("after the clients left the broker still holds %+v", server.Usage(b.Server))
 	}
 }
@@ -373,7 +374,7 @@ func TestDataplaneConnectionCaps(t *testing.T) {
 
 	// A connection that ends gives its place back.
 	conns[0].ws.Close()
-	if !waitFor(5*time.Second, func() bool { s, _, _ := dialRefusal(t, url, key); return s == 101 }) {
+	if !wait.Until(5*time.Second, func() bool { s, _, _ := dialRefusal(t, url, key); return s == 101 }) {
 		t.Fatal("the key could not connect again after one of its connections closed")
 	}
 }
@@ -503,7 +504,7 @@ func TestDataplaneAccountingMetrics(t *testing.T) {
 		t.Fatalf("no %s metric", name)
 		return 0
 	}
-	if !waitFor(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") > 0 }) {
+	if !wait.Until(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") > 0 }) {
 		t.Fatal("an unread download shows no queued bytes")
 	}
 	for _, name := range []string{"sbx_dataplane_heavy_slots", "sbx_dataplane_exec_output_bytes"} {
@@ -512,7 +513,7 @@ func TestDataplaneAccountingMetrics(t *testing.T) {
 		}
 	}
 	c.ws.Close()
-	if !waitFor(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") == 0 }) {
+	if !wait.Until(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") == 0 }) {
 		t.Error("the queued bytes stay after the client left")
 	}
 }

@@ -30,6 +30,7 @@ import (
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/tests/wait"
 )
@@ -948,10 +949,14 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 		floodDone <- nil
 	}()
 
-	// Meanwhile the bystander is served, and the heap stays bounded.
+	// Meanwhile (until the flooder stops) the bystander is served, and the heap stays bounded.
 	var lat []time.Duration
 	var peak uint64
-	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); {
+	var err error
+	tick := time.NewTicker(5 * time.Millisecond) // a ping every 5 ms: a latency sample, not a wait
+	defer tick.Stop()
+sample:
+	for {
 		start := time.Now()
 		bystander.ping()
 		lat = append(lat, time.Since(start))
@@ -960,9 +965,12 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 			runtime.ReadMemStats(&m)
 			peak = max(peak, m.HeapInuse)
 		}
-		time.Sleep(5 * time.Millisecond)
+		select {
+		case err = <-floodDone:
+			break sample
+		case <-tick.C:
+		}
 	}
-	err := <-floodDone
 	peak = max(peak, heapInuse())
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	p50, p99 := lat[len(lat)/2], lat[len(lat)*99/100]
@@ -1020,11 +1028,17 @@ func TestDataplaneDownloadNeverRead(t *testing.T) {
 		c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
 		slow = append(slow, c)
 	}
+	// The downloads have gone as far as they will once their queues are full (4 MiB each, less the
+	// chunk that waits for room); from then on the heap must not grow: a second of watching is
+	// many times what reading another chunk of the file into memory takes.
+	wait.Eventually(t, 20*time.Second, func() bool { return server.Usage(b.Server).QueuedBytes >= 3*3<<20 },
+		"the three unread downloads' queues full")
 	var peak uint64
-	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+	wait.Never(t, time.Second, func() bool {
 		bystander.ping()
 		peak = max(peak, heapInuse())
-	}
+		return peak > baseHeap+200<<20
+	}, "3 unread downloads grew the heap by over 200 MiB")
 	t.Logf("3 unread downloads: heap %d MiB -> peak %d MiB", baseHeap>>20, peak>>20)
 	// Each connection may hold its write queue of 1 MiB chunks; not the file.
 	if peak > baseHeap+200<<20 {
@@ -1329,7 +1343,21 @@ func TestDataplaneRemoteCancelledStream(t *testing.T) {
 			t.Errorf("round %d: %v", i, err)
 		}
 		n := out.Len()
-		time.Sleep(20 * time.Millisecond)
+		// A barrier: the broker writes the exec event once the command's output is all queued,
+		// and the connection is ordered, so once a ping sent after that event is answered, the
+		// client's reader has handled every chunk the broker sent for the cancelled call.
+		wait.Eventually(t, 10*time.Second, func() bool {
+			n := 0
+			for _, e := range sandboxEvents(t, b.Client, "stream") {
+				if e.Type == protocol.EventExec && e.Command == "yes" {
+					n++
+				}
+			}
+			return n > i
+		}, "round %d: the cancelled exec's event", i)
+		if err := r.Ping(t.Context()); err != nil {
+			t.Fatalf("round %d: ping: %v", i, err)
+		}
 		if out.Len() != n {
 			t.Errorf("round %d: the writer grew from %d to %d bytes after Exec returned", i, n, out.Len())
 		}

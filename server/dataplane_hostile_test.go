@@ -30,7 +30,9 @@ import (
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // answer is a server text frame ending a request, and the binary frames that came for it before.
@@ -273,18 +275,6 @@ func dpConnections(t testing.TB, b *servertest.Broker) int {
 	}
 	t.Fatal("no sbx_dataplane_connections metric")
 	return 0
-}
-
-// waitFor polls cond until it holds or d passes.
-func waitFor(d time.Duration, cond func() bool) bool {
-	for end := time.Now().Add(d); ; time.Sleep(20 * time.Millisecond) {
-		if cond() {
-			return true
-		}
-		if time.Now().After(end) {
-			return false
-		}
-	}
 }
 
 func newSandbox(t testing.TB, b *servertest.Broker, name string) (id, url string) {
@@ -959,10 +949,14 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 		floodDone <- nil
 	}()
 
-	// Meanwhile the bystander is served, and the heap stays bounded.
+	// Meanwhile (until the flooder stops) the bystander is served, and the heap stays bounded.
 	var lat []time.Duration
 	var peak uint64
-	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); {
+	var err error
+	tick := time.NewTicker(5 * time.Millisecond) // a ping every 5 ms: a latency sample, not a wait
+	defer tick.Stop()
+sample:
+	for {
 		start := time.Now()
 		bystander.ping()
 		lat = append(lat, time.Since(start))
@@ -971,9 +965,12 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 			runtime.ReadMemStats(&m)
 			peak = max(peak, m.HeapInuse)
 		}
-		time.Sleep(5 * time.Millisecond)
+		select {
+		case err = <-floodDone:
+			break sample
+		case <-tick.C:
+		}
 	}
-	err := <-floodDone
 	peak = max(peak, heapInuse())
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	p50, p99 := lat[len(lat)/2], lat[len(lat)*99/100]
@@ -994,10 +991,10 @@ func TestDataplaneFloodWithoutReading(t *testing.T) {
 
 	// The abusive client goes; everything it held is released.
 	flood.ws.Close()
-	if !waitFor(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
+	if !wait.Until(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
 		t.Errorf("%d connections 5s after the flooder left, want %d", dpConnections(t, b), baseConns)
 	}
-	if !waitFor(5*time.Second, func() bool { return runtime.NumGoroutine() <= baseGoroutines+5 }) {
+	if !wait.Until(5*time.Second, func() bool { return runtime.NumGoroutine() <= baseGoroutines+5 }) {
 		t.Errorf("%d goroutines after the flooder left, %d before", runtime.NumGoroutine(), baseGoroutines)
 	}
 	if h := heapInuse(); h > baseHeap+32<<20 {
@@ -1031,11 +1028,17 @@ func TestDataplaneDownloadNeverRead(t *testing.T) {
 		c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
 		slow = append(slow, c)
 	}
+	// The downloads have gone as far as they will once their queues are full (4 MiB each, less the
+	// chunk that waits for room); from then on the heap must not grow: a second of watching is
+	// many times what reading another chunk of the file into memory takes.
+	wait.Eventually(t, 20*time.Second, func() bool { return server.Usage(b.Server).QueuedBytes >= 3*3<<20 },
+		"the three unread downloads' queues full")
 	var peak uint64
-	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+	wait.Never(t, time.Second, func() bool {
 		bystander.ping()
 		peak = max(peak, heapInuse())
-	}
+		return peak > baseHeap+200<<20
+	}, "3 unread downloads grew the heap by over 200 MiB")
 	t.Logf("3 unread downloads: heap %d MiB -> peak %d MiB", baseHeap>>20, peak>>20)
 	// Each connection may hold its write queue of 1 MiB chunks; not the file.
 	if peak > baseHeap+200<<20 {
@@ -1044,7 +1047,7 @@ func TestDataplaneDownloadNeverRead(t *testing.T) {
 	for _, c := range slow {
 		c.ws.Close()
 	}
-	if !waitFor(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
+	if !wait.Until(5*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
 		t.Errorf("%d connections after the readers left, want %d", dpConnections(t, b), baseConns)
 	}
 	if h := heapInuse(); h > baseHeap+32<<20 {
@@ -1064,7 +1067,7 @@ func TestDataplaneCancel(t *testing.T) {
 	// An exec's whole process tree dies: a shell, a child in the background, a grandchild.
 	tree := `sleep 300 & echo $! > child.pid; sh -c 'sleep 300 & echo $! > grandchild.pid; wait' & echo $$ > shell.pid; wait`
 	c.sendJSON(protocol.Request{ID: 1, Op: "exec", Args: map[string]any{"command": tree}})
-	if !waitFor(5*time.Second, func() bool {
+	if !wait.Until(5*time.Second, func() bool {
 		for _, f := range []string{"child.pid", "grandchild.pid", "shell.pid"} {
 			if data, _ := os.ReadFile(filepath.Join(ws, f)); !bytes.HasSuffix(data, []byte("\n")) {
 				return false
@@ -1090,7 +1093,7 @@ func TestDataplaneCancel(t *testing.T) {
 	// A second exec looks for them: gone, or zombies waiting for the reaper.
 	check := `for p in ` + strings.Join(pids, " ") + `; do s=$(sed -n 's/^State:\t\(.\).*/\1/p' /proc/$p/status 2>/dev/null); [ -z "$s" ] || [ "$s" = Z ] || echo "$p alive ($s)"; done`
 	alive := ""
-	waitFor(3*time.Second, func() bool {
+	wait.Until(3*time.Second, func() bool {
 		got := c.call(2, "exec", map[string]any{"command": check})
 		var er protocol.ExecResult
 		if got.Error != nil || got.decode(&er) != nil {
@@ -1163,7 +1166,7 @@ func TestDataplaneCancel(t *testing.T) {
 	}
 	quitter.ping()
 	quitter.ws.Close()
-	if !waitFor(5*time.Second, func() bool { return dpConnections(t, b) == conns }) {
+	if !wait.Until(5*time.Second, func() bool { return dpConnections(t, b) == conns }) {
 		t.Errorf("the quitter's connection is still counted")
 	}
 	after := treeSnapshot(t, ws)
@@ -1340,7 +1343,21 @@ func TestDataplaneRemoteCancelledStream(t *testing.T) {
 			t.Errorf("round %d: %v", i, err)
 		}
 		n := out.Len()
-		time.Sleep(20 * time.Millisecond)
+		// A barrier: the broker writes the exec event once the command's output is all queued,
+		// and the connection is ordered, so once a ping sent after that event is answered, the
+		// client's reader has handled every chunk the broker sent for the cancelled call.
+		wait.Eventually(t, 10*time.Second, func() bool {
+			n := 0
+			for _, e := range sandboxEvents(t, b.Client, "stream") {
+				if e.Type == protocol.EventExec && e.Command == "yes" {
+					n++
+				}
+			}
+			return n > i
+		}, "round %d: the cancelled exec's event", i)
+		if err := r.Ping(t.Context()); err != nil {
+			t.Fatalf("round %d: ping: %v", i, err)
+		}
 		if out.Len() != n {
 			t.Errorf("round %d: the writer grew from %d to %d bytes after Exec returned", i, n, out.Len())
 		}

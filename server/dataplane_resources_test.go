@@ -24,6 +24,7 @@ import (
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // bigOutput is a shell command that prints n bytes of 'x' (no newline).
@@ -63,7 +64,7 @@ func TestDataplaneHangupsReleaseEverything(t *testing.T) {
 	}
 	// Every connection's writer is stuck on a 4 MiB answer its client does not read, and the
 	// answers behind it hold broker-wide slots (before fair shares: all sixteen).
-	if !waitFor(20*time.Second, func() bool { return server.Usage(b.Server).HeavySlots >= 4 }) {
+	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).HeavySlots >= 4 }) {
 		t.Fatalf("the unread answers hold %+v, want heavy slots", server.Usage(b.Server))
 	}
 	for _, c := range crashed {
@@ -71,17 +72,17 @@ func TestDataplaneHangupsReleaseEverything(t *testing.T) {
 			c.sendJSON(protocol.Request{ID: j, Op: "exec", Args: map[string]any{"command": bigOutput(8 << 20), "max_output": 8 << 20}})
 		}
 	}
-	if !waitFor(30*time.Second, func() bool { return server.Usage(b.Server).ExecOutputBytes >= 32<<20 }) {
+	if !wait.Until(30*time.Second, func() bool { return server.Usage(b.Server).ExecOutputBytes >= 32<<20 }) {
 		t.Fatalf("the unread execs hold %+v, want their output", server.Usage(b.Server))
 	}
 	t.Logf("held before the hang-ups: %+v", server.Usage(b.Server))
 	for _, c := range crashed {
 		c.ws.UnderlyingConn().Close() // a crash: no close frame
 	}
-	if !waitFor(10*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
+	if !wait.Until(10*time.Second, func() bool { return dpConnections(t, b) == baseConns }) {
 		t.Fatalf("%d connections after the hang-ups, want %d", dpConnections(t, b), baseConns)
 	}
-	if !waitFor(5*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+	if !wait.Until(5*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
 		t.Errorf("after the hang-ups the broker still holds %+v, want nothing", server.Usage(b.Server))
 	}
 
@@ -165,16 +166,14 @@ func TestDataplaneUnreadExecsStayInBudget(t *testing.T) {
 	}
 	// Until every command has run (each exec event is emitted when its command ends).
 	var events int
-	for end := time.Now().Add(60 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+	wait.Until(60*time.Second, func() bool {
 		sample()
 		events = 0
 		for i := 0; i < conns; i++ {
 			events += execEvents(t, b, "execorg"+strconv.Itoa(i))
 		}
-		if events >= conns*execs {
-			break
-		}
-	}
+		return events >= conns*execs
+	})
 	sample()
 	held := heapInuse() // live: what the broker holds for the clients once everything ran
 	t.Logf("%d connections x %d unread %d MiB execs (%d ran): peak exec output %d MiB, peak queued %d MiB; heap %d MiB before, %d MiB live after (peak with garbage %d MiB)",
@@ -193,7 +192,7 @@ func TestDataplaneUnreadExecsStayInBudget(t *testing.T) {
 	for _, c := range clients {
 		c.ws.Close()
 	}
-	if !waitFor(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+	if !wait.Until(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
 		t.Errorf("after the clients left the broker still holds %+v", server.Usage(b.Server))
 	}
 }
@@ -237,14 +236,11 @@ func TestDataplaneUnreadDownloadsAreCounted(t *testing.T) {
 		c.sendJSON(protocol.Request{ID: 2, Op: "download", Args: map[string]any{"path": "huge.bin"}})
 		clients = append(clients, c)
 	}
-	// The queues fill, then nothing moves: the counter stops changing.
-	var last int64 = -1
-	for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
-		q := server.Usage(b.Server).QueuedBytes
-		if q > 0 && q == last {
-			break
-		}
-		last = q
+	// The queues fill, then nothing moves: a full queue is three 1 MiB chunks (a fourth would
+	// pass its 4 MiB), so once every connection holds three, no download reads further.
+	const chunk = protocol.FrameHeaderLen + 1<<20
+	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).QueuedBytes >= conns*3*chunk }) {
+		t.Fatalf("%d bytes queued for %d connections, want their queues full (three chunks each)", server.Usage(b.Server).QueuedBytes, conns)
 	}
 	held := heapInuse()
 	perConn := (int64(held) - int64(base)) / conns
@@ -260,7 +256,7 @@ func TestDataplaneUnreadDownloadsAreCounted(t *testing.T) {
 	for _, c := range clients {
 		c.ws.Close()
 	}
-	if !waitFor(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
+	if !wait.Until(10*time.Second, func() bool { return server.Usage(b.Server) == (server.DataplaneUsage{}) }) {
 		t.Errorf("after the clients left the broker still holds %+v", server.Usage(b.Server))
 	}
 }
@@ -283,15 +279,13 @@ func TestDataplaneHeavySlotsSharedFairly(t *testing.T) {
 			c.sendJSON(protocol.Request{ID: j, Op: "read", Args: map[string]any{"path": "big.txt"}})
 		}
 	}
-	// The hog's connections take every slot they can get and keep them.
-	var last int64 = -1
-	for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
-		n := server.OrgUsage(b.Server, b.Org).HeavySlots
-		if n > 0 && n == last {
-			break
-		}
-		last = n
-	}
+	// The hog's connections take every slot they can get (its share: four) and keep them. With
+	// 128 reads waiting, a slot it could take is taken within milliseconds: a second of watching
+	// shows one over its share.
+	wait.Eventually(t, 10*time.Second, func() bool { return server.OrgUsage(b.Server, b.Org).HeavySlots >= 4 },
+		"the org that does not read holding its four heavy slots")
+	wait.Never(t, time.Second, func() bool { return server.OrgUsage(b.Server, b.Org).HeavySlots > 4 },
+		"the org that does not read holds more than its four heavy slots")
 	t.Logf("an org that does not read holds %d of the broker's heavy slots", server.OrgUsage(b.Server, b.Org).HeavySlots)
 
 	other := b.NewClient("fair-org")
@@ -373,7 +367,7 @@ func TestDataplaneConnectionCaps(t *testing.T) {
 
 	// A connection that ends gives its place back.
 	conns[0].ws.Close()
-	if !waitFor(5*time.Second, func() bool { s, _, _ := dialRefusal(t, url, key); return s == 101 }) {
+	if !wait.Until(5*time.Second, func() bool { s, _, _ := dialRefusal(t, url, key); return s == 101 }) {
 		t.Fatal("the key could not connect again after one of its connections closed")
 	}
 }
@@ -445,14 +439,14 @@ func TestDataplaneUnreadQueuesShareFairly(t *testing.T) {
 		c := dialRaw(t, url, key)
 		c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
 	}
-	var last int64 = -1
-	for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(300 * time.Millisecond) {
-		q := server.OrgUsage(b.Server, b.Org).QueuedBytes
-		if q > 0 && q == last {
-			break
-		}
-		last = q
-	}
+	// The org's queues fill up to its share (less than a chunk short of it); from then on, with
+	// a hundred downloads waiting for room, a chunk past the share would be queued within
+	// milliseconds: a second of watching shows it.
+	const chunk = protocol.FrameHeaderLen + 1<<20
+	wait.Eventually(t, 20*time.Second, func() bool { return server.OrgUsage(b.Server, b.Org).QueuedBytes > 256<<20-chunk },
+		"one org's unread queues filled to its 256 MiB share")
+	wait.Never(t, time.Second, func() bool { return server.OrgUsage(b.Server, b.Org).QueuedBytes > 256<<20 },
+		"one org's unread queues hold over its 256 MiB share")
 	held := server.OrgUsage(b.Server, b.Org).QueuedBytes
 	t.Logf("%d connections of one org with an unread download each: %d MiB queued for the org", conns, held>>20)
 	if held > 256<<20 {
@@ -503,7 +497,7 @@ func TestDataplaneAccountingMetrics(t *testing.T) {
 		t.Fatalf("no %s metric", name)
 		return 0
 	}
-	if !waitFor(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") > 0 }) {
+	if !wait.Until(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") > 0 }) {
 		t.Fatal("an unread download shows no queued bytes")
 	}
 	for _, name := range []string{"sbx_dataplane_heavy_slots", "sbx_dataplane_exec_output_bytes"} {
@@ -512,7 +506,7 @@ func TestDataplaneAccountingMetrics(t *testing.T) {
 		}
 	}
 	c.ws.Close()
-	if !waitFor(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") == 0 }) {
+	if !wait.Until(10*time.Second, func() bool { return metric("sbx_dataplane_queued_bytes") == 0 }) {
 		t.Error("the queued bytes stay after the client left")
 	}
 }

@@ -16,9 +16,10 @@ import (
 	"github.com/gorilla/websocket"
 
 	"github.com/sbxbroker/broker/backend"
-	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func dialToken(t *testing.T, b *servertest.Broker, name string, req protocol.MintRequest) (*backend.Remote, protocol.MintResponse) {
@@ -87,7 +88,7 @@ func TestDataplaneSmoke(t *testing.T) {
 // written. Before this bound, 64 unread 8 MiB reads held about 1.9 GB; 64 of 4 MiB would hold
 // well over the bound checked here.
 func TestDataplaneLargeAnswersHoldBoundedMemory(t *testing.T) {
-	t.Parallel()
+	// Not parallel: it measures this process's heap, which parallel tests would move.
 	b := servertest.New(t, servertest.Options{})
 	id, url := newSandbox(t, b, "mem")
 	big := bytes.Repeat([]byte("0123456789abcdef"), 4<<20/16)
@@ -99,10 +100,17 @@ func TestDataplaneLargeAnswersHoldBoundedMemory(t *testing.T) {
 	for i := 0; i < 64; i++ {
 		c.sendJSON(protocol.Request{ID: uint32(10 + i), Op: "read", Args: map[string]any{"path": "big.txt"}})
 	}
-	time.Sleep(2 * time.Second) // let the broker do all it will do without the client reading
-	if grew := int64(heapInuse()) - int64(base); grew > 150<<20 {
-		t.Fatalf("64 unread 4 MiB reads hold %d MiB of broker heap", grew>>20)
-	}
+	// The broker has done what it will without the client reading once the connection's two
+	// heavy slots are held by reads whose answers wait in its queue: the other 62 wait for a slot.
+	// Without the bound the slots are never taken this way, and this fails.
+	wait.Eventually(t, 20*time.Second, func() bool {
+		u := server.Usage(b.Server)
+		return u.HeavySlots == 2 && u.QueuedBytes > 0
+	}, "two reads holding the connection's heavy slots with their answers queued")
+	// From that steady state nothing more may grow; a read let past the bound loads 4 MiB at once,
+	// so a second is far longer than one would take to show.
+	wait.Never(t, time.Second, func() bool { return int64(heapInuse())-int64(base) > 150<<20 },
+		"64 unread 4 MiB reads hold over 150 MiB of broker heap")
 	for i := 0; i < 64; i++ {
 		got := c.await(uint32(10 + i))
 		var rr protocol.ReadResult
@@ -165,19 +173,14 @@ func TestDataplaneCancelledExecIsAnEvent(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
 	defer cancel()
 	r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "sleep 30"}})
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		var found bool
-		b.Client.Events(t.Context(), client.EventOptions{Ref: m.Sandbox.SandboxID, Backlog: 100}, func(e protocol.Event) error {
-			found = found || (e.Type == protocol.EventExec && e.Command == "sleep 30" && e.Reason == "cancelled" && e.JTI == m.JTI)
-			return nil
-		})
-		if found {
-			return
+	wait.Eventually(t, 5*time.Second, func() bool {
+		for _, e := range sandboxEvents(t, b.Client, m.Sandbox.SandboxID) {
+			if e.Type == protocol.EventExec && e.Command == "sleep 30" && e.Reason == "cancelled" && e.JTI == m.JTI {
+				return true
+			}
 		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatal("a cancelled exec left no exec event")
+		return false
+	}, "an exec event with reason cancelled for the cancelled command")
 }
 
 // The Go client keeps within the broker's max_inflight: more concurrent calls wait, none is refused.
@@ -225,12 +228,22 @@ func TestDataplaneSlowDownloadsDoNotStallReads(t *testing.T) {
 		t.Fatal(err)
 	}
 	key := b.Client.APIKey()
+	var downloads []*rawConn
 	for i := 0; i < 8; i++ { // two downloads each: sixteen, the broker-wide heavy slots
 		c := dialRaw(t, url, key)
 		c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "huge.bin"}})
 		c.sendJSON(protocol.Request{ID: 2, Op: "download", Args: map[string]any{"path": "huge.bin"}})
+		downloads = append(downloads, c)
 	}
-	time.Sleep(500 * time.Millisecond) // the downloads start and fill their connections' queues
+	// Every download has started (a slot it took would be held now) once a chunk of each came:
+	// reading a few chunks frees queue space the downloads refill at once, they never end.
+	for i, c := range downloads {
+		for len(c.bins[1]) == 0 || len(c.bins[2]) == 0 {
+			if err := c.readOne(10 * time.Second); err != nil {
+				t.Fatalf("connection %d: waiting for a chunk of both downloads: %v", i, err)
+			}
+		}
+	}
 	reader := dialRaw(t, url, key)
 	reader.sendJSON(protocol.Request{ID: 1, Op: "read", Args: map[string]any{"path": "small.txt"}})
 	if err := reader.readOne(5 * time.Second); err != nil {

@@ -14,6 +14,7 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // tempFiles lists the upload temporary files under dir (the workspace's ".sbx-tmp-" names).
@@ -44,7 +45,7 @@ func TestDataplaneInterruptedUploadLeavesNothing(t *testing.T) {
 	up := dialRaw(t, url, key)
 	up.sendJSON(protocol.Request{ID: 1, Op: "upload", Args: map[string]any{"path": "sub/big.txt"}})
 	up.sendBinary(dataFrame(protocol.FrameData, 1, bytes.Repeat([]byte("needle\n"), 100000)))
-	if !waitFor(10*time.Second, func() bool {
+	if !wait.Until(10*time.Second, func() bool {
 		for _, p := range tempFiles(t, ws) {
 			if fi, err := os.Stat(p); err == nil && fi.Size() == 700000 {
 				return true
@@ -76,7 +77,7 @@ func TestDataplaneInterruptedUploadLeavesNothing(t *testing.T) {
 
 	// The agent's process dies: the socket closes with no close frame and no cancel.
 	up.ws.NetConn().Close()
-	if !waitFor(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 0 }) {
+	if !wait.Until(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 0 }) {
 		t.Errorf("temporary files left after the hang-up: %v", tempFiles(t, ws))
 	}
 	if _, err := os.Lstat(filepath.Join(ws, "sub", "big.txt")); !os.IsNotExist(err) {
@@ -237,7 +238,7 @@ func TestSandboxCgroupsRemoved(t *testing.T) {
 	if _, err := b.Client.DeleteSandbox(ctx, id); err != nil {
 		t.Fatal(err)
 	}
-	if !waitFor(10*time.Second, func() bool { return len(sandboxCgroups(id)) == 0 }) {
+	if !wait.Until(10*time.Second, func() bool { return len(sandboxCgroups(id)) == 0 }) {
 		t.Errorf("cgroups of a deleted sandbox: %v", sandboxCgroups(id))
 	}
 }

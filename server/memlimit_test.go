@@ -11,6 +11,7 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // A sandbox whose /tmp and /dev/shm fill its memory limit (nothing could run in it any more) is
@@ -37,7 +38,7 @@ func TestMemoryLimitStopsTheSandbox(t *testing.T) {
 	default:
 		t.Fatalf("the exec that filled memory: %v %+v, want memory_limit or not_running", err, res)
 	}
-	if err := eventually(t, 10*time.Second, func() error {
+	if err := wait.For(10*time.Second, func() error {
 		got, err := b.Client.GetSandbox(ctx, "tight")
 		if err == nil && (got.Status != protocol.StatusStopped || got.StopReason != protocol.StopMemoryLimit) {
 			err = fmt.Errorf("status %s (%s)", got.Status, got.StopReason)

@@ -8,20 +8,8 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
-
-// eventually retries call until it succeeds or limit passes, and reports the last error.
-func eventually(t *testing.T, limit time.Duration, call func() error) error {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for {
-		err := call()
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
 
 // After Redis lost its data (FLUSHALL), a broker's node record is written again: delegations and
 // run-configs work through the hosting broker at once and through another broker within a node
@@ -43,7 +31,7 @@ func TestDelegateAfterRedisDataLoss(t *testing.T) {
 	if _, err := viaA.Delegate(ctx, "dev", mint); err != nil {
 		t.Fatalf("delegate through the hosting broker after FLUSHALL: %v", err)
 	}
-	if err := eventually(t, 5*time.Second, func() error { _, err := viaB.Delegate(ctx, "dev", mint); return err }); err != nil {
+	if err := wait.For(5*time.Second, func() error { _, err := viaB.Delegate(ctx, "dev", mint); return err }); err != nil {
 		t.Fatalf("delegate through another broker after FLUSHALL: %v", err)
 	}
 }
@@ -68,7 +56,7 @@ func TestSilentBrokerIsDeclaredLost(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.Stop()
-	err := eventually(t, 10*time.Second, func() error {
+	err := wait.For(10*time.Second, func() error {
 		got, err := viaB.GetSandbox(ctx, "on-a")
 		if err != nil {
 			return err
@@ -95,7 +83,7 @@ func TestSilentBrokerIsDeclaredLost(t *testing.T) {
 	fast.DataDir, fast.Redis = a.DataDir, a.Redis
 	a2 := servertest.New(t, fast)
 	viaA2 := a2.NewClient(a.Org)
-	err = eventually(t, 10*time.Second, func() error {
+	err = wait.For(10*time.Second, func() error {
 		got, err := viaB.GetSandbox(ctx, "on-a")
 		if err == nil && got.NodeStatus != "" {
 			err = fmt.Errorf("node_status %q", got.NodeStatus)

@@ -11,6 +11,7 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // restartAfter stops b, lets crash change Redis as a crash or an operator would, and starts a
@@ -20,6 +21,44 @@ func restartAfter(t *testing.T, b *servertest.Broker, crash func()) *servertest.
 	b.Stop()
 	crash()
 	return servertest.New(t, servertest.Options{Provider: "dir", DataDir: b.DataDir, Redis: b.Redis})
+}
+
+// sandboxEvents is ref's event log as reader sees it now (up to 200 events).
+func sandboxEvents(t testing.TB, reader *client.Client, ref string) []protocol.Event {
+	t.Helper()
+	var out []protocol.Event
+	if err := reader.Events(t.Context(), client.EventOptions{Ref: ref, Backlog: 200}, func(e protocol.Event) error {
+		out = append(out, e)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// eventBarrier emits a marker (a token_minted event) through each of via, one per broker, and
+// waits until reader sees every marker in ref's log. Each broker's writer appends in order, so
+// every event a broker emitted before its marker is in the log by then: a "nothing else was
+// written" check made after the barrier cannot pass only because the log is behind.
+func eventBarrier(t testing.TB, reader *client.Client, ref string, via ...*client.Client) {
+	t.Helper()
+	want := map[string]bool{}
+	for _, c := range via {
+		m, err := c.Delegate(t.Context(), ref, protocol.MintRequest{Scopes: []string{protocol.ScopeExec}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want[m.JTI] = true
+	}
+	wait.Eventually(t, 10*time.Second, func() bool {
+		seen := 0
+		for _, e := range sandboxEvents(t, reader, ref) {
+			if e.Type == protocol.EventTokenMinted && want[e.JTI] {
+				seen++
+			}
+		}
+		return seen == len(want)
+	}, "the barrier's %d token_minted events in %s's log", len(want), ref)
 }
 
 // A sandbox whose record Redis lost (flushed, replaced, an old snapshot) keeps its files and its
@@ -113,14 +152,15 @@ func TestResumeThroughAnotherBroker(t *testing.T) {
 	if err != nil || got.Status != protocol.StatusRunning {
 		t.Fatalf("resume through broker B: %v %+v", err, got)
 	}
-	time.Sleep(300 * time.Millisecond) // a second resumed event, if there were one, would be written by now
+	// Both brokers emit the resumed event inside the call, so once a marker emitted through each
+	// after it is in the log, a second resumed event (from either broker) is there too.
+	eventBarrier(t, a.Client, "far", a.Client, viaB)
 	var resumed []protocol.Event
-	a.Client.Events(ctx, client.EventOptions{Ref: "far", Backlog: 50}, func(e protocol.Event) error {
+	for _, e := range sandboxEvents(t, a.Client, "far") {
 		if e.Type == protocol.EventResumed {
 			resumed = append(resumed, e)
 		}
-		return nil
-	})
+	}
 	if len(resumed) != 1 || !strings.HasPrefix(resumed[0].Actor, "key:") {
 		t.Fatalf("resumed events: %+v, want one naming the caller's key", resumed)
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // A hung Redis (SIGSTOP: connections open, nothing answers) costs a caller about one
@@ -67,7 +68,7 @@ func TestHungRedisAnswers503Fast(t *testing.T) {
 
 	b.Redis.Continue()
 	thawed = true
-	if err := eventually(t, 5*time.Second, func() error { _, err := b.Client.Heartbeat(ctx, "dev"); return err }); err != nil {
+	if err := wait.For(5*time.Second, func() error { _, err := b.Client.Heartbeat(ctx, "dev"); return err }); err != nil {
 		t.Fatalf("heartbeats still fail 5s after Redis thawed: %v", err)
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func TestMain(m *testing.M) { servertest.Main(m) }
@@ -440,17 +441,10 @@ func TestRevokedKeyStopsAtOnce(t *testing.T) {
 	if _, err := b.Store.RevokeAPIKey(ctx, k.ID, time.Now()); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(500 * time.Millisecond)
-	for {
+	wait.Eventually(t, 500*time.Millisecond, func() bool {
 		_, err := c.ListSandboxes(ctx, client.ListOptions{})
-		if code(err) == protocol.CodeUnauthenticated {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("a revoked key still works 500 ms later: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return code(err) == protocol.CodeUnauthenticated
+	}, "a revoked key refused (unauthenticated)")
 }
 
 func TestTemplatesAndSetup(t *testing.T) {
@@ -488,14 +482,14 @@ func TestTemplatesAndSetup(t *testing.T) {
 	// The event says why with a code; the setup's output (which may echo template secrets) stays on
 	// the record.
 	var failed *protocol.Event
-	for end := time.Now().Add(5 * time.Second); failed == nil && time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
-		b.Client.Events(ctx, client.EventOptions{Ref: got.ID, Backlog: 50}, func(e protocol.Event) error {
+	wait.Until(5*time.Second, func() bool {
+		for _, e := range sandboxEvents(t, b.Client, got.ID) {
 			if e.Type == protocol.EventFailed {
 				failed = &e
 			}
-			return nil
-		})
-	}
+		}
+		return failed != nil
+	})
 	if failed == nil || failed.Reason != protocol.ReasonSetupFailed {
 		t.Fatalf("failed event: %+v, want reason %s", failed, protocol.ReasonSetupFailed)
 	}
@@ -611,11 +605,7 @@ func TestBrokerStartFailureLeavesNoSandboxRunning(t *testing.T) {
 				t.Fatalf("no process runs in %s: the check below would prove nothing", ws)
 			}
 			b.Stop()
-			for end := time.Now().Add(5 * time.Second); initsIn(ws) > 0; time.Sleep(20 * time.Millisecond) {
-				if time.Now().After(end) {
-					t.Fatal("the sandbox outlived its broker's shutdown")
-				}
-			}
+			wait.Eventually(t, 5*time.Second, func() bool { return initsIn(ws) == 0 }, "the sandbox's processes gone after its broker's shutdown")
 			tc.breakIt(t, b)
 			prov, _, err := provider.Preflight(t.Context(), provider.Config{DataDir: b.DataDir}, "dir")
 			if err != nil {

@@ -8,6 +8,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -172,6 +173,16 @@ func TestCpThroughSbctl(t *testing.T) {
 	}
 	if got := b.ok("exec", "box", "-c", "test ! -e evil && test ! -e target/l/evil && echo clean"); got != "clean\n" {
 		t.Fatalf("after a hostile archive: %q", got)
+	}
+
+	// On a terminal (script(1) gives sbctl one) a summary of what moved goes to stderr.
+	if _, err := exec.LookPath("script"); err == nil {
+		cmd := exec.Command("script", "-qec", filepath.Join(bin, "sbctl")+" cp box:proj "+filepath.Join(out, "tty"), "/dev/null")
+		cmd.Env = append(os.Environ(), "HOME="+b.Home, "XDG_CONFIG_HOME=", "SBCTL_CONFIG=", "SBX_API_KEY=", "SBX_BROKER_URL=")
+		got, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(got), "5 files, 6 dirs, 3 symlinks, 5.0 MiB in ") {
+			t.Fatalf("cp on a terminal: %v %q", err, got)
+		}
 	}
 
 	// Usage errors say what to do.

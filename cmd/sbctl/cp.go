@@ -42,8 +42,8 @@ output (of REF:PATH, its entries named from PATH's base name).
 Hostile archives (absolute or ".." names, a symlink and then a file through it, hard links leaving
 the tree, device nodes, FIFOs, huge headers, control characters in names) are refused with an
 error; nothing outside the target directory changes. Copying in needs the fs:write scope, copying
-out fs:read. On a terminal a summary line goes to stderr; otherwise cp is quiet (-o json prints
-what moved).`,
+out fs:read. On a terminal a progress line (bytes, rate, time) and then a summary go to stderr;
+otherwise cp is quiet (-o json prints what moved).`,
 		Example: `  sbctl cp ./src dev:/workspace/          # ./src becomes /workspace/src
   sbctl cp main.go go.mod dev:app          # both into /workspace/app
   sbctl cp dev:/workspace/out ./results     # the sandbox's out/ as ./results
@@ -95,6 +95,79 @@ what moved).`,
 		},
 	}, "it prints what moved as JSON, or nothing", "table", "json")
 	return cmd
+}
+
+// progress is the transfer line on a terminal: bytes of the tar stream so far and the rate,
+// rewritten in place a few times a second. A nil *progress counts nothing and prints nothing.
+type progress struct {
+	g     *globals
+	verb  string
+	n     atomic.Int64
+	start time.Time
+	stop  chan struct{}
+	done  chan struct{}
+}
+
+// startProgress starts the line when stderr is a terminal (and not --quiet), else returns nil.
+func (g *globals) startProgress(verb string) *progress {
+	f, ok := g.stderr.(*os.File)
+	if !ok || !isTerminal(f) || g.quiet {
+		return nil
+	}
+	p := &progress{g: g, verb: verb, start: time.Now(), stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(p.done)
+		t := time.NewTicker(200 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-p.stop:
+				return
+			case <-t.C:
+				n, d := p.n.Load(), time.Since(p.start)
+				p.g.status("%s %s, %s/s, %s", p.verb, sizeIEC(n), sizeIEC(int64(float64(n)/d.Seconds())), d.Round(time.Second))
+			}
+		}
+	}()
+	return p
+}
+
+func (p *progress) add(n int) {
+	if p != nil {
+		p.n.Add(int64(n))
+	}
+}
+
+// end stops the line and clears it.
+func (p *progress) end() {
+	if p == nil {
+		return
+	}
+	close(p.stop)
+	<-p.done
+	fmt.Fprint(p.g.stderr, "\r\033[K")
+}
+
+type progressReader struct {
+	r io.Reader
+	p *progress
+}
+
+func (r progressReader) Read(b []byte) (int, error) {
+	n, err := r.r.Read(b)
+	r.p.add(n)
+	return n, err
+}
+
+type progressWriter struct {
+	w io.Writer
+	p *progress
+}
+
+func (w progressWriter) Write(b []byte) (int, error) {
+	n, err := w.w.Write(b)
+	w.p.add(n)
+	return n, err
 }
 
 // sandboxSide splits REF:PATH. A local path never looks like one: "-", or a colon after a slash
@@ -170,8 +243,10 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 		return protocol.TreeResult{}, err
 	}
 	defer r.Close()
+	prog := g.startProgress("sent")
+	defer prog.end()
 	if srcs[0] == "-" {
-		return r.Untar(ctx, dst, g.stdin)
+		return r.Untar(ctx, dst, progressReader{g.stdin, prog})
 	}
 	// Where the sources land: inside dst when it is a directory (or will be one), else as dst.
 	dir, as := dst, ""
@@ -191,7 +266,6 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 		return protocol.TreeResult{}, err
 	}
 	pr, pw := io.Pipe()
-	var sent atomic.Int64
 	done := make(chan error, 1)
 	go func() {
 		tw := tar.NewWriter(pw)
@@ -205,9 +279,8 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 				if as != "" {
 					name = as
 				}
-				st, err := tartree.Add(ctx, tw, root, filepath.Base(a), name)
+				_, err = tartree.Add(ctx, tw, root, filepath.Base(a), name)
 				root.Close()
-				sent.Add(st.Bytes)
 				if err != nil {
 					return localErr(filepath.Dir(a), err)
 				}
@@ -217,7 +290,7 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 		pw.CloseWithError(err)
 		done <- err
 	}()
-	res, err := r.Untar(ctx, dir, pr)
+	res, err := r.Untar(ctx, dir, progressReader{pr, prog})
 	pr.CloseWithError(errors.New("the copy ended"))
 	if lerr := <-done; lerr != nil && err == nil {
 		err = lerr
@@ -234,7 +307,9 @@ func (g *globals) cpOut(ctx context.Context, ref, src, dst string) (protocol.Tre
 			return protocol.TreeResult{}, err
 		}
 		defer r.Close()
-		return r.Tar(ctx, src, g.stdout)
+		prog := g.startProgress("received")
+		defer prog.end()
+		return r.Tar(ctx, src, progressWriter{g.stdout, prog})
 	}
 	abs, err := filepath.Abs(dst)
 	if err != nil {
@@ -273,7 +348,9 @@ func (g *globals) cpOut(ctx context.Context, ref, src, dst string) (protocol.Tre
 		pr.CloseWithError(cmpErr(err, errors.New("the local extraction ended")))
 		done <- localErr(dir, err)
 	}()
-	res, err := r.Tar(ctx, src, pw)
+	prog := g.startProgress("received")
+	res, err := r.Tar(ctx, src, progressWriter{pw, prog})
+	prog.end()
 	pw.CloseWithError(cmpErr(err, io.EOF))
 	lerr := <-done
 	if err != nil {

@@ -182,6 +182,22 @@ func TestTarRoundTrip(t *testing.T) {
 	if _, err := r.Untar(ctx, "../etc", bytes.NewReader(archive)); code(err) != protocol.CodeInvalidPath {
 		t.Fatalf("untar outside the workspace: %v", err)
 	}
+	// Links the sandbox planted are never followed out: a target directory that is a link leading
+	// out is refused, and a link inside the target is replaced by the archive's entry.
+	if er, err := r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "ln -s /etc out && mkdir t2 && ln -s /etc t2/x"}}); err != nil || er.ExitCode != 0 {
+		t.Fatalf("plant: %v %+v", err, er)
+	}
+	planted := archiveOf(t, entry{tar.Header{Typeflag: tar.TypeReg, Name: "x/passwd"}, "pwned"})
+	if _, err := r.Untar(ctx, "out", bytes.NewReader(planted)); code(err) != protocol.CodeInvalidPath {
+		t.Fatalf("untar into a link leading out: %v", err)
+	}
+	if _, err := r.Untar(ctx, "t2", bytes.NewReader(planted)); err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	if er, err := r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "cat t2/x/passwd; test -L t2/x || echo replaced; grep -c pwned /etc/passwd"}, Stdout: &out}); err != nil || out.String() != "pwnedreplaced\n0\n" {
+		t.Fatalf("after a planted link: %v %+v %q", err, er, out.String())
+	}
 	if err := r.Ping(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -40,6 +40,7 @@ func (f fileStream) end() (any, string, error) {
 // reader's Write returns once the extractor has taken the bytes, so a slow disk slows the client
 // (backpressure) and memory stays at one frame.
 type untarStream struct {
+	c    *dpConn
 	pw   *io.PipeWriter
 	done chan struct{}
 	res  protocol.TreeResult
@@ -73,14 +74,22 @@ func (s *untarStream) end() (any, string, error) {
 	if s.err != nil {
 		return nil, "", s.err
 	}
+	s.c.emitSynced(s.res, "in")
 	return s.res, "", nil
+}
+
+// emitSynced reports a tree copy on the sandbox's stream: one event per copy, not one per file.
+func (c *dpConn) emitSynced(res protocol.TreeResult, direction string) {
+	files, bytes := res.Files, res.Bytes
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventSynced, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti(),
+		Path: res.Path, Files: &files, Bytes: &bytes, Direction: direction})
 }
 
 // opUntarOpen starts the extraction on the reader's goroutine, so that the binary frames that
 // follow find it; the end frame answers it (binary).
 func opUntarOpen(ctx context.Context, c *dpConn, r *request, a protocol.UntarArgs) (any, error) {
 	pr, pw := io.Pipe()
-	s := &untarStream{pw: pw, done: make(chan struct{})}
+	s := &untarStream{c: c, pw: pw, done: make(chan struct{})}
 	// The request's context ends when its end frame arrives (finish), before the extraction has
 	// taken the last bytes: the pipe is what stops it instead (Abort closes it).
 	ctx = context.WithoutCancel(ctx)
@@ -123,6 +132,7 @@ func opTar(ctx context.Context, c *dpConn, r *request, a protocol.TarArgs) (any,
 		}
 		return nil, err
 	}
+	c.emitSynced(res, "out")
 	return res, nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"crypto/rand"
+	"encoding/json"
 	"fmt"
 	"io"
 	"io/fs"
@@ -14,6 +15,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // cpTree builds a local tree with what a copy must keep: modes, mtimes, symlinks (relative, absolute
@@ -184,6 +188,25 @@ func TestCpThroughSbctl(t *testing.T) {
 			t.Fatalf("cp on a terminal: %v %q", err, got)
 		}
 	}
+
+	// Each copy is one synced event on the sandbox's stream, with what it moved.
+	wait.Eventually(t, 15*time.Second, func() bool {
+		in, outs := 0, 0
+		for _, l := range strings.Split(strings.TrimSpace(b.ok("events", "box", "-o", "json", "--backlog", "500")), "\n") {
+			var e protocol.Event
+			if err := json.Unmarshal([]byte(l), &e); err != nil {
+				t.Fatalf("events -o json line %q: %v", l, err)
+			}
+			switch {
+			case e.Type != protocol.EventSynced:
+			case e.Direction == "in" && e.Path == "/workspace" && *e.Files == 5 && *e.Bytes == 5<<20+7+7+21+1+13:
+				in++
+			case e.Direction == "out" && e.Path == "/workspace/proj" && *e.Files == 5:
+				outs++
+			}
+		}
+		return in == 1 && outs >= 1
+	}, "one synced event in (/workspace, 5 files) and one out (/workspace/proj) on the stream")
 
 	// Usage errors say what to do.
 	if r := b.sbctl("cp", filepath.Join(src, "nope"), "box:x"); r.code == 0 || !strings.Contains(r.stderr, "nope") {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/tartree"
 )
@@ -344,5 +345,32 @@ func TestTarScopes(t *testing.T) {
 	var buf bytes.Buffer
 	if _, err := ro.Tar(ctx, "x", &buf); err != nil || !bytes.Contains(buf.Bytes(), []byte("data")) {
 		t.Fatalf("tar with fs:read: %v", err)
+	}
+}
+
+// TestUntarCountsAgainstDiskQuota: an untar writes through the workspace like any write, so a
+// sandbox's disk quota stops it with payload_too_large, and the sandbox serves on.
+func TestUntarCountsAgainstDiskQuota(t *testing.T) {
+	t.Parallel()
+	tmpl := map[string]provider.Template{
+		"default": provider.DefaultTemplate(),
+		"small":   {Name: "small", Disk: 16 << 20},
+	}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", Templates: tmpl})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "small", Template: "small"}); err != nil {
+		t.Fatal(err)
+	}
+	r, _ := dialToken(t, b, "small", protocol.MintRequest{Scopes: []string{"fs:read", "fs:write"}})
+	big := archiveOf(t, entry{tar.Header{Typeflag: tar.TypeReg, Name: "big.bin"}, strings.Repeat("z", 32<<20)})
+	if _, err := r.Untar(ctx, "in", bytes.NewReader(big)); code(err) != protocol.CodeTooLarge || !strings.Contains(err.Error(), "no space left") {
+		t.Fatalf("32 MiB into a 16 MiB sandbox: %v; want payload_too_large", err)
+	}
+	small := archiveOf(t, entry{tar.Header{Typeflag: tar.TypeReg, Name: "ok.txt"}, "fits"})
+	if err := r.Delete(ctx, protocol.DeleteArgs{Path: "in", Recursive: true}); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := r.Untar(ctx, "in", bytes.NewReader(small)); err != nil || res.Files != 1 {
+		t.Fatalf("after the quota refused a copy: %v %+v", err, res)
 	}
 }

@@ -96,6 +96,10 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// through it (the classic "link, then a file through the link" attack).
 	links := map[string]bool{}
 	var dirs []dirMeta
+	// known are the directories this extraction made or checked, so that the thousands of files of
+	// one directory do not each check their parents again. A directory the sandbox swaps for a link
+	// meanwhile still cannot lead out: every operation goes through the root.
+	known := map[string]bool{}
 	buf := make([]byte, 256<<10)
 	for {
 		if err := ctx.Err(); err != nil {
@@ -127,11 +131,12 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if err := mkdirAll(root, name, opt); err != nil {
 				return st, err
 			}
+			markKnown(known, name)
 			delete(links, name)
 			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
 			st.Dirs++
 		case tar.TypeReg, tar.TypeGNUSparse, '\x00':
-			if err := makeWay(root, name, opt); err != nil {
+			if err := parents(root, name, opt, known); err != nil {
 				return st, err
 			}
 			n, err := writeFile(ctx, root, name, tr, perm, hdr.ModTime, opt, buf)
@@ -148,11 +153,11 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if hdr.Linkname == "" {
 				return st, refuse(hdr.Name, "the symbolic link has an empty target")
 			}
-			if err := makeWay(root, name, opt); err != nil {
+			if err := parents(root, name, opt, known); err != nil {
 				return st, err
 			}
-			if err := root.Symlink(hdr.Linkname, name); err != nil {
-				return st, &EntryError{name, err}
+			if err := create(root, name, func() error { return root.Symlink(hdr.Linkname, name) }); err != nil {
+				return st, err
 			}
 			if err := lchown(root, name, opt); err != nil {
 				return st, err
@@ -170,11 +175,11 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if fi, err := root.Lstat(old); err != nil || !fi.Mode().IsRegular() {
 				return st, refuse(hdr.Name, "it is a hard link to %s, which is not a regular file extracted before it", quote(hdr.Linkname))
 			}
-			if err := makeWay(root, name, opt); err != nil {
+			if err := parents(root, name, opt, known); err != nil {
 				return st, err
 			}
-			if err := root.Link(old, name); err != nil {
-				return st, &EntryError{name, err}
+			if err := create(root, name, func() error { return root.Link(old, name) }); err != nil {
+				return st, err
 			}
 			st.Files++
 		case tar.TypeChar, tar.TypeBlock:
@@ -318,35 +323,59 @@ func mkdirAll(root *os.Root, name string, opt ExtractOptions) error {
 	return &EntryError{name, err}
 }
 
-// makeWay makes way for a file or link at name: parents exist, and whatever is at name that is not
-// a directory is removed (a link there is replaced, never written through).
-func makeWay(root *os.Root, name string, opt ExtractOptions) error {
-	if d := path.Dir(name); d != "." {
-		if err := mkdirAll(root, d, opt); err != nil {
-			return err
-		}
-	}
-	fi, err := root.Lstat(name)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
+// parents makes sure name's parent directories exist.
+func parents(root *os.Root, name string, opt ExtractOptions, known map[string]bool) error {
+	d := path.Dir(name)
+	if d == "." || known[d] {
 		return nil
-	case err != nil:
-		return &EntryError{name, err}
-	case fi.IsDir():
-		return &EntryError{name, syscall.EISDIR}
 	}
-	if err := root.Remove(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err := mkdirAll(root, d, opt); err != nil {
+		return err
+	}
+	markKnown(known, d)
+	return nil
+}
+
+func markKnown(known map[string]bool, d string) {
+	for ; d != "." && !known[d]; d = path.Dir(d) {
+		known[d] = true
+	}
+}
+
+// create runs mk, which creates name exclusively (O_EXCL, symlink, link: none follows a link at
+// name); when something is there already it is removed, unless it is a directory, and mk runs
+// once more. So a link at name is replaced, never written through.
+func create(root *os.Root, name string, mk func() error) error {
+	err := mk()
+	if errors.Is(err, fs.ErrExist) {
+		fi, lerr := root.Lstat(name)
+		switch {
+		case lerr == nil && fi.IsDir():
+			return &EntryError{name, syscall.EISDIR}
+		case lerr == nil:
+			if rerr := root.Remove(name); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
+				return &EntryError{name, rerr}
+			}
+		case !errors.Is(lerr, fs.ErrNotExist):
+			return &EntryError{name, lerr}
+		}
+		err = mk()
+	}
+	if err != nil {
 		return &EntryError{name, err}
 	}
 	return nil
 }
 
-// writeFile creates name exclusively (O_EXCL never follows a link planted meanwhile) and copies the
-// entry's bytes into it.
+// writeFile creates name exclusively (O_EXCL never follows a link, planted before or meanwhile)
+// and copies the entry's bytes into it.
 func writeFile(ctx context.Context, root *os.Root, name string, r io.Reader, perm fs.FileMode, mtime time.Time, opt ExtractOptions, buf []byte) (int64, error) {
-	f, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return 0, &EntryError{name, err}
+	var f *os.File
+	if err := create(root, name, func() (err error) {
+		f, err = root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		return err
+	}); err != nil {
+		return 0, err
 	}
 	n, err := copyCtx(ctx, f, r, buf)
 	if err == nil && (opt.UID > 0 || opt.GID > 0) {

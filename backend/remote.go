@@ -599,7 +599,7 @@ func (r *Remote) Call(ctx context.Context, op string, args any) (json.RawMessage
 	switch op {
 	case protocol.OpStat, protocol.OpLs, protocol.OpRead, protocol.OpGlob, protocol.OpGrep, protocol.OpEnv, protocol.OpPing:
 		retry = true
-	case protocol.OpUpload, protocol.OpDownload:
+	case protocol.OpUpload, protocol.OpDownload, protocol.OpUntar, protocol.OpTar:
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "%s streams its bytes: use Upload or Download", op)
 	}
 	for attempt := 0; ; attempt++ {
@@ -764,6 +764,45 @@ func (r *Remote) Download(ctx context.Context, p string, w io.Writer) (int64, er
 		return cw.n, err
 	}
 	return cw.n, nil
+}
+
+// Untar streams the tar archive src into the directory dir (created if missing) in one round trip:
+// the broker extracts it with its traversal-safe file layer, keeping modes, mtimes and symlinks, and
+// refuses a hostile archive (absolute or ".." names, links leaving the tree, devices, FIFOs) without
+// changing anything outside dir. It needs the fs:write scope.
+func (r *Remote) Untar(ctx context.Context, dir string, src io.Reader) (protocol.TreeResult, error) {
+	var out protocol.TreeResult
+	if err := validPaths(dir); err != nil {
+		return out, err
+	}
+	c, err := r.connection(ctx)
+	if err != nil {
+		return out, err
+	}
+	cl := &call{}
+	if err := c.roundTrip(ctx, protocol.OpUntar, protocol.UntarArgs{Path: dir}, cl, src); err != nil {
+		return out, err
+	}
+	return out, json.Unmarshal(cl.result, &out)
+}
+
+// Tar streams p (a file, a symlink, or a directory and everything below it) into w as an
+// uncompressed tar archive whose names start at p's base name, in one round trip. Symlinks are
+// archived as symlinks. It needs the fs:read scope.
+func (r *Remote) Tar(ctx context.Context, p string, w io.Writer) (protocol.TreeResult, error) {
+	var out protocol.TreeResult
+	if err := validPaths(p); err != nil {
+		return out, err
+	}
+	c, err := r.connection(ctx)
+	if err != nil {
+		return out, err
+	}
+	cl := &call{data: w}
+	if err := c.roundTrip(ctx, protocol.OpTar, protocol.TarArgs{Path: p}, cl, nil); err != nil {
+		return out, err
+	}
+	return out, json.Unmarshal(cl.result, &out)
 }
 
 type countingWriter struct {

@@ -33,6 +33,8 @@ const (
 	OpGrep     = "grep"
 	OpUpload   = "upload"
 	OpDownload = "download"
+	OpUntar    = "untar"
+	OpTar      = "tar"
 	OpExec     = "exec"
 )
 
@@ -137,6 +139,30 @@ type DownloadArgs struct {
 type DownloadResult struct {
 	Path string `json:"path"`
 	Size int64  `json:"size"`
+}
+
+// UntarArgs starts an extraction: an uncompressed tar stream follows as binary frames of kind
+// FrameData with the request's id, then one frame of kind FrameEnd, as for an upload. Path is the
+// directory the archive's names are relative to; it is created if missing.
+type UntarArgs struct {
+	Path string `json:"path"`
+}
+
+// TarArgs asks for a file, symlink or directory tree as a tar stream: it comes as binary frames of
+// kind FrameData, then the result (TreeResult). Entries are named from Path's base name down.
+type TarArgs struct {
+	Path string `json:"path"`
+}
+
+// TreeResult ends an untar or a tar: the directory extracted into (or the path archived) and what
+// moved. Bytes counts file content; Skipped the FIFOs, sockets and devices a tar left out.
+type TreeResult struct {
+	Path     string `json:"path"`
+	Files    int    `json:"files"`
+	Dirs     int    `json:"dirs"`
+	Symlinks int    `json:"symlinks"`
+	Bytes    int64  `json:"bytes"`
+	Skipped  int    `json:"skipped,omitempty"`
 }
 
 // EnvResult is the sandbox's environment snapshot.

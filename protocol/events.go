@@ -15,6 +15,8 @@ const (
 	EventDisconnected = "disconnected"
 	EventFileWritten  = "file_written"
 	EventFileDeleted  = "file_deleted"
+	// EventSynced reports a tree copied in (untar) or out (tar): path, files, bytes, direction.
+	EventSynced       = "synced"
 	EventExec         = "exec"
 	EventTokenMinted  = "token_minted"
 	EventTokenRevoked = "token_revoked"
@@ -68,6 +70,10 @@ type Event struct {
 	SecondsLeft *int64 `json:"seconds_left,omitempty"`
 	// Missed counts the events a gap stands for.
 	Missed *int64 `json:"missed,omitempty"`
+	// Files, Bytes and Direction ("in" or "out") for synced: what a tree copy moved.
+	Files     *int   `json:"files,omitempty"`
+	Bytes     *int64 `json:"bytes,omitempty"`
+	Direction string `json:"direction,omitempty"`
 	// Status is the sandbox's status after the event, where it changed.
 	Status string `json:"status,omitempty"`
 }

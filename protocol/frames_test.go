@@ -32,6 +32,7 @@ var argTypes = map[string]func() any{
 	"glob": func() any { return &protocol.GlobArgs{} }, "grep": func() any { return &protocol.GrepArgs{} },
 	"exec": func() any { return &protocol.ExecArgs{} }, "upload": func() any { return &protocol.UploadArgs{} },
 	"download": func() any { return &protocol.DownloadArgs{} },
+	"untar":    func() any { return &protocol.UntarArgs{} }, "tar": func() any { return &protocol.TarArgs{} },
 }
 
 var resultTypes = map[string]func() any{
@@ -41,6 +42,7 @@ var resultTypes = map[string]func() any{
 	"glob": func() any { return &protocol.GlobResult{} }, "grep": func() any { return &protocol.GrepResult{} },
 	"env": func() any { return &protocol.EnvResult{} }, "exec": func() any { return &protocol.ExecResult{} },
 	"download": func() any { return &protocol.DownloadResult{} },
+	"tree":     func() any { return &protocol.TreeResult{} },
 }
 
 // strict decodes raw into v refusing unknown fields, then encodes v back: the golden frame must

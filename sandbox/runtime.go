@@ -43,6 +43,11 @@ type Files interface {
 	Create(path, mode string) (Upload, error)
 	// OpenRead opens a file for a streamed download.
 	OpenRead(path string) (io.ReadCloser, protocol.FileInfo, error)
+	// Extract unpacks a tar stream into the directory dir (created if missing), refusing hostile
+	// archives; nothing outside dir changes.
+	Extract(ctx context.Context, dir string, r io.Reader) (protocol.TreeResult, error)
+	// Archive writes path (a file, a symlink or a tree) to w as a tar stream.
+	Archive(ctx context.Context, path string, w io.Writer) (protocol.TreeResult, error)
 }
 
 // Upload is a streamed write in progress: Write the bytes, then Commit, or Abort (a no-op after

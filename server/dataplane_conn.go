@@ -64,7 +64,7 @@ type dpConn struct {
 type request struct {
 	id     uint32
 	cancel context.CancelFunc
-	upload sandbox.Upload // set for uploads, fed by the reader
+	upload inStream // set for uploads and untars, fed by the reader
 	// hold is what the request holds of shared resources; its answer frame carries it.
 	hold hold
 	// exec is a non-streamed exec's output, counted against the broker-wide budget.
@@ -456,12 +456,14 @@ func (c *dpConn) binary(kind byte, id uint32, payload io.Reader, chunk []byte) {
 		}
 	}
 	c.finish(id)
-	res, err := req.upload.Commit()
+	res, written, err := req.upload.end()
 	if err != nil {
 		c.fail(id, err)
 		return
 	}
-	c.emitPath(protocol.EventFileWritten, res.Path)
+	if written != "" {
+		c.emitPath(protocol.EventFileWritten, written)
+	}
 	c.send(protocol.Response{ID: id, Result: res})
 }
 

@@ -91,7 +91,7 @@ func opUploadOpen(_ context.Context, c *dpConn, r *request, a protocol.UploadArg
 		return nil, err
 	}
 	c.mu.Lock()
-	r.upload = up
+	r.upload = fileStream{up}
 	closing := c.closing
 	c.mu.Unlock()
 	if closing {

@@ -22,6 +22,7 @@ var dpOps = map[string]dpOp{
 	protocol.OpGlob:     op(protocol.ScopeFSRead, opHeavy, opGlob),
 	protocol.OpGrep:     op(protocol.ScopeFSRead, opHeavy, opGrep),
 	protocol.OpDownload: op(protocol.ScopeFSRead, opStreamed, opDownload),
+	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar),
 
 	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite),
 	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit),
@@ -29,6 +30,7 @@ var dpOps = map[string]dpOp{
 	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir),
 	protocol.OpMove:   op(protocol.ScopeFSWrite, opLight, opMove),
 	protocol.OpUpload: op(protocol.ScopeFSWrite, opUpload, opUploadOpen),
+	protocol.OpUntar:  op(protocol.ScopeFSWrite, opUpload, opUntarOpen),
 
 	protocol.OpExec: op(protocol.ScopeExec, opLight, opExec),
 }

@@ -339,6 +339,14 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 		}
 	case protocol.EventFileWritten, protocol.EventFileDeleted:
 		b.WriteString(termSafe(e.Path))
+	case protocol.EventSynced:
+		if e.Files != nil && e.Bytes != nil {
+			arrow := "<-"
+			if e.Direction == "out" {
+				arrow = "->"
+			}
+			fmt.Fprintf(&b, "%s %s %d files, %s", termSafe(e.Path), arrow, *e.Files, sizeIEC(*e.Bytes))
+		}
 	case protocol.EventExpiring:
 		if e.SecondsLeft != nil {
 			fmt.Fprintf(&b, "stops in %ds unless a heartbeat comes", *e.SecondsLeft)

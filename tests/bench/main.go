@@ -15,7 +15,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
-	"flag"
+	goflag "flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -45,10 +45,12 @@ import (
 	"github.com/sbxbroker/broker/store"
 )
 
-var quick = flag.Bool("quick", false, "fewer samples, shorter runs")
+var quick = goflag.Bool("quick", false, "fewer samples, shorter runs")
+
+func flag(name, usage string) *bool { return goflag.Bool(name, false, usage) }
 
 func main() {
-	flag.Parse()
+	goflag.Parse()
 	if err := run(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
@@ -107,6 +109,18 @@ func run() error {
 	}
 	defer r.Close()
 
+	if *treeOnly {
+		fmt.Fprintln(os.Stderr, "tree copy...")
+		rows, err := treeRows(ctx, r, br.dir, br.peakRSS)
+		if err != nil {
+			return err
+		}
+		for _, r := range rows {
+			fmt.Printf("%s: %s (budget %s; %s)\n", r.metric, r.ours, r.budget, r.baseline)
+		}
+		return nil
+	}
+
 	fmt.Fprintln(os.Stderr, "dataplane...")
 	for i := 0; i < 200; i++ { // warm up
 		r.Ping(ctx)
@@ -162,6 +176,15 @@ func run() error {
 		fmt.Sprintf("raw TCP into a new file on this disk %.0f MiB/s; broker peak RSS %d -> %d MiB", toFile, rssBefore>>20, rssAfter>>20)})
 	add(row{"100 MiB download", fmt.Sprintf("%.0f MiB/s", downRate), "> 2500 MiB/s", "2467", "3155",
 		fmt.Sprintf("raw file out over TCP %.0f MiB/s", fromFile)})
+
+	fmt.Fprintln(os.Stderr, "tree copy...")
+	if tr, err := treeRows(ctx, r, br.dir, br.peakRSS); err != nil {
+		fmt.Fprintln(os.Stderr, "  tree copy:", err)
+	} else {
+		for _, r := range tr {
+			add(r)
+		}
+	}
 
 	fmt.Fprintln(os.Stderr, "1000 concurrent connections...")
 	conns, errs, took := concurrentConnections(ctx, m.Sandbox, 1000)

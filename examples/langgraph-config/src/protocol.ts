@@ -216,6 +216,15 @@ export interface DownloadResult {
   path: string;
   size: number;
 }
+/** What an untar extracted or a tar archived (bytes counts file content). */
+export interface TreeResult {
+  path: string;
+  files: number;
+  dirs: number;
+  symlinks: number;
+  bytes: number;
+  skipped?: number;
+}
 export type Empty = Record<string, never>;
 
 /** Each operation's arguments and result. */
@@ -234,6 +243,8 @@ export interface Ops {
   grep: { args: GrepArgs; result: GrepResult };
   upload: { args: UploadArgs; result: WriteResult };
   download: { args: PathArgs; result: DownloadResult };
+  untar: { args: PathArgs; result: TreeResult };
+  tar: { args: PathArgs; result: TreeResult };
   exec: { args: ExecArgs; result: ExecResult };
 }
 export type Op = keyof Ops;
@@ -292,6 +303,8 @@ export const argSchemas: Record<Exclude<Op, "ping" | "env">, Schema> = {
   stat: { path: r("string") },
   ls: { path: r("string") },
   download: { path: r("string") },
+  untar: { path: r("string") },
+  tar: { path: r("string") },
   read: { path: r("string"), offset: o("int"), length: o("int"), line_offset: o("int"), line_limit: o("int") },
   write: { path: r("string"), content: r("string"), encoding: o("string"), mode: o("string") },
   edit: { path: r("string"), old: r("string"), new: r("string"), replace_all: o("bool") },
@@ -360,10 +373,12 @@ export const resultSchemas = {
     stderr: o("string"),
   },
   download: { path: r("string"), size: r("int") },
+  tree: { path: r("string"), files: r("int"), dirs: r("int"), symlinks: r("int"), bytes: r("int"), skipped: o("int") },
 } satisfies Record<string, Schema>;
 export type ResultKind = keyof typeof resultSchemas;
 
-/** The result kind an op answers with (delete, mkdir and move answer {path}; upload like write). */
+/** The result kind an op answers with (delete, mkdir and move answer {path}; upload like write;
+ * untar and tar a tree). */
 export function resultKindOf(op: Op): ResultKind {
   switch (op) {
     case "delete":
@@ -372,6 +387,9 @@ export function resultKindOf(op: Op): ResultKind {
       return "path";
     case "upload":
       return "write";
+    case "untar":
+    case "tar":
+      return "tree";
     default:
       return op;
   }

@@ -1,0 +1,537 @@
+// Package tartree moves file trees as tar streams: Add writes a tree found through an os.Root into
+// a tar stream, and Extract unpacks a tar stream into an os.Root, refusing hostile archives. The
+// broker (into and out of a sandbox's workspace) and sbctl (into and out of a local directory) both
+// use it, so the two ends of a copy follow the same rules: modes and mtimes kept, symlinks copied as
+// symlinks and never followed out of the root, no device nodes, FIFOs or hard links leaving the
+// target, memory flat whatever the size. It owns no paths of its own: every name it touches is
+// relative to the os.Root it is given, and it imports nothing of ours but protocol.
+package tartree
+
+import (
+	"archive/tar"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+	"unicode/utf8"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+// MaxNameBytes is the longest entry name or link target Extract accepts (PATH_MAX).
+const MaxNameBytes = 4096
+
+// Stats count what a copy moved.
+type Stats struct {
+	Files    int   `json:"files"`
+	Dirs     int   `json:"dirs"`
+	Symlinks int   `json:"symlinks"`
+	Bytes    int64 `json:"bytes"` // file content
+	// Skipped counts what Add left out: FIFOs, sockets and devices.
+	Skipped int `json:"skipped,omitempty"`
+}
+
+// EntryError is a file system error on one entry: Name is its archive name (relative to the root),
+// Err the cause, which may carry a host path and is for the caller to translate.
+type EntryError struct {
+	Name string
+	Err  error
+}
+
+func (e *EntryError) Error() string { return fmt.Sprintf("%s: %v", e.Name, e.Err) }
+func (e *EntryError) Unwrap() error { return e.Err }
+
+// refuse is the answer to a hostile or unusable archive: invalid_argument, naming the entry.
+func refuse(name, format string, args ...any) error {
+	return protocol.Errorf(protocol.CodeInvalidArgument, "the archive was refused at entry %s: %s; nothing outside the target directory was changed",
+		quote(name), fmt.Sprintf(format, args...))
+}
+
+// quote shows an archive's name in a message: escaped (so control characters cannot reach a
+// terminal) and cut, so that a huge name cannot make the message huge.
+func quote(s string) string {
+	const shown = 200
+	if len(s) > shown {
+		return fmt.Sprintf("%q...", s[:shown])
+	}
+	return fmt.Sprintf("%q", s)
+}
+
+// ExtractOptions tune Extract.
+type ExtractOptions struct {
+	// UID and GID own what Extract creates when positive (the sandbox's host user); the archive's
+	// owners are ignored.
+	UID, GID int
+	// As, when set, replaces the first component of every name (and of hard links' targets):
+	// copying a tree "as" another name, the way cp does when the destination does not exist.
+	As string
+}
+
+// dirMeta is a directory's mode and mtime, applied once everything inside it is written.
+type dirMeta struct {
+	name  string
+	mode  fs.FileMode
+	mtime time.Time
+}
+
+// Extract unpacks the tar stream r into root. Every name is relative to root; an entry that is
+// absolute, climbs with "..", has control characters or invalid UTF-8 in its name, is a device node
+// or a FIFO, is a hard link leaving the archive's tree, or goes through a symbolic link the archive
+// itself created is refused with an invalid_argument error, and extraction stops there. Whatever
+// the archive says, nothing outside root changes: every operation goes through the os.Root, which
+// never follows a link out of it. Entries before a refused one stay extracted. Regular files and
+// symlinks replace what is at their name (a directory is never replaced); the archive's owners are
+// ignored. Symlinks keep their target text verbatim and their own mtime is not set.
+func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions) (Stats, error) {
+	var st Stats
+	tr := tar.NewReader(r)
+	// links are the symlinks this archive created: an entry below one of them would be written
+	// through it (the classic "link, then a file through the link" attack).
+	links := map[string]bool{}
+	var dirs []dirMeta
+	// known are the directories this extraction made or checked, so that the thousands of files of
+	// one directory do not each check their parents again. A directory the sandbox swaps for a link
+	// meanwhile still cannot lead out: every operation goes through the root.
+	known := map[string]bool{}
+	buf := make([]byte, 256<<10)
+	for {
+		if err := ctx.Err(); err != nil {
+			return st, err
+		}
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil && !errors.Is(err, tar.ErrInsecurePath) {
+			if ctx.Err() != nil {
+				return st, ctx.Err()
+			}
+			return st, readErr(err)
+		}
+		name, err := entryName(hdr.Name, opt.As)
+		if err != nil {
+			return st, err
+		}
+		if name == "." {
+			continue // the archive's own top ("./"): root exists already
+		}
+		if through := underLink(name, links); through != "" {
+			return st, refuse(hdr.Name, "it lies under %s, a symbolic link created earlier in the same archive", quote(through))
+		}
+		perm := fs.FileMode(hdr.Mode) & fs.ModePerm
+		switch hdr.Typeflag {
+		case tar.TypeDir:
+			if err := mkdirAll(root, name, opt); err != nil {
+				return st, err
+			}
+			markKnown(known, name)
+			delete(links, name)
+			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
+			st.Dirs++
+		case tar.TypeReg, tar.TypeGNUSparse, '\x00':
+			if err := parents(root, name, opt, known); err != nil {
+				return st, err
+			}
+			n, err := writeFile(ctx, root, name, tr, perm, hdr.ModTime, opt, buf)
+			st.Bytes += n
+			if err != nil {
+				return st, err
+			}
+			delete(links, name)
+			st.Files++
+		case tar.TypeSymlink:
+			if err := checkText(hdr.Linkname); err != nil {
+				return st, refuse(hdr.Name, "its link target %s", err)
+			}
+			if hdr.Linkname == "" {
+				return st, refuse(hdr.Name, "the symbolic link has an empty target")
+			}
+			if err := parents(root, name, opt, known); err != nil {
+				return st, err
+			}
+			if err := create(root, name, func() error { return root.Symlink(hdr.Linkname, name) }); err != nil {
+				return st, err
+			}
+			if err := lchown(root, name, opt); err != nil {
+				return st, err
+			}
+			links[name] = true
+			st.Symlinks++
+		case tar.TypeLink:
+			old, err := entryName(hdr.Linkname, opt.As)
+			if err != nil {
+				return st, refuse(hdr.Name, "it is a hard link whose target is not in the archive's tree: %v", errors.Unwrap(err))
+			}
+			if old == "." || underLink(old, links) != "" || links[old] {
+				return st, refuse(hdr.Name, "it is a hard link to %s, which is not a file of the archive", quote(hdr.Linkname))
+			}
+			if fi, err := root.Lstat(old); err != nil || !fi.Mode().IsRegular() {
+				return st, refuse(hdr.Name, "it is a hard link to %s, which is not a regular file extracted before it", quote(hdr.Linkname))
+			}
+			if err := parents(root, name, opt, known); err != nil {
+				return st, err
+			}
+			if err := create(root, name, func() error { return root.Link(old, name) }); err != nil {
+				return st, err
+			}
+			st.Files++
+		case tar.TypeChar, tar.TypeBlock:
+			return st, refuse(hdr.Name, "device nodes are never extracted")
+		case tar.TypeFifo:
+			return st, refuse(hdr.Name, "FIFOs are never extracted")
+		case tar.TypeXGlobalHeader:
+			continue
+		default:
+			return st, refuse(hdr.Name, "entries of tar type %q are not supported (only files, directories, symbolic links and hard links)", hdr.Typeflag)
+		}
+	}
+	// Directories last, deepest first: writing inside a directory changes its mtime, and a
+	// read-only mode would stop the writes.
+	for i := len(dirs) - 1; i >= 0; i-- {
+		d := dirs[i]
+		if err := root.Chmod(d.name, d.mode); err != nil {
+			return st, &EntryError{d.name, err}
+		}
+		if !d.mtime.IsZero() {
+			if err := root.Chtimes(d.name, d.mtime, d.mtime); err != nil {
+				return st, &EntryError{d.name, err}
+			}
+		}
+	}
+	return st, nil
+}
+
+// readErr is the answer for a stream archive/tar cannot read.
+func readErr(err error) error {
+	switch {
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return protocol.Errorf(protocol.CodeInvalidArgument, "the archive ends in the middle of an entry (truncated); send the whole tar stream")
+	case errors.Is(err, tar.ErrFieldTooLong):
+		return protocol.Errorf(protocol.CodeInvalidArgument, "the archive has a header over 1 MiB (a name or extended header too large); it was refused")
+	case errors.Is(err, tar.ErrHeader):
+		return protocol.Errorf(protocol.CodeInvalidArgument, "the stream is not a valid tar archive (bad header); send an uncompressed tar stream")
+	}
+	var pe *protocol.Error
+	if errors.As(err, &pe) {
+		return pe
+	}
+	// archive/tar's own errors name no path; a reader's error (the connection) is its cause.
+	return fmt.Errorf("reading the archive: %w", err)
+}
+
+// entryName checks an archive name and returns it clean and relative ("." for the top), with its
+// first component replaced by as when set.
+func entryName(raw, as string) (string, error) {
+	if raw == "" {
+		return "", refuse(raw, "the name is empty")
+	}
+	if err := checkText(raw); err != nil {
+		return "", refuse(raw, "its name %s", err)
+	}
+	if strings.HasPrefix(raw, "/") {
+		return "", refuse(raw, "the name is absolute; names must be relative to the target directory")
+	}
+	var parts []string
+	for _, c := range strings.Split(raw, "/") {
+		switch c {
+		case "", ".":
+			continue
+		case "..":
+			return "", refuse(raw, "the name climbs out with \"..\"")
+		}
+		parts = append(parts, c)
+	}
+	if len(parts) == 0 {
+		return ".", nil
+	}
+	if as != "" {
+		parts[0] = as
+	}
+	return strings.Join(parts, "/"), nil
+}
+
+// checkText refuses what no name here may hold: invalid UTF-8, control characters (which would
+// reach a person's terminal in listings and messages), or more than MaxNameBytes.
+func checkText(s string) error {
+	if len(s) > MaxNameBytes {
+		return fmt.Errorf("is %d bytes long; the limit is %d", len(s), MaxNameBytes)
+	}
+	if !utf8.ValidString(s) {
+		return errors.New("is not valid UTF-8")
+	}
+	for _, r := range s {
+		if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) {
+			return errors.New("contains control characters")
+		}
+	}
+	return nil
+}
+
+// underLink returns the symlink of links that is a proper parent of name, or "".
+func underLink(name string, links map[string]bool) string {
+	if len(links) == 0 {
+		return ""
+	}
+	for p := path.Dir(name); p != "."; p = path.Dir(p) {
+		if links[p] {
+			return p
+		}
+	}
+	return ""
+}
+
+// mkdirAll creates name and its parents through the root; an existing directory is fine.
+func mkdirAll(root *os.Root, name string, opt ExtractOptions) error {
+	err := root.Mkdir(name, 0o700)
+	if errors.Is(err, fs.ErrNotExist) && path.Dir(name) != "." {
+		if err := mkdirAll(root, path.Dir(name), opt); err != nil {
+			return err
+		}
+		err = root.Mkdir(name, 0o700)
+	}
+	switch {
+	case err == nil:
+		if err := root.Chmod(name, 0o755); err != nil {
+			return &EntryError{name, err}
+		}
+		return lchown(root, name, opt)
+	case errors.Is(err, fs.ErrExist):
+		fi, serr := root.Lstat(name)
+		if serr != nil {
+			return &EntryError{name, serr}
+		}
+		if fi.Mode()&fs.ModeSymlink != 0 {
+			// A link where the archive has a directory: the directory replaces it, so that nothing
+			// below is written through the link.
+			if err := root.Remove(name); err != nil {
+				return &EntryError{name, err}
+			}
+			return mkdirAll(root, name, opt)
+		}
+		if !fi.IsDir() {
+			return &EntryError{name, syscall.ENOTDIR}
+		}
+		return nil
+	}
+	return &EntryError{name, err}
+}
+
+// parents makes sure name's parent directories exist.
+func parents(root *os.Root, name string, opt ExtractOptions, known map[string]bool) error {
+	d := path.Dir(name)
+	if d == "." || known[d] {
+		return nil
+	}
+	if err := mkdirAll(root, d, opt); err != nil {
+		return err
+	}
+	markKnown(known, d)
+	return nil
+}
+
+func markKnown(known map[string]bool, d string) {
+	for ; d != "." && !known[d]; d = path.Dir(d) {
+		known[d] = true
+	}
+}
+
+// create runs mk, which creates name exclusively (O_EXCL, symlink, link: none follows a link at
+// name); when something is there already it is removed, unless it is a directory, and mk runs
+// once more. So a link at name is replaced, never written through.
+func create(root *os.Root, name string, mk func() error) error {
+	err := mk()
+	if errors.Is(err, fs.ErrExist) {
+		fi, lerr := root.Lstat(name)
+		switch {
+		case lerr == nil && fi.IsDir():
+			return &EntryError{name, syscall.EISDIR}
+		case lerr == nil:
+			if rerr := root.Remove(name); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
+				return &EntryError{name, rerr}
+			}
+		case !errors.Is(lerr, fs.ErrNotExist):
+			return &EntryError{name, lerr}
+		}
+		err = mk()
+	}
+	if err != nil {
+		return &EntryError{name, err}
+	}
+	return nil
+}
+
+// writeFile creates name exclusively (O_EXCL never follows a link, planted before or meanwhile)
+// and copies the entry's bytes into it.
+func writeFile(ctx context.Context, root *os.Root, name string, r io.Reader, perm fs.FileMode, mtime time.Time, opt ExtractOptions, buf []byte) (int64, error) {
+	var f *os.File
+	if err := create(root, name, func() (err error) {
+		f, err = root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		return err
+	}); err != nil {
+		return 0, err
+	}
+	n, err := copyCtx(ctx, f, r, buf)
+	if err == nil && (opt.UID > 0 || opt.GID > 0) {
+		err = f.Chown(owner(opt.UID), owner(opt.GID))
+	}
+	if err == nil {
+		err = f.Chmod(perm)
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && !mtime.IsZero() {
+		err = root.Chtimes(name, mtime, mtime)
+	}
+	if err != nil {
+		var pe *protocol.Error
+		if errors.As(err, &pe) || ctx.Err() != nil {
+			return n, err
+		}
+		if errors.Is(err, io.ErrUnexpectedEOF) {
+			return n, readErr(err)
+		}
+		return n, &EntryError{name, err}
+	}
+	return n, nil
+}
+
+// copyCtx copies r to w in buf-sized steps, stopping when ctx ends.
+func copyCtx(ctx context.Context, w io.Writer, r io.Reader, buf []byte) (int64, error) {
+	var n int64
+	for {
+		if err := ctx.Err(); err != nil {
+			return n, err
+		}
+		k, rerr := r.Read(buf)
+		if k > 0 {
+			m, werr := w.Write(buf[:k])
+			n += int64(m)
+			if werr != nil {
+				return n, werr
+			}
+		}
+		if rerr == io.EOF {
+			return n, nil
+		}
+		if rerr != nil {
+			return n, readErr(rerr)
+		}
+	}
+}
+
+func lchown(root *os.Root, name string, opt ExtractOptions) error {
+	if opt.UID <= 0 && opt.GID <= 0 {
+		return nil
+	}
+	if err := root.Lchown(name, owner(opt.UID), owner(opt.GID)); err != nil {
+		return &EntryError{name, err}
+	}
+	return nil
+}
+
+func owner(id int) int {
+	if id <= 0 {
+		return -1
+	}
+	return id
+}
+
+// Add writes rel (a file, a symlink or a directory with everything below it, through root) to tw,
+// named name and below. Symlinks are written as symlinks, never followed; FIFOs, sockets and devices
+// are skipped and counted. A file that changes size while it is read is an error rather than a
+// corrupt entry.
+func Add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string) (Stats, error) {
+	var st Stats
+	buf := make([]byte, 256<<10)
+	err := add(ctx, tw, root, rel, name, &st, buf)
+	return st, err
+}
+
+func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, st *Stats, buf []byte) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	fi, err := root.Lstat(rel)
+	if err != nil {
+		return &EntryError{rel, err}
+	}
+	hdr := &tar.Header{Name: name, Mode: int64(fi.Mode().Perm()), ModTime: fi.ModTime(), Format: tar.FormatPAX}
+	switch m := fi.Mode(); {
+	case m.IsDir():
+		hdr.Typeflag = tar.TypeDir
+		hdr.Name += "/"
+		if err := tw.WriteHeader(hdr); err != nil {
+			return err
+		}
+		st.Dirs++
+		d, err := root.Open(rel)
+		if err != nil {
+			return &EntryError{rel, err}
+		}
+		names, err := d.Readdirnames(-1)
+		d.Close()
+		if err != nil {
+			return &EntryError{rel, err}
+		}
+		slices.Sort(names)
+		for _, n := range names {
+			if err := add(ctx, tw, root, join(rel, n), name+"/"+n, st, buf); err != nil {
+				return err
+			}
+		}
+		return nil
+	case m&fs.ModeSymlink != 0:
+		target, err := root.Readlink(rel)
+		if err != nil {
+			return &EntryError{rel, err}
+		}
+		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
+		st.Symlinks++
+		return tw.WriteHeader(hdr)
+	case m.IsRegular():
+		f, err := root.OpenFile(rel, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+		if err != nil {
+			return &EntryError{rel, err}
+		}
+		defer f.Close()
+		fi, err := f.Stat()
+		if err != nil {
+			return &EntryError{rel, err}
+		}
+		if !fi.Mode().IsRegular() {
+			st.Skipped++ // swapped for something else since the lstat
+			return nil
+		}
+		hdr.Typeflag, hdr.Size, hdr.Mode, hdr.ModTime = tar.TypeReg, fi.Size(), int64(fi.Mode().Perm()), fi.ModTime()
+		if err := tw.WriteHeader(hdr); err != nil {
+			return err
+		}
+		n, err := copyCtx(ctx, tw, io.LimitReader(f, fi.Size()), buf)
+		st.Bytes += n
+		if err != nil {
+			return err
+		}
+		if n != fi.Size() {
+			return protocol.Errorf(protocol.CodeInvalidArgument, "%s shrank from %d to %d bytes while it was copied; copy it again once it stops changing", quote(name), fi.Size(), n)
+		}
+		st.Files++
+		return nil
+	}
+	st.Skipped++
+	return nil
+}
+
+func join(dir, name string) string {
+	if dir == "." || dir == "" {
+		return name
+	}
+	return dir + "/" + name
+}

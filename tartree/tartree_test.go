@@ -1,0 +1,90 @@
+package tartree_test
+
+import (
+	"archive/tar"
+	"bytes"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/sbxbroker/broker/tartree"
+)
+
+func archive(t *testing.T, hdrs ...tar.Header) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, h := range hdrs {
+		body := []byte("new")
+		if h.Typeflag == tar.TypeReg {
+			h.Size = int64(len(body))
+		}
+		if err := tw.WriteHeader(&h); err != nil {
+			t.Fatal(err)
+		}
+		if h.Typeflag == tar.TypeReg {
+			tw.Write(body)
+		}
+	}
+	tw.Close()
+	return buf.Bytes()
+}
+
+// TestExtractNeverFollowsExistingLinksOut: links already in the destination that lead out of it
+// (planted by a sandbox, or a person's own) are replaced by what the archive has, never written
+// through, so the file they point to is untouched.
+func TestExtractNeverFollowsExistingLinksOut(t *testing.T) {
+	outside := t.TempDir()
+	victim := filepath.Join(outside, "victim")
+	if err := os.WriteFile(victim, []byte("old"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dst := t.TempDir()
+	os.Symlink(victim, filepath.Join(dst, "f"))
+	os.Symlink(outside, filepath.Join(dst, "d"))
+	root, err := os.OpenRoot(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	a := archive(t,
+		tar.Header{Typeflag: tar.TypeReg, Name: "f", Mode: 0o600},
+		tar.Header{Typeflag: tar.TypeReg, Name: "d/victim", Mode: 0o600},
+	)
+	st, err := tartree.Extract(t.Context(), root, bytes.NewReader(a), tartree.ExtractOptions{})
+	if err != nil || st.Files != 2 {
+		t.Fatalf("extract: %v %+v", err, st)
+	}
+	if b, _ := os.ReadFile(victim); string(b) != "old" {
+		t.Fatalf("a link in the destination was written through: %q", b)
+	}
+	for _, p := range []string{"f", "d/victim"} {
+		fi, err := os.Lstat(filepath.Join(dst, p))
+		if err != nil || !fi.Mode().IsRegular() {
+			t.Fatalf("%s: %v %v", p, err, fi)
+		}
+	}
+}
+
+// TestExtractAs renames the archive's top: copying a tree "as" a new name.
+func TestExtractAs(t *testing.T) {
+	dst := t.TempDir()
+	root, _ := os.OpenRoot(dst)
+	defer root.Close()
+	a := archive(t,
+		tar.Header{Typeflag: tar.TypeDir, Name: "proj/", Mode: 0o755},
+		tar.Header{Typeflag: tar.TypeReg, Name: "proj/a", Mode: 0o644},
+		tar.Header{Typeflag: tar.TypeLink, Name: "proj/b", Linkname: "proj/a"},
+	)
+	if _, err := tartree.Extract(t.Context(), root, bytes.NewReader(a), tartree.ExtractOptions{As: "copy"}); err != nil {
+		t.Fatal(err)
+	}
+	a1, err1 := os.Stat(filepath.Join(dst, "copy/a"))
+	b1, err2 := os.Stat(filepath.Join(dst, "copy/b"))
+	if err1 != nil || err2 != nil || !os.SameFile(a1, b1) {
+		t.Fatalf("as: %v %v", err1, err2)
+	}
+	if _, err := os.Stat(filepath.Join(dst, "proj")); err == nil {
+		t.Fatal("the original top name was extracted too")
+	}
+}

@@ -512,8 +512,9 @@ func (s *cgroupSet) stat(file string) string {
 	return ""
 }
 
-// remove deletes the cgroups. A cgroup can be removed only once its last task is gone; exited
-// processes may take a moment to be released, so it retries briefly.
+// remove deletes the cgroups. A cgroup can be removed only once its last task is gone: killed
+// processes leave it only as they finish exiting, which under load (hundreds of them, a busy host)
+// takes more than a second, so it retries while the removal says busy, for up to cgroupDrainWait.
 func (s *cgroupSet) remove() error {
 	if s == nil {
 		return nil
@@ -521,24 +522,32 @@ func (s *cgroupSet) remove() error {
 	var errs []error
 	dirs := append([]string(nil), s.dirs...)
 	sort.Sort(sort.Reverse(sort.StringSlice(dirs)))
+	deadline := time.Now().Add(cgroupDrainWait)
 	for _, dir := range dirs {
 		var err error
-		for wait := time.Millisecond; ; wait *= 2 {
+		for wait := time.Millisecond; ; wait = min(2*wait, 100*time.Millisecond) {
 			err = os.Remove(dir)
 			if err == nil || errors.Is(err, fs.ErrNotExist) {
 				err = nil
 				break
 			}
-			if wait > 512*time.Millisecond {
+			if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
 				break
 			}
 			time.Sleep(wait)
 		}
 		if err != nil {
+			if b, rerr := os.ReadFile(filepath.Join(dir, "cgroup.procs")); rerr == nil && len(b) > 0 {
+				err = fmt.Errorf("%w (processes still in it: %s)", err, strings.Join(strings.Fields(string(b)), " "))
+			}
 			errs = append(errs, fmt.Errorf("remove cgroup %s: %w", dir, err))
 		}
 	}
 	return errors.Join(errs...)
 }
+
+// cgroupDrainWait bounds how long remove waits for a sandbox's killed processes to leave its
+// cgroups.
+const cgroupDrainWait = 10 * time.Second
 
 func itoa(v int64) string { return strconv.FormatInt(v, 10) }

@@ -137,6 +137,39 @@ func TestDestroyRemovesLeftoverCgroups(t *testing.T) {
 	}
 }
 
+// A cgroup whose last process is still on its way out when the sandbox is torn down (killed
+// processes leave it only as they finish exiting, which under load takes more than a second) is
+// removed once it has drained, not left behind with EBUSY.
+func TestCgroupRemoveWaitsForTasksToDrain(t *testing.T) {
+	t.Parallel()
+	n := newNamespace(t, Config{})
+	if !n.cg.enforced() {
+		t.Fatalf("this test needs cgroups: %s", n.cg.reason)
+	}
+	id := NewID()
+	s, err := n.cg.create(id, DefaultLimits())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A task that leaves the cgroup 1.5 s after the removal starts.
+	cmd := exec.Command("sleep", "1.5")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	t.Cleanup(func() { cmd.Process.Kill(); <-exited; s.remove() })
+	if err := s.attach(cmd.Process.Pid); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.remove(); err != nil {
+		t.Fatalf("removing a cgroup whose task leaves in 1.5 s: %v", err)
+	}
+	if left := cgroupDirsOf(n, id); len(left) > 0 {
+		t.Fatalf("cgroups left: %v", left)
+	}
+}
+
 // orphanBwrap starts the bwrap n would start for a new sandbox running `sleep N`, but as the
 // orphan of bubblewrap issue 633: without the parent-death signal, so nothing ends it with its
 // parent. It returns the sleep's marker.

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -236,7 +237,7 @@ func (n *Namespace) createVolume(id string, size ByteSize, uid, gid int) error {
 		os.Remove(tmp)
 		return fmt.Errorf("create sandbox %s: disk image: %w", id, err)
 	}
-	if err := n.mountVolume(id); err != nil {
+	if err := n.mountImage(id, true); err != nil {
 		return err
 	}
 	// mkfs makes lost+found; the workspace starts empty (e2fsck makes it again if it needs it).
@@ -248,7 +249,12 @@ func (n *Namespace) createVolume(id string, size ByteSize, uid, gid int) error {
 // mountVolume mounts the sandbox's image on its workspace directory unless it is mounted already (a
 // broker that crashed leaves its mounts). A sandbox with no image (created before disk quotas, or by
 // a broker that could not enforce them) keeps its plain-directory workspace, logged once.
-func (n *Namespace) mountVolume(id string) error {
+func (n *Namespace) mountVolume(id string) error { return n.mountImage(id, false) }
+
+// mountImage is mountVolume; fresh says the image was made just now, so no loop device can be
+// attached to it yet and loopMount need not look for one (a look reads a file per loop device on
+// the host: 20 ms with 500 of them, where the create's attach and mount take 3).
+func (n *Namespace) mountImage(id string, fresh bool) error {
 	v := &n.vol
 	img, ws := n.layout.diskImage(id), n.layout.workspaceDir(id)
 	v.mu.Lock()
@@ -274,7 +280,7 @@ func (n *Namespace) mountVolume(id string) error {
 	if !v.enabled {
 		return fmt.Errorf("sandbox %s has a disk image and this broker cannot mount it (%s)", id, v.reason)
 	}
-	if err := loopMount(img, ws); err != nil {
+	if err := loopMount(img, ws, fresh); err != nil {
 		return fmt.Errorf("sandbox %s: mount its disk image: %w", id, err)
 	}
 	return nil
@@ -413,11 +419,87 @@ func copySparse(src, dst string, size int64) error {
 	return err
 }
 
-// loopMount attaches img to a free loop device (autoclear: the device goes with the last unmount)
-// and mounts it nosuid,nodev,noatime on dir. noinit_itable: the image is sparse, its unwritten
-// inode tables read as zeros already, and zeroing them in the background would write tens of MiB
-// per sandbox for nothing.
-func loopMount(img, dir string) error {
+// loopMount mounts img nosuid,nodev,noatime on dir: through the loop device already bound to it
+// if there is one, else through a free loop device it attaches (autoclear: the device goes with
+// the last unmount). noinit_itable: the image is sparse, its unwritten inode tables read as zeros
+// already, and zeroing them in the background would write tens of MiB per sandbox for nothing.
+//
+// A bound device means the image's filesystem may still be alive though nothing shows it mounted:
+// the kernel lets go of a filesystem some time after the umount(2) of its last visible mount
+// returned (the bind a stopped sandbox's mount namespace held is released after that namespace's
+// last process is gone; we measured tens of ms, seconds under load), and only then does it write
+// what the filesystem still held and detach the device. A second loop device attached meanwhile
+// would mount the image as it was on disk, without the files still in the first filesystem's
+// cache, and two live ext4 filesystems on one image corrupt it. Mounting the bound device instead
+// reuses that filesystem, whose files are all there. fresh: img was made just now and is attached
+// nowhere.
+func loopMount(img, dir string, fresh bool) error {
+	const flags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOATIME
+	if fresh {
+		return loopAttachMount(img, dir, flags)
+	}
+	for deadline := time.Now().Add(loopBusyWait); ; {
+		dev, err := boundLoop(img)
+		if err != nil {
+			return err
+		}
+		if dev == "" {
+			return loopAttachMount(img, dir, flags)
+		}
+		err = unix.Mount(dev, dir, "ext4", flags, "noinit_itable")
+		if err == nil {
+			return nil
+		}
+		// The device let go of the image between the look and the mount (its filesystem went
+		// with its last user, and autoclear detaches it): look again.
+		if time.Now().After(deadline) {
+			return fmt.Errorf("mount %s, still attached to %s from an earlier mount: %w", dev, img, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// loopBusyWait bounds how long loopMount keeps finding the image on a loop device it cannot mount.
+const loopBusyWait = 10 * time.Second
+
+// boundLoop is the loop device (/dev/loopN) img is attached to, or "" if none is. It reads the
+// backing files the kernel lists in /sys/block/loop*/loop; a host without /sys/block has no way
+// to tell, and gets "".
+func boundLoop(img string) (string, error) {
+	want, err := os.Stat(img)
+	if err != nil {
+		return "", err
+	}
+	// The kernel lists the backing file's path with symlinks resolved.
+	real, err := filepath.EvalSymlinks(img)
+	if err != nil {
+		return "", err
+	}
+	if real, err = filepath.Abs(real); err != nil {
+		return "", err
+	}
+	entries, err := os.ReadDir("/sys/block")
+	if err != nil {
+		return "", nil
+	}
+	for _, e := range entries {
+		name := e.Name()
+		if !strings.HasPrefix(name, "loop") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/sys/block", name, "loop", "backing_file"))
+		if err != nil || strings.TrimSuffix(strings.TrimSpace(string(b)), " (deleted)") != real {
+			continue // not attached, or to another file
+		}
+		if fi, err := os.Stat(real); err == nil && os.SameFile(fi, want) {
+			return "/dev/" + name, nil
+		}
+	}
+	return "", nil
+}
+
+// loopAttachMount attaches img to a free loop device with autoclear and mounts it on dir.
+func loopAttachMount(img, dir string, flags uintptr) error {
 	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
@@ -450,7 +532,7 @@ func loopMount(img, dir string) error {
 			lo.Close()
 			return fmt.Errorf("attach %s: %w", dev, err)
 		}
-		err = unix.Mount(dev, dir, "ext4", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOATIME, "noinit_itable")
+		err = unix.Mount(dev, dir, "ext4", flags, "noinit_itable")
 		lo.Close() // the mount holds the device now; unmounted, autoclear detaches it
 		if err != nil {
 			return fmt.Errorf("mount %s: %w", dev, err)

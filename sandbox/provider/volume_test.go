@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -124,13 +125,27 @@ func TestDiskQuotaSurvivesStopAndRestart(t *testing.T) {
 	check(n, "after a stop")
 	restarted := newNamespace(t, Config{DataDir: n.cfg.DataDir})
 	check(restarted, "after a broker restart")
+	// Unmounted and at once mounted again: the kernel may still hold the image's filesystem (and
+	// its loop device) after umount returned, with the file only in its cache. The mount must
+	// reuse it, never mount the image a second time from a second loop device.
+	img := n.layout.diskImage(spec.ID)
 	if err := unix.Unmount(ws, 0); err != nil {
 		t.Fatal(err)
 	}
+	check(restarted, "after an unmount (mounted again at once)")
+	if devs := loopsFor(t, img); len(devs) != 1 {
+		t.Fatalf("the image is attached to %v; want exactly one loop device", devs)
+	}
+	// A reboot: nothing mounted and no loop device left.
+	if err := unix.Unmount(ws, 0); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "the image's loop device to be released", func() bool { return len(loopsFor(t, img)) == 0 })
 	check(restarted, "after a reboot (nothing mounted)")
 	if err := unix.Unmount(ws, 0); err != nil {
 		t.Fatal(err)
 	}
+	waitFor(t, 30*time.Second, "the image's loop device to be released", func() bool { return len(loopsFor(t, img)) == 0 })
 	if err := restarted.MountWorkspace(spec); err != nil {
 		t.Fatal(err)
 	}
@@ -259,4 +274,35 @@ func dfSizes(out string) string {
 		}
 	}
 	return strings.Join(s, " ")
+}
+
+// loopsFor lists the loop devices attached to img.
+func loopsFor(t *testing.T, img string) []string {
+	t.Helper()
+	want, err := os.Stat(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	var devs []string
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // detached meanwhile
+		}
+		if fi, err := os.Stat(strings.TrimSpace(string(b))); err == nil && os.SameFile(fi, want) {
+			devs = append(devs, filepath.Base(filepath.Dir(filepath.Dir(f))))
+		}
+	}
+	return devs
+}
+
+// waitFor polls cond until it holds, failing the test with what it waited for after limit.
+func waitFor(t *testing.T, limit time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(limit); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited %v for %s", limit, what)
+		}
+	}
 }

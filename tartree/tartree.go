@@ -497,7 +497,7 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 		st.Symlinks++
 		return tw.WriteHeader(hdr)
 	case m.IsRegular():
-		f, err := root.OpenFile(rel, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+		f, err := root.OpenFile(rel, os.O_RDONLY|readFlags, 0)
 		if err != nil {
 			return &EntryError{rel, err}
 		}

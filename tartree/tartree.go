@@ -74,6 +74,10 @@ type ExtractOptions struct {
 	As string
 }
 
+// maxDirs bounds the directories one extraction remembers (their modes and mtimes are applied at
+// the end): each is a real directory on disk, but the list lives in the broker's memory.
+var maxDirs = 200_000
+
 // dirMeta is a directory's mode and mtime, applied once everything inside it is written.
 type dirMeta struct {
 	name  string
@@ -96,6 +100,9 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// through it (the classic "link, then a file through the link" attack).
 	links := map[string]bool{}
 	var dirs []dirMeta
+	// dirAt indexes dirs by name: an archive that names one directory a million times (no disk
+	// used, so no quota stops it) keeps one entry, the last one's mode and mtime, like tar.
+	dirAt := map[string]int{}
 	// known are the directories this extraction made or checked, so that the thousands of files of
 	// one directory do not each check their parents again. A directory the sandbox swaps for a link
 	// meanwhile still cannot lead out: every operation goes through the root.
@@ -133,6 +140,14 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			}
 			markKnown(known, name)
 			delete(links, name)
+			if i, ok := dirAt[name]; ok {
+				dirs[i] = dirMeta{name, perm, hdr.ModTime}
+				continue
+			}
+			if len(dirs) >= maxDirs {
+				return st, refuse(hdr.Name, "the archive has more than %d directories; copy the tree in parts", maxDirs)
+			}
+			dirAt[name] = len(dirs)
 			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
 			st.Dirs++
 		case tar.TypeReg, tar.TypeGNUSparse, '\x00':

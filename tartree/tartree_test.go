@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/sbxbroker/broker/tartree"
@@ -86,5 +87,47 @@ func TestExtractAs(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dst, "proj")); err == nil {
 		t.Fatal("the original top name was extracted too")
+	}
+}
+
+// TestExtractRepeatedDirIsRememberedOnce: an archive naming one directory 20,000 times uses no
+// disk, so no quota stops it; the broker must keep one entry for it (the last one's mode), not one
+// per header, or a stream of repeats grows its memory without bound.
+func TestExtractRepeatedDirIsRememberedOnce(t *testing.T) {
+	dst := t.TempDir()
+	root, err := os.OpenRoot(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	hdrs := make([]tar.Header, 20_000)
+	for i := range hdrs {
+		hdrs[i] = tar.Header{Typeflag: tar.TypeDir, Name: "d/", Mode: 0o755}
+	}
+	hdrs[len(hdrs)-1].Mode = 0o700
+	st, err := tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{})
+	if err != nil || st.Dirs != 1 {
+		t.Fatalf("extract: %v, %d directories remembered for one named 20,000 times", err, st.Dirs)
+	}
+	if fi, err := os.Stat(filepath.Join(dst, "d")); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("d: %v %v, want the last entry's mode 0700", err, fi)
+	}
+}
+
+// TestExtractRefusesTooManyDirs: past the cap the archive is refused with a clear error.
+func TestExtractRefusesTooManyDirs(t *testing.T) {
+	defer tartree.SetMaxDirs(3)()
+	root, err := os.OpenRoot(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	var hdrs []tar.Header
+	for _, n := range []string{"a/", "b/", "c/", "d/", "e/"} {
+		hdrs = append(hdrs, tar.Header{Typeflag: tar.TypeDir, Name: n, Mode: 0o755})
+	}
+	_, err = tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{})
+	if err == nil || !strings.Contains(err.Error(), "more than 3 directories") {
+		t.Fatalf("err = %v, want a refusal naming the cap", err)
 	}
 }

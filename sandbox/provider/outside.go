@@ -50,7 +50,7 @@ func (in *instance) killOutside(c *call) {
 	if exited || initPid <= 0 {
 		return
 	}
-	killGroupOutside(initPid, pid, pipes)
+	killGroupOutside(initPid, pid, pipes, in.initAlive)
 	select {
 	case <-c.done:
 		return
@@ -72,13 +72,15 @@ type hostProc struct {
 
 // killGroupOutside freezes then kills, from the host, the descendants of initPid that are in process
 // group pgid as the sandbox sees it (0: none) or hold one of the pipes ("pipe:[inode]"), and all
-// their descendants. Like sbxinit.KillTree it stops what it finds first (a stopped process cannot
+// their descendants. alive says whether initPid is still the sandbox's init: once it is not (reaped,
+// its pid free for any host process to take), no more of its "children" are looked for. Like
+// sbxinit.KillTree it stops what it finds first (a stopped process cannot
 // fork, exit or be reaped, so no pid is reused under us), rescans until nothing new appears, then
 // kills the lot.
-func killGroupOutside(initPid, pgid int, pipes []string) {
+func killGroupOutside(initPid, pgid int, pipes []string, alive func() bool) {
 	stopped := map[int]bool{}
 	self := os.Getpid()
-	for round := 0; round < 100; round++ {
+	for round := 0; round < 100 && alive(); round++ {
 		procs := scanHostProcs()
 		children := make(map[int][]int, len(procs))
 		byPid := make(map[int]hostProc, len(procs))
@@ -236,4 +238,15 @@ func hostProcState(pid int, buf []byte) byte {
 		return 0
 	}
 	return buf[i+2]
+}
+
+// initAlive says whether the init is still this sandbox's: not torn down, and, where there is a
+// pidfd, not yet reaped (a reaped init's pid may already belong to another host process).
+func (in *instance) initAlive() bool {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.ended {
+		return false
+	}
+	return in.pidfd <= 0 || unix.PidfdSendSignal(in.pidfd, 0, nil, 0) == nil
 }

@@ -474,6 +474,11 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	// The receiving side refuses longer names anyway; stopping here also bounds the depth a tree
+	// can make this walk recurse to (and its cost, which grows with the square of the depth).
+	if len(name) > MaxNameBytes {
+		return &EntryError{rel, fmt.Errorf("its name is over %d bytes; copy a shallower part of the tree", MaxNameBytes)}
+	}
 	fi, err := root.Lstat(rel)
 	if err != nil {
 		return &EntryError{rel, err}

@@ -3,10 +3,13 @@ package tartree_test
 import (
 	"archive/tar"
 	"bytes"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/sbxbroker/broker/tartree"
 )
@@ -129,5 +132,39 @@ func TestExtractRefusesTooManyDirs(t *testing.T) {
 	_, err = tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{})
 	if err == nil || !strings.Contains(err.Error(), "more than 3 directories") {
 		t.Fatalf("err = %v, want a refusal naming the cap", err)
+	}
+}
+
+// TestAddStopsAtTheNameLimit: a tree deeper than the longest name the other side accepts is an
+// error naming the limit, not a walk as deep as the tree (a sandbox chooses its tree's shape).
+func TestAddStopsAtTheNameLimit(t *testing.T) {
+	dst := t.TempDir()
+	// Level by level through directory fds: the host's own calls refuse paths over PATH_MAX.
+	fd, err := unix.Open(dst, unix.O_DIRECTORY|unix.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	long := strings.Repeat("d", 255)
+	for range 17 { // 17 × 256 = 4,352 bytes of name
+		if err := unix.Mkdirat(fd, long, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		next, err := unix.Openat(fd, long, unix.O_DIRECTORY|unix.O_RDONLY, 0)
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fd = next
+	}
+	unix.Close(fd)
+	root, err := os.OpenRoot(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	tw := tar.NewWriter(io.Discard)
+	_, err = tartree.Add(t.Context(), tw, root, long, long)
+	if err == nil || !strings.Contains(err.Error(), "over 4096 bytes") {
+		t.Fatalf("err = %v, want the name limit", err)
 	}
 }

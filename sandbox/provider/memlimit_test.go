@@ -43,8 +43,10 @@ func TestMemoryLimitEndsTheSandbox(t *testing.T) {
 		res, err := in.Exec(context.Background(), ExecRequest{
 			Command: "head -c 40M /dev/zero > /dev/shm/a; head -c 40M /dev/zero > /tmp/b; echo filled",
 			Stdout:  &out, Timeout: 30 * time.Second})
-		// It is killed (memory_limit), or the sandbox ends under it first (ErrMemoryLimit).
-		if !errors.Is(err, ErrMemoryLimit) && (err != nil || res.Reason != ReasonMemoryLimit) {
+		// It is killed (memory_limit), the sandbox ends under it first (ErrMemoryLimit), or, on a
+		// fast machine, the shell outlives its killed child and answers before the watcher stops the
+		// sandbox: whichever, the sandbox must then end for the memory limit (ended, below).
+		if err != nil && !errors.Is(err, ErrMemoryLimit) {
 			t.Errorf("the exec that filled it: %+v %v %q, want it ended for the memory limit", res, err, out.String())
 		}
 		ended(t, in)

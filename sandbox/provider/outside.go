@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
 )
 
 // killGrace is how long the broker lets the init end a command (after a timeout or a cancel) before
@@ -127,7 +129,7 @@ func killGroupOutside(initPid, pgid int, pipes []string, alive func() bool) {
 		if len(fresh) == 0 {
 			break
 		}
-		waitHostStopped(fresh)
+		sbxinit.WaitStopped(fresh) // the host's /proc here: the same pids the broker signalled
 	}
 	for pid := range stopped {
 		unix.Kill(pid, unix.SIGKILL)
@@ -204,40 +206,6 @@ func holdsAny(pid int, pipes []string) bool {
 		}
 	}
 	return false
-}
-
-// waitHostStopped waits briefly until each pid is stopped, a zombie or gone (a process in an
-// uninterruptible sleep stops only when it leaves it).
-func waitHostStopped(pids []int) {
-	deadline := time.Now().Add(200 * time.Millisecond)
-	buf := make([]byte, 512)
-	for _, pid := range pids {
-		for time.Now().Before(deadline) {
-			st := hostProcState(pid, buf)
-			if st == 0 || st == 'T' || st == 't' || st == 'Z' || st == 'X' {
-				break
-			}
-			time.Sleep(50 * time.Microsecond)
-		}
-	}
-}
-
-// hostProcState is the state letter from /proc/<pid>/stat, 0 if the process is gone.
-func hostProcState(pid int, buf []byte) byte {
-	fd, err := unix.Open("/proc/"+strconv.Itoa(pid)+"/stat", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return 0
-	}
-	n, _ := unix.Read(fd, buf)
-	unix.Close(fd)
-	if n <= 0 {
-		return 0
-	}
-	i := bytes.LastIndexByte(buf[:n], ')')
-	if i < 0 || i+2 >= n {
-		return 0
-	}
-	return buf[i+2]
 }
 
 // initAlive says whether the init is still this sandbox's: not torn down, and, where there is a

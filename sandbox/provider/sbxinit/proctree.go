@@ -83,7 +83,7 @@ func KillTree(root, pgid, sid, exclude int) {
 		unix.Kill(pid, unix.SIGSTOP)
 	}
 	stop(root)
-	waitStopped([]int{root})
+	WaitStopped([]int{root})
 	for round := 0; round < 100; round++ {
 		procs := scanProcs()
 		children := make(map[int][]int, len(procs))
@@ -116,7 +116,7 @@ func KillTree(root, pgid, sid, exclude int) {
 		}
 		// SIGSTOP is asynchronous: until a process is really stopped it may still fork, and the
 		// next scan must see that child.
-		waitStopped(fresh)
+		WaitStopped(fresh)
 	}
 	if pgid > 0 {
 		unix.Kill(-pgid, unix.SIGKILL)
@@ -126,9 +126,9 @@ func KillTree(root, pgid, sid, exclude int) {
 	}
 }
 
-// waitStopped waits (briefly: a process in uninterruptible sleep stops only when it leaves it) until
+// WaitStopped waits (briefly: a process in uninterruptible sleep stops only when it leaves it) until
 // each pid is stopped, dead or gone.
-func waitStopped(pids []int) {
+func WaitStopped(pids []int) {
 	buf := make([]byte, 512)
 	deadline := time.Now().Add(200 * time.Millisecond)
 	for _, pid := range pids {

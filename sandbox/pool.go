@@ -27,8 +27,9 @@ import (
 //
 //  1. take it from the pool (under the pool's mutex: two creates never take the same one);
 //  2. mark its index entry with the claiming org ("~pool\n<template>\n<org>"), so that a crash from
-//     here on is recovered either as the org's sandbox (its record exists) or as a pool leftover;
-//  3. move its uid to the org's sandbox (store.TransferUID, atomic);
+//     here on is recovered either as the org's sandbox (its record exists) or as a pool leftover
+//     (the mark stays: Recover turns it into the org's plain entry);
+//  3. move its uid to the org's sandbox (store.TransferUID, atomic), overlapping step 2;
 //  4. create the record with its id (store.CreateOrReuse: the name index, the org's max_sandboxes
 //     and max_running count it from here, atomically with the name);
 //  5. record it running and hand it to the lifecycle like any sandbox.
@@ -395,16 +396,23 @@ func (p *pool) close(ctx context.Context) {
 // discarded and the create goes on without it.
 func (p *pool) claim(ctx context.Context, org string, pd *pooled) error {
 	m := p.m
-	if err := m.indexPooled(pd.id, pd.template, org); err != nil {
-		p.giveBack(pd)
-		return err
-	}
+	// The index write (a file) and the uid's move (Redis) are independent: they overlap.
+	indexed := make(chan error, 1)
+	go func() { indexed <- m.indexPooled(pd.id, pd.template, org) }()
+	var moveErr error
 	if pd.uid > 0 {
-		if _, err := m.cfg.Store.TransferUID(ctx, store.PoolOrg, org, pd.id); err != nil {
-			// The move may have happened: release under both owners.
-			go p.discard(context.WithoutCancel(ctx), pd, org)
-			return err
-		}
+		_, moveErr = m.cfg.Store.TransferUID(ctx, store.PoolOrg, org, pd.id)
+	}
+	indexErr := <-indexed
+	switch {
+	case moveErr != nil:
+		// The move may have happened: release under both owners.
+		go p.discard(context.WithoutCancel(ctx), pd, org)
+		return moveErr
+	case indexErr != nil:
+		// Without the mark a crash could not tell this sandbox's record from a leftover.
+		go p.discard(context.WithoutCancel(ctx), pd, org)
+		return indexErr
 	}
 	return nil
 }
@@ -459,9 +467,8 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 	}
 	h.org = rec.Org
 	inst := h.inst
-	if err := m.index(rec.ID, rec.Org); err != nil {
-		m.cfg.Log.Warn("rewriting the index entry of a claimed pooled sandbox failed; Recover will find it by its claim", "sandbox_id", rec.ID, "err", err)
-	}
+	// Its index entry keeps the claim's mark ("~pool", template, org) rather than being written
+	// again on the create's path: Recover reads the mark, finds the record and rewrites it.
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning,
 		Fields: map[string]string{store.FieldProvider: m.cfg.Provider.Name()}})

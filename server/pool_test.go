@@ -464,11 +464,16 @@ func killCgroup(t *testing.T, id string) {
 		syscall.Kill(pid, syscall.SIGKILL)
 		pids = append(pids, pid)
 	}
-	// Until each has died (a zombie, or reaped): the broker may not have noticed yet.
+	// Until each has died, every thread of it (a zombie, or reaped): the broker may not have
+	// noticed yet.
 	wait.Eventually(t, 10*time.Second, func() bool {
 		for _, pid := range pids {
-			stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-			if err == nil {
+			tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+			for _, task := range tasks {
+				stat, err := os.ReadFile(task)
+				if err != nil {
+					continue
+				}
 				s := string(stat)
 				if st := s[strings.LastIndexByte(s, ')')+2]; st != 'Z' && st != 'X' {
 					return false

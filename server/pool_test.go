@@ -25,7 +25,9 @@ import (
 // the template's setup (if any), and waits until the pool is full.
 func pooledBroker(t *testing.T, size int, setup string, opts servertest.Options) *servertest.Broker {
 	t.Helper()
-	opts.Provider = "namespace"
+	if opts.Provider == "" {
+		opts.Provider = "namespace"
+	}
 	opts.Templates = map[string]provider.Template{"default": {Name: "default", Setup: setup, Pool: provider.Pool{Size: size}}}
 	b := servertest.New(t, opts)
 	waitPool(t, b, size)
@@ -159,12 +161,21 @@ func TestPoolClaim(t *testing.T) {
 }
 
 // Creates racing on one name get one sandbox; the pooled sandboxes the losers took go back to the
-// pool untouched, so nothing is started for them and nothing leaks.
+// pool untouched, so nothing is started for them and nothing leaks. Both providers pool alike.
 func TestPoolConcurrentSameName(t *testing.T) {
 	needRoot(t)
 	t.Parallel()
+	for _, prov := range []string{"namespace", "dir"} {
+		t.Run(prov, func(t *testing.T) {
+			t.Parallel()
+			testPoolConcurrentSameName(t, prov)
+		})
+	}
+}
+
+func testPoolConcurrentSameName(t *testing.T, prov string) {
 	ctx := t.Context()
-	b := pooledBroker(t, 4, "", servertest.Options{})
+	b := pooledBroker(t, 4, "", servertest.Options{Provider: prov})
 	const n = 8
 	ids := make(chan string, n)
 	var wg sync.WaitGroup
@@ -201,6 +212,18 @@ func TestPoolConcurrentSameName(t *testing.T) {
 	}
 	if s := poolStat(b); s.FillErrors != 0 {
 		t.Fatalf("pool %+v", s)
+	}
+	// A create refused for the name (no reuse) gives its pooled sandbox back as well.
+	noReuse := false
+	before := poolStat(b)
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "same", Reuse: &noReuse}); code(err) != protocol.CodeNameConflict {
+		t.Fatalf("a create of a taken name without reuse: %v, want name_conflict", err)
+	}
+	if after := poolStat(b); after.Ready != 4 || after.Claims != before.Claims {
+		t.Fatalf("pool %+v after a refused name (before %+v)", after, before)
+	}
+	if got := run(t, b, one, "echo ok"); got != "ok" {
+		t.Fatalf("the one sandbox: %q", got)
 	}
 }
 

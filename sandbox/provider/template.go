@@ -216,6 +216,9 @@ func (t Template) validateContent() error {
 	if t.Disk != 0 && t.Disk < MinDisk {
 		return fmt.Errorf("disk %s: must be at least %s", t.Disk, ByteSize(MinDisk))
 	}
+	if t.Pool.Size < 0 || t.Pool.Size > MaxPoolSize {
+		return fmt.Errorf("pool.size %d: must be between 0 and %d", t.Pool.Size, MaxPoolSize)
+	}
 	if t.Tmp < 0 || t.Tmp != 0 && t.Tmp < 1<<20 {
 		return fmt.Errorf("tmp %s: must be at least 1MiB", t.Tmp)
 	}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"path"
 	"slices"
 	"strings"
@@ -99,18 +100,7 @@ func readRecord(ctx context.Context, dp *backend.Remote) (baseline.Record, bool,
 // without opt.Force (a ConflictError). The new baseline record is written last, once the files are
 // in place, and the pushed commit is kept locally under refs/sbctl/<sandbox id>.
 func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) (PushResult, error) {
-	snap, err := repo.Snap(ctx, opt.Rev)
-	if err != nil {
-		return PushResult{}, err
-	}
-	entries, subs, err := repo.Tree(ctx, snap.Tree)
-	if err != nil {
-		return PushResult{}, err
-	}
-	if err := validPaths(entries); err != nil {
-		return PushResult{}, err
-	}
-	res := PushResult{Commit: snap.Commit, Synthetic: snap.Synthetic, Submodules: subs}
+	var res PushResult
 	old, found, err := readRecord(ctx, dp)
 	switch {
 	case err != nil && errors.Is(err, baseline.ErrDamaged) && opt.Force:
@@ -129,6 +119,18 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 		old = baseline.Record{}
 		res.Full = true
 	}
+	snap, err := repo.Snap(ctx, opt.Rev, old.Commit)
+	if err != nil {
+		return res, err
+	}
+	entries, subs, err := repo.Tree(ctx, snap.Tree)
+	if err != nil {
+		return res, err
+	}
+	if err := validPaths(entries); err != nil {
+		return res, err
+	}
+	res.Commit, res.Synthetic, res.Submodules = snap.Commit, snap.Synthetic, subs
 
 	// What to send: entries whose mode or blob differ from the record's.
 	now := time.Now().Truncate(time.Second)
@@ -198,8 +200,17 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 		defer b.close()
 		pr, pw := io.Pipe()
 		done := make(chan error, 1)
+		var disk *os.Root
+		if opt.Rev == "" {
+			// The working tree's files are read where they are (cheaper than the object store's
+			// loose objects); one that changed since the snapshot comes from the object store.
+			if disk, err = os.OpenRoot(repo.Top); err != nil {
+				return res, err
+			}
+			defer disk.Close()
+		}
 		go func() {
-			err := writeTar(pw, b, send, now, sizes)
+			err := writeTar(pw, b, disk, send, now, sizes)
 			pw.CloseWithError(err)
 			done <- err
 		}()
@@ -223,6 +234,9 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 	}
 	slices.SortFunc(rec.Entries, func(a, b baseline.Entry) int { return strings.Compare(a.Path, b.Path) })
 
+	if found && len(send) == 0 && len(del) == 0 && old.Commit == snap.Commit {
+		return res, nil // up to date: the record stands
+	}
 	// The record last: written after the files, its mtime is what their ctimes are compared with.
 	if opt.SandboxID != "" {
 		if err := repo.SetRef(ctx, RefPrefix+opt.SandboxID, snap.Commit); err != nil {
@@ -239,21 +253,35 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 	return res, nil
 }
 
-// writeTar writes the .sbx directory and the entries' blobs as a tar stream, all with mtime now.
-func writeTar(w io.Writer, b *blobs, send []TreeEntry, now time.Time, sizes map[string]int64) error {
+// writeTar writes the .sbx directory and the entries as a tar stream, all with mtime now. With a
+// disk root, an entry whose file there still has the snapshot's type and size is read from it;
+// the rest come from the object store.
+func writeTar(w io.Writer, b *blobs, disk *os.Root, send []TreeEntry, now time.Time, sizes map[string]int64) error {
 	tw := tar.NewWriter(w)
 	if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: path.Dir(protocol.BaselineRecord) + "/", Mode: 0o755, ModTime: now, Format: tar.FormatPAX}); err != nil {
 		return err
 	}
+	buf := make([]byte, 256<<10)
 	for _, e := range send {
+		hdr := &tar.Header{Name: e.Path, ModTime: now, Format: tar.FormatPAX, Typeflag: tar.TypeReg, Mode: 0o644}
+		if e.Mode == baseline.ModeExec {
+			hdr.Mode = 0o755
+		}
+		if disk != nil {
+			ok, err := fromDisk(tw, disk, e, hdr, buf, sizes)
+			if err != nil {
+				return err
+			}
+			if ok {
+				continue
+			}
+		}
 		n, err := b.open(e.OID)
 		if err != nil {
 			return err
 		}
 		sizes[e.Path] = n
-		hdr := &tar.Header{Name: e.Path, ModTime: now, Format: tar.FormatPAX}
-		switch e.Mode {
-		case baseline.ModeSymlink:
+		if e.Mode == baseline.ModeSymlink {
 			target := make([]byte, n)
 			if _, err := io.ReadFull(b.out, target); err != nil {
 				return err
@@ -262,15 +290,12 @@ func writeTar(w io.Writer, b *blobs, send []TreeEntry, now time.Time, sizes map[
 			if err := tw.WriteHeader(hdr); err != nil {
 				return err
 			}
-		default:
-			hdr.Typeflag, hdr.Size, hdr.Mode = tar.TypeReg, n, 0o644
-			if e.Mode == baseline.ModeExec {
-				hdr.Mode = 0o755
-			}
+		} else {
+			hdr.Size = n
 			if err := tw.WriteHeader(hdr); err != nil {
 				return err
 			}
-			if _, err := io.CopyN(tw, b.out, n); err != nil {
+			if _, err := io.CopyBuffer(tw, io.LimitReader(b.out, n), buf); err != nil {
 				return err
 			}
 		}
@@ -279,6 +304,39 @@ func writeTar(w io.Writer, b *blobs, send []TreeEntry, now time.Time, sizes map[
 		}
 	}
 	return tw.Close()
+}
+
+// fromDisk writes e from the working tree when it is still what the snapshot saw there: ok false
+// when it is not (the caller takes the blob instead). A symlink is read, never followed.
+func fromDisk(tw *tar.Writer, disk *os.Root, e TreeEntry, hdr *tar.Header, buf []byte, sizes map[string]int64) (bool, error) {
+	if e.Mode == baseline.ModeSymlink {
+		target, err := disk.Readlink(e.Path)
+		if err != nil || baseline.BlobID([]byte(target)) != e.OID {
+			return false, nil
+		}
+		hdr.Typeflag, hdr.Linkname, hdr.Mode = tar.TypeSymlink, target, 0o777
+		sizes[e.Path] = int64(len(target))
+		return true, tw.WriteHeader(hdr)
+	}
+	f, err := disk.OpenFile(e.Path, os.O_RDONLY|noFollow, 0)
+	if err != nil {
+		return false, nil
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil || !fi.Mode().IsRegular() {
+		return false, nil
+	}
+	hdr.Size = fi.Size()
+	if err := tw.WriteHeader(hdr); err != nil {
+		return false, err
+	}
+	n, err := io.CopyBuffer(tw, io.LimitReader(f, fi.Size()), buf)
+	if err == nil && n != fi.Size() {
+		err = fmt.Errorf("%s shrank while it was pushed; push again once it stops changing", e.Path)
+	}
+	sizes[e.Path] = n
+	return true, err
 }
 
 // emptied are the directories of deleted paths that the new tree has no file under, deepest

@@ -109,14 +109,19 @@ func (r *Repo) HasCommit(ctx context.Context, c string) bool {
 	return err == nil
 }
 
-// identity is the environment that lets commit-tree work in a repository without user.name.
-func (r *Repo) identity(ctx context.Context) []string {
-	if _, err := r.git(ctx, nil, nil, "var", "GIT_COMMITTER_IDENT"); err == nil {
-		if _, err := r.git(ctx, nil, nil, "var", "GIT_AUTHOR_IDENT"); err == nil {
-			return nil
+// commitTree runs git commit-tree as the person, or as "sbctl" in a repository where git knows no
+// identity (no user.name or user.email).
+func (r *Repo) commitTree(ctx context.Context, args []string) ([]byte, error) {
+	out, err := r.git(ctx, nil, nil, args...)
+	if err == nil {
+		return out, nil
+	}
+	if _, verr := r.git(ctx, nil, nil, "var", "GIT_COMMITTER_IDENT"); verr == nil {
+		if _, verr := r.git(ctx, nil, nil, "var", "GIT_AUTHOR_IDENT"); verr == nil {
+			return out, err
 		}
 	}
-	return []string{"GIT_AUTHOR_NAME=sbctl", "GIT_AUTHOR_EMAIL=sbctl@localhost", "GIT_COMMITTER_NAME=sbctl", "GIT_COMMITTER_EMAIL=sbctl@localhost"}
+	return r.git(ctx, []string{"GIT_AUTHOR_NAME=sbctl", "GIT_AUTHOR_EMAIL=sbctl@localhost", "GIT_COMMITTER_NAME=sbctl", "GIT_COMMITTER_EMAIL=sbctl@localhost"}, nil, args...)
 }
 
 // Snapshot is what a push sends: a commit and its tree.
@@ -132,7 +137,10 @@ type Snapshot struct {
 // tree's snapshot goes through a temporary index, so the person's index is untouched; when it
 // differs from HEAD it becomes a commit on top of HEAD (written to the object store, named by no
 // branch).
-func (r *Repo) Snap(ctx context.Context, rev string) (Snapshot, error) {
+//
+// prev, when set, is the commit the last push made: a working tree that has not changed since is
+// that commit again, not a new one.
+func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 	if rev != "" {
 		c, err := r.line(ctx, "rev-parse", "-q", "--verify", rev+"^{commit}")
 		if err != nil {
@@ -164,17 +172,28 @@ func (r *Repo) Snap(ctx context.Context, rev string) (Snapshot, error) {
 		return Snapshot{}, err
 	}
 	tree := strings.TrimSpace(string(out))
-	head := r.Head(ctx)
-	if head != "" {
-		if ht, err := r.line(ctx, "rev-parse", head+"^{tree}"); err == nil && ht == tree {
-			return Snapshot{Commit: head, Tree: tree}, nil
+	head := ""
+	if out, err := r.git(ctx, nil, nil, "rev-parse", "HEAD^{commit}", "HEAD^{tree}"); err == nil {
+		f := strings.Fields(string(out))
+		if len(f) == 2 && f[1] == tree {
+			return Snapshot{Commit: f[0], Tree: tree}, nil
+		}
+		if len(f) == 2 {
+			head = f[0]
+		}
+	}
+	if prev != "" {
+		if out, err := r.git(ctx, nil, nil, "log", "-1", "--format=%T %P", prev, "--"); err == nil {
+			if f := strings.Fields(string(out)); len(f) >= 1 && f[0] == tree && ((head == "" && len(f) == 1) || (len(f) == 2 && f[1] == head)) {
+				return Snapshot{Commit: prev, Tree: tree, Synthetic: true}, nil
+			}
 		}
 	}
 	args := []string{"commit-tree", tree, "-m", "sbctl push: the working tree at " + time.Now().UTC().Format(time.RFC3339)}
 	if head != "" {
 		args = append(args, "-p", head)
 	}
-	out, err = r.git(ctx, r.identity(ctx), nil, args...)
+	out, err = r.commitTree(ctx, args)
 	if err != nil {
 		return Snapshot{}, err
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -157,4 +158,28 @@ func TestChangesBounded(t *testing.T) {
 func isCode(err error, code string) bool {
 	var pe *protocol.Error
 	return errors.As(err, &pe) && pe.Code == code
+}
+
+func TestChangesOnlyThesePaths(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a", "d/b.bin": "b", "d/e/c.txt": "c"})
+	os.WriteFile(filepath.Join(dir, "a.txt"), []byte("A"), 0o644)
+	os.WriteFile(filepath.Join(dir, "d/b.bin"), []byte("B"), 0o644)
+	os.Remove(filepath.Join(dir, "d/e/c.txt"))
+	os.WriteFile(filepath.Join(dir, "new"), []byte("n"), 0o644)
+	// d/x is reached through a link: not the path itself, so it counts as absent.
+	os.Symlink("d", filepath.Join(dir, "l"))
+	res, err := Changes(context.Background(), root, Options{Only: []string{"a.txt", "d/e/c.txt", "new", "l/b.bin", "missing"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, c := range res.Changes {
+		got = append(got, c.Path+" "+c.Status)
+	}
+	if want := []string{"a.txt modified", "d/e/c.txt deleted", "new added"}; !slices.Equal(got, want) {
+		t.Fatalf("got %q, want %q", got, want)
+	}
+	if _, err := Changes(context.Background(), root, Options{Only: []string{"../x"}}); !isCode(err, protocol.CodeInvalidArgument) {
+		t.Fatalf("a climbing path: %v", err)
+	}
 }

@@ -19,6 +19,8 @@ type Options struct {
 	MaxEntries int   // files, symlinks and directories looked at
 	MaxBytes   int64 // bytes read to hash
 	MaxChanges int   // changes answered
+	// Only, when set, limits the comparison to these paths instead of the whole tree.
+	Only []string
 }
 
 // Defaults for Options left zero.
@@ -65,6 +67,9 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 	res.Commit = rec.Commit
 	s := &scanner{ctx: ctx, root: root, rec: rec, recTime: recTime, opt: opt, res: &res,
 		seen: make([]bool, len(rec.Entries)), h: NewHasher(), buf: make([]byte, 256<<10)}
+	if len(opt.Only) > 0 {
+		return res, s.only(opt.Only)
+	}
 	if err := s.walk(); err != nil {
 		return res, err
 	}
@@ -264,4 +269,70 @@ func (s *scanner) hash(d *os.File, p, name, mode string) (string, int64, error) 
 		return "", size, nil
 	}
 	return s.h.Sum(), size, nil
+}
+
+// only compares the given paths, each through its parent directory (which must be a directory all
+// the way up, never a link: the walk would not reach the path either).
+func (s *scanner) only(paths []string) error {
+	if len(paths) > protocol.MaxChangesPaths {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "paths names %d paths; the limit is %d (leave it out to compare the whole tree)", len(paths), protocol.MaxChangesPaths)
+	}
+	for _, p := range paths {
+		if err := ValidPath(p); err != nil {
+			return protocol.Errorf(protocol.CodeInvalidArgument, "paths: %q: %v", p, err)
+		}
+	}
+	sorted := slices.Clone(paths)
+	slices.Sort(sorted)
+	sorted = slices.Compact(sorted)
+	for _, p := range sorted {
+		if err := s.ctx.Err(); err != nil {
+			return err
+		}
+		if p == ".sbx" || strings.HasPrefix(p, ".sbx/") {
+			continue
+		}
+		present, err := s.onePath(p)
+		if err != nil {
+			return err
+		}
+		if !present {
+			if _, ok := s.rec.Find(p); ok {
+				if err := s.add(protocol.Change{Path: p, Status: protocol.ChangeDeleted}); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// onePath compares p when it is a file or a symlink below real directories; present false when it
+// is not there as one.
+func (s *scanner) onePath(p string) (bool, error) {
+	dir, name := ".", p
+	if i := strings.LastIndexByte(p, '/'); i >= 0 {
+		dir, name = p[:i], p[i+1:]
+		for d := dir; d != "."; {
+			fi, err := s.root.Lstat(d)
+			if err != nil || !fi.IsDir() {
+				return false, nil
+			}
+			j := strings.LastIndexByte(d, '/')
+			if j < 0 {
+				break
+			}
+			d = d[:j]
+		}
+	}
+	d, err := s.root.OpenFile(dir, os.O_RDONLY|noFollow|dirFlag, 0)
+	if err != nil {
+		return false, nil
+	}
+	defer d.Close()
+	st, err := lstatAt(d, s.root, p, name)
+	if err != nil || !(st.mode.IsRegular() || st.mode&fs.ModeSymlink != 0) {
+		return false, nil
+	}
+	return true, s.file(d, p, name, st)
 }

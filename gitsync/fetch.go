@@ -46,11 +46,14 @@ const fetchAllOver = 256
 // out added paths the repository ignores, copies the changed files' contents into the local object
 // store, and builds the sandbox's tree on the pushed base commit, which must be in this repository.
 func Fetch(ctx context.Context, dp *backend.Remote, repo *Repo) (*Fetched, error) {
+	tr := newTracer()
 	ch, err := dp.Changes(ctx, protocol.ChangesArgs{Path: Workspace})
 	if err != nil {
 		return nil, err
 	}
-	if !repo.HasCommit(ctx, ch.Commit) {
+	tr.mark("sandbox changes")
+	defer tr.mark("build the tree")
+	if !repo.HasCommit(ctx, ch.Commit) { // (one spawn, against a confusing read-tree error later)
 		return nil, fmt.Errorf("the sandbox was pushed from another repository: its base commit %s is not in %s; run this in the repository you pushed from (or fetch that commit)", short(ch.Commit), repo.Top)
 	}
 	f := &Fetched{Base: ch.Commit, Skipped: ch.Skipped}
@@ -79,10 +82,12 @@ func Fetch(ctx context.Context, dp *backend.Remote, repo *Repo) (*Fetched, error
 		}
 		want = append(want, c)
 	}
+	tr.mark("ignore rules")
 	got, err := fetchBlobs(ctx, dp, repo, want)
 	if err != nil {
 		return nil, err
 	}
+	tr.mark("fetch the files")
 	f.Changes = append(f.Changes, got...)
 	slices.SortFunc(f.Changes, func(a, b Change) int { return strings.Compare(a.Path, b.Path) })
 	f.Tree, err = repo.buildTree(ctx, f.Base, f.Changes)

@@ -101,7 +101,38 @@ func readRecord(ctx context.Context, dp *backend.Remote) (baseline.Record, bool,
 // in place, and the pushed commit is kept locally under refs/sbctl/<sandbox id>.
 func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) (PushResult, error) {
 	var res PushResult
-	old, found, err := readRecord(ctx, dp)
+	tr := newTracer()
+	// The record comes over the network while the snapshot is taken here.
+	type recAnswer struct {
+		rec   baseline.Record
+		found bool
+		err   error
+	}
+	recCh := make(chan recAnswer, 1)
+	go func() {
+		rec, found, err := readRecord(ctx, dp)
+		recCh <- recAnswer{rec, found, err}
+	}()
+	prev := ""
+	if opt.SandboxID != "" {
+		prev = RefPrefix + opt.SandboxID
+	}
+	snap, snapErr := repo.Snap(ctx, opt.Rev, prev)
+	var entries []TreeEntry
+	var subs []string
+	if snapErr == nil {
+		tr.mark("snapshot")
+		entries, subs, snapErr = repo.Tree(ctx, snap.Tree)
+		if snapErr == nil {
+			snapErr = validPaths(entries)
+		}
+		tr.mark("list the tree")
+	}
+	ra := <-recCh
+	if snapErr != nil {
+		return res, snapErr
+	}
+	old, found, err := ra.rec, ra.found, ra.err
 	switch {
 	case err != nil && errors.Is(err, baseline.ErrDamaged) && opt.Force:
 		found = false
@@ -118,17 +149,6 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 	if !found {
 		old = baseline.Record{}
 		res.Full = true
-	}
-	snap, err := repo.Snap(ctx, opt.Rev, old.Commit)
-	if err != nil {
-		return res, err
-	}
-	entries, subs, err := repo.Tree(ctx, snap.Tree)
-	if err != nil {
-		return res, err
-	}
-	if err := validPaths(entries); err != nil {
-		return res, err
 	}
 	res.Commit, res.Synthetic, res.Submodules = snap.Commit, snap.Synthetic, subs
 
@@ -155,7 +175,15 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 
 	// Nothing the sandbox changed may be overwritten or deleted unless told.
 	if found && !opt.Force && (len(send) > 0 || len(del) > 0) {
-		ch, err := dp.Changes(ctx, protocol.ChangesArgs{Path: Workspace})
+		// Only the paths this push touches matter (the whole tree past a point).
+		args := protocol.ChangesArgs{Path: Workspace}
+		if len(send)+len(del) <= protocol.MaxChangesPaths {
+			for _, e := range send {
+				args.Paths = append(args.Paths, e.Path)
+			}
+			args.Paths = append(args.Paths, del...)
+		}
+		ch, err := dp.Changes(ctx, args)
 		if err != nil {
 			return res, err
 		}
@@ -178,6 +206,7 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 			slices.Sort(conflicts)
 			return res, &ConflictError{Paths: conflicts}
 		}
+		tr.mark("sandbox changes")
 	}
 
 	if err := deleteAll(ctx, dp, del); err != nil {
@@ -191,6 +220,12 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 
 	// One tar: the .sbx directory, then every file to send; the blobs come from the object store,
 	// so what is sent is exactly what was hashed.
+	refDone := make(chan error, 1)
+	if opt.SandboxID != "" && (!found || old.Commit != snap.Commit) {
+		go func() { refDone <- repo.SetRef(ctx, RefPrefix+opt.SandboxID, snap.Commit) }()
+	} else {
+		refDone <- nil
+	}
 	sizes := make(map[string]int64, len(send))
 	if len(send) > 0 || !found {
 		b, err := repo.openBlobs(ctx)
@@ -214,7 +249,7 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 			pw.CloseWithError(err)
 			done <- err
 		}()
-		tr, err := dp.Untar(ctx, Workspace, pr)
+		tres, err := dp.Untar(ctx, Workspace, pr)
 		pr.CloseWithError(errors.New("the push ended"))
 		if lerr := <-done; err == nil && lerr != nil {
 			err = lerr
@@ -222,7 +257,8 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 		if err != nil {
 			return res, err
 		}
-		res.Bytes = tr.Bytes
+		res.Bytes = tres.Bytes
+		tr.mark("untar")
 	}
 	res.Sent = len(send)
 	for _, e := range send {
@@ -238,18 +274,18 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 		return res, nil // up to date: the record stands
 	}
 	// The record last: written after the files, its mtime is what their ctimes are compared with.
-	if opt.SandboxID != "" {
-		if err := repo.SetRef(ctx, RefPrefix+opt.SandboxID, snap.Commit); err != nil {
-			return res, err
-		}
+	if err := <-refDone; err != nil {
+		return res, err
 	}
 	var rb bytes.Buffer
 	if err := rec.Write(&rb); err != nil {
 		return res, err
 	}
+	tr.mark("set the ref")
 	if _, err := dp.Upload(ctx, RecordPath, &rb); err != nil {
 		return res, fmt.Errorf("recording the baseline: %w", err)
 	}
+	tr.mark("write the record")
 	return res, nil
 }
 

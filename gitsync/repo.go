@@ -138,8 +138,8 @@ type Snapshot struct {
 // differs from HEAD it becomes a commit on top of HEAD (written to the object store, named by no
 // branch).
 //
-// prev, when set, is the commit the last push made: a working tree that has not changed since is
-// that commit again, not a new one.
+// prev, when set, names the commit the last push made (a ref): a working tree that has not
+// changed since is that commit again, not a new one.
 func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 	if rev != "" {
 		c, err := r.line(ctx, "rev-parse", "-q", "--verify", rev+"^{commit}")
@@ -183,9 +183,9 @@ func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 		}
 	}
 	if prev != "" {
-		if out, err := r.git(ctx, nil, nil, "log", "-1", "--format=%T %P", prev, "--"); err == nil {
-			if f := strings.Fields(string(out)); len(f) >= 1 && f[0] == tree && ((head == "" && len(f) == 1) || (len(f) == 2 && f[1] == head)) {
-				return Snapshot{Commit: prev, Tree: tree, Synthetic: true}, nil
+		if out, err := r.git(ctx, nil, nil, "log", "-1", "--format=%H %T %P", prev, "--"); err == nil {
+			if f := strings.Fields(string(out)); len(f) >= 2 && f[1] == tree && ((head == "" && len(f) == 2) || (len(f) == 3 && f[2] == head)) {
+				return Snapshot{Commit: f[0], Tree: tree, Synthetic: true}, nil
 			}
 		}
 	}

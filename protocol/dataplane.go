@@ -171,7 +171,13 @@ type TreeResult struct {
 // .git, and the tree's own .sbx, are never looked at.
 type ChangesArgs struct {
 	Path string `json:"path,omitempty"`
+	// Paths, when given, limits the comparison to these paths (relative to Path): what a push is
+	// about to overwrite or delete. At most MaxChangesPaths.
+	Paths []string `json:"paths,omitempty"`
 }
+
+// MaxChangesPaths bounds ChangesArgs.Paths.
+const MaxChangesPaths = 10_000
 
 // BaselineRecord is where a pushed tree's baseline lives, relative to the tree.
 const BaselineRecord = ".sbx/baseline"

@@ -25,7 +25,7 @@ func (w *Workspace) Changes(ctx context.Context, a protocol.ChangesArgs) (protoc
 		return protocol.ChangesResult{}, fsErr(sp, err)
 	}
 	defer sub.Close()
-	res, err := baseline.Changes(ctx, sub, baseline.Options{MaxEntries: w.opts.MaxScanEntries})
+	res, err := baseline.Changes(ctx, sub, baseline.Options{MaxEntries: w.opts.MaxScanEntries, Only: a.Paths})
 	res.Path = sp
 	if err != nil {
 		return res, fsErr(sp, err)

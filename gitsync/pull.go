@@ -9,6 +9,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/sbxbroker/broker/baseline"
@@ -35,7 +36,7 @@ func (e *LocalChangesError) Error() string {
 
 // local is what the working tree holds at a path.
 type local struct {
-	kind string // "", "file", "symlink", "other"
+	kind string // "", "file", "symlink", "dir", "other"
 	mode string
 	oid  string
 	data []byte
@@ -43,7 +44,7 @@ type local struct {
 
 func (l local) same(mode, oid string) bool {
 	if oid == "" {
-		return l.kind == ""
+		return l.kind == "" || l.kind == "dir"
 	}
 	return (l.kind == "file" || l.kind == "symlink") && l.mode == mode && l.oid == oid
 }
@@ -59,8 +60,11 @@ func readLocal(root *os.Root, p string) (local, error) {
 		if err != nil {
 			return local{}, err
 		}
+		if fi.Mode()&fs.ModeSymlink != 0 {
+			return local{kind: "other"}, nil // the path leads elsewhere: never written through
+		}
 		if !fi.IsDir() {
-			return local{kind: "other"}, nil
+			return local{}, nil // a file where a directory would be: nothing at this path
 		}
 	}
 	fi, err := root.Lstat(p)
@@ -75,6 +79,10 @@ func readLocal(root *os.Root, p string) (local, error) {
 			return local{}, err
 		}
 		return local{kind: "symlink", mode: baseline.ModeSymlink, oid: baseline.BlobID([]byte(t)), data: []byte(t)}, nil
+	case fi.IsDir():
+		// git has no directories: where the sandbox puts a file, a directory here whose files this
+		// pull deletes goes with them (deletes run first).
+		return local{kind: "dir"}, nil
 	case fi.Mode().IsRegular():
 		b, err := root.ReadFile(p)
 		if err != nil {
@@ -182,6 +190,10 @@ func Pull(ctx context.Context, repo *Repo, f *Fetched, force bool) (PullResult, 
 	if len(refused) > 0 {
 		return res, &LocalChangesError{Paths: refused}
 	}
+	// Deletes first: a file may take the name of a directory whose files went.
+	slices.SortStableFunc(steps, func(a, b step) int {
+		return boolInt(a.action != "delete") - boolInt(b.action != "delete")
+	})
 	for _, s := range steps {
 		p := s.c.Path
 		switch s.action {
@@ -214,6 +226,13 @@ func Pull(ctx context.Context, repo *Repo, f *Fetched, force bool) (PullResult, 
 		}
 	}
 	return res, nil
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func binary(b []byte) bool { return bytes.IndexByte(b[:min(len(b), 8000)], 0) >= 0 }
@@ -324,6 +343,9 @@ func removeEmptyParents(root *os.Root, p string) {
 func Branch(ctx context.Context, repo *Repo, f *Fetched, name, sandbox string) (string, error) {
 	if _, err := repo.git(ctx, nil, nil, "check-ref-format", "--branch", name); err != nil {
 		return "", fmt.Errorf("%q is not a valid branch name", name)
+	}
+	if len(f.Changes) == 0 {
+		return "", fmt.Errorf("nothing changed in sandbox %s since the push of %s: no branch made", sandbox, short(f.Base))
 	}
 	if _, err := repo.git(ctx, nil, nil, "rev-parse", "-q", "--verify", "refs/heads/"+name); err == nil {
 		return "", fmt.Errorf("branch %s exists already; choose another name (or delete it: git branch -D %s)", name, name)

@@ -297,6 +297,14 @@ func writeTar(w io.Writer, b *blobs, disk *os.Root, send []TreeEntry, now time.T
 	if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: path.Dir(protocol.BaselineRecord) + "/", Mode: 0o755, ModTime: now, Format: tar.FormatPAX}); err != nil {
 		return err
 	}
+	// So that the agent's own git in the workspace does not list the baseline as untracked.
+	ignore := []byte("*\n")
+	if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeReg, Name: path.Dir(protocol.BaselineRecord) + "/.gitignore", Mode: 0o644, Size: int64(len(ignore)), ModTime: now, Format: tar.FormatPAX}); err != nil {
+		return err
+	}
+	if _, err := tw.Write(ignore); err != nil {
+		return err
+	}
 	buf := make([]byte, 256<<10)
 	for _, e := range send {
 		hdr := &tar.Header{Name: e.Path, ModTime: now, Format: tar.FormatPAX, Typeflag: tar.TypeReg, Mode: 0o644}
@@ -412,7 +420,8 @@ func deleteAll(ctx context.Context, dp *backend.Remote, paths []string) error {
 			defer func() { <-sem; wg.Done() }()
 			err := dp.Delete(ctx, protocol.DeleteArgs{Path: Workspace + "/" + p})
 			var pe *protocol.Error
-			if err != nil && !(errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound) {
+			// Gone already, or a file took a parent's place: nothing at that path either way.
+			if err != nil && !(errors.As(err, &pe) && (pe.Code == protocol.CodeFileNotFound || pe.Code == protocol.CodeNotDirectory)) {
 				mu.Lock()
 				if first == nil {
 					first = fmt.Errorf("deleting %s: %w", p, err)

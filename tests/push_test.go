@@ -128,14 +128,14 @@ sed -i 's/one/two/' src/main.go
 echo 'new file' > src/new.go
 head -c 200000 /dev/urandom > assets/data.bin
 printf 'x' >> assets/logo.bin
-rm docs/gone.md
+rm -r docs && echo 'now a file' > docs
 mv src/old_name.go src/new_name.go
 chmod +x src/util.go
 mkdir -p build && echo junk > build/x.o && echo log > debug.log
 git init -q . && git config user.email a@b && git config user.name a && git add -A && git commit -qm agent`)
 
 	names := b.ok("diff", "box", "--dir", repo, "--name-only")
-	want := "assets/data.bin\nassets/logo.bin\ndocs/gone.md\nsrc/main.go\nsrc/new.go\nsrc/new_name.go\nsrc/util.go\n"
+	want := "assets/data.bin\nassets/logo.bin\ndocs\ndocs/gone.md\nsrc/main.go\nsrc/new.go\nsrc/new_name.go\nsrc/util.go\n"
 	if strings.Join(sortedLines(names), "") != want {
 		t.Fatalf("diff --name-only:\n%s\nwant:\n%s", names, want)
 	}
@@ -192,7 +192,7 @@ git init -q . && git config user.email a@b && git config user.name a && git add 
 		t.Fatalf("merged main.go: %q", b)
 	}
 	local := func(p string) string { b, _ := os.ReadFile(filepath.Join(repo, p)); return string(b) }
-	if local("src/new.go") != "new file\n" || local("src/new_name.go") == "" {
+	if local("src/new.go") != "new file\n" || local("src/new_name.go") == "" || local("docs") != "now a file\n" {
 		t.Fatalf("pulled files missing")
 	}
 	for _, p := range []string{"docs/gone.md", "src/old_name.go", "debug.log"} {

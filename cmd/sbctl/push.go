@@ -42,6 +42,10 @@ The first push sends everything in one tar stream. Later pushes send only the fi
 editing one file of a large repository takes milliseconds. A push never overwrites or deletes a
 file the sandbox changed since the last push unless --force: see sbctl diff, sbctl pull.
 
+The files go first and the baseline last: a push that fails midway (a full disk, a lost
+connection) leaves the old baseline, and the files it did send show in sbctl diff until you push
+again.
+
 When the working tree differs from HEAD, the push makes a commit of it (on top of HEAD, named by no
 branch; your index and HEAD are untouched): that is the base sbctl diff and pull compare with.
 

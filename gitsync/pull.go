@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path"
@@ -39,7 +40,7 @@ type local struct {
 	kind string // "", "file", "symlink", "dir", "other"
 	mode string
 	oid  string
-	data []byte
+	size int64
 }
 
 func (l local) same(mode, oid string) bool {
@@ -78,21 +79,27 @@ func readLocal(root *os.Root, p string) (local, error) {
 		if err != nil {
 			return local{}, err
 		}
-		return local{kind: "symlink", mode: baseline.ModeSymlink, oid: baseline.BlobID([]byte(t)), data: []byte(t)}, nil
+		return local{kind: "symlink", mode: baseline.ModeSymlink, oid: baseline.BlobID([]byte(t))}, nil
 	case fi.IsDir():
 		// git has no directories: where the sandbox puts a file, a directory here whose files this
 		// pull deletes goes with them (deletes run first).
 		return local{kind: "dir"}, nil
 	case fi.Mode().IsRegular():
-		b, err := root.ReadFile(p)
+		f, err := root.OpenFile(p, os.O_RDONLY|noFollow, 0)
 		if err != nil {
 			return local{}, err
+		}
+		defer f.Close()
+		h := baseline.NewHasher()
+		h.Start(fi.Size())
+		if n, err := io.Copy(h, io.LimitReader(f, fi.Size())); err != nil || n != fi.Size() {
+			return local{}, fmt.Errorf("%s changed while it was read; pull again", p)
 		}
 		m := baseline.ModeFile
 		if fi.Mode()&0o100 != 0 {
 			m = baseline.ModeExec
 		}
-		return local{kind: "file", mode: m, oid: baseline.BlobID(b), data: b}, nil
+		return local{kind: "file", mode: m, oid: h.Sum(), size: fi.Size()}, nil
 	}
 	return local{kind: "other"}, nil
 }
@@ -101,9 +108,12 @@ func readLocal(root *os.Root, p string) (local, error) {
 type step struct {
 	c      Change
 	action string // "write", "delete", "merge", "keep"
-	data   []byte // for write and merge
+	data   []byte // for a merge: the sandbox's version
 	mode   string
 }
+
+// maxMerge is the largest file pull merges three ways (each version is held in memory).
+const maxMerge = 16 << 20
 
 // Pull applies the sandbox's changes to the working tree. At each changed path: what is here is
 // the pushed base's version, so the sandbox's replaces it; or it already is the sandbox's; or it
@@ -149,11 +159,7 @@ func Pull(ctx context.Context, repo *Repo, f *Fetched, force bool) (PullResult, 
 				steps = append(steps, step{c: c, action: "delete"})
 				continue
 			}
-			data, err := b.read(c.New)
-			if err != nil {
-				return res, err
-			}
-			steps = append(steps, step{c: c, action: "write", data: data, mode: c.Mode})
+			steps = append(steps, step{c: c, action: "write", mode: c.Mode})
 			continue
 		}
 		// Changed here and in the sandbox.
@@ -163,16 +169,20 @@ func Pull(ctx context.Context, repo *Repo, f *Fetched, force bool) (PullResult, 
 			refused = append(refused, c.Path)
 			continue
 		}
-		if l.kind == "file" && c.New != "" && c.Mode != baseline.ModeSymlink && be.OID != "" && be.Mode != baseline.ModeSymlink {
-			theirs, err := b.read(c.New)
+		if l.kind == "file" && l.size <= maxMerge && c.New != "" && c.Mode != baseline.ModeSymlink && be.OID != "" && be.Mode != baseline.ModeSymlink {
+			theirs, err := b.readMax(c.New, maxMerge)
 			if err != nil {
 				return res, err
 			}
-			old, err := b.read(be.OID)
+			old, err := b.readMax(be.OID, maxMerge)
 			if err != nil {
 				return res, err
 			}
-			if !binary(l.data) && !binary(theirs) && !binary(old) {
+			mine, err := root.ReadFile(c.Path)
+			if err != nil {
+				return res, err
+			}
+			if theirs != nil && old != nil && !binary(mine) && !binary(theirs) && !binary(old) {
 				mode := l.mode
 				if l.mode == be.Mode {
 					mode = c.Mode
@@ -204,7 +214,15 @@ func Pull(ctx context.Context, repo *Repo, f *Fetched, force bool) (PullResult, 
 			removeEmptyParents(root, p)
 			res.Deleted = append(res.Deleted, p)
 		case "write":
-			if err := writeLocal(root, p, s.mode, s.data); err != nil {
+			n, err := b.open(s.c.New)
+			if err != nil {
+				return res, err
+			}
+			err = writeLocal(root, p, s.mode, io.LimitReader(b.out, n))
+			if derr := b.done(); err == nil {
+				err = derr
+			}
+			if err != nil {
 				return res, err
 			}
 			res.Updated = append(res.Updated, p)
@@ -213,7 +231,7 @@ func Pull(ctx context.Context, repo *Repo, f *Fetched, force bool) (PullResult, 
 			if err != nil {
 				return res, err
 			}
-			if err := writeLocal(root, p, s.mode, merged); err != nil {
+			if err := writeLocal(root, p, s.mode, bytes.NewReader(merged)); err != nil {
 				return res, err
 			}
 			if conflicts {
@@ -274,7 +292,7 @@ func (r *Repo) mergeFile(ctx context.Context, root *os.Root, p, baseOID string, 
 
 // writeLocal writes a file or symlink at p through root: its parents must be directories (never a
 // link), and the file is written beside and renamed over, so a link at p is replaced, not followed.
-func writeLocal(root *os.Root, p, mode string, data []byte) error {
+func writeLocal(root *os.Root, p, mode string, r io.Reader) error {
 	if err := baseline.ValidPath(p); err != nil {
 		return fmt.Errorf("%q: %v", p, err)
 	}
@@ -295,7 +313,11 @@ func writeLocal(root *os.Root, p, mode string, data []byte) error {
 	root.Remove(tmp)
 	switch mode {
 	case baseline.ModeSymlink:
-		if err := root.Symlink(string(data), tmp); err != nil {
+		target, err := io.ReadAll(io.LimitReader(r, 4097))
+		if err != nil || len(target) > 4096 {
+			return fmt.Errorf("%s: a symbolic link's target over 4096 bytes", p)
+		}
+		if err := root.Symlink(string(target), tmp); err != nil {
 			return fmt.Errorf("%s: %w", p, err)
 		}
 	default:
@@ -307,7 +329,7 @@ func writeLocal(root *os.Root, p, mode string, data []byte) error {
 		if err != nil {
 			return fmt.Errorf("%s: %w", p, err)
 		}
-		_, err = fh.Write(data)
+		_, err = io.Copy(fh, r)
 		if cerr := fh.Close(); err == nil {
 			err = cerr
 		}

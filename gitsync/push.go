@@ -34,6 +34,8 @@ type PushOptions struct {
 	Force bool
 	// SandboxID names the local ref that keeps the pushed commit (refs/sbctl/ID).
 	SandboxID string
+	// Wrap, when set, wraps the tar stream on its way out (a progress count).
+	Wrap func(io.Reader) io.Reader
 }
 
 // PushResult says what a push did.
@@ -249,7 +251,11 @@ func Push(ctx context.Context, dp *backend.Remote, repo *Repo, opt PushOptions) 
 			pw.CloseWithError(err)
 			done <- err
 		}()
-		tres, err := dp.Untar(ctx, Workspace, pr)
+		var src io.Reader = pr
+		if opt.Wrap != nil {
+			src = opt.Wrap(pr)
+		}
+		tres, err := dp.Untar(ctx, Workspace, src)
 		pr.CloseWithError(errors.New("the push ended"))
 		if lerr := <-done; err == nil && lerr != nil {
 			err = lerr

@@ -312,6 +312,25 @@ func (b *blobs) read(oid string) ([]byte, error) {
 	return buf, b.done()
 }
 
+// readMax reads a blob of at most max bytes; nil (and the blob skipped) when it is larger.
+func (b *blobs) readMax(oid string, max int64) ([]byte, error) {
+	n, err := b.open(oid)
+	if err != nil {
+		return nil, err
+	}
+	if n > max {
+		if _, err := b.out.Discard(int(n)); err != nil {
+			return nil, err
+		}
+		return nil, b.done()
+	}
+	buf := make([]byte, n)
+	if _, err := io.ReadFull(b.out, buf); err != nil {
+		return nil, err
+	}
+	return buf, b.done()
+}
+
 func (b *blobs) close() {
 	b.in.Close()
 	b.cmd.Wait()

@@ -113,7 +113,10 @@ func (g *globals) push(ctx context.Context, ref, dir string, opt gitsync.PushOpt
 	defer r.Close()
 	opt.SandboxID = sb.ID
 	start := time.Now()
+	prog := g.startProgress("sent")
+	opt.Wrap = func(r io.Reader) io.Reader { return progressReader{r, prog} }
 	res, err := gitsync.Push(ctx, r, repo, opt)
+	prog.end()
 	if err != nil {
 		return res, stateErr(err)
 	}

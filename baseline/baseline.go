@@ -88,11 +88,17 @@ func Parse(b []byte) (Record, error) {
 	if len(lines[len(lines)-1]) != 0 {
 		return bad(len(lines), "the record does not end with a newline")
 	}
+	r.Entries = make([]Entry, 0, len(lines)-3)
 	for i, l := range lines[2 : len(lines)-1] {
-		f := strings.SplitN(string(l), " ", 5)
-		if len(f) != 5 {
+		var f [5]string
+		rest, ok := string(l), true
+		for k := 0; k < 4 && ok; k++ {
+			f[k], rest, ok = strings.Cut(rest, " ")
+		}
+		if !ok {
 			return bad(i+3, "an entry needs mode, blob id, size, mtime and path")
 		}
+		f[4] = rest
 		e := Entry{Mode: f[0], OID: f[1], Path: f[4]}
 		var err1, err2 error
 		e.Size, err1 = strconv.ParseInt(f[2], 10, 64)
@@ -127,8 +133,12 @@ func isOID(s string) bool {
 	if len(s) != 40 {
 		return false
 	}
-	_, err := hex.DecodeString(s)
-	return err == nil && strings.ToLower(s) == s
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // ValidPath says whether p can be a path of a record (and of a tar entry, and of a git tree on
@@ -145,21 +155,33 @@ func ValidPath(p string) error {
 	case strings.HasPrefix(p, "/"):
 		return errors.New("the path is absolute")
 	}
-	for _, r := range p {
-		if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) {
+	for i := 0; i < len(p); i++ {
+		if c := p[i]; c < 0x20 || c == 0x7f {
 			return errors.New("the path has control characters")
 		}
+		if p[i] >= 0x80 { // multi-byte: C1 controls are U+0080..U+009F
+			for _, r := range p[i:] {
+				if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) {
+					return errors.New("the path has control characters")
+				}
+			}
+			break
+		}
 	}
-	for _, c := range strings.Split(p, "/") {
+	for rest := p; ; {
+		c, more, found := strings.Cut(rest, "/")
 		switch c {
 		case "", ".", "..":
 			return errors.New("the path is not clean (empty, . or .. components)")
 		}
-		if strings.EqualFold(c, ".git") {
+		if len(c) == 4 && strings.EqualFold(c, ".git") {
 			return errors.New("the path goes into a .git directory")
 		}
+		if !found {
+			return nil
+		}
+		rest = more
 	}
-	return nil
 }
 
 // Hasher computes git blob ids: Start with the content's size, write exactly that many bytes, Sum.

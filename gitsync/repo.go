@@ -164,7 +164,22 @@ func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 		os.Remove(tmp.Name())
 	}
 	env := []string{"GIT_INDEX_FILE=" + tmp.Name()}
-	if _, err := r.git(ctx, env, nil, "add", "-A", "--", "."); err != nil {
+	// HEAD and the last push's commit are looked up while git add reads the working tree.
+	var headOut, prevOut []byte
+	var headErr, prevErr error
+	looked := make(chan struct{})
+	go func() {
+		defer close(looked)
+		headOut, headErr = r.git(ctx, nil, nil, "rev-parse", "HEAD^{commit}", "HEAD^{tree}")
+		if prev != "" {
+			prevOut, prevErr = r.git(ctx, nil, nil, "log", "-1", "--format=%H %T %P", prev, "--")
+		} else {
+			prevErr = errors.New("no previous push")
+		}
+	}()
+	_, err = r.git(ctx, env, nil, "add", "-A", "--", ".")
+	<-looked
+	if err != nil {
 		return Snapshot{}, err
 	}
 	out, err := r.git(ctx, env, nil, "write-tree")
@@ -173,8 +188,8 @@ func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 	}
 	tree := strings.TrimSpace(string(out))
 	head := ""
-	if out, err := r.git(ctx, nil, nil, "rev-parse", "HEAD^{commit}", "HEAD^{tree}"); err == nil {
-		f := strings.Fields(string(out))
+	if headErr == nil {
+		f := strings.Fields(string(headOut))
 		if len(f) == 2 && f[1] == tree {
 			return Snapshot{Commit: f[0], Tree: tree}, nil
 		}
@@ -182,11 +197,9 @@ func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 			head = f[0]
 		}
 	}
-	if prev != "" {
-		if out, err := r.git(ctx, nil, nil, "log", "-1", "--format=%H %T %P", prev, "--"); err == nil {
-			if f := strings.Fields(string(out)); len(f) >= 2 && f[1] == tree && ((head == "" && len(f) == 2) || (len(f) == 3 && f[2] == head)) {
-				return Snapshot{Commit: f[0], Tree: tree, Synthetic: true}, nil
-			}
+	if prevErr == nil {
+		if f := strings.Fields(string(prevOut)); len(f) >= 2 && f[1] == tree && ((head == "" && len(f) == 2) || (len(f) == 3 && f[2] == head)) {
+			return Snapshot{Commit: f[0], Tree: tree, Synthetic: true}, nil
 		}
 	}
 	args := []string{"commit-tree", tree, "-m", "sbctl push: the working tree at " + time.Now().UTC().Format(time.RFC3339)}

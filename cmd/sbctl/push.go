@@ -38,8 +38,8 @@ working tree as git status sees it), or with --rev exactly the files of a commit
 as symlinks (never followed, wherever they point); submodules are left out (with a warning).
 
 The first push sends everything in one tar stream. Later pushes send only the files whose content
-(git blob id) or mode differ from what was pushed last, and delete what is gone, so a push after
-editing one file of a large repository takes milliseconds. A push never overwrites or deletes a
+(git blob id) or mode differ from what was pushed last, and delete what is gone: after editing one
+file of a 10,000-file repository, a push sends that file (a fraction of a second). A push never overwrites or deletes a
 file the sandbox changed since the last push unless --force: see sbctl diff, sbctl pull.
 
 The files go first and the baseline last: a push that fails midway (a full disk, a lost

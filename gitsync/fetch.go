@@ -19,11 +19,10 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 )
 
-// Fetched is the sandbox's tree as a tree of the local repository: the pushed base commit, the
-// tree with the sandbox's changes on top, and those changes.
+// Fetched is what changed in the sandbox, in the local repository's terms: the pushed base commit
+// and the changed paths with their blobs (in the object store).
 type Fetched struct {
 	Base    string // the pushed commit
-	Tree    string // the sandbox's tree now
 	Changes []Change
 	// Ignored are paths the sandbox added that the repository's ignore rules leave out.
 	Ignored int
@@ -44,7 +43,7 @@ const fetchAllOver = 256
 
 // Fetch asks the sandbox what changed since the push (the changes operation: fs:read only), leaves
 // out added paths the repository ignores, copies the changed files' contents into the local object
-// store, and builds the sandbox's tree on the pushed base commit, which must be in this repository.
+// store; the pushed base commit must be in this repository.
 func Fetch(ctx context.Context, dp *backend.Remote, repo *Repo) (*Fetched, error) {
 	tr := newTracer()
 	ch, err := dp.Changes(ctx, protocol.ChangesArgs{Path: Workspace})
@@ -52,10 +51,19 @@ func Fetch(ctx context.Context, dp *backend.Remote, repo *Repo) (*Fetched, error
 		return nil, err
 	}
 	tr.mark("sandbox changes")
-	defer tr.mark("build the tree")
-	if !repo.HasCommit(ctx, ch.Commit) { // (one spawn, against a confusing read-tree error later)
+	defer tr.mark("fetch the files")
+	// Whether the base is here is asked while the files come (a spawn, against a confusing git
+	// error later).
+	hasBase := make(chan bool, 1)
+	go func() { hasBase <- repo.HasCommit(ctx, ch.Commit) }()
+	f, err := fetchChanges(ctx, dp, repo, ch, tr)
+	if !<-hasBase {
 		return nil, fmt.Errorf("the sandbox was pushed from another repository: its base commit %s is not in %s; run this in the repository you pushed from (or fetch that commit)", short(ch.Commit), repo.Top)
 	}
+	return f, err
+}
+
+func fetchChanges(ctx context.Context, dp *backend.Remote, repo *Repo, ch protocol.ChangesResult, tr *tracer) (*Fetched, error) {
 	f := &Fetched{Base: ch.Commit, Skipped: ch.Skipped}
 	var added []string
 	for _, c := range ch.Changes {
@@ -87,11 +95,9 @@ func Fetch(ctx context.Context, dp *backend.Remote, repo *Repo) (*Fetched, error
 	if err != nil {
 		return nil, err
 	}
-	tr.mark("fetch the files")
 	f.Changes = append(f.Changes, got...)
 	slices.SortFunc(f.Changes, func(a, b Change) int { return strings.Compare(a.Path, b.Path) })
-	f.Tree, err = repo.buildTree(ctx, f.Base, f.Changes)
-	return f, err
+	return f, nil
 }
 
 func short(oid string) string { return oid[:min(len(oid), 12)] }
@@ -287,34 +293,48 @@ func cmpErr(err, otherwise error) error {
 	return otherwise
 }
 
-// buildTree writes the tree of base with the changes applied, through a temporary index.
-func (r *Repo) buildTree(ctx context.Context, base string, changes []Change) (string, error) {
+// sandboxIndex writes a temporary index holding the sandbox's tree (base with the changes
+// applied); the caller removes it.
+func (r *Repo) sandboxIndex(ctx context.Context, f *Fetched) (string, error) {
 	tmp, err := os.CreateTemp("", "sbctl-index-")
 	if err != nil {
 		return "", err
 	}
 	tmp.Close()
 	os.Remove(tmp.Name())
-	defer os.Remove(tmp.Name())
 	env := []string{"GIT_INDEX_FILE=" + tmp.Name()}
-	if _, err := r.git(ctx, env, nil, "read-tree", base); err != nil {
+	if _, err := r.git(ctx, env, nil, "read-tree", f.Base); err != nil {
+		os.Remove(tmp.Name())
 		return "", err
 	}
 	// Removals first, so that a file may take a removed directory's name and the other way round.
 	var in bytes.Buffer
 	const zero = "0000000000000000000000000000000000000000"
-	for _, c := range changes {
+	for _, c := range f.Changes {
 		fmt.Fprintf(&in, "0 %s\t%s\x00", zero, c.Path)
 	}
-	for _, c := range changes {
+	for _, c := range f.Changes {
 		if c.New != "" {
 			fmt.Fprintf(&in, "%s %s\t%s\x00", c.Mode, c.New, c.Path)
 		}
 	}
-	if _, err := r.git(ctx, env, &in, "update-index", "-z", "--index-info"); err != nil {
+	if len(f.Changes) > 0 {
+		if _, err := r.git(ctx, env, &in, "update-index", "-z", "--index-info"); err != nil {
+			os.Remove(tmp.Name())
+			return "", err
+		}
+	}
+	return tmp.Name(), nil
+}
+
+// SandboxTree writes the sandbox's tree (base with the changes applied) to the object store.
+func (r *Repo) SandboxTree(ctx context.Context, f *Fetched) (string, error) {
+	idx, err := r.sandboxIndex(ctx, f)
+	if err != nil {
 		return "", err
 	}
-	out, err := r.git(ctx, env, nil, "write-tree")
+	defer os.Remove(idx)
+	out, err := r.git(ctx, []string{"GIT_INDEX_FILE=" + idx}, nil, "write-tree")
 	return strings.TrimSpace(string(out)), err
 }
 
@@ -335,8 +355,13 @@ func (r *Repo) Diff(ctx context.Context, f *Fetched, format string, color bool, 
 	} else {
 		args = append(args, "--no-color")
 	}
-	args = append(args, "--no-ext-diff", "--no-textconv", f.Base, f.Tree, "--")
-	out, err := r.git(ctx, nil, nil, args...)
+	idx, err := r.sandboxIndex(ctx, f)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(idx)
+	args = append(args, "--no-ext-diff", "--no-textconv", "--cached", f.Base, "--")
+	out, err := r.git(ctx, []string{"GIT_INDEX_FILE=" + idx}, nil, args...)
 	if err != nil {
 		return err
 	}

@@ -372,7 +372,11 @@ func Branch(ctx context.Context, repo *Repo, f *Fetched, name, sandbox string) (
 	if _, err := repo.git(ctx, nil, nil, "rev-parse", "-q", "--verify", "refs/heads/"+name); err == nil {
 		return "", fmt.Errorf("branch %s exists already; choose another name (or delete it: git branch -D %s)", name, name)
 	}
-	out, err := repo.commitTree(ctx, []string{"commit-tree", f.Tree, "-p", f.Base, "-m", fmt.Sprintf("Changes made in sandbox %s since the push of %s", sandbox, short(f.Base))})
+	tree, err := repo.SandboxTree(ctx, f)
+	if err != nil {
+		return "", err
+	}
+	out, err := repo.commitTree(ctx, []string{"commit-tree", tree, "-p", f.Base, "-m", fmt.Sprintf("Changes made in sandbox %s since the push of %s", sandbox, short(f.Base))})
 	if err != nil {
 		return "", err
 	}

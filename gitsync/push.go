@@ -312,13 +312,15 @@ func writeTar(w io.Writer, b *blobs, disk *os.Root, send []TreeEntry, now time.T
 		return err
 	}
 	buf := make([]byte, 256<<10)
+	dirs := &dirCache{root: disk}
+	defer dirs.close()
 	for _, e := range send {
 		hdr := &tar.Header{Name: e.Path, ModTime: now, Format: tar.FormatPAX, Typeflag: tar.TypeReg, Mode: 0o644}
 		if e.Mode == baseline.ModeExec {
 			hdr.Mode = 0o755
 		}
 		if disk != nil {
-			ok, err := fromDisk(tw, disk, e, hdr, buf, sizes)
+			ok, err := fromDisk(tw, disk, dirs, e, hdr, buf, sizes)
 			if err != nil {
 				return err
 			}
@@ -358,7 +360,7 @@ func writeTar(w io.Writer, b *blobs, disk *os.Root, send []TreeEntry, now time.T
 
 // fromDisk writes e from the working tree when it is still what the snapshot saw there: ok false
 // when it is not (the caller takes the blob instead). A symlink is read, never followed.
-func fromDisk(tw *tar.Writer, disk *os.Root, e TreeEntry, hdr *tar.Header, buf []byte, sizes map[string]int64) (bool, error) {
+func fromDisk(tw *tar.Writer, disk *os.Root, dirs *dirCache, e TreeEntry, hdr *tar.Header, buf []byte, sizes map[string]int64) (bool, error) {
 	if e.Mode == baseline.ModeSymlink {
 		target, err := disk.Readlink(e.Path)
 		if err != nil || baseline.BlobID([]byte(target)) != e.OID {
@@ -368,7 +370,7 @@ func fromDisk(tw *tar.Writer, disk *os.Root, e TreeEntry, hdr *tar.Header, buf [
 		sizes[e.Path] = int64(len(target))
 		return true, tw.WriteHeader(hdr)
 	}
-	f, err := disk.OpenFile(e.Path, os.O_RDONLY|noFollow, 0)
+	f, err := dirs.open(e.Path)
 	if err != nil {
 		return false, nil
 	}
@@ -438,4 +440,37 @@ func deleteAll(ctx context.Context, dp *backend.Remote, paths []string) error {
 	}
 	wg.Wait()
 	return first
+}
+
+// dirCache keeps the directory of the last file read open, so that the next file of the same
+// directory (a tree's files come sorted) is opened relative to it instead of walking the path from
+// the root again.
+type dirCache struct {
+	root *os.Root
+	name string
+	dir  *os.File
+}
+
+func (c *dirCache) open(p string) (*os.File, error) {
+	d, base := path.Split(p)
+	d = strings.TrimSuffix(d, "/")
+	if d == "" {
+		d = "."
+	}
+	if c.dir == nil || c.name != d {
+		c.close()
+		dir, err := c.root.OpenFile(d, os.O_RDONLY|noFollow|dirFlag, 0)
+		if err != nil {
+			return nil, err
+		}
+		c.name, c.dir = d, dir
+	}
+	return openIn(c.root, c.dir, p, base)
+}
+
+func (c *dirCache) close() {
+	if c.dir != nil {
+		c.dir.Close()
+		c.dir = nil
+	}
 }

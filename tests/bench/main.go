@@ -112,6 +112,9 @@ func run() error {
 	}
 	defer r.Close()
 
+	if *pushOnly {
+		return pushReport(ctx, c, br)
+	}
 	if *treeOnly {
 		fmt.Fprintln(os.Stderr, "tree copy...")
 		rows, err := treeRows(ctx, r, br.dir, br.peakRSS)

@@ -177,8 +177,21 @@ func TestWatch(t *testing.T) {
 	p.keys("s")
 	p.waitMatch(`(?m)^> dev +stopped `)
 	p.waitMatch(`(?m)dev? *stopped +requested|stopped  requested`)
+	p.keys("x")
+	p.waitText("dev is stopped: resume it (r) before opening a shell")
 	p.keys("r")
 	p.waitMatch(`(?m)^> dev +running `)
+
+	// x opens a shell on the selected sandbox and comes back to the pane when it ends.
+	p.keys("x")
+	p.waitText("sbctl: shell on dev; exit or Ctrl-D returns to sbctl watch")
+	p.waitMatch(`(?m)^bash-[0-9.]+\$`)
+	p.keys("echo in-$((6*7)) $(stty size)", "Enter")
+	p.waitText("in-42 24 80")
+	p.keys("exit 4", "Enter")
+	p.waitText("shell on dev ended: exit 4")
+	p.waitMatch(`(?m)^> dev +running `)
+	p.waitText("shell_ended  /bin/bash  -> exit 4")
 
 	// Extend: a prompt, then the new lease counting down from 2h.
 	p.keys("e")

@@ -3,6 +3,8 @@ package server_test
 import (
 	"context"
 	"errors"
+	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -296,4 +298,53 @@ func TestShellHostileFrames(t *testing.T) {
 		res, err := owner.Exec(t.Context(), backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "pgrep -f '[s]leep 2004'"}})
 		return err == nil && res.ExitCode == 1
 	}, "the shell of the closed connection gone")
+}
+
+// A shell's session gives back everything it held, however it ended (the program exited, the
+// request was cancelled, the connection closed): the broker's file descriptors (the terminal's
+// master among them) and goroutines return to what they were. Not parallel: it counts the process's.
+func TestShellReleasesWhatItHolds(t *testing.T) {
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "release"}); err != nil {
+		t.Fatal(err)
+	}
+	url := dataplaneURL(b, "release")
+	session := func(end string) {
+		r, err := backend.Dial(t.Context(), backend.Config{URL: url, Credential: b.Client.APIKey()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		sh, out := startShell(t, r, ctx, protocol.ShellArgs{})
+		sh.Write([]byte("sleep 3000 & echo started\n"))
+		out.waitFor(t, "started")
+		switch end {
+		case "exit":
+			sh.Write([]byte("exit\n"))
+		case "cancel":
+			cancel()
+		case "close":
+			r.Close()
+		}
+		shellEnd(t, sh)
+	}
+	fds := func() int {
+		d, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(d)
+	}
+	session("exit") // the first one sets up what stays (pools, the init's threads)
+	wait.Eventually(t, 10*time.Second, func() bool { return runtime.NumGoroutine() < 1000 }, "settle")
+	baseFDs, baseG := fds(), runtime.NumGoroutine()
+	for i := 0; i < 3; i++ {
+		for _, end := range []string{"exit", "cancel", "close"} {
+			session(end)
+		}
+	}
+	wait.Eventually(t, 20*time.Second, func() bool { return fds() <= baseFDs && runtime.NumGoroutine() <= baseG },
+		"fds back to %d (now %d) and goroutines to %d (now %d)", baseFDs, fds(), baseG, runtime.NumGoroutine())
 }

@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"encoding/json"
 	"strings"
 	"testing"
 	"time"
@@ -56,6 +57,22 @@ func TestShell(t *testing.T) {
 	p = startPane(t, b, 80, 24, "shell", "dev", "--", "sh", "-c", "read x; exit $x")
 	p.keys("3", "Enter")
 	p.waitText("sbctl-exited=3")
+
+	// The lease is renewed while the shell runs (only owner calls renew it).
+	b.ok("create", "brief", "--ttl", "3s")
+	expires := func() time.Time {
+		var sb struct {
+			ExpiresAt time.Time `json:"expires_at"`
+		}
+		json.Unmarshal([]byte(b.ok("get", "brief", "-o", "json")), &sb)
+		return sb.ExpiresAt
+	}
+	p = startPane(t, b, 80, 24, "shell", "brief")
+	p.waitMatch(`(?m)^bash-[0-9.]+\$`)
+	first := expires()
+	wait.Eventually(t, 20*time.Second, func() bool { return expires().After(first) }, "the lease renewed while the shell runs")
+	p.keys("exit", "Enter")
+	p.waitText("sbctl-exited=0")
 
 	// Without a terminal it says it needs one.
 	r := b.sbctl("shell", "dev")

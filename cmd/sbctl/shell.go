@@ -8,6 +8,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/muesli/cancelreader"
 	"github.com/spf13/cobra"
@@ -33,7 +34,8 @@ where the sandbox has no bash), or the program given after --, on a terminal all
 sandbox. Keys go to it as typed: ^C interrupts and ^Z stops the job running in it, as on a local
 terminal; the window follows this terminal's size. sbctl exits with the shell's exit code (128+n
 when signal n ended it). The shell's session ends with it: jobs it left in the background go too
-(start what must outlive it with setsid, or with sbctl exec --background... see sbctl exec).
+(start what must outlive it with setsid). While the shell runs, sbctl renews the sandbox's lease
+every third of its TTL, as sbctl attach does.
 
 sbctl shell needs a terminal: with standard input not a terminal it refuses (exit 2); run commands
 from scripts with sbctl exec. It uses the owner's API key; an agent holding a delegation token with
@@ -98,10 +100,14 @@ func runShell(ctx context.Context, c *client.Client, ref string, a protocol.Shel
 	if t := os.Getenv("TERM"); t != "" && protocol.ValidateShell(protocol.ShellArgs{Term: t}) == nil {
 		a.Term = t
 	}
-	// The sandbox's own broker: another one answers wrong_node.
-	dp, err := c.SandboxDataplaneURL(ctx, ref)
+	sb, err := c.GetSandbox(ctx, ref)
 	if err != nil {
 		return protocol.ExecResult{}, err
+	}
+	// The sandbox's own broker: another one answers wrong_node.
+	dp := sb.DataplaneURL
+	if dp == "" {
+		dp = c.DataplaneURL(sb.ID)
 	}
 	r, err := backend.Dial(ctx, backend.Config{URL: dp, Credential: c.APIKey(), Reconnects: 1})
 	if err != nil {
@@ -131,6 +137,9 @@ func runShell(ctx context.Context, c *client.Client, ref string, a protocol.Shel
 			sh.CloseInput() // the terminal itself was closed
 		}
 	}()
+	// A person at the shell is the owner at work: the lease is renewed while the session lasts, as
+	// sbctl attach does (only owner calls renew it, not dataplane traffic).
+	go keepLease(ctx, c, sb, sh.Done())
 	stopResize := watchResize(func() {
 		if cols, rows, err := term.GetSize(fd); err == nil {
 			sh.Resize(min(max(rows, 1), protocol.ShellMaxWindow), min(max(cols, 1), protocol.ShellMaxWindow))
@@ -152,4 +161,24 @@ func runShell(ctx context.Context, c *client.Client, ref string, a protocol.Shel
 		return res, fmt.Errorf("the shell ended: %w", err)
 	}
 	return res, err
+}
+
+// keepLease heartbeats sb every third of its TTL until done. A failed beat is not the session's
+// business: if the sandbox stops, the session ends and says so.
+func keepLease(ctx context.Context, c *client.Client, sb protocol.Sandbox, done <-chan struct{}) {
+	every := max(time.Duration(sb.TTLSeconds)*time.Second/3, time.Second)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			hctx, cancel := context.WithTimeout(ctx, every)
+			c.Heartbeat(hctx, sb.ID)
+			cancel()
+		}
+	}
 }

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // syncBuffer collects a terminal's output for a test to wait on.
@@ -142,4 +144,32 @@ func TestExecOnTerminal(t *testing.T) {
 	if !errors.As(err, &ire) || !strings.Contains(err.Error(), "no-such-shell: command not found") {
 		t.Fatalf("a missing program on a terminal: %v", err)
 	}
+}
+
+// With the init frozen, cancelling a terminal command still ends its whole session from outside:
+// the leader's group and what is below it, and an orphan that job control left in a group of its
+// own, found through the terminal it holds.
+func TestTerminalCancelWithoutTheInit(t *testing.T) {
+	t.Parallel()
+	in, _ := startSandbox(t, newNamespace(t, Config{}), Template{})
+	inst := in.(*instance)
+	job := marker()
+	ctx, cancel := context.WithCancel(context.Background())
+	// The job's subshell exits at once: its child is an orphan in the job's group, not the
+	// shell's, found only through the terminal it holds.
+	out, _, done := ttyRun(t, ctx, in, []string{"bash", "-ic", "set -m; trap '' HUP; (" + job + " &); echo ready; sleep 1000"}, nil)
+	out.waitFor(t, "ready")
+	waitHostRunning(t, job)
+	inst.mu.Lock()
+	initPid := inst.initPid
+	inst.mu.Unlock()
+	if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Kill(initPid, unix.SIGCONT)
+	cancel()
+	if res := waitResult(t, done); res.Reason != ReasonCancelled {
+		t.Fatalf("cancelled with the init frozen: %+v", res)
+	}
+	waitHostGone(t, job)
 }

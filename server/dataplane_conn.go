@@ -492,6 +492,11 @@ func (c *dpConn) stopNew() <-chan struct{} {
 	if c.drained == nil {
 		c.drained = make(chan struct{})
 		c.checkDrained()
+		for _, r := range c.inflight {
+			if r.shell != nil {
+				r.shell.endForShutdown()
+			}
+		}
 	}
 	return c.drained
 }

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/sbxbroker/broker/delegation"
@@ -31,7 +32,12 @@ type shellSession struct {
 	resizes chan sandbox.WindowSize
 	done    chan struct{}   // closed when the shell ended: nothing more is taken
 	ctx     context.Context // the request's: ended when its answer is taken, whether the shell ran or not
-	pending []byte          // what the terminal's writer has taken of the frame at the head
+	// mu guards shutdown and end: the broker is shutting down and ended the shell
+	// (endForShutdown), through end, which cancels the shell's own context.
+	mu       sync.Mutex
+	shutdown bool
+	end      context.CancelFunc
+	pending  []byte // what the terminal's writer has taken of the frame at the head
 }
 
 func prepareShell(ctx context.Context, r *request) {
@@ -70,6 +76,34 @@ func (s *shellSession) feed(ctx context.Context, b []byte) {
 	case <-s.ctx.Done():
 	case <-ctx.Done():
 	}
+}
+
+// endForShutdown ends a shell when the broker starts a graceful shutdown: an exec in flight runs to
+// its end, but a shell has none of its own, and would hold the shutdown for its whole timeout.
+// Its request stays in flight until its answer (unavailable) is taken, as drain expects.
+func (s *shellSession) endForShutdown() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.shutdown = true
+	if s.end != nil {
+		s.end()
+	}
+}
+
+// run gives the shell its own context, ended by endForShutdown too, and says whether that ended it.
+func (s *shellSession) run(ctx context.Context, f func(ctx context.Context)) (shutdown bool) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	s.mu.Lock()
+	s.end = cancel
+	if s.shutdown {
+		cancel()
+	}
+	s.mu.Unlock()
+	f(ctx)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.shutdown
 }
 
 // closeInput is a FrameEnd: the program reads the end of its input once it has read the rest.
@@ -132,7 +166,9 @@ func opShell(ctx context.Context, c *dpConn, r *request, a protocol.ShellArgs) (
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventShellStarted, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor,
 		JTI: c.jti(), Command: cmd})
 	start := time.Now()
-	res, err := c.rt.Exec(ctx, req)
+	var res sandbox.ExecResult
+	var err error
+	shutdown := r.shell.run(ctx, func(ctx context.Context) { res, err = c.rt.Exec(ctx, req) })
 	exit, dur := res.ExitCode, time.Since(start).Milliseconds()
 	ended := protocol.Event{Type: protocol.EventShellEnded, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor,
 		JTI: c.jti(), Command: cmd, DurationMS: &dur, Reason: res.Reason}
@@ -144,6 +180,9 @@ func opShell(ctx context.Context, c *dpConn, r *request, a protocol.ShellArgs) (
 		ended.Reason = "failed"
 	}
 	c.s.events.Emit(c.org, ended)
+	if shutdown {
+		return nil, protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down, which ended the shell; open a new one once it is back")
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -348,3 +348,37 @@ func TestShellReleasesWhatItHolds(t *testing.T) {
 	wait.Eventually(t, 20*time.Second, func() bool { return fds() <= baseFDs && runtime.NumGoroutine() <= baseG },
 		"fds back to %d (now %d) and goroutines to %d (now %d)", baseFDs, fds(), baseG, runtime.NumGoroutine())
 }
+
+// A graceful shutdown lets an exec in flight finish, but a shell has no end of its own: it is ended
+// at once with unavailable (and its session killed), instead of holding the shutdown for its
+// whole timeout.
+func TestShellEndsAtShutdown(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "down"}); err != nil {
+		t.Fatal(err)
+	}
+	c := dialRaw(t, dataplaneURL(b, "down"), b.Client.APIKey())
+	c.sendJSON(protocol.Request{ID: 1, Op: "shell", Args: map[string]any{"argv": []string{"sh", "-c", "echo up; sleep 1000"}}})
+	for {
+		var shown strings.Builder
+		for _, f := range c.bins[1] {
+			shown.Write(f[1:])
+		}
+		if strings.Contains(shown.String(), "up") {
+			break
+		}
+		if err := c.readOne(20 * time.Second); err != nil {
+			t.Fatalf("the shell never started: %v", err)
+		}
+	}
+	start := time.Now()
+	stopped := make(chan time.Duration, 1)
+	go func() { b.StopWithin(30 * time.Second); stopped <- time.Since(start) }()
+	if a := c.await(1); a.code() != protocol.CodeUnavailable || !strings.Contains(a.Error.Message, "shutting down") {
+		t.Fatalf("a shell during a shutdown: %s", a)
+	}
+	if took := <-stopped; took > 10*time.Second {
+		t.Errorf("the shutdown took %s with only a shell in flight", took)
+	}
+}

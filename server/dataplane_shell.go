@@ -106,7 +106,8 @@ func (s *shellSession) run(ctx context.Context, f func(ctx context.Context)) (sh
 	return s.shutdown
 }
 
-// closeInput is a FrameEnd: the program reads the end of its input once it has read the rest.
+// closeInput is a FrameEnd: once the terminal has taken the rest, it gets its end-of-file
+// character (the provider types it at the end of Stdin).
 func (s *shellSession) closeInput() {
 	if !s.closed {
 		s.closed = true

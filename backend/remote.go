@@ -242,6 +242,9 @@ type call struct {
 	stdout io.Writer
 	stderr io.Writer
 	data   io.Writer
+	// sent, when set, is told the request's id once the request is on the wire (a shell's input
+	// and resizes name it).
+	sent func(id uint32)
 
 	// mu orders the reader's writes into the sinks with the caller giving up on the call: once
 	// detached, nothing more is written into them, since the caller may be using its writer again.
@@ -457,6 +460,9 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 	if err := c.write(websocket.TextMessage, req); err != nil {
 		cl.detach()
 		return c.failure()
+	}
+	if cl.sent != nil {
+		cl.sent(id)
 	}
 	if upload != nil {
 		if err := c.sendData(ctx, id, upload, cl.done); err != nil {

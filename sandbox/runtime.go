@@ -65,6 +65,12 @@ type ExecRequest = provider.ExecRequest
 // ExecResult is how a command ended.
 type ExecResult = provider.ExecResult
 
+// TTY is a terminal for a command (ExecRequest.TTY), and WindowSize its size.
+type (
+	TTY        = provider.TTY
+	WindowSize = provider.WindowSize
+)
+
 // WorkspaceRoot is the sandbox path of the workspace: the root of every file path and exec's
 // default cwd.
 const WorkspaceRoot = workspace.Root
@@ -77,6 +83,9 @@ func (r *Runtime) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		if _, err := workspace.Resolve(req.Cwd); err != nil {
 			return ExecResult{}, err
 		}
+	}
+	if req.TTY != nil && !provider.SupportsTTY(r.inst) {
+		return ExecResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "this sandbox's provider has no terminals: use exec")
 	}
 	res, err := r.inst.Exec(ctx, req)
 	if err != nil {

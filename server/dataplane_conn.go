@@ -69,6 +69,8 @@ type request struct {
 	hold hold
 	// exec is a non-streamed exec's output, counted against the broker-wide budget.
 	exec *execOutput
+	// shell is a shell's input, fed by the reader (dataplane_shell.go).
+	shell *shellSession
 }
 
 // outFrame is a frame for the writer. n is what it counts against the connection's queue bytes.
@@ -433,10 +435,14 @@ func (c *dpConn) binary(kind byte, id uint32, payload io.Reader, chunk []byte) {
 	c.mu.Lock()
 	req := c.inflight[id]
 	c.mu.Unlock()
+	if req != nil && req.shell != nil && (kind == protocol.FrameData || kind == protocol.FrameEnd) {
+		c.shellInput(req.shell, kind, payload)
+		return
+	}
 	if req == nil || req.upload == nil || (kind != protocol.FrameData && kind != protocol.FrameEnd) {
 		io.Copy(io.Discard, payload)
 		// Answered with id 0: request id may be in flight, and its one answer is still to come.
-		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "binary frame of kind %d for request %d, which is not an upload in progress", kind, id)})
+		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "binary frame of kind %d for request %d, which is not an upload or a shell in progress", kind, id)})
 		return
 	}
 	if kind == protocol.FrameData {
@@ -486,6 +492,11 @@ func (c *dpConn) stopNew() <-chan struct{} {
 	if c.drained == nil {
 		c.drained = make(chan struct{})
 		c.checkDrained()
+		for _, r := range c.inflight {
+			if r.shell != nil {
+				r.shell.endForShutdown()
+			}
+		}
 	}
 	return c.drained
 }
@@ -539,7 +550,11 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 		return
 	}
 	if o.class == opInline {
-		o.inline(c, id)
+		if o.control != nil {
+			o.control(c, id, args)
+		} else {
+			o.inline(c, id)
+		}
 		return
 	}
 	if o.scope != "" && !c.scopes[o.scope] {
@@ -572,6 +587,9 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 		return
 	}
 	c.inflight[id] = req
+	if o.prepare != nil {
+		o.prepare(ctx, req)
+	}
 	renew := c.s.dpRenews && time.Since(c.lastRenew) > c.rec.TTL/10
 	if renew {
 		c.lastRenew = time.Now()

@@ -33,7 +33,9 @@ var dpOps = map[string]dpOp{
 	protocol.OpUpload: op(protocol.ScopeFSWrite, opUpload, opUploadOpen),
 	protocol.OpUntar:  op(protocol.ScopeFSWrite, opUpload, opUntarOpen),
 
-	protocol.OpExec: op(protocol.ScopeExec, opLight, opExec),
+	protocol.OpExec:   op(protocol.ScopeExec, opLight, opExec),
+	protocol.OpShell:  prepared(op(protocol.ScopeExec, opLight, opShell), prepareShell),
+	protocol.OpResize: {class: opInline, control: (*dpConn).resizeShell},
 }
 
 // dpOp is one dataplane operation.
@@ -45,6 +47,17 @@ type dpOp struct {
 	run func(ctx context.Context, c *dpConn, r *request, raw json.RawMessage) (any, error)
 	// inline answers an opInline op on the reader's goroutine; its arguments are not read.
 	inline func(c *dpConn, id uint32)
+	// control is an opInline op that takes arguments (resize), run on the reader's goroutine.
+	control func(c *dpConn, id uint32, raw json.RawMessage)
+	// prepare, when set, runs on the reader's goroutine as the request starts, before any frame
+	// that follows it is read: what those frames feed (a shell's input) is there for them.
+	prepare func(ctx context.Context, r *request)
+}
+
+// prepared is o with a prepare step.
+func prepared(o dpOp, prepare func(ctx context.Context, r *request)) dpOp {
+	o.prepare = prepare
+	return o
 }
 
 // opClass says where an operation runs and what it holds of the shared resources until its answer

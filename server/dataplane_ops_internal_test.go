@@ -37,8 +37,8 @@ func TestOpTableMatchesSpec(t *testing.T) {
 	table := map[string][]string{}
 	for op, o := range dpOps {
 		if o.class == opInline {
-			if o.scope != "" || o.inline == nil || o.run != nil {
-				t.Errorf("%s: an inline op needs no scope and has only an inline handler", op)
+			if o.scope != "" || (o.inline == nil) == (o.control == nil) || o.run != nil {
+				t.Errorf("%s: an inline op needs no scope and has only an inline or a control handler", op)
 			}
 			continue
 		}

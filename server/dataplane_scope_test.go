@@ -99,6 +99,7 @@ var everyOp = []opCall{
 	{"mkdir", map[string]any{"path": "made/deep", "parents": true}},
 	{"upload", map[string]any{"path": "up.txt"}},
 	{"exec", map[string]any{"command": "echo ran > ran.txt; echo ok"}},
+	{"shell", map[string]any{"argv": []string{"sh", "-c", "echo ran > ran-shell.txt"}}},
 }
 
 func seedScopeFiles(t *testing.T, ws string) {
@@ -124,7 +125,7 @@ func TestDataplaneScopes(t *testing.T) {
 		allowed []string // every other op must be scope_denied
 	}{
 		{"fs:read only", []string{"fs:read"}, read},
-		{"exec only", []string{"exec"}, []string{"exec"}},
+		{"exec only", []string{"exec"}, []string{"exec", "shell"}},
 		{"fs:write only", []string{"fs:write"}, write},
 	}
 	for _, tc := range cases {
@@ -189,8 +190,10 @@ func TestDataplaneScopes(t *testing.T) {
 			}
 			c.ping()
 			if tc.name == "exec only" {
-				if _, err := os.Stat(filepath.Join(ws, "ran.txt")); err != nil {
-					t.Errorf("exec did not run: %v", err)
+				for _, f := range []string{"ran.txt", "ran-shell.txt"} {
+					if _, err := os.Stat(filepath.Join(ws, f)); err != nil {
+						t.Errorf("exec or shell did not run: %v", err)
+					}
 				}
 			}
 			assertAlive(t, b, m.Sandbox.DataplaneURL, m.Token)

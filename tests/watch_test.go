@@ -30,6 +30,13 @@ type pane struct {
 // exits the window shows "sbctl-exited=CODE".
 func startPane(t *testing.T, b *broker, w, h int, args ...string) *pane {
 	t.Helper()
+	return startPaneThen(t, b, w, h, "", args...)
+}
+
+// startPaneThen is startPane that runs the shell commands then (each ended by ";") in the window
+// after sbctl exited and before it says so.
+func startPaneThen(t *testing.T, b *broker, w, h int, then string, args ...string) *pane {
+	t.Helper()
 	if _, err := exec.LookPath("tmux"); err != nil {
 		t.Fatal("tmux is not installed: run scripts/deps.sh (apt-get install -y tmux)")
 	}
@@ -41,7 +48,7 @@ func startPane(t *testing.T, b *broker, w, h int, args ...string) *pane {
 		quoted = append(quoted, "'"+strings.ReplaceAll(a, "'", `'\''`)+"'")
 	}
 	script := "env HOME='" + b.Home + "' XDG_CONFIG_HOME= SBCTL_CONFIG= SBX_API_KEY= SBX_BROKER_URL= " +
-		strings.Join(quoted, " ") + "; echo sbctl-exited=$?; sleep 600"
+		strings.Join(quoted, " ") + "; code=$?; " + then + " echo sbctl-exited=$code; sleep 600"
 	p.tmux("new-session", "-d", "-s", "w", "-x", strconv.Itoa(w), "-y", strconv.Itoa(h), script)
 	t.Cleanup(func() { exec.Command("tmux", "-L", p.socket, "kill-server").Run() })
 	return p
@@ -170,8 +177,21 @@ func TestWatch(t *testing.T) {
 	p.keys("s")
 	p.waitMatch(`(?m)^> dev +stopped `)
 	p.waitMatch(`(?m)dev? *stopped +requested|stopped  requested`)
+	p.keys("x")
+	p.waitText("dev is stopped: resume it (r) before opening a shell")
 	p.keys("r")
 	p.waitMatch(`(?m)^> dev +running `)
+
+	// x opens a shell on the selected sandbox and comes back to the pane when it ends.
+	p.keys("x")
+	p.waitText("sbctl: shell on dev; exit or Ctrl-D returns to sbctl watch")
+	p.waitMatch(`(?m)^bash-[0-9.]+\$`)
+	p.keys("echo in-$((6*7)) $(stty size)", "Enter")
+	p.waitText("in-42 24 80")
+	p.keys("exit 4", "Enter")
+	p.waitText("shell on dev ended: exit 4")
+	p.waitMatch(`(?m)^> dev +running `)
+	p.waitText("shell_ended  /bin/bash  -> exit 4")
 
 	// Extend: a prompt, then the new lease counting down from 2h.
 	p.keys("e")

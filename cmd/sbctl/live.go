@@ -337,6 +337,17 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 		if e.DurationMS != nil {
 			fmt.Fprintf(&b, " (%dms)", *e.DurationMS)
 		}
+	case protocol.EventShellStarted:
+		b.WriteString(termSafe(e.Command))
+	case protocol.EventShellEnded:
+		code := "?"
+		if e.ExitCode != nil {
+			code = fmt.Sprint(*e.ExitCode)
+		}
+		fmt.Fprintf(&b, "%s  -> exit %s", termSafe(e.Command), code)
+		if e.Reason != "" {
+			b.WriteString("  " + termSafe(e.Reason))
+		}
 	case protocol.EventFileWritten, protocol.EventFileDeleted:
 		b.WriteString(termSafe(e.Path))
 	case protocol.EventSynced:

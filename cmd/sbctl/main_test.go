@@ -54,6 +54,11 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"run-config", "--thread", "t", "--ttl", "1ms"}, "less than a second"},
 		{[]string{"exec", "x", "--timeout", "1us", "--", "true"}, "at least 1ms"},
 		{[]string{"create", "x", "--ttl", "1fortnight"}, "7d"},
+		{[]string{"shell"}, "shell takes REF"},
+		{[]string{"shell", "dev", "python3"}, "give a program after --"},
+		{[]string{"shell", "dev", "-o", "json"}, "does not print -o json"},
+		{[]string{"shell", "dev", "--env", "NOEQUALS"}, "is not NAME=value"},
+		{[]string{"shell", "dev"}, "needs a terminal"},
 	} {
 		code, _, stderr := sbctl(t, t.Context(), "http://127.0.0.1:1", "", tc.args...)
 		if code != exitUsage || !strings.Contains(stderr, tc.want) {

@@ -44,6 +44,7 @@ SSE and resume where they left off after a dropped connection. With REF the view
 sandbox.
 
 Keys: up/down (or k/j) select, s stop, r resume, e extend the lease, d delete (asks first),
+x open a shell in the selected sandbox (as sbctl shell; exit or Ctrl-D comes back here),
 / filter by tag (key=value; empty clears), a events of the selected sandbox or of all, q quit.
 A lease about to run out is marked with "!".
 
@@ -311,6 +312,14 @@ func (m *watchModel) Update(msg tea.Msg) (tea.Model, tea.Cmd) {
 		m.setStatus(true, "event stream dropped (%s); reconnecting", termSafe(describe(msg.err)))
 	case streamEndMsg:
 		m.setStatus(true, "event stream ended: %s", termSafe(describe(msg.err)))
+	case shellEndMsg:
+		switch {
+		case msg.err != nil:
+			m.setStatus(true, "shell on %s: %s", termSafe(msg.name), termSafe(describe(msg.err)))
+		default:
+			m.setStatus(msg.code != 0, "shell on %s ended: exit %d", termSafe(msg.name), msg.code)
+		}
+		return m, m.refresh()
 	case actionMsg:
 		if msg.err != nil {
 			m.setStatus(true, "%s failed: %s", termSafe(msg.what), termSafe(describe(msg.err)))
@@ -350,6 +359,8 @@ func (m *watchModel) key(k tea.KeyMsg) tea.Cmd {
 		if _, ok := m.current(); ok {
 			m.prompt, m.input = promptExtend, nil
 		}
+	case "x":
+		return m.shell()
 	case "d":
 		if _, ok := m.current(); ok {
 			m.prompt, m.input = promptDelete, nil
@@ -555,7 +566,7 @@ func (m *watchModel) footer(w int) string {
 		}
 		return fit(status, w)
 	}
-	return styleDim.Render(fit("j/k select  s stop  r resume  e extend  d delete  / tag  a all/one  q quit", w))
+	return styleDim.Render(fit("j/k select  s stop  r resume  e extend  d delete  x shell  / tag  a all  q quit", w))
 }
 
 // columns are the widths of the sandbox table for a screen w wide; NAME and TAGS take what is left.
@@ -665,4 +676,52 @@ func fit(s string, w int) string {
 func pad(s string, w int) string {
 	s = fit(s, w)
 	return s + strings.Repeat(" ", max(0, w-runewidth.StringWidth(s)))
+}
+
+// shellEndMsg says how a shell opened from the pane ended.
+type shellEndMsg struct {
+	name string
+	code int
+	err  error
+}
+
+// shell opens an interactive shell on the selected sandbox: Bubble Tea hands the terminal over
+// (out of the alternate screen, input released) for the session, as to an external program, and
+// takes it back when the shell ends.
+func (m *watchModel) shell() tea.Cmd {
+	s, ok := m.current()
+	if !ok {
+		return nil
+	}
+	if s.Status != protocol.StatusRunning {
+		m.setStatus(true, "%s is %s: resume it (r) before opening a shell", termSafe(s.Name), termSafe(s.Status))
+		return nil
+	}
+	x := &shellExec{ctx: m.ctx, c: m.c, id: s.ID, name: s.Name}
+	return tea.Exec(x, func(err error) tea.Msg { return shellEndMsg{name: x.name, code: x.code, err: err} })
+}
+
+// shellExec is a shell session as a tea.ExecCommand.
+type shellExec struct {
+	ctx      context.Context
+	c        *client.Client
+	id, name string
+	in       io.Reader
+	out      io.Writer
+	code     int
+}
+
+func (x *shellExec) SetStdin(r io.Reader)  { x.in = r }
+func (x *shellExec) SetStdout(w io.Writer) { x.out = w }
+func (x *shellExec) SetStderr(io.Writer)   {}
+
+func (x *shellExec) Run() error {
+	in, ok := x.in.(*os.File)
+	if !ok || !term.IsTerminal(int(in.Fd())) {
+		return errors.New("a shell needs a terminal, and the input of sbctl watch is not one")
+	}
+	fmt.Fprintf(x.out, "sbctl: shell on %s; exit or Ctrl-D returns to sbctl watch\r\n", termSafe(x.name))
+	res, err := runShell(x.ctx, x.c, x.id, protocol.ShellArgs{}, in, x.out)
+	x.code = res.ExitCode
+	return err
 }

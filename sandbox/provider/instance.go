@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
 	"golang.org/x/sys/unix"
 )
 
@@ -91,6 +92,8 @@ type call struct {
 	// outside ends the command from the broker's side if the init has not, killGrace after reason
 	// was set (outside.go).
 	outside *time.Timer
+	// pty receives a terminal command's master from the forked reply (tty.go); nil otherwise.
+	pty chan *os.File
 }
 
 // launchSpec is what a provider hands to launch.
@@ -451,24 +454,25 @@ func (in *instance) readLoop() {
 	oob := make([]byte, unix.CmsgSpace(16*4))
 	for {
 		n, oobn, flags, err := in.ctl.recv(buf, oob)
+		var fds []int
 		if oobn > 0 {
-			// The init never sends fds; one that does is not ours to keep.
-			fds, _ := parseRights(oob[:oobn])
-			closeFDs(fds)
+			// Only a terminal's master comes with a reply (forked, for a TTY call); any other fd
+			// is not ours to keep.
+			fds, _ = parseRights(oob[:oobn])
 		}
 		if err != nil || n == 0 {
+			closeFDs(fds)
 			in.fail(in.endErr())
 			return
 		}
-		if flags&unix.MSG_TRUNC != 0 {
-			continue
-		}
 		var r reply
-		if json.Unmarshal(buf[:n], &r) != nil {
+		if flags&unix.MSG_TRUNC != 0 || json.Unmarshal(buf[:n], &r) != nil {
+			closeFDs(fds)
 			continue
 		}
 		switch r.Op {
 		case opExit, opError, opStarted:
+			closeFDs(fds)
 		case opForked:
 			in.mu.Lock()
 			c := in.calls[r.ID]
@@ -478,8 +482,12 @@ func (in *instance) readLoop() {
 				c.pid = r.Pid
 				c.mu.Unlock()
 			}
+			if c == nil || !c.takeTerminal(fds) {
+				closeFDs(fds)
+			}
 			continue
 		default:
+			closeFDs(fds)
 			continue
 		}
 		in.mu.Lock()
@@ -502,7 +510,7 @@ func (c *call) complete(r reply) {
 	c.exited = true
 	c.rep = r
 	if r.Op == opError {
-		if r.Kind == errKindCwd {
+		if r.Kind == errKindCwd || r.Kind == sbxinit.ErrKindProgram {
 			// The dir provider's init names host paths; callers see sandbox paths only.
 			msg := r.Err
 			if c.hostWS != "" {
@@ -613,6 +621,9 @@ func (in *instance) Exec(ctx context.Context, req ExecRequest) (ExecResult, erro
 	}
 	if req.Timeout < 0 {
 		return ExecResult{}, invalidRequest("negative timeout")
+	}
+	if req.TTY != nil {
+		return in.runTTY(ctx, &r, req)
 	}
 	if req.Background {
 		return in.startBackground(&r)

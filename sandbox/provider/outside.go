@@ -39,6 +39,16 @@ func (in *instance) killOutside(c *call) {
 		if err != nil {
 			continue
 		}
+		if c.pty != nil {
+			// A terminal's master: its session's jobs (in groups of their own) hold the slave,
+			// which their fds name by its path in the sandbox's devpts.
+			var n uint32
+			var nerr error
+			if rc.Control(func(fd uintptr) { n, nerr = unix.IoctlGetUint32(int(fd), unix.TIOCGPTN) }) == nil && nerr == nil {
+				pipes = append(pipes, "/dev/pts/"+strconv.FormatUint(uint64(n), 10))
+			}
+			continue
+		}
 		var st unix.Stat_t
 		var serr error
 		if rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }) == nil && serr == nil {

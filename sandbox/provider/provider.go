@@ -86,6 +86,33 @@ type ExecRequest struct {
 	// Background starts the command and returns at once with its pid; it runs until it exits or the
 	// sandbox stops, with its output discarded.
 	Background bool
+	// TTY, when set, runs the command on a pseudo-terminal that the init allocates inside the
+	// sandbox, from the sandbox's own devpts: Stdin is typed into it, everything the command writes
+	// to it goes to Stdout (Stderr must be nil), and the command leads a new session with it as its
+	// controlling terminal, so ^C and ^Z typed are signals to its foreground job. Timeout 0 means
+	// none (the caller's ctx bounds it). When the command ends, so does the rest of its session;
+	// when ctx ends, the whole session is killed. The end of Stdin is typed as the terminal's
+	// end-of-file character (^D). Exec does not wait for a Stdin Read still blocked when the command
+	// ended: the caller ends its reader. Providers that cannot do it say so (SupportsTTY).
+	TTY *TTY
+}
+
+// TTY is a terminal's window and its changes.
+type TTY struct {
+	// Rows and Cols are the window at the start; 0 means 24 rows, 80 columns.
+	Rows, Cols uint16
+	// Resize, when set, delivers new window sizes while the command runs; the foreground job gets
+	// SIGWINCH.
+	Resize <-chan WindowSize
+}
+
+// WindowSize is a terminal's size in character cells.
+type WindowSize struct{ Rows, Cols uint16 }
+
+// SupportsTTY reports whether inst runs commands on a terminal (ExecRequest.TTY).
+func SupportsTTY(inst Instance) bool {
+	_, ok := inst.(interface{ runsTTY() })
+	return ok
 }
 
 // ExecResult is how a command ended.

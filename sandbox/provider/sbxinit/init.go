@@ -58,6 +58,8 @@ type initChild struct {
 	id  uint64
 	pid int
 	bg  bool
+	// tty: the command leads its own session on a terminal (Request.TTY); the session ends with it.
+	tty bool
 }
 
 func runInit() error {
@@ -227,12 +229,15 @@ func closeInherited(from int) {
 	}
 }
 
-func (p *initProc) reply(r *Reply) error {
+func (p *initProc) reply(r *Reply) error { return p.send(r, nil) }
+
+// send is reply with fds passed along (SCM_RIGHTS).
+func (p *initProc) send(r *Reply, fds []int) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
 	}
-	return p.ctl.send(b, nil)
+	return p.ctl.send(b, fds)
 }
 
 // exec starts one command. fds are the passed stdio ends; they are closed here once the child has
@@ -243,12 +248,32 @@ func (p *initProc) exec(req *Request, fds []int) {
 		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "empty argv"})
 		return
 	}
+	if req.TTY && req.Bg {
+		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "a background command has no terminal"})
+		return
+	}
 	var files [3]uintptr
 	for i := range files {
 		files[i] = uintptr(p.devnull)
-		if !req.Bg && i < len(req.Stdio) && req.Stdio[i] >= 0 && req.Stdio[i] < len(fds) {
+		if !req.Bg && !req.TTY && i < len(req.Stdio) && req.Stdio[i] >= 0 && req.Stdio[i] < len(fds) {
 			files[i] = uintptr(fds[req.Stdio[i]])
 		}
+	}
+	// A terminal is allocated here, inside the sandbox, and its master handed to the broker with
+	// the forked reply: the command's stdio is the slave, and it leads a new session whose
+	// controlling terminal that is, so the line discipline turns ^C and ^Z into signals for the
+	// foreground job, as on any terminal.
+	master := -1
+	if req.TTY {
+		m, slave, err := openPTY(req.Rows, req.Cols)
+		if err != nil {
+			p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "terminal: " + err.Error()})
+			return
+		}
+		master = m
+		defer unix.Close(master)
+		defer unix.Close(slave)
+		files = [3]uintptr{uintptr(slave), uintptr(slave), uintptr(slave)}
 	}
 	env := p.env
 	if len(req.Env) > 0 {
@@ -270,6 +295,10 @@ func (p *initProc) exec(req *Request, fds []int) {
 		// Each command leads its own process group, so a kill reaches its children too.
 		Sys: &syscall.SysProcAttr{Setpgid: true},
 	}
+	if req.TTY {
+		// A session leader leads its process group too (and may not call setpgid).
+		attr.Sys = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
+	}
 	var pid int
 	var err error
 	for try := 0; ; try++ {
@@ -282,10 +311,15 @@ func (p *initProc) exec(req *Request, fds []int) {
 			unix.Pwrite(p.oomAdj, p.oomBase, 0)
 		}
 		if err == nil {
-			c := &initChild{id: req.ID, pid: pid, bg: req.Bg}
+			c := &initChild{id: req.ID, pid: pid, bg: req.Bg, tty: req.TTY}
 			p.byPid[pid] = c
 			if !req.Bg {
 				p.byID[req.ID] = c
+			}
+			if req.TTY {
+				// Sent before mu is let go, so that the reaper's exit reply comes after it: the
+				// broker must hold the master before the command's end, or its output is lost.
+				p.send(&Reply{Op: OpForked, ID: req.ID, Pid: pid}, []int{master})
 			}
 		}
 		p.mu.Unlock()
@@ -323,6 +357,9 @@ func (p *initProc) exec(req *Request, fds []int) {
 		p.reply(&Reply{Op: OpStarted, ID: req.ID, Pid: pid})
 		return
 	}
+	if req.TTY {
+		return // forked was sent with the master
+	}
 	// The broker enforces the command's timeout itself when we do not answer (we may be stopped,
 	// hung or starved): it needs the pid, which is the command's process group, to find what to
 	// end from outside.
@@ -335,6 +372,11 @@ func (p *initProc) notRunnable(req *Request, stderr uintptr, prog string, err er
 	code, what := 126, err.Error()
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, errNotFound) {
 		code, what = 127, "command not found"
+	}
+	if req.TTY {
+		// The terminal goes with this request, so a message written to it would be lost.
+		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindProgram, Err: prog + ": " + what})
+		return
 	}
 	if int(stderr) != p.devnull {
 		unix.Write(int(stderr), []byte(prog+": "+what+"\n"))
@@ -384,6 +426,12 @@ func (p *initProc) reapExited() {
 			if !c.bg {
 				delete(p.byID, c.id)
 			}
+			if c.tty {
+				// A terminal session ends with its leader: what it left in the session (jobs,
+				// a stopped ^Z job) goes too. A pid stays in use while it names a session, so
+				// this sid is still the session's.
+				KillTree(0, 0, pid, p.self)
+			}
 		}
 		p.mu.Unlock()
 		if c == nil || c.bg {
@@ -408,7 +456,11 @@ func (p *initProc) kill(id uint64) {
 	if c == nil {
 		return // already exited; its exit report is on the way
 	}
-	KillTree(c.pid, c.pid, 0, p.self)
+	sid := 0
+	if c.tty {
+		sid = c.pid // job control moves a shell's jobs to groups of their own, within its session
+	}
+	KillTree(c.pid, c.pid, sid, p.self)
 }
 
 // killAll ends every process we started and every orphan handed to us: our descendants (we are

@@ -13,7 +13,7 @@ const (
 const (
 	OpReady   = "ready"   // the init is set up; sent once, after config
 	OpStarted = "started" // a background command started (Pid)
-	OpForked  = "forked"  // a foreground command started (Pid), so the broker can end it without us
+	OpForked  = "forked"  // a foreground command started (Pid), so the broker can end it without us; with TTY, the terminal's master rides along
 	OpExit    = "exit"    // a foreground command ended (Code or Signal)
 	OpError   = "error"   // a command could not start (Err, Kind)
 )
@@ -22,6 +22,9 @@ const (
 const (
 	ErrKindCwd   = "cwd"   // the working directory is missing or not enterable
 	ErrKindStart = "start" // anything else (fork failed: pids limit, ...)
+	// ErrKindProgram: a terminal command's program is not found or not executable (a command
+	// without a terminal exits 127 or 126 instead, its message on its stderr).
+	ErrKindProgram = "program"
 )
 
 // MaxMessage bounds one request. A SEQPACKET message must fit the socket's send buffer (default
@@ -39,6 +42,12 @@ type Request struct {
 	// Stdio maps the command's fd 0, 1, 2 to an index into the passed fds; -1 is /dev/null.
 	Stdio []int `json:"stdio,omitempty"`
 	Bg    bool  `json:"bg,omitempty"`
+	// TTY runs the command on a new pseudo-terminal of the sandbox's own devpts (see tty.go), its
+	// window Rows x Cols: the command leads a new session with the terminal as its controlling tty
+	// and stdio, and the forked reply carries the master. Stdio is then ignored.
+	TTY  bool   `json:"tty,omitempty"`
+	Rows uint16 `json:"rows,omitempty"`
+	Cols uint16 `json:"cols,omitempty"`
 	// config
 	Host bool `json:"host,omitempty"` // dir provider: the init shares the host pid space
 }

@@ -1,0 +1,172 @@
+package provider
+
+import (
+	"context"
+	"io"
+	"os"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"golang.org/x/sys/unix"
+)
+
+// A command on a terminal (ExecRequest.TTY). The init allocates the terminal inside the sandbox and
+// passes its master back with the forked reply; from then on the broker talks to the master
+// directly: keystrokes are written to it, output read from it, and a resize is an ioctl on it. No
+// byte of the session goes through the init.
+
+func (in *instance) runsTTY() {}
+
+// takeTerminal hands a terminal call its master, received with the forked reply. It answers false
+// (the caller closes fds) when the call wants none or the reply carried anything else.
+func (c *call) takeTerminal(fds []int) bool {
+	if c.pty == nil || len(fds) != 1 {
+		return false
+	}
+	if err := unix.SetNonblock(fds[0], true); err != nil {
+		return false
+	}
+	f := os.NewFile(uintptr(fds[0]), "tty-master")
+	c.mu.Lock()
+	// Among outs, the command's end sets its read deadline as for a pipe (complete, fail).
+	c.outs = append(c.outs, f)
+	c.mu.Unlock()
+	c.pty <- f // buffered, and the init sends one forked reply per command
+	return true
+}
+
+// runTTY is Exec on a terminal: the request, the master, then keystrokes in and output out until the
+// command (the session's leader) ends.
+func (in *instance) runTTY(ctx context.Context, r *request, req ExecRequest) (ExecResult, error) {
+	switch {
+	case req.Background:
+		return ExecResult{}, invalidRequest("a background command has no terminal")
+	case req.Stderr != nil:
+		return ExecResult{}, invalidRequest("a terminal has one output: set Stdout only")
+	}
+	start := time.Now()
+	r.TTY, r.Rows, r.Cols = true, req.TTY.Rows, req.TTY.Cols
+	if r.Rows == 0 || r.Cols == 0 {
+		r.Rows, r.Cols = 24, 80
+	}
+	c := &call{done: make(chan struct{}), hostWS: in.hostWS, pty: make(chan *os.File, 1)}
+	if err := in.register(c); err != nil {
+		return ExecResult{}, err
+	}
+	r.ID = c.id
+	if err := in.send(r, nil, startTimeout); err != nil {
+		in.unregister(c)
+		return ExecResult{}, err
+	}
+	var master *os.File
+	select {
+	case master = <-c.pty:
+	case <-c.done:
+		// The command failed to start, or the init is gone. (Its exit cannot come first: the
+		// init sends forked, with the master, before the reaper may report the exit.)
+		select {
+		case master = <-c.pty:
+		default:
+		}
+	}
+	if master == nil {
+		<-c.done
+		c.mu.Lock()
+		err := c.err
+		c.mu.Unlock()
+		if err == nil {
+			err = ErrStopped
+		}
+		return ExecResult{}, err
+	}
+	defer master.Close()
+	var timer *time.Timer
+	if req.Timeout > 0 {
+		timer = time.AfterFunc(min(req.Timeout, time.Duration(in.limits.ExecTimeoutMax)), func() { in.killCall(c, ReasonTimeout) })
+	}
+	stopCancel := context.AfterFunc(ctx, func() { in.killCall(c, ReasonCancelled) })
+	quit := make(chan struct{})
+	if req.TTY.Resize != nil {
+		go resizeLoop(master, req.TTY.Resize, quit)
+	}
+	if req.Stdin != nil {
+		// Ends at the master's close (its next write fails), or when Stdin ends; a Read still
+		// blocked then is the caller's to end. The end of Stdin is typed as the terminal's
+		// end-of-file character (^D), which is how a terminal says it: a program reading a line
+		// reads end of file.
+		go func() {
+			if _, err := io.Copy(master, req.Stdin); err == nil {
+				typeEOF(master)
+			}
+		}()
+	}
+	c.drain(master, &sink{w: req.Stdout}, protocol.NewExecOutputLimit(req.MaxOutput))
+	<-c.done
+	close(quit)
+	if timer != nil {
+		timer.Stop()
+	}
+	stopCancel()
+	c.mu.Lock()
+	if c.outside != nil {
+		c.outside.Stop()
+	}
+	rep, cerr, reason := c.rep, c.err, c.reason
+	c.mu.Unlock()
+	if cerr != nil {
+		return ExecResult{}, cerr
+	}
+	res := ExecResult{Pid: rep.Pid, ExitCode: rep.Code, Duration: time.Since(start)}
+	if rep.Signal > 0 {
+		res.Signal = signalName(rep.Signal)
+		res.ExitCode = 128 + rep.Signal
+	}
+	if reason != "" && rep.Signal == int(unix.SIGKILL) {
+		res.Reason = reason
+	} else if rep.Signal == int(unix.SIGKILL) && in.oomKilled() {
+		res.Reason = ReasonMemoryLimit
+		in.endIfMemoryWedged()
+	}
+	return res, nil
+}
+
+// resizeLoop applies window sizes to the terminal until quit: the kernel sends SIGWINCH to the
+// terminal's foreground process group.
+func resizeLoop(master *os.File, sizes <-chan WindowSize, quit <-chan struct{}) {
+	rc, err := master.SyscallConn()
+	if err != nil {
+		return
+	}
+	for {
+		select {
+		case <-quit:
+			return
+		case ws, ok := <-sizes:
+			if !ok {
+				return
+			}
+			if ws.Rows == 0 || ws.Cols == 0 {
+				continue
+			}
+			rc.Control(func(fd uintptr) {
+				unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: ws.Rows, Col: ws.Cols})
+			})
+		}
+	}
+}
+
+// typeEOF writes the terminal's VEOF character (^D unless the program changed it) to the master.
+func typeEOF(master *os.File) {
+	rc, err := master.SyscallConn()
+	if err != nil {
+		return
+	}
+	eof := byte(4)
+	rc.Control(func(fd uintptr) {
+		// Terminal modes asked of a master are its slave's, which the program sets.
+		if t, err := unix.IoctlGetTermios(int(fd), unix.TCGETS); err == nil && t.Cc[unix.VEOF] != 0 {
+			eof = t.Cc[unix.VEOF]
+		}
+	})
+	master.Write([]byte{eof})
+}

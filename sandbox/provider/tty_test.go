@@ -1,0 +1,175 @@
+package provider
+
+import (
+	"context"
+	"errors"
+	"io"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// syncBuffer collects a terminal's output for a test to wait on.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func (s *syncBuffer) waitFor(t *testing.T, text string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(s.String(), text) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %q in the terminal's output:\n%q", text, s.String())
+		}
+		time.Sleep(5 * time.Millisecond) // a poll interval
+	}
+}
+
+// ttyRun starts argv on a terminal and returns its output, its stdin and the result's channel.
+func ttyRun(t *testing.T, ctx context.Context, in Instance, argv []string, tty *TTY) (*syncBuffer, *io.PipeWriter, chan ExecResult) {
+	t.Helper()
+	if tty == nil {
+		tty = &TTY{}
+	}
+	out := &syncBuffer{}
+	pr, pw := io.Pipe()
+	t.Cleanup(func() { pw.Close() })
+	done := make(chan ExecResult, 1)
+	go func() {
+		res, err := in.Exec(ctx, ExecRequest{Argv: argv, Stdin: pr, Stdout: out, TTY: tty})
+		if err != nil {
+			t.Errorf("exec %v on a terminal: %v", argv, err)
+		}
+		pr.Close()
+		done <- res
+	}()
+	return out, pw, done
+}
+
+func waitResult(t *testing.T, done chan ExecResult) ExecResult {
+	t.Helper()
+	select {
+	case res := <-done:
+		return res
+	case <-time.After(30 * time.Second):
+		t.Fatal("the terminal command did not end")
+	}
+	return ExecResult{}
+}
+
+// A command on a terminal gets one from the sandbox's own devpts (a fresh instance numbers from 0,
+// the host's has others), sized as asked and resized on request; ^C typed is SIGINT to the
+// foreground job; its exit code comes back; its session ends with it; cancelling kills the session.
+func TestExecOnTerminal(t *testing.T) {
+	t.Parallel()
+	in, _ := startSandbox(t, newNamespace(t, Config{}), Template{})
+	if !SupportsTTY(in) {
+		t.Fatal("the namespace provider says it has no terminals")
+	}
+	ctx := context.Background()
+
+	out, _, done := ttyRun(t, ctx, in, []string{"sh", "-c", "tty; stty size; exit 7"}, &TTY{Rows: 33, Cols: 101})
+	res := waitResult(t, done)
+	if res.ExitCode != 7 || !strings.Contains(out.String(), "/dev/pts/0\r\n") || !strings.Contains(out.String(), "33 101\r\n") {
+		t.Fatalf("tty; stty size; exit 7: %+v %q", res, out.String())
+	}
+
+	resize := make(chan WindowSize, 1)
+	out, stdin, done := ttyRun(t, ctx, in, []string{"sh", "-c", "while read x; do stty size; done"}, &TTY{Resize: resize})
+	io.WriteString(stdin, "\n")
+	out.waitFor(t, "24 80\r\n")
+	resize <- WindowSize{Rows: 50, Cols: 120}
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(out.String(), "50 120") {
+		if time.Now().After(deadline) {
+			t.Fatalf("stty size never saw the resize: %q", out.String())
+		}
+		io.WriteString(stdin, "\n")
+		time.Sleep(20 * time.Millisecond) // a poll interval
+	}
+	io.WriteString(stdin, "\x04") // ^D: read sees the end of input
+	if res := waitResult(t, done); res.ExitCode != 0 {
+		t.Fatalf("^D ended the loop with %+v", res)
+	}
+
+	// ^C interrupts the foreground job, the way the line discipline does it: a byte, not a request.
+	mark := marker()
+	out, stdin, done = ttyRun(t, ctx, in, []string{"sh", "-c", "echo ready; exec " + mark}, nil)
+	out.waitFor(t, "ready")
+	waitHostRunning(t, mark)
+	io.WriteString(stdin, "\x03")
+	if res := waitResult(t, done); res.Signal != "INT" || res.ExitCode != 130 {
+		t.Fatalf("^C: %+v, want SIGINT", res)
+	}
+
+	// A job left in the background goes with the session's leader.
+	mark = marker()
+	out, _, done = ttyRun(t, ctx, in, []string{"sh", "-c", "(" + mark + " &); echo ready; exit 3"}, nil)
+	if res := waitResult(t, done); res.ExitCode != 3 {
+		t.Fatalf("exit 3: %+v %q", res, out.String())
+	}
+	waitHostGone(t, mark)
+
+	// Cancelling ends the whole session, jobs in their own process groups included.
+	mark = marker()
+	cctx, cancel := context.WithCancel(ctx)
+	out, _, done = ttyRun(t, cctx, in, []string{"bash", "-ic", "set -m; " + mark + " & echo ready; wait"}, nil)
+	out.waitFor(t, "ready")
+	waitHostRunning(t, mark)
+	cancel()
+	if res := waitResult(t, done); res.Reason != ReasonCancelled {
+		t.Fatalf("cancelled: %+v", res)
+	}
+	waitHostGone(t, mark)
+
+	// A program that is not there is a clear error, not a silent 127.
+	_, err := in.Exec(ctx, ExecRequest{Argv: []string{"no-such-shell"}, Stdout: io.Discard, TTY: &TTY{}})
+	var ire *InvalidRequestError
+	if !errors.As(err, &ire) || !strings.Contains(err.Error(), "no-such-shell: command not found") {
+		t.Fatalf("a missing program on a terminal: %v", err)
+	}
+}
+
+// With the init frozen, cancelling a terminal command still ends its whole session from outside:
+// the leader's group and what is below it, and an orphan that job control left in a group of its
+// own, found through the terminal it holds.
+func TestTerminalCancelWithoutTheInit(t *testing.T) {
+	t.Parallel()
+	in, _ := startSandbox(t, newNamespace(t, Config{}), Template{})
+	inst := in.(*instance)
+	job := marker()
+	ctx, cancel := context.WithCancel(context.Background())
+	// The job's subshell exits at once: its child is an orphan in the job's group, not the
+	// shell's, found only through the terminal it holds.
+	out, _, done := ttyRun(t, ctx, in, []string{"bash", "-ic", "set -m; trap '' HUP; (" + job + " &); echo ready; sleep 1000"}, nil)
+	out.waitFor(t, "ready")
+	waitHostRunning(t, job)
+	inst.mu.Lock()
+	initPid := inst.initPid
+	inst.mu.Unlock()
+	if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Kill(initPid, unix.SIGCONT)
+	cancel()
+	if res := waitResult(t, done); res.Reason != ReasonCancelled {
+		t.Fatalf("cancelled with the init frozen: %+v", res)
+	}
+	waitHostGone(t, job)
+}

@@ -94,6 +94,9 @@ func (s *Server) dataplane(c echo.Context) error {
 		return err
 	}
 	if !offers(r, protocol.Subprotocol) {
+		if v := otherVersion(r); v != "" {
+			return protocol.Errorf(protocol.CodeInvalidArgument, "this client speaks %s, which this broker no longer serves: it speaks %s (file content travels in binary frames, docs/dataplane.md); upgrade the client", clipHeader(v), protocol.Subprotocol)
+		}
 		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane needs the WebSocket subprotocol %s", protocol.Subprotocol)
 	}
 	cred := bearer(r)
@@ -198,6 +201,16 @@ func offers(r *http.Request, proto string) bool {
 		}
 	}
 	return false
+}
+
+// otherVersion is a dataplane subprotocol the client offers that this broker does not speak.
+func otherVersion(r *http.Request) string {
+	for _, p := range websocket.Subprotocols(r) {
+		if strings.HasPrefix(p, protocol.SubprotocolPrefix) && p != protocol.Subprotocol {
+			return p
+		}
+	}
+	return ""
 }
 
 func subprotocolCredential(r *http.Request) string {

@@ -51,8 +51,12 @@ const (
 	dpQueuedBudget = 1 << 30
 	dpQueuedPerOrg = dpQueuedBudget / 4
 	// dpRetryAfter is the Retry-After (seconds) of an upgrade refused for too many connections.
-	dpRetryAfter   = "5"
-	dpQueueBytes   = 4 << 20
+	dpRetryAfter = "5"
+	dpQueueBytes = 4 << 20
+	// dpDirectBytes is the largest frame a producer writes itself when the connection's writer is
+	// idle (dpConn.wmu); larger ones (stream chunks, big answers) go through the writer, so that
+	// producing the next one overlaps writing this one.
+	dpDirectBytes  = 64 << 10
 	dpWriteQueue   = 64
 	dpWriteTimeout = 30 * time.Second
 	dpPingEvery    = 30 * time.Second

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -34,10 +35,18 @@ type dpConn struct {
 	rt     *sandbox.Runtime
 	files  sandbox.Files
 
-	conn   *websocket.Conn
-	out    chan outFrame
-	ctx    context.Context
-	cancel context.CancelFunc
+	conn *websocket.Conn
+	out  chan outFrame
+	// wmu is held by whoever writes a frame. A producer writes a small frame (dpDirectBytes)
+	// itself, on its own goroutine, when no write is under way and nothing is queued (wqueued
+	// counts frames from their queueing to the end of their write): a small answer then costs no
+	// handoff to the writer goroutine. Otherwise it queues the frame and goes on (a stream reads
+	// its next chunk while the writer writes this one), and frames of one request never overtake
+	// each other.
+	wmu     sync.Mutex
+	wqueued atomic.Int64
+	ctx     context.Context
+	cancel  context.CancelFunc
 
 	// lastRenew is when dataplane activity last renewed the lease (with --dataplane-renews-lease).
 	lastRenew time.Time
@@ -236,7 +245,11 @@ func (c *dpConn) writer() {
 	for {
 		select {
 		case f := <-c.out:
-			if err := c.write(f); err != nil {
+			c.wmu.Lock()
+			err := c.write(f)
+			c.wqueued.Add(-1)
+			c.wmu.Unlock()
+			if err != nil {
 				return
 			}
 		case <-ping.C:
@@ -251,7 +264,7 @@ func (c *dpConn) writer() {
 	}
 }
 
-// write writes one frame and ends its life; a failed write ends the connection.
+// write writes one frame and ends its life; a failed write ends the connection. c.wmu is held.
 func (c *dpConn) write(f outFrame) error {
 	if f.taken != nil {
 		f.taken()
@@ -296,12 +309,28 @@ func (c *dpConn) enqueue(f outFrame) bool {
 	return c.enqueueCharged(f)
 }
 
-// enqueueCharged is enqueue for a frame whose f.n bytes were charged already.
+// enqueueCharged is enqueue for a frame whose f.n bytes were charged already. With nothing queued,
+// the frame is written here and now (see wmu).
 func (c *dpConn) enqueueCharged(f outFrame) bool {
+	if len(f.data) <= dpDirectBytes && c.wqueued.Load() == 0 && c.wmu.TryLock() {
+		if c.wqueued.Load() == 0 { // nothing was queued meanwhile that this frame could overtake
+			if c.ctx.Err() != nil {
+				c.wmu.Unlock()
+				c.dropped(f)
+				return false
+			}
+			err := c.write(f)
+			c.wmu.Unlock()
+			return err == nil
+		}
+		c.wmu.Unlock()
+	}
+	c.wqueued.Add(1)
 	select {
 	case c.out <- f:
 		return true
 	case <-c.ctx.Done():
+		c.wqueued.Add(-1)
 		c.dropped(f)
 		return false
 	}

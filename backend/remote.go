@@ -323,9 +323,9 @@ type wireResponse struct {
 
 func (c *conn) readLoop() {
 	var text bytes.Buffer
-	// Binary payloads (download chunks, exec output) stream into their sinks through one buffer:
-	// no allocation per frame, one copy.
-	buf := make([]byte, 256<<10)
+	// Binary payloads (download chunks, exec output) stream into their sinks through a pooled
+	// buffer that holds a whole chunk (one read from the socket per chunk when it has arrived): no
+	// allocation per frame, one copy, and none held by an idle connection.
 	header := make([]byte, protocol.FrameHeaderLen)
 	for {
 		mt, r, err := c.ws.NextReader()
@@ -372,12 +372,12 @@ func (c *conn) readLoop() {
 				}
 			}
 			if w == nil {
-				io.CopyBuffer(io.Discard, r, buf)
+				copyPooled(io.Discard, r)
 				continue
 			}
 			// A read error means the connection broke (NextReader reports it next); a write error
 			// is the caller's sink refusing bytes, which ends that call only.
-			io.CopyBuffer(&sinkWriter{w: w, cl: cl}, r, buf)
+			copyPooled(&sinkWriter{w: w, cl: cl}, r)
 			continue
 		}
 		text.Reset()
@@ -464,6 +464,15 @@ func readRest(r io.Reader, hint int64) ([]byte, error) {
 			return nil, err
 		}
 	}
+}
+
+// readBuffers hold binary payloads on their way from the socket to a sink.
+var readBuffers = sync.Pool{New: func() any { b := make([]byte, 1<<20); return &b }}
+
+func copyPooled(w io.Writer, r io.Reader) {
+	bp := readBuffers.Get().(*[]byte)
+	io.CopyBuffer(w, r, *bp)
+	readBuffers.Put(bp)
 }
 
 // sinkWriter writes payload bytes into one of a call's sinks under the call's lock, and keeps the

@@ -25,7 +25,7 @@ var dpOps = map[string]dpOp{
 	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar),
 	protocol.OpChanges:  op(protocol.ScopeFSRead, opHeavy, opChanges),
 
-	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite),
+	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite).withBody(),
 	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit),
 	protocol.OpDelete: op(protocol.ScopeFSWrite, opLight, opDelete),
 	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir),
@@ -34,7 +34,7 @@ var dpOps = map[string]dpOp{
 	protocol.OpUntar:  op(protocol.ScopeFSWrite, opUpload, opUntarOpen),
 
 	protocol.OpExec:   op(protocol.ScopeExec, opLight, opExec),
-	protocol.OpShell:  prepared(op(protocol.ScopeExec, opLight, opShell), prepareShell),
+	protocol.OpShell:  op(protocol.ScopeExec, opLight, opShell).withPrepare(prepareShell),
 	protocol.OpResize: {class: opInline, control: (*dpConn).resizeShell},
 }
 
@@ -52,13 +52,20 @@ type dpOp struct {
 	// prepare, when set, runs on the reader's goroutine as the request starts, before any frame
 	// that follows it is read: what those frames feed (a shell's input) is there for them.
 	prepare func(ctx context.Context, r *request)
+	// bodyIn says the op's content comes as the body of a protocol.FrameRequestBody (write), which
+	// it then must; no other op takes one. An op answers with a body (protocol.FrameAnswerBody) by
+	// returning a *bodyAnswer (read).
+	bodyIn bool
 }
 
-// prepared is o with a prepare step.
-func prepared(o dpOp, prepare func(ctx context.Context, r *request)) dpOp {
+// withPrepare gives an op a step run on the reader's goroutine as its request starts.
+func (o dpOp) withPrepare(prepare func(ctx context.Context, r *request)) dpOp {
 	o.prepare = prepare
 	return o
 }
+
+// withBody marks an op whose content comes as the body of its request frame.
+func (o dpOp) withBody() dpOp { o.bodyIn = true; return o }
 
 // opClass says where an operation runs and what it holds of the shared resources until its answer
 // is written to the client (docs/operations.md, dataplane limits).

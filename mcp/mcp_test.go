@@ -215,6 +215,64 @@ func TestEveryToolMatchesDataplane(t *testing.T) {
 	}
 }
 
+// An MCP session's events are a dataplane connection's: connected and disconnected under the
+// token's jti, and for reads nothing else, as the dataplane does not event reads (docs/dataplane.md
+// §7); calls that change files or run commands are evented (TestEveryToolMatchesDataplane).
+func TestReadSessionEventsMatchDataplane(t *testing.T) {
+	f := newFixture(t)
+	viaMCP, viaDP := f.mint(t, protocol.Scopes), f.mint(t, protocol.Scopes)
+	dp, err := backend.Dial(t.Context(), backend.Config{URL: viaDP.Sandbox.DataplaneURL, Credential: viaDP.Token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dp.Call(t.Context(), protocol.OpWrite, protocol.WriteArgs{Path: "r.txt", Content: "x\n"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		op   string
+		args any
+	}{{protocol.OpLs, protocol.LsArgs{Path: "/workspace"}}, {protocol.OpRead, protocol.ReadArgs{Path: "r.txt"}},
+		{protocol.OpGlob, protocol.GlobArgs{Pattern: "*.txt"}}, {protocol.OpGrep, protocol.GrepArgs{Pattern: "x"}}} {
+		if _, err := dp.Call(t.Context(), c.op, c.args); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dp.Close()
+	cs := f.connect(t, viaMCP.Token, nil)
+	for name, args := range map[string]any{"ls": map[string]any{}, "read_file": map[string]any{"file_path": "r.txt"},
+		"glob": map[string]any{"pattern": "*.txt"}, "grep": map[string]any{"pattern": "x"}} {
+		if r := call(t, cs, name, args); r.IsError {
+			t.Fatalf("%s: %s", name, text(r))
+		}
+	}
+	cs.Close()
+
+	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
+	defer cancel()
+	types := map[string][]string{} // by jti
+	ended := 0
+	f.b.Client.Events(ctx, client.EventOptions{Ref: f.sbx.ID, Backlog: 100, Follow: true}, func(ev protocol.Event) error {
+		if ev.JTI != viaMCP.JTI && ev.JTI != viaDP.JTI || ev.Type == protocol.EventTokenMinted { // minting is the owner's
+			return nil
+		}
+		types[ev.JTI] = append(types[ev.JTI], ev.Type)
+		if ev.Type == protocol.EventDisconnected {
+			if ended++; ended == 2 {
+				return errors.New("done")
+			}
+		}
+		return nil
+	})
+	want := []string{protocol.EventConnected, protocol.EventDisconnected}
+	if got := types[viaMCP.JTI]; !slices.Equal(got, want) {
+		t.Errorf("a read-only MCP session's events under its jti: %v, want %v", got, want)
+	}
+	// The dataplane's write is evented; its reads are not.
+	if got := types[viaDP.JTI]; !slices.Equal(got, []string{protocol.EventConnected, protocol.EventFileWritten, protocol.EventDisconnected}) {
+		t.Errorf("the dataplane connection's events: %v", got)
+	}
+}
+
 // Bad input gets a JSON-RPC error and reaches no sandbox.
 func TestBadInputIsJSONRPCError(t *testing.T) {
 	f := newFixture(t)

@@ -20,7 +20,9 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/mcp"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func TestMain(m *testing.M) { servertest.Main(m) }
@@ -30,9 +32,11 @@ type fixture struct {
 	sbx protocol.Sandbox
 }
 
-func newFixture(t testing.TB) *fixture {
+func newFixture(t testing.TB) *fixture { return newFixtureWith(t, servertest.Options{}) }
+
+func newFixtureWith(t testing.TB, o servertest.Options) *fixture {
 	t.Helper()
-	b := servertest.New(t, servertest.Options{})
+	b := servertest.New(t, o)
 	res, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "mcp"})
 	if err != nil {
 		t.Fatal(err)
@@ -271,6 +275,38 @@ func TestReadSessionEventsMatchDataplane(t *testing.T) {
 	if got := types[viaDP.JTI]; !slices.Equal(got, []string{protocol.EventConnected, protocol.EventFileWritten, protocol.EventDisconnected}) {
 		t.Errorf("the dataplane connection's events: %v", got)
 	}
+}
+
+// A session's tool calls run on a dataplane connection of its token, counted like any: with a cap
+// of one connection per credential, a WebSocket of the token keeps the session from opening its
+// own (a tool error saying why, the session goes on), and the session's keeps the next WebSocket
+// out until the session ends.
+func TestSessionIsADataplaneConnection(t *testing.T) {
+	f := newFixtureWith(t, servertest.Options{Dataplane: server.DataplaneLimits{PerCredential: 1}})
+	m := f.mint(t, protocol.Scopes)
+	dp, err := backend.Dial(t.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := f.connect(t, m.Token, nil)
+	if r := call(t, cs, "ls", map[string]any{}); !r.IsError || !strings.Contains(text(r), protocol.CodeTooManyConnections) {
+		t.Fatalf("a call while the token's one connection is a WebSocket: %v %s", r.IsError, text(r))
+	}
+	dp.Close()
+	wait.Eventually(t, 10*time.Second, func() bool { return !call(t, cs, "ls", map[string]any{}).IsError },
+		"the session's call after the WebSocket closed")
+	_, err = backend.Dial(t.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+	if err == nil || !strings.Contains(err.Error(), protocol.CodeTooManyConnections) {
+		t.Fatalf("a WebSocket while the session holds the token's one connection: %v", err)
+	}
+	cs.Close()
+	wait.Eventually(t, 10*time.Second, func() bool {
+		r, err := backend.Dial(t.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+		if err == nil {
+			r.Close()
+		}
+		return err == nil
+	}, "a WebSocket after the session ended")
 }
 
 // Bad input gets a JSON-RPC error and reaches no sandbox.

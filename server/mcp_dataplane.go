@@ -69,6 +69,16 @@ func (l *localConn) Call(ctx context.Context, op string, args any) (json.RawMess
 	if err != nil {
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "invalid args: %v", err)
 	}
+	// Counted before shutdown can set closing, so that closed's Wait waits for this call (a
+	// WebSocket's requests are counted by its reader, which closed runs after).
+	c.mu.Lock()
+	if c.closing {
+		c.mu.Unlock()
+		return nil, l.err()
+	}
+	c.running.Add(1)
+	c.mu.Unlock()
+	defer c.running.Done()
 	id := l.nextID.Add(1)
 	if id == 0 {
 		id = l.nextID.Add(1)
@@ -85,8 +95,6 @@ func (l *localConn) Call(ctx context.Context, op string, args any) (json.RawMess
 		}
 		return nil, protocol.Errorf(protocol.CodeUnknownOp, "operation %q is not offered in process", clipHeader(op))
 	}
-	c.running.Add(1)
-	defer c.running.Done()
 	// The caller's cancellation cancels the request, as a cancel frame would.
 	stop := context.AfterFunc(ctx, req.cancel)
 	defer stop()

@@ -21,7 +21,11 @@ import (
 // frame encoding at both ends.
 //
 // Its calls take only operations answered by one result (opLight, opHeavy): nothing here reads
-// stream frames, so a streamed or background exec, a download or an upload is refused.
+// stream frames, so a streamed or background exec, a download or an upload is refused. The seam it
+// relies on: an opLight or opHeavy handler answers through its return value (encoded here as the
+// WebSocket's answer encodes it) and never queues frames itself (c.send, c.enqueue: this
+// connection has no writer); how an answer is framed on the WebSocket is the WebSocket path's
+// business (dispatch, answer).
 type localConn struct {
 	c       *dpConn
 	nextID  atomic.Uint32

@@ -158,7 +158,7 @@ func (h *HTTP) Serve(w http.ResponseWriter, r *http.Request) error {
 			return nil
 		}
 		r.Body = io.NopCloser(bytes.NewReader(body))
-		rw := &rpcErrors{ResponseWriter: w, id: requestID(body)}
+		rw := &rpcErrors{ResponseWriter: w, body: body}
 		defer rw.finish()
 		w = rw
 	}
@@ -191,7 +191,9 @@ func requestID(body []byte) any {
 // the transport specifies it: clients act on the status.
 type rpcErrors struct {
 	http.ResponseWriter
-	id      any
+	// body is the request's, whose id a rewritten refusal echoes (found only then: decoding it for
+	// every request cost as much as a third of the SDK's own handling of a tool call).
+	body    []byte
 	rewrite bool
 	status  int
 	buf     bytes.Buffer
@@ -235,7 +237,7 @@ func (e *rpcErrors) finish() {
 	if strings.Contains(msg, "not handled") || strings.Contains(msg, "unsupported") {
 		code = jsonrpc.CodeMethodNotFound
 	}
-	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": e.id, "error": map[string]any{"code": code, "message": msg}})
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": requestID(e.body), "error": map[string]any{"code": code, "message": msg}})
 	e.Header().Del("X-Content-Type-Options")
 	e.Header().Set("Content-Type", "application/json")
 	e.Header().Del("Content-Length")

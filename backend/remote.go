@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
+	"unsafe"
 
 	"github.com/gorilla/websocket"
 
@@ -169,9 +170,11 @@ func dial(ctx context.Context, cfg Config, onEnd func(*protocol.Error)) (*conn, 
 		HandshakeTimeout: cfg.DialTimeout,
 		Subprotocols:     []string{protocol.Subprotocol},
 		ReadBufferSize:   64 << 10,
-		// Client frames are masked into this buffer: it must hold a whole chunk, or a 1 MiB upload
-		// frame would go out as many small ones.
-		WriteBufferSize: 1<<20 + 64,
+		// Client frames are masked into this buffer: it must hold a whole frame (a 1 MiB upload
+		// chunk, a write of max_frame_bytes), or it would go out as many small ones. It is taken
+		// from a pool only while a message is written, so idle connections hold none.
+		WriteBufferSize: 1<<20 + 64<<10 + 64,
+		WriteBufferPool: writeBuffers,
 	}
 	hdr := http.Header{}
 	hdr.Set("Authorization", "Bearer "+cfg.Credential)
@@ -210,6 +213,9 @@ func dial(ctx context.Context, cfg Config, onEnd func(*protocol.Error)) (*conn, 
 	return c, *first.Hello, nil
 }
 
+// writeBuffers are the connections' write buffers, held only while a message is written.
+var writeBuffers = &sync.Pool{}
+
 // maxAnswerBytes bounds one frame from the broker. max_frame_bytes bounds only what the broker
 // reads: its answers are bigger (a read carries up to 8 MiB, base64-encoded when binary; an exec up
 // to max_output_bytes of output, which JSON escaping of control bytes grows up to sixfold), and a
@@ -242,6 +248,12 @@ type call struct {
 	stdout io.Writer
 	stderr io.Writer
 	data   io.Writer
+	// in, when hasIn, is the request's body: it goes in one protocol.FrameRequestBody with the
+	// request (a write's content). body is the answer's, when it came in a protocol.FrameAnswerBody
+	// (a read's content); nothing else holds it.
+	in    string
+	hasIn bool
+	body  []byte
 
 	// mu orders the reader's writes into the sinks with the caller giving up on the call: once
 	// detached, nothing more is written into them, since the caller may be using its writer again.
@@ -311,9 +323,9 @@ type wireResponse struct {
 
 func (c *conn) readLoop() {
 	var text bytes.Buffer
-	// Binary payloads (download chunks, exec output) stream into their sinks through one buffer:
-	// no allocation per frame, one copy.
-	buf := make([]byte, 256<<10)
+	// Binary payloads (download chunks, exec output) stream into their sinks through a pooled
+	// buffer that holds a whole chunk (one read from the socket per chunk when it has arrived): no
+	// allocation per frame, one copy, and none held by an idle connection.
 	header := make([]byte, protocol.FrameHeaderLen)
 	for {
 		mt, r, err := c.ws.NextReader()
@@ -338,6 +350,13 @@ func (c *conn) readLoop() {
 				continue
 			}
 			kind, id := header[0], binary.BigEndian.Uint32(header[1:])
+			if kind == protocol.FrameAnswerBody {
+				if err := c.bodyAnswer(id, r); err != nil {
+					c.close(err)
+					return
+				}
+				continue
+			}
 			c.mu.Lock()
 			cl := c.pending[id]
 			c.mu.Unlock()
@@ -353,12 +372,12 @@ func (c *conn) readLoop() {
 				}
 			}
 			if w == nil {
-				io.CopyBuffer(io.Discard, r, buf)
+				copyPooled(io.Discard, r)
 				continue
 			}
 			// A read error means the connection broke (NextReader reports it next); a write error
 			// is the caller's sink refusing bytes, which ends that call only.
-			io.CopyBuffer(&sinkWriter{w: w, cl: cl}, r, buf)
+			copyPooled(&sinkWriter{w: w, cl: cl}, r)
 			continue
 		}
 		text.Reset()
@@ -384,6 +403,76 @@ func (c *conn) readLoop() {
 		cl.result, cl.err = resp.Result, resp.Error
 		close(cl.done)
 	}
+}
+
+// bodyAnswer reads the rest of a protocol.FrameAnswerBody for request id (its JSON answer, then its
+// body) and ends the call. The body is read straight into a buffer of its own, sized from the
+// answer's size when it says one, so it is copied once, from the socket.
+func (c *conn) bodyAnswer(hdrID uint32, r io.Reader) error {
+	var n [4]byte
+	if _, err := io.ReadFull(r, n[:]); err != nil {
+		return fmt.Errorf("a frame with a body ended in its header: %w", err)
+	}
+	jsLen := binary.BigEndian.Uint32(n[:])
+	if jsLen > maxAnswerBytes {
+		return fmt.Errorf("a frame with a body says its JSON is %d bytes", jsLen)
+	}
+	js := make([]byte, jsLen)
+	if _, err := io.ReadFull(r, js); err != nil {
+		return fmt.Errorf("a frame with a body ended in its JSON: %w", err)
+	}
+	id, result, ok := protocol.SplitResult(js)
+	if !ok || id != hdrID {
+		return fmt.Errorf("a frame with a body for request %d does not hold its answer", hdrID)
+	}
+	var head struct {
+		Size int64 `json:"size"`
+	}
+	json.Unmarshal(result, &head) // only a hint
+	body, err := readRest(r, min(max(head.Size, 0), maxReadHint)+1)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	cl := c.pending[id]
+	delete(c.pending, id)
+	c.mu.Unlock()
+	if cl == nil {
+		return nil // cancelled
+	}
+	cl.result, cl.body = result, body
+	close(cl.done)
+	return nil
+}
+
+// maxReadHint bounds the buffer a body answer starts with: the broker's read cap.
+const maxReadHint = 8 << 20
+
+// readRest reads r to its end into a buffer of capacity hint, growing it if r has more.
+func readRest(r io.Reader, hint int64) ([]byte, error) {
+	b := make([]byte, 0, hint)
+	for {
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+		n, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+}
+
+// readBuffers hold binary payloads on their way from the socket to a sink.
+var readBuffers = sync.Pool{New: func() any { b := make([]byte, 1<<20); return &b }}
+
+func copyPooled(w io.Writer, r io.Reader) {
+	bp := readBuffers.Get().(*[]byte)
+	io.CopyBuffer(w, r, *bp)
+	readBuffers.Put(bp)
 }
 
 // sinkWriter writes payload bytes into one of a call's sinks under the call's lock, and keeps the
@@ -441,10 +530,10 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 	if err != nil {
 		return err
 	}
-	if c.maxFrame > 0 && len(req) > c.maxFrame {
+	if size := frameSize(req, cl); c.maxFrame > 0 && size > c.maxFrame {
 		// The broker would close the connection, under every call sharing it.
 		return protocol.Errorf(protocol.CodeTooLarge, "the %s request is %d bytes, over the dataplane's limit of %d per frame; send large content with upload",
-			op, len(req), c.maxFrame)
+			op, size, c.maxFrame)
 	}
 	cl.done = make(chan struct{})
 	c.mu.Lock()
@@ -454,7 +543,12 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 	}
 	c.pending[id] = cl
 	c.mu.Unlock()
-	if err := c.write(websocket.TextMessage, req); err != nil {
+	if cl.hasIn {
+		err = c.writeBody(id, req, cl.in)
+	} else {
+		err = c.write(websocket.TextMessage, req)
+	}
+	if err != nil {
 		cl.detach()
 		return c.failure()
 	}
@@ -485,6 +579,35 @@ func (c *conn) write(kind int, data []byte) error {
 	defer c.wmu.Unlock()
 	c.ws.SetWriteDeadline(time.Now().Add(time.Minute))
 	err := c.ws.WriteMessage(kind, data)
+	if err != nil {
+		c.close(err)
+	}
+	return err
+}
+
+// frameSize is the size of the frame that carries req (and cl's body).
+func frameSize(req []byte, cl *call) int {
+	if cl.hasIn {
+		return protocol.BodyHeaderLen + len(req) + len(cl.in)
+	}
+	return len(req)
+}
+
+// writeBody sends request id as one protocol.FrameRequestBody: the request's JSON, then body. The
+// body is copied once, into the connection's write buffer, where the frame is masked.
+func (c *conn) writeBody(id uint32, req []byte, body string) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.ws.SetWriteDeadline(time.Now().Add(time.Minute))
+	w, err := c.ws.NextWriter(websocket.BinaryMessage)
+	if err == nil {
+		var h [protocol.BodyHeaderLen]byte
+		protocol.PutBodyHeader(h[:], protocol.FrameRequestBody, id, len(req))
+		w.Write(h[:])
+		w.Write(req)
+		io.WriteString(w, body)
+		err = w.Close()
+	}
 	if err != nil {
 		c.close(err)
 	}
@@ -567,27 +690,61 @@ func validPaths(paths ...string) error {
 // call runs op and decodes its result into out. Requests safe to repeat are retried once on a new
 // connection when the old one broke under them.
 func (r *Remote) call(ctx context.Context, op string, args, out any, retry bool) error {
+	_, err := r.callBody(ctx, op, args, out, retry, nil)
+	return err
+}
+
+// callBody is call for a request that may carry a body (in) and an answer that may carry one (the
+// []byte returned).
+func (r *Remote) callBody(ctx context.Context, op string, args, out any, retry bool, in *string) ([]byte, error) {
 	for attempt := 0; ; attempt++ {
 		c, err := r.connection(ctx)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		cl := &call{}
+		if in != nil {
+			cl.in, cl.hasIn = *in, true
+		}
 		err = c.roundTrip(ctx, op, args, cl, nil)
 		var pe *protocol.Error
 		if err != nil && retry && attempt == 0 && errors.As(err, &pe) && pe.Code == protocol.CodeUnreachable {
 			continue
 		}
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if out != nil && len(cl.result) > 0 && !protocol.DecodeFlat(cl.result, out) {
 			if err := json.Unmarshal(cl.result, out); err != nil {
-				return fmt.Errorf("dataplane answered %s with an unexpected result: %w", op, err)
+				return nil, fmt.Errorf("dataplane answered %s with an unexpected result: %w", op, err)
 			}
 		}
-		return nil
+		return cl.body, nil
 	}
+}
+
+// read runs a read: its answer's body is the content, raw.
+func (r *Remote) read(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
+	var head protocol.ReadHead
+	body, err := r.callBody(ctx, protocol.OpRead, a, &head, true, nil)
+	if err != nil {
+		return protocol.ReadResult{}, err
+	}
+	// body is this call's alone and never changes: the string shares its memory instead of copying
+	// the content a second time.
+	return head.Result(unsafe.String(unsafe.SliceData(body), len(body))), nil
+}
+
+// write runs a write: its content goes as the request frame's body.
+func (r *Remote) write(ctx context.Context, a protocol.WriteArgs) (protocol.WriteResult, error) {
+	var out protocol.WriteResult
+	head, content, err := a.Body()
+	if err != nil {
+		return out, err
+	}
+	// An overwrite of the same bytes is safe to repeat; a create-only write is not.
+	_, err = r.callBody(ctx, protocol.OpWrite, head, &out, a.Mode != protocol.WriteCreate, &content)
+	return out, err
 }
 
 // Call runs one dataplane operation with args and returns its result exactly as the broker sent it,
@@ -601,6 +758,24 @@ func (r *Remote) Call(ctx context.Context, op string, args any) (json.RawMessage
 		retry = true
 	case protocol.OpUpload, protocol.OpDownload, protocol.OpUntar, protocol.OpTar:
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "%s streams its bytes: use Upload or Download", op)
+	}
+	// read and write carry their content as frame bodies; Call answers them as JSON all the same.
+	switch op {
+	case protocol.OpRead, protocol.OpWrite:
+		var res any
+		var err error
+		switch a := args.(type) {
+		case protocol.ReadArgs:
+			res, err = r.Read(ctx, a)
+		case protocol.WriteArgs:
+			res, err = r.Write(ctx, a)
+		default:
+			return nil, protocol.Errorf(protocol.CodeInvalidArgument, "Call(%s) takes protocol.%sArgs, not %T", op, map[string]string{protocol.OpRead: "Read", protocol.OpWrite: "Write"}[op], args)
+		}
+		if err != nil {
+			return nil, err
+		}
+		return json.Marshal(res)
 	}
 	for attempt := 0; ; attempt++ {
 		c, err := r.connection(ctx)
@@ -641,20 +816,17 @@ func (r *Remote) Ls(ctx context.Context, p string) ([]protocol.FileInfo, error) 
 }
 
 func (r *Remote) Read(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
-	var out protocol.ReadResult
 	if err := validPaths(a.Path); err != nil {
-		return out, err
+		return protocol.ReadResult{}, err
 	}
-	return out, r.call(ctx, protocol.OpRead, a, &out, true)
+	return r.read(ctx, a)
 }
 
 func (r *Remote) Write(ctx context.Context, a protocol.WriteArgs) (protocol.WriteResult, error) {
-	var out protocol.WriteResult
 	if err := validPaths(a.Path); err != nil {
-		return out, err
+		return protocol.WriteResult{}, err
 	}
-	// An overwrite of the same bytes is safe to repeat; a create-only write is not.
-	return out, r.call(ctx, protocol.OpWrite, a, &out, a.Mode != protocol.WriteCreate)
+	return r.write(ctx, a)
 }
 
 func (r *Remote) Edit(ctx context.Context, a protocol.EditArgs) (protocol.EditResult, error) {

@@ -9,11 +9,17 @@ import (
 // The dataplane is a WebSocket at GET /v1/sandboxes/{ref}/dataplane. docs/dataplane.md is the
 // normative spec; these are its types.
 
-// Subprotocol is the dataplane's WebSocket subprotocol; a client must offer it.
-const Subprotocol = "sbx.dataplane.v1"
+// Subprotocol is the dataplane's WebSocket subprotocol; a client must offer it. v2 carries file
+// content as raw bytes in binary frames (FrameRequestBody, FrameAnswerBody) where v1 carried it as
+// text inside the JSON; a v1 client is refused at the upgrade with an error naming both versions.
+const Subprotocol = "sbx.dataplane.v2"
+
+// SubprotocolPrefix starts every version of the dataplane's subprotocol: an offer of another
+// version is an old (or newer) client, refused by name.
+const SubprotocolPrefix = "sbx.dataplane."
 
 // BearerSubprotocolPrefix carries a credential for clients that cannot set headers (browsers):
-// Sec-WebSocket-Protocol: sbx.dataplane.v1, sbx.bearer.<credential>. The server never echoes it.
+// Sec-WebSocket-Protocol: sbx.dataplane.v2, sbx.bearer.<credential>. The server never echoes it.
 const BearerSubprotocolPrefix = "sbx.bearer."
 
 // Operations.
@@ -177,8 +183,51 @@ const (
 	FrameData   byte = 3 // both ways: upload (client -> server) and download (server -> client) bytes
 	FrameEnd    byte = 4 // client -> server: the upload is complete (empty payload)
 
+	// FrameRequestBody (client -> server) is a request with a body: after the header, a 4-byte
+	// big-endian length n, then n bytes of the request's JSON object (exactly a text frame's, with
+	// the header's id), then the body: the rest of the frame. write's content travels so.
+	FrameRequestBody byte = 5
+	// FrameAnswerBody (server -> client) is an answer with a body, laid out like FrameRequestBody:
+	// the answer's JSON ({"id":N,"result":{...}}), then the body. read's content travels so.
+	FrameAnswerBody byte = 6
+
 	FrameHeaderLen = 5
+	// BodyHeaderLen is the fixed part of FrameRequestBody and FrameAnswerBody: the frame header,
+	// then the length of the JSON that follows.
+	BodyHeaderLen = FrameHeaderLen + 4
 )
+
+// ErrBodyFrame is a FrameRequestBody or FrameAnswerBody whose JSON length passes its end.
+var ErrBodyFrame = errors.New("a frame with a body must hold a 4-byte JSON length and that many bytes of JSON after its 5-byte header")
+
+// PutBodyHeader writes the fixed part of a frame with a body into b[:BodyHeaderLen]: kind, id and
+// the length of the JSON that follows.
+func PutBodyHeader(b []byte, kind byte, id uint32, jsonLen int) {
+	PutFrameHeader(b, kind, id)
+	binary.BigEndian.PutUint32(b[FrameHeaderLen:BodyHeaderLen], uint32(jsonLen))
+}
+
+// AppendBodyFrame appends a whole frame with a body to b.
+func AppendBodyFrame(b []byte, kind byte, id uint32, js, body []byte) []byte {
+	var h [BodyHeaderLen]byte
+	PutBodyHeader(h[:], kind, id, len(js))
+	b = append(b, h[:]...)
+	b = append(b, js...)
+	return append(b, body...)
+}
+
+// SplitBody splits the payload of a frame with a body (what follows the 5-byte header) into its
+// JSON and its body. A length that passes the frame's end is ErrBodyFrame.
+func SplitBody(payload []byte) (js, body []byte, err error) {
+	if len(payload) < 4 {
+		return nil, nil, ErrBodyFrame
+	}
+	n := binary.BigEndian.Uint32(payload[:4])
+	if uint64(n) > uint64(len(payload)-4) {
+		return nil, nil, ErrBodyFrame
+	}
+	return payload[4 : 4+n], payload[4+n:], nil
+}
 
 // ErrShortFrame is a binary frame shorter than its header.
 var ErrShortFrame = errors.New("binary frame shorter than its 5-byte header")

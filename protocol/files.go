@@ -1,6 +1,10 @@
 package protocol
 
-import "time"
+import (
+	"encoding/base64"
+	"time"
+	"unicode/utf8"
+)
 
 // File operation arguments and results: the dataplane's file ops, also returned by backend.Local, so
 // that the remote and local backends answer alike. Paths are sandbox paths: absolute under /workspace,
@@ -78,6 +82,35 @@ type ReadResult struct {
 	Truncated bool `json:"truncated,omitempty"`
 }
 
+// ReadHead is a read's answer on the wire: the content is the answer frame's body
+// (FrameAnswerBody), raw bytes, never JSON text. Clients that show text check it is UTF-8 themselves
+// (the Go backend turns other content into base64, as ReadResult says).
+type ReadHead struct {
+	Path              string `json:"path"`
+	Size              int64  `json:"size"`
+	TotalLines        int    `json:"total_lines,omitempty"`
+	TotalLinesPartial bool   `json:"total_lines_partial,omitempty"`
+	Truncated         bool   `json:"truncated,omitempty"`
+}
+
+// Result is the ReadResult that head and content make, as the Go backends answer it: content that
+// is not UTF-8 comes base64-encoded. content is not copied: it must not change afterwards.
+func (h ReadHead) Result(content string) ReadResult {
+	r := ReadResult{Path: h.Path, Size: h.Size, TotalLines: h.TotalLines, TotalLinesPartial: h.TotalLinesPartial, Truncated: h.Truncated,
+		Content: content, Encoding: EncodingUTF8}
+	if !utf8.ValidString(content) {
+		r.Content, r.Encoding = base64.StdEncoding.EncodeToString([]byte(content)), EncodingBase64
+	}
+	return r
+}
+
+// WriteHead is a write's args on the wire: the content is the request frame's body
+// (FrameRequestBody), raw bytes.
+type WriteHead struct {
+	Path string `json:"path"`
+	Mode string `json:"mode,omitempty"` // "overwrite" (default) or "create"
+}
+
 // Write modes.
 const (
 	WriteOverwrite = "overwrite" // create or replace (the default)
@@ -90,6 +123,24 @@ type WriteArgs struct {
 	Content  string `json:"content"`
 	Encoding string `json:"encoding,omitempty"` // "utf-8" (default) or "base64"
 	Mode     string `json:"mode,omitempty"`     // "overwrite" (default) or "create"
+}
+
+// Body splits a write into what travels as its request frame's JSON and what travels as the frame's
+// body: the content as raw bytes (base64 content decoded). An unknown encoding or bad base64 is
+// invalid_argument.
+func (a WriteArgs) Body() (WriteHead, string, error) {
+	head := WriteHead{Path: a.Path, Mode: a.Mode}
+	switch a.Encoding {
+	case "", EncodingUTF8:
+		return head, a.Content, nil
+	case EncodingBase64:
+		b, err := base64.StdEncoding.DecodeString(a.Content)
+		if err != nil {
+			return head, "", Errorf(CodeInvalidArgument, "content is not valid base64: %v", err)
+		}
+		return head, string(b), nil
+	}
+	return head, "", Errorf(CodeInvalidArgument, "unknown encoding %q; use %q or %q", a.Encoding, EncodingUTF8, EncodingBase64)
 }
 
 // WriteResult reports the written file.

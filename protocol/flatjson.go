@@ -43,6 +43,32 @@ func DecodeFlat(b []byte, v any) bool {
 			}
 			return false
 		})
+	case *WriteHead:
+		return flatObject(b, func(k string, p *flatParser) bool {
+			switch k {
+			case "path":
+				return p.str(&t.Path)
+			case "mode":
+				return p.str(&t.Mode)
+			}
+			return false
+		})
+	case *ReadHead:
+		return flatObject(b, func(k string, p *flatParser) bool {
+			switch k {
+			case "path":
+				return p.str(&t.Path)
+			case "size":
+				return p.int64(&t.Size)
+			case "total_lines":
+				return p.int(&t.TotalLines)
+			case "total_lines_partial":
+				return p.bool(&t.TotalLinesPartial)
+			case "truncated":
+				return p.bool(&t.Truncated)
+			}
+			return false
+		})
 	case *EditArgs:
 		return flatObject(b, func(k string, p *flatParser) bool {
 			switch k {

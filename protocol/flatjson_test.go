@@ -15,6 +15,7 @@ var flatTargets = []func() any{
 	func() any { return &protocol.WriteArgs{} }, func() any { return &protocol.ReadArgs{} },
 	func() any { return &protocol.EditArgs{} }, func() any { return &protocol.StatArgs{} },
 	func() any { return &protocol.LsArgs{} }, func() any { return &protocol.ReadResult{} },
+	func() any { return &protocol.WriteHead{} }, func() any { return &protocol.ReadHead{} },
 	func() any { return &protocol.WriteResult{} }, func() any { return &protocol.EditResult{} },
 }
 

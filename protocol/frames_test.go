@@ -21,12 +21,14 @@ type golden struct {
 	Kind       byte            `json:"kind"`
 	ID         uint32          `json:"id"`
 	PayloadHex string          `json:"payload_hex"`
+	JSON       json.RawMessage `json:"json"`
+	BodyHex    string          `json:"body_hex"`
 }
 
 // argTypes and resultTypes are the Go types each golden frame's args or result decode into.
 var argTypes = map[string]func() any{
 	"stat": func() any { return &protocol.StatArgs{} }, "ls": func() any { return &protocol.LsArgs{} },
-	"read": func() any { return &protocol.ReadArgs{} }, "write": func() any { return &protocol.WriteArgs{} },
+	"read": func() any { return &protocol.ReadArgs{} }, "write": func() any { return &protocol.WriteHead{} },
 	"edit": func() any { return &protocol.EditArgs{} }, "delete": func() any { return &protocol.DeleteArgs{} },
 	"mkdir": func() any { return &protocol.MkdirArgs{} }, "move": func() any { return &protocol.MoveArgs{} },
 	"glob": func() any { return &protocol.GlobArgs{} }, "grep": func() any { return &protocol.GrepArgs{} },
@@ -37,7 +39,7 @@ var argTypes = map[string]func() any{
 
 var resultTypes = map[string]func() any{
 	"stat": func() any { return &protocol.FileInfo{} }, "ls": func() any { return &protocol.LsResult{} },
-	"read": func() any { return &protocol.ReadResult{} }, "write": func() any { return &protocol.WriteResult{} },
+	"read": func() any { return &protocol.ReadHead{} }, "write": func() any { return &protocol.WriteResult{} },
 	"edit": func() any { return &protocol.EditResult{} }, "path": func() any { return &protocol.PathResult{} },
 	"glob": func() any { return &protocol.GlobResult{} }, "grep": func() any { return &protocol.GrepResult{} },
 	"env": func() any { return &protocol.EnvResult{} }, "exec": func() any { return &protocol.ExecResult{} },
@@ -74,6 +76,47 @@ func TestGoldenFrames(t *testing.T) {
 	}
 	for _, f := range file.Frames {
 		switch {
+		case f.Kind == protocol.FrameRequestBody || f.Kind == protocol.FrameAnswerBody:
+			b, _ := hex.DecodeString(f.Binary)
+			kind, id, payload, err := protocol.ParseFrame(b)
+			if err != nil || kind != f.Kind || id != f.ID {
+				t.Fatalf("%s: parsed %d %d %v", f.Name, kind, id, err)
+			}
+			js, body, err := protocol.SplitBody(payload)
+			want, _ := hex.DecodeString(f.BodyHex)
+			if err != nil || !bytes.Equal(body, want) {
+				t.Fatalf("%s: body %x, %v", f.Name, body, err)
+			}
+			var compact bytes.Buffer
+			json.Compact(&compact, f.JSON)
+			if !bytes.Equal(js, compact.Bytes()) {
+				t.Errorf("%s: JSON %s, want %s", f.Name, js, compact.Bytes())
+			}
+			if again := protocol.AppendBodyFrame(nil, kind, id, js, body); !bytes.Equal(again, b) {
+				t.Errorf("%s: does not re-encode", f.Name)
+			}
+			if kind == protocol.FrameRequestBody {
+				var env struct {
+					ID   uint32          `json:"id"`
+					Op   string          `json:"op"`
+					Args json.RawMessage `json:"args"`
+				}
+				roundTrip(t, f.Name, js, &env)
+				if env.ID != id || argTypes[env.Op] == nil {
+					t.Fatalf("%s: id %d op %q", f.Name, env.ID, env.Op)
+				}
+				roundTrip(t, f.Name+" args", env.Args, argTypes[env.Op]())
+			} else {
+				var env struct {
+					ID     uint32          `json:"id"`
+					Result json.RawMessage `json:"result"`
+				}
+				roundTrip(t, f.Name, js, &env)
+				if env.ID != id {
+					t.Fatalf("%s: id %d", f.Name, env.ID)
+				}
+				roundTrip(t, f.Name+" result", env.Result, resultTypes[f.Result]())
+			}
 		case f.Binary != "":
 			b, _ := hex.DecodeString(f.Binary)
 			kind, id, payload, err := protocol.ParseFrame(b)

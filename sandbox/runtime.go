@@ -31,6 +31,9 @@ type Files interface {
 	Stat(path string) (protocol.FileInfo, error)
 	ListContext(ctx context.Context, path string) (protocol.LsResult, error)
 	ReadContext(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error)
+	// ReadRaw is ReadContext with the content as raw bytes; a byte range is read into alloc(n)
+	// (nil: a new buffer), so that the caller can send it from pooled memory.
+	ReadRaw(ctx context.Context, a protocol.ReadArgs, alloc func(n int) []byte) (protocol.ReadHead, []byte, error)
 	GlobContext(ctx context.Context, a protocol.GlobArgs) (protocol.GlobResult, error)
 	Grep(ctx context.Context, a protocol.GrepArgs) (protocol.GrepResult, error)
 	Write(a protocol.WriteArgs) (protocol.WriteResult, error)

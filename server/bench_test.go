@@ -107,6 +107,42 @@ func BenchmarkDataplaneWriteRead4KiB(b *testing.B) {
 	lat.report(b)
 }
 
+// mibText is a megabyte of source-like text: what an agent reads and writes all day.
+var mibText = strings.Repeat("0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcde\n", 1<<14)
+
+func BenchmarkDataplaneRead1MiB(b *testing.B) {
+	r := benchRemote(b)
+	if _, err := r.Write(b.Context(), protocol.WriteArgs{Path: "f.txt", Content: mibText}); err != nil {
+		b.Fatal(err)
+	}
+	var lat latencies
+	b.SetBytes(int64(len(mibText)))
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		lat.time(func() {
+			if got, err := r.Read(b.Context(), protocol.ReadArgs{Path: "f.txt"}); err != nil || len(got.Content) != len(mibText) {
+				b.Fatal(len(got.Content), err)
+			}
+		})
+	}
+	lat.report(b)
+}
+
+func BenchmarkDataplaneWrite1MiB(b *testing.B) {
+	r := benchRemote(b)
+	var lat latencies
+	b.SetBytes(int64(len(mibText)))
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		lat.time(func() {
+			if _, err := r.Write(b.Context(), protocol.WriteArgs{Path: "f.txt", Content: mibText}); err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+	lat.report(b)
+}
+
 func BenchmarkHeartbeatHTTP(b *testing.B) { benchHeartbeats(b, store.Limits{}) }
 
 // BenchmarkHeartbeatHTTPRateLimited is BenchmarkHeartbeatHTTP with an rps limit that is never

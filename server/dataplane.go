@@ -51,8 +51,12 @@ const (
 	dpQueuedBudget = 1 << 30
 	dpQueuedPerOrg = dpQueuedBudget / 4
 	// dpRetryAfter is the Retry-After (seconds) of an upgrade refused for too many connections.
-	dpRetryAfter   = "5"
-	dpQueueBytes   = 4 << 20
+	dpRetryAfter = "5"
+	dpQueueBytes = 4 << 20
+	// dpDirectBytes is the largest frame a producer writes itself when the connection's writer is
+	// idle (dpConn.wmu); larger ones (stream chunks, big answers) go through the writer, so that
+	// producing the next one overlaps writing this one.
+	dpDirectBytes  = 64 << 10
 	dpWriteQueue   = 64
 	dpWriteTimeout = 30 * time.Second
 	dpPingEvery    = 30 * time.Second
@@ -94,6 +98,9 @@ func (s *Server) dataplane(c echo.Context) error {
 		return err
 	}
 	if !offers(r, protocol.Subprotocol) {
+		if v := otherVersion(r); v != "" {
+			return protocol.Errorf(protocol.CodeInvalidArgument, "this client speaks %s, which this broker no longer serves: it speaks %s (file content travels in binary frames, docs/dataplane.md); upgrade the client", clipHeader(v), protocol.Subprotocol)
+		}
 		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane needs the WebSocket subprotocol %s", protocol.Subprotocol)
 	}
 	cred := bearer(r)
@@ -216,6 +223,16 @@ func offers(r *http.Request, proto string) bool {
 		}
 	}
 	return false
+}
+
+// otherVersion is a dataplane subprotocol the client offers that this broker does not speak.
+func otherVersion(r *http.Request) string {
+	for _, p := range websocket.Subprotocols(r) {
+		if strings.HasPrefix(p, protocol.SubprotocolPrefix) && p != protocol.Subprotocol {
+			return p
+		}
+	}
+	return ""
 }
 
 func subprotocolCredential(r *http.Request) string {

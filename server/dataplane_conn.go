@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -35,10 +36,18 @@ type dpConn struct {
 	rt     *sandbox.Runtime
 	files  sandbox.Files
 
-	conn   *websocket.Conn
-	out    chan outFrame
-	ctx    context.Context
-	cancel context.CancelFunc
+	conn *websocket.Conn
+	out  chan outFrame
+	// wmu is held by whoever writes a frame. A producer writes a small frame (dpDirectBytes)
+	// itself, on its own goroutine, when no write is under way and nothing is queued (wqueued
+	// counts frames from their queueing to the end of their write): a small answer then costs no
+	// handoff to the writer goroutine. Otherwise it queues the frame and goes on (a stream reads
+	// its next chunk while the writer writes this one), and frames of one request never overtake
+	// each other.
+	wmu     sync.Mutex
+	wqueued atomic.Int64
+	ctx     context.Context
+	cancel  context.CancelFunc
 
 	// lastRenew is when dataplane activity last renewed the lease (with --dataplane-renews-lease).
 	lastRenew time.Time
@@ -69,6 +78,9 @@ type request struct {
 	id     uint32
 	cancel context.CancelFunc
 	upload inStream // set for uploads and untars, fed by the reader
+	// body is the content a FrameRequestBody carried (a write's), in a pooled buffer that is given
+	// back when the operation returns.
+	body []byte
 	// hold is what the request holds of shared resources; its answer frame carries it.
 	hold hold
 	// exec is a non-streamed exec's output, counted against the broker-wide budget.
@@ -256,14 +268,11 @@ func (c *dpConn) writer() {
 	for {
 		select {
 		case f := <-c.out:
-			if f.taken != nil {
-				f.taken()
-			}
-			c.conn.SetWriteDeadline(time.Now().Add(dpWriteTimeout))
-			err := c.conn.WriteMessage(f.kind, f.data)
-			c.written(f)
+			c.wmu.Lock()
+			err := c.write(f)
+			c.wqueued.Add(-1)
+			c.wmu.Unlock()
 			if err != nil {
-				c.shutdown(websocket.CloseAbnormalClosure, "")
 				return
 			}
 		case <-ping.C:
@@ -276,6 +285,20 @@ func (c *dpConn) writer() {
 			return
 		}
 	}
+}
+
+// write writes one frame and ends its life; a failed write ends the connection. c.wmu is held.
+func (c *dpConn) write(f outFrame) error {
+	if f.taken != nil {
+		f.taken()
+	}
+	c.conn.SetWriteDeadline(time.Now().Add(dpWriteTimeout))
+	err := c.conn.WriteMessage(f.kind, f.data)
+	c.written(f)
+	if err != nil {
+		c.shutdown(websocket.CloseAbnormalClosure, "")
+	}
+	return err
 }
 
 // charge counts n bytes against the connection's queue, waiting while it is full (backpressure
@@ -309,12 +332,28 @@ func (c *dpConn) enqueue(f outFrame) bool {
 	return c.enqueueCharged(f)
 }
 
-// enqueueCharged is enqueue for a frame whose f.n bytes were charged already.
+// enqueueCharged is enqueue for a frame whose f.n bytes were charged already. With nothing queued,
+// the frame is written here and now (see wmu).
 func (c *dpConn) enqueueCharged(f outFrame) bool {
+	if len(f.data) <= dpDirectBytes && c.wqueued.Load() == 0 && c.wmu.TryLock() {
+		if c.wqueued.Load() == 0 { // nothing was queued meanwhile that this frame could overtake
+			if c.ctx.Err() != nil {
+				c.wmu.Unlock()
+				c.dropped(f)
+				return false
+			}
+			err := c.write(f)
+			c.wmu.Unlock()
+			return err == nil
+		}
+		c.wmu.Unlock()
+	}
+	c.wqueued.Add(1)
 	select {
 	case c.out <- f:
 		return true
 	case <-c.ctx.Done():
+		c.wqueued.Add(-1)
 		c.dropped(f)
 		return false
 	}
@@ -366,6 +405,10 @@ func encode(r protocol.Response) []byte {
 // queue must still count against max_inflight, or a client that does not read could queue them
 // unbounded. What the request holds is given back once its answer is written or dropped.
 func (c *dpConn) answer(id uint32, req *request, resp protocol.Response) {
+	if ba, ok := resp.Result.(*bodyAnswer); ok && resp.Error == nil {
+		c.enqueue(outFrame{kind: websocket.BinaryMessage, data: ba.encode(id), taken: func() { c.forget(id, req) }, release: req.hold.release})
+		return
+	}
 	b := encode(resp)
 	if req.exec != nil {
 		// The output is in b now; the budget counts b from here, and the buffers are let go.
@@ -418,37 +461,55 @@ func (c *dpConn) readLoop() {
 				c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "%v", protocol.ErrShortFrame)})
 				continue
 			}
-			c.binary(header[0], uint32(header[1])<<24|uint32(header[2])<<16|uint32(header[3])<<8|uint32(header[4]), r, chunk)
+			hdrID := uint32(header[1])<<24 | uint32(header[2])<<16 | uint32(header[3])<<8 | uint32(header[4])
+			if header[0] != protocol.FrameRequestBody {
+				c.binary(header[0], hdrID, r, chunk)
+				continue
+			}
+			payload, put, err := readBodyFrame(r)
+			if err != nil {
+				continue // the connection's error: NextReader reports it
+			}
+			id, op, args, body, perr := bodyRequest(hdrID, payload)
+			if perr != nil {
+				put()
+				c.send(protocol.Response{Error: perr})
+				continue
+			}
+			c.dispatch(id, op, args, body, put)
 			continue
 		}
 		text.Reset()
 		if _, err := text.ReadFrom(r); err != nil {
 			return
 		}
-		// RFC 6455 text frames are UTF-8; decoding would silently turn invalid bytes (in a path, say)
-		// into U+FFFD, so refuse them instead.
-		if !utf8.Valid(text.Bytes()) {
-			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "text frames must be valid UTF-8")})
-			continue
-		}
-		// The canonical form is split without decoding; its args are decoded once, strictly, by the
-		// operation. Any other form goes through the full decoder.
-		id, op, args, ok := protocol.SplitRequest(text.Bytes())
-		args = bytes.Clone(args) // text is reused for the next frame; the request outlives it
+		id, op, args, ok := parseRequest(text.Bytes())
 		if !ok {
-			var req wireRequest
-			if err := decodeStrict(text.Bytes(), &req); err != nil || req.ID == nil || req.Op == "" {
-				c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "a request is a JSON object {\"id\": <uint32>, \"op\": <string>, \"args\": {...}} and nothing else")})
-				continue
-			}
-			id, op, args = *req.ID, req.Op, req.Args
-		}
-		if id == 0 && op != protocol.OpCancel { // a cancel is never answered, whatever its id
-			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id 0 is reserved for errors not tied to a request; use 1 or more")})
+			c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidJSON, "a request is a JSON object {\"id\": <uint32>, \"op\": <string>, \"args\": {...}} in valid UTF-8, and nothing else")})
 			continue
 		}
-		c.dispatch(id, op, args)
+		args = bytes.Clone(args) // text is reused for the next frame; the request outlives it
+		c.dispatch(id, op, args, nil, nil)
 	}
+}
+
+// parseRequest reads a request object. The canonical form is split without decoding; its args are
+// decoded once, strictly, by the operation. Any other form goes through the full decoder. args
+// may point into b.
+func parseRequest(b []byte) (id uint32, op string, args json.RawMessage, ok bool) {
+	// RFC 6455 text frames are UTF-8; decoding would silently turn invalid bytes (in a path, say)
+	// into U+FFFD, so refuse them instead.
+	if !utf8.Valid(b) {
+		return 0, "", nil, false
+	}
+	if id, op, args, ok := protocol.SplitRequest(b); ok {
+		return id, op, args, true
+	}
+	var req wireRequest
+	if err := decodeStrict(b, &req); err != nil || req.ID == nil || req.Op == "" {
+		return 0, "", nil, false
+	}
+	return *req.ID, req.Op, req.Args, true
 }
 
 // binary routes a binary frame: only upload data and upload end go client -> server.
@@ -555,10 +616,36 @@ func (c *dpConn) emitPath(typ, path string) {
 }
 
 // dispatch starts request id: the op table says whether the credential may run it and how it runs.
-func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
+// body is the content of a request that came in a FrameRequestBody (nil for a text frame); put,
+// when set, gives its buffer back, which happens on every path once nothing reads body any more.
+func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byte, put func()) {
+	if put == nil {
+		put = func() {}
+	}
+	if id == 0 && op != protocol.OpCancel { // a cancel is never answered, whatever its id
+		put()
+		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id 0 is reserved for errors not tied to a request; use 1 or more")})
+		return
+	}
+	if o, known := dpOps[op]; known {
+		if withBody := body != nil; withBody != o.bodyIn {
+			put()
+			answerID := id
+			if op == protocol.OpCancel {
+				answerID = 0 // a cancel is never answered: its id names the request it cancels
+			}
+			if withBody {
+				c.send(protocol.Response{ID: answerID, Error: protocol.Errorf(protocol.CodeInvalidArgument, "%s takes no body: send it as a text frame (binary frames of kind %d are for write); nothing was done", clipHeader(op), protocol.FrameRequestBody)})
+			} else {
+				c.send(protocol.Response{ID: answerID, Error: protocol.Errorf(protocol.CodeInvalidArgument, "%s carries its content as the body of a binary frame of kind %d, not in a text frame (%s, docs/dataplane.md); nothing was done", op, protocol.FrameRequestBody, protocol.Subprotocol)})
+			}
+			return
+		}
+	}
 	o, ctx, req, refusal := c.admit(id, op)
 	switch {
 	case refusal != nil:
+		put()
 		if refusal.Error != nil {
 			c.send(*refusal)
 		}
@@ -567,9 +654,12 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 		o.inline(c, id)
 		return
 	}
+	req.body = body
 
 	if o.class == opUpload {
-		if _, err := o.run(ctx, c, req, args); err != nil {
+		_, err := o.run(ctx, c, req, args)
+		put()
+		if err != nil {
 			c.finish(id)
 			c.fail(id, err)
 		}
@@ -579,6 +669,8 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage) {
 	go func() {
 		defer c.running.Done()
 		res, err := c.run(ctx, req, o, args)
+		req.body = nil
+		put()
 		resp := protocol.Response{ID: id, Result: res}
 		if err != nil {
 			if ctx.Err() != nil && c.ctx.Err() == nil {

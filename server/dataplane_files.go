@@ -30,24 +30,12 @@ func opLs(ctx context.Context, c *dpConn, _ *request, a protocol.LsArgs) (any, e
 	return res, err
 }
 
-func opRead(ctx context.Context, c *dpConn, _ *request, a protocol.ReadArgs) (any, error) {
-	return c.files.ReadContext(ctx, a)
-}
-
 func opGlob(ctx context.Context, c *dpConn, _ *request, a protocol.GlobArgs) (any, error) {
 	return c.files.GlobContext(ctx, a)
 }
 
 func opGrep(ctx context.Context, c *dpConn, _ *request, a protocol.GrepArgs) (any, error) {
 	return c.files.Grep(ctx, a)
-}
-
-func opWrite(_ context.Context, c *dpConn, _ *request, a protocol.WriteArgs) (any, error) {
-	res, err := c.files.Write(a)
-	if err == nil {
-		c.emitPath(protocol.EventFileWritten, res.Path)
-	}
-	return res, err
 }
 
 func opEdit(_ context.Context, c *dpConn, _ *request, a protocol.EditArgs) (any, error) {

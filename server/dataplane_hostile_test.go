@@ -41,6 +41,7 @@ type answer struct {
 	Result json.RawMessage `json:"result"`
 	Error  *protocol.Error `json:"error"`
 	bin    [][]byte
+	body   []byte // the body of a protocol.FrameAnswerBody
 }
 
 func (a answer) code() string {
@@ -162,11 +163,32 @@ func (c *rawConn) sendText(s string) {
 
 func (c *rawConn) sendJSON(req protocol.Request) {
 	c.t.Helper()
+	if req.Op == protocol.OpWrite {
+		c.sendWrite(req)
+		return
+	}
 	b, err := json.Marshal(req)
 	if err != nil {
 		c.t.Fatal(err)
 	}
 	c.sendText(string(b))
+}
+
+// sendWrite sends a write as a v2 client does: its content (args' "content", as v1 carried it) as
+// the body of a protocol.FrameRequestBody, the other args in its JSON.
+func (c *rawConn) sendWrite(req protocol.Request) {
+	c.t.Helper()
+	raw, _ := json.Marshal(req.Args)
+	var args map[string]any
+	json.Unmarshal(raw, &args)
+	content, _ := args["content"].(string)
+	delete(args, "content")
+	req.Args = args
+	js, err := json.Marshal(req)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.sendBinary(protocol.AppendBodyFrame(nil, protocol.FrameRequestBody, req.ID, js, []byte(content)))
 }
 
 func (c *rawConn) sendBinary(b []byte) {
@@ -201,7 +223,27 @@ func (c *rawConn) readOne(timeout time.Duration) error {
 		if err != nil {
 			return fmt.Errorf("server sent a short binary frame: %w", err)
 		}
-		c.bins[id] = append(c.bins[id], append([]byte{kind}, payload...))
+		if kind != protocol.FrameAnswerBody {
+			c.bins[id] = append(c.bins[id], append([]byte{kind}, payload...))
+			return nil
+		}
+		// An answer with a body (a read's): the result gets the content back as v1 carried it, so
+		// that tests read it alike.
+		js, body, err := protocol.SplitBody(payload)
+		if err != nil {
+			return fmt.Errorf("server sent a bad frame with a body: %w", err)
+		}
+		var a answer
+		if err := json.Unmarshal(js, &a); err != nil || a.ID != id {
+			return fmt.Errorf("server sent a frame with a body for %d whose JSON is %q", id, js)
+		}
+		var head protocol.ReadHead
+		if err := json.Unmarshal(a.Result, &head); err != nil {
+			return fmt.Errorf("server sent a read head %q: %w", a.Result, err)
+		}
+		a.Result, _ = json.Marshal(head.Result(string(body)))
+		a.body = body
+		c.answers[a.ID] = append(c.answers[a.ID], a)
 		return nil
 	}
 	var a answer
@@ -468,6 +510,7 @@ func TestDataplaneOversizedFrames(t *testing.T) {
 		{"text", websocket.TextMessage, 0},
 		{"binary", websocket.BinaryMessage, 0},
 		{"text, far over", websocket.TextMessage, 64 << 20},
+		{"with a body", websocket.BinaryMessage, -1},
 	} {
 		c := dialRaw(t, url, key)
 		limit := c.hello.Limits.MaxFrameBytes
@@ -479,9 +522,13 @@ func TestDataplaneOversizedFrames(t *testing.T) {
 			size = limit + 1
 		}
 		var frame []byte
-		if tc.kind == websocket.TextMessage {
-			frame = []byte(`{"id":1,"op":"write","args":{"path":"big.txt","content":"` + strings.Repeat("a", size) + `"}}`)
-		} else {
+		switch {
+		case tc.size < 0:
+			js := `{"id":1,"op":"write","args":{"path":"big.txt"}}`
+			frame = bodyFrame(1, js, bytes.Repeat([]byte{'a'}, limit+1-protocol.BodyHeaderLen-len(js)))
+		case tc.kind == websocket.TextMessage:
+			frame = []byte(`{"id":1,"op":"read","args":{"path":"big.txt","x":"` + strings.Repeat("a", size) + `"}}`)
+		default:
 			frame = dataFrame(protocol.FrameData, 1, bytes.Repeat([]byte{'a'}, size))
 		}
 		// The server may close before the whole frame is written; a write error is fine.
@@ -503,8 +550,8 @@ func TestDataplaneOversizedFrames(t *testing.T) {
 	// A frame of exactly max_frame_bytes is fine.
 	c := dialRaw(t, url, key)
 	limit := c.hello.Limits.MaxFrameBytes
-	prefix, suffix := `{"id":2,"op":"write","args":{"path":"fits.txt","content":"`, `"}}`
-	c.sendText(prefix + strings.Repeat("b", limit-len(prefix)-len(suffix)) + suffix)
+	js := `{"id":2,"op":"write","args":{"path":"fits.txt"}}`
+	c.sendBinary(bodyFrame(2, js, bytes.Repeat([]byte{'b'}, limit-protocol.BodyHeaderLen-len(js))))
 	if got := c.await(2); got.Error != nil {
 		t.Errorf("a frame of exactly max_frame_bytes: %s", got)
 	}

@@ -24,7 +24,7 @@ var dpOps = map[string]dpOp{
 	protocol.OpDownload: op(protocol.ScopeFSRead, opStreamed, opDownload),
 	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar),
 
-	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite),
+	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite).withBody(),
 	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit),
 	protocol.OpDelete: op(protocol.ScopeFSWrite, opLight, opDelete),
 	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir),
@@ -44,7 +44,14 @@ type dpOp struct {
 	run func(ctx context.Context, c *dpConn, r *request, raw json.RawMessage) (any, error)
 	// inline answers an opInline op on the reader's goroutine; its arguments are not read.
 	inline func(c *dpConn, id uint32)
+	// bodyIn says the op's content comes as the body of a protocol.FrameRequestBody (write), which
+	// it then must; no other op takes one. An op answers with a body (protocol.FrameAnswerBody) by
+	// returning a *bodyAnswer (read).
+	bodyIn bool
 }
+
+// withBody marks an op whose content comes as the body of its request frame.
+func (o dpOp) withBody() dpOp { o.bodyIn = true; return o }
 
 // opClass says where an operation runs and what it holds of the shared resources until its answer
 // is written to the client (docs/operations.md, dataplane limits).

@@ -537,7 +537,8 @@ func TestDataplaneUpgradeChecks(t *testing.T) {
 		{"key in the URL", urlA + "?key=x", authHeader(mA.Token), proto, 400, "invalid_argument"},
 		{"credential in the URL", urlA + "?credential=x", authHeader(mA.Token), proto, 400, "invalid_argument"},
 		{"no subprotocol", urlA, authHeader(mA.Token), nil, 400, "invalid_argument"},
-		{"wrong subprotocol", urlA, authHeader(mA.Token), []string{"sbx.dataplane.v2"}, 400, "invalid_argument"},
+		{"wrong subprotocol", urlA, authHeader(mA.Token), []string{"sbx.other.v2"}, 400, "invalid_argument"},
+		{"older subprotocol", urlA, authHeader(mA.Token), []string{"sbx.dataplane.v1"}, 400, "invalid_argument"},
 		{"bearer subprotocol only", urlA, http.Header{}, []string{protocol.BearerSubprotocolPrefix + mA.Token}, 400, "invalid_argument"},
 		{"origin not allowed", urlA, withOrigin(authHeader(mA.Token), "https://evil.example"), proto, 403, "forbidden"},
 		{"browser form, origin not allowed", urlA, withOrigin(http.Header{}, "https://evil.example"),
@@ -570,7 +571,7 @@ func TestDataplaneUpgradeChecks(t *testing.T) {
 	}
 
 	// The browser form: the credential rides in a second subprotocol, the server selects only
-	// sbx.dataplane.v1 and never echoes the bearer one.
+	// the dataplane subprotocol and never echoes the bearer one.
 	d := websocket.Dialer{Subprotocols: []string{protocol.Subprotocol, protocol.BearerSubprotocolPrefix + mA.Token}}
 	ws, resp, err := d.DialContext(ctx, urlA, nil)
 	if err != nil {

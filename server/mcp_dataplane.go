@@ -69,6 +69,15 @@ func (l *localConn) Call(ctx context.Context, op string, args any) (json.RawMess
 	if a, ok := args.(protocol.ExecArgs); op == protocol.OpExec && (!ok || a.Stream || a.Background) {
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "this front end runs commands to their end only (no stream, no background)")
 	}
+	// A write's content travels as its request's body, as on the WebSocket (WriteArgs.Body).
+	var body []byte
+	if a, ok := args.(protocol.WriteArgs); ok && op == protocol.OpWrite {
+		head, content, err := a.Body()
+		if err != nil {
+			return nil, err
+		}
+		args, body = head, []byte(content)
+	}
 	raw, err := json.Marshal(args)
 	if err != nil {
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "invalid args: %v", err)
@@ -93,18 +102,26 @@ func (l *localConn) Call(ctx context.Context, op string, args any) (json.RawMess
 		return nil, refusal.Error
 	case refusal != nil:
 		return nil, l.err()
-	case o.class != opLight && o.class != opHeavy:
+	case o.class != opLight && o.class != opHeavy || o.bodyIn != (body != nil):
 		if req != nil {
 			c.forget(id, req)
 		}
-		return nil, protocol.Errorf(protocol.CodeUnknownOp, "operation %q is not offered in process", clipHeader(op))
+		return nil, protocol.Errorf(protocol.CodeUnknownOp, "operation %q is not offered in process with these args", clipHeader(op))
 	}
+	req.body = body
 	// The caller's cancellation cancels the request, as a cancel frame would.
 	stop := context.AfterFunc(ctx, req.cancel)
 	defer stop()
 	res, err := c.run(rctx, req, o, raw)
+	req.body = nil
 	var b []byte
-	if err == nil {
+	if ans, ok := res.(*bodyAnswer); ok && err == nil {
+		// A read's answer is its head and its content as the body, which the Go dataplane client
+		// answers as one ReadResult (ReadHead.Result): so is it here, before the hold gives the
+		// content's buffer back.
+		head, _ := ans.head.(protocol.ReadHead)
+		b, err = json.Marshal(head.Result(string(ans.body)))
+	} else if err == nil {
 		b, err = json.Marshal(res)
 	}
 	if req.exec != nil {

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
@@ -67,31 +66,44 @@ func (w *Workspace) Read(a protocol.ReadArgs) (protocol.ReadResult, error) {
 }
 
 // ReadContext reads a regular file: the whole file, a byte range or a line window, cut at
-// MaxReadBytes. A line window scans at most MaxScanBytes of the file, checking ctx between chunks:
-// a window that starts past them is payload_too_large, one that runs past them is truncated, and a
-// count of lines cut there says so (TotalLinesPartial).
+// MaxReadBytes, with content that is not UTF-8 base64-encoded (ReadRaw, as JSON carries it).
 func (w *Workspace) ReadContext(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
+	head, content, err := w.ReadRaw(ctx, a, nil)
+	if err != nil {
+		return protocol.ReadResult{}, err
+	}
+	return head.Result(string(content)), nil
+}
+
+// ReadRaw reads a regular file like ReadContext and returns its content as raw bytes, for an answer
+// that carries them as they are (the dataplane's binary answer). A byte range is read into the
+// buffer alloc(n) returns (len n; nil alloc: a new one), so a caller can read into pooled memory
+// and send from it; a line window comes in a buffer of its own. A line window scans at most
+// MaxScanBytes of the file, checking ctx between chunks: a window that starts past them is
+// payload_too_large, one that runs past them is truncated, and a count of lines cut there says so
+// (TotalLinesPartial). Content the cap cut inside a UTF-8 character loses that character's part.
+func (w *Workspace) ReadRaw(ctx context.Context, a protocol.ReadArgs, alloc func(n int) []byte) (protocol.ReadHead, []byte, error) {
 	if a.Offset < 0 || a.Length < 0 || a.LineOffset < 0 || a.LineLimit < 0 {
-		return protocol.ReadResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "offset, length, line_offset and line_limit must not be negative")
+		return protocol.ReadHead{}, nil, protocol.Errorf(protocol.CodeInvalidArgument, "offset, length, line_offset and line_limit must not be negative")
 	}
 	lines := a.LineOffset != 0 || a.LineLimit != 0
 	if lines && (a.Offset != 0 || a.Length != 0) {
-		return protocol.ReadResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "give either a byte range (offset, length) or a line window (line_offset, line_limit), not both")
+		return protocol.ReadHead{}, nil, protocol.Errorf(protocol.CodeInvalidArgument, "give either a byte range (offset, length) or a line window (line_offset, line_limit), not both")
 	}
 	if err := ctxErr(ctx); err != nil {
-		return protocol.ReadResult{}, err
+		return protocol.ReadHead{}, nil, err
 	}
 	rel, sp, err := resolve(a.Path)
 	if err != nil {
-		return protocol.ReadResult{}, err
+		return protocol.ReadHead{}, nil, err
 	}
 	f, fi, err := w.openRegular(rel, sp)
 	if err != nil {
-		return protocol.ReadResult{}, err
+		return protocol.ReadHead{}, nil, err
 	}
 	defer f.Close()
 
-	res := protocol.ReadResult{Path: sp, Size: fi.Size()}
+	res := protocol.ReadHead{Path: sp, Size: fi.Size()}
 	var content []byte
 	if lines {
 		sr := &scanReader{ctx: ctx, r: f, left: w.opts.MaxScanBytes}
@@ -100,33 +112,28 @@ func (w *Workspace) ReadContext(ctx context.Context, a protocol.ReadArgs) (proto
 		switch {
 		case err != nil:
 		case lw.notReached:
-			return protocol.ReadResult{}, protocol.Errorf(protocol.CodeTooLarge,
+			return protocol.ReadHead{}, nil, protocol.Errorf(protocol.CodeTooLarge,
 				"line_offset %d of %s is past the first %s of the file, which is all a line-window read scans (they hold %d lines); read further by byte range (offset, length) or run a command such as tail or sed with exec",
 				a.LineOffset, sp, sizeText(w.opts.MaxScanBytes), lw.total)
 		}
 		content, res.TotalLines, res.TotalLinesPartial, res.Truncated = lw.out, lw.total, lw.partial, lw.truncated
 	} else {
-		content, res.Truncated, err = readRange(f, fi.Size(), a.Offset, a.Length, w.opts.MaxReadBytes)
+		content, res.Truncated, err = readRange(f, fi.Size(), a.Offset, a.Length, w.opts.MaxReadBytes, alloc)
 	}
 	if err != nil {
 		if pe := (*protocol.Error)(nil); errors.As(err, &pe) {
-			return protocol.ReadResult{}, err
+			return protocol.ReadHead{}, nil, err
 		}
-		return protocol.ReadResult{}, fsErr(sp, err)
+		return protocol.ReadHead{}, nil, fsErr(sp, err)
 	}
 	if res.Truncated && !utf8.Valid(content) {
-		// The cap may have split the last character of a text file: drop it rather than turning
-		// the whole answer into base64.
+		// The cap may have split the last character of a text file: drop it rather than making
+		// the whole answer binary.
 		if trimmed := trimPartialRune(content); utf8.Valid(trimmed) {
 			content = trimmed
 		}
 	}
-	if utf8.Valid(content) {
-		res.Content, res.Encoding = string(content), protocol.EncodingUTF8
-	} else {
-		res.Content, res.Encoding = base64.StdEncoding.EncodeToString(content), protocol.EncodingBase64
-	}
-	return res, nil
+	return res, content, nil
 }
 
 // sizeText shows a byte count the way the docs state caps: "64 MiB", or bytes.
@@ -170,7 +177,7 @@ func (s *scanReader) Read(p []byte) (int, error) {
 
 // readRange reads [off, off+length) (length 0: to the end) of a file of the given size, at most
 // capBytes bytes; truncated says the cap cut it.
-func readRange(f *os.File, size, off, length, capBytes int64) (_ []byte, truncated bool, _ error) {
+func readRange(f *os.File, size, off, length, capBytes int64, alloc func(int) []byte) (_ []byte, truncated bool, _ error) {
 	if off > size {
 		off = size
 	}
@@ -181,7 +188,12 @@ func readRange(f *os.File, size, off, length, capBytes int64) (_ []byte, truncat
 	if n > capBytes {
 		n, truncated = capBytes, true
 	}
-	buf := make([]byte, n)
+	var buf []byte
+	if alloc != nil {
+		buf = alloc(int(n))[:n]
+	} else {
+		buf = make([]byte, n)
+	}
 	k, err := f.ReadAt(buf, off)
 	if err != nil && !errors.Is(err, io.EOF) { // EOF: the file shrank since fstat; return what is there
 		return nil, false, err

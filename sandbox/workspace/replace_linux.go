@@ -16,6 +16,15 @@ import (
 // crash still leaves old or new, never a torn file). Both names live in one directory, opened
 // through the os.Root, so nothing resolves outside the workspace.
 func (w *Workspace) replace(temp, target string) error {
+	if path.Dir(target) == "." && path.Dir(temp) == "." {
+		// Both names in the workspace root: swap them on the root's own descriptor, sparing the
+		// open of the directory (through os.Root, with its fcntl and epoll_ctl calls) and its close.
+		var err error
+		ran := w.withRootDir(func(fd int) { err = exchange(fd, temp, target) })
+		if ran && err == nil {
+			return nil
+		}
+	}
 	dir, err := w.root.OpenFile(path.Dir(target), os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
 	if err != nil {
 		return err
@@ -28,6 +37,15 @@ func (w *Workspace) replace(temp, target string) error {
 		return w.root.Rename(temp, target)
 	}
 	// temp now names the old content.
+	unix.Unlinkat(fd, tb, 0)
+	return nil
+}
+
+// exchange swaps tb and xb, two names in the directory fd, and unlinks tb (the old content).
+func exchange(fd int, tb, xb string) error {
+	if err := unix.Renameat2(fd, tb, fd, xb, unix.RENAME_EXCHANGE); err != nil {
+		return err
+	}
 	unix.Unlinkat(fd, tb, 0)
 	return nil
 }

@@ -123,6 +123,10 @@ func run() error {
 	if *mcpOnly {
 		return mcpOnlyRun(ctx, m, n, br)
 	}
+	if err := hotpath(ctx, r, br, m.Sandbox, tcp, bare, n); *hotpathOnly || err != nil {
+		return err
+	}
+
 	fmt.Fprintln(os.Stderr, "dataplane...")
 	for i := 0; i < 200; i++ { // warm up
 		r.Ping(ctx)

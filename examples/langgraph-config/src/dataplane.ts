@@ -14,16 +14,22 @@ import {
   decodeResult,
   decodeServerFrame,
   encodeBinaryFrame,
+  encodeBodyFrame,
   encodeClientFrame,
   parseBinaryFrame,
+  parseBodyFrame,
+  readResultOf,
   resultKindOf,
+  writeBodyOf,
   type ArgsOf,
   type ClientFrame,
   type ExecArgs,
   type ExecResult,
   type Hello,
   type Op,
+  type ReadHead,
   type ResultOf,
+  type ServerFrame,
 } from "./protocol.js";
 import { dataplaneURLProblem } from "./runconfig.js";
 
@@ -261,6 +267,18 @@ export class Connection {
   private onMessage(data: Buffer, isBinary: boolean): void {
     this.lastSeen = Date.now();
     if (isBinary) {
+      if (data.length > 0 && data[0] === FrameKind.AnswerBody) {
+        let bf, f;
+        try {
+          bf = parseBodyFrame(data);
+          f = decodeServerFrame(bf.json);
+        } catch {
+          return;
+        }
+        if ("hello" in f || f.id !== bf.id) return;
+        this.settle(f, bf.body);
+        return;
+      }
       let f;
       try {
         f = parseBinaryFrame(data);
@@ -284,6 +302,11 @@ export class Connection {
       return; // not a frame of this protocol; nothing waits for it
     }
     if ("hello" in f) return;
+    this.settle(f);
+  }
+
+  /** Ends the call an answer is for; body is the answer frame's body (a read's content), if it came with one. */
+  private settle(f: Exclude<ServerFrame, { hello: Hello }>, body?: Buffer): void {
     const p = this.pending.get(f.id);
     if (!p) return; // id 0 (a frame error) or an answer nobody waits for
     this.pending.delete(f.id);
@@ -298,7 +321,8 @@ export class Connection {
       return;
     }
     try {
-      p.resolve(decodeResult(resultKindOf(p.op), f.result));
+      const result = decodeResult(resultKindOf(p.op), f.result);
+      p.resolve(body && p.op === "read" ? readResultOf(result as ReadHead, body) : result);
     } catch (e) {
       p.reject(new DataplaneError(ErrorCode.Internal, `the dataplane answered ${p.op} with an unexpected result: ${(e as Error).message}`));
     }
@@ -353,16 +377,24 @@ export class Connection {
   async request<O extends Op>(
     op: O,
     args: ArgsOf<O>,
-    opts: CallOptions & { onStdout?: (b: Buffer) => void; onStderr?: (b: Buffer) => void; onData?: (b: Buffer) => void; upload?: Uint8Array } = {},
+    opts: CallOptions & {
+      onStdout?: (b: Buffer) => void;
+      onStderr?: (b: Buffer) => void;
+      onData?: (b: Buffer) => void;
+      upload?: Uint8Array;
+      /** The request's body (a write's content): the request goes as one frame of kind 5 with it. */
+      body?: Uint8Array;
+    } = {},
   ): Promise<ResultOf<O>> {
     if (this.dead) throw this.gone();
     if (opts.signal?.aborted) throw cancelled();
     await this.slots.acquire(opts.signal);
     const id = this.allocId();
-    const text = encodeClientFrame({ id, op, args } as ClientFrame);
+    const json = encodeClientFrame({ id, op, args } as ClientFrame);
+    const text = opts.body ? encodeBodyFrame(FrameKind.RequestBody, id, json, opts.body) : json;
     // A frame over max_frame_bytes would make the broker close the connection (1009) under every
     // other request on it: refuse it here.
-    const size = Buffer.byteLength(text);
+    const size = typeof text === "string" ? Buffer.byteLength(text) : text.length;
     if (size > this.hello.limits.max_frame_bytes) {
       this.slots.release();
       throw new DataplaneError(
@@ -583,13 +615,13 @@ export class DataplaneClient {
     op: O,
     args: ArgsOf<O>,
     c: Call,
-    extra: { onData?: (b: Buffer) => void; reset?: () => void; upload?: Uint8Array } = {},
+    extra: { onData?: (b: Buffer) => void; reset?: () => void; upload?: Uint8Array; body?: Uint8Array } = {},
   ): Promise<ResultOf<O>> {
     return this.track(async () => {
       for (let attempt = 0; ; attempt++) {
         const conn = await this.connection(c.signal);
         try {
-          return await conn.request(op, args, { signal: c.signal, onData: extra.onData, upload: extra.upload });
+          return await conn.request(op, args, { signal: c.signal, onData: extra.onData, upload: extra.upload, body: extra.body });
         } catch (e) {
           if (c.retry && attempt === 0 && e instanceof DataplaneError && e.code === ErrorCode.Unreachable) {
             extra.reset?.();
@@ -628,7 +660,14 @@ export class DataplaneClient {
   /** Writes a whole file atomically. An overwrite of the same bytes is safe to repeat; a create is not. */
   write(args: ArgsOf<"write">, o: CallOptions = {}) {
     validPaths(args.path);
-    return this.call("write", args, { ...o, retry: args.mode !== "create" });
+    let wire;
+    try {
+      wire = writeBodyOf(args);
+    } catch (e) {
+      return Promise.reject(new DataplaneError(ErrorCode.InvalidArgument, (e as Error).message));
+    }
+    // The content goes as the frame's body, raw; the args carry only the path and the mode.
+    return this.call("write", wire.head as ArgsOf<"write">, { ...o, retry: args.mode !== "create" }, { body: wire.body });
   }
 
   edit(args: ArgsOf<"edit">, o: CallOptions = {}) {

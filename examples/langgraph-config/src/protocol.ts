@@ -1,12 +1,14 @@
-// The dataplane's wire types (sbx.dataplane.v1). docs/dataplane.md is the normative spec and
+// The dataplane's wire types (sbx.dataplane.v2). docs/dataplane.md is the normative spec and
 // protocol/*.go the Go side; field names here are exactly the JSON keys. Decoders refuse wrong types
 // and missing fields. Unknown keys are refused in client frames and in strict mode (the golden-frame
 // tests); frames from the broker are read leniently (unknown keys dropped), so a broker that adds a
 // field does not break its clients. Encoders write back exactly the keys that are present, so a
 // frame decoded strictly re-encodes to the same JSON.
 
+import { isUtf8 } from "node:buffer";
+
 /** The dataplane's WebSocket subprotocol; a client must offer it. */
-export const SUBPROTOCOL = "sbx.dataplane.v1";
+export const SUBPROTOCOL = "sbx.dataplane.v2";
 
 /** Binary frame kinds: byte 0 of a binary frame. */
 export const FrameKind = {
@@ -14,10 +16,14 @@ export const FrameKind = {
   Stderr: 2, // server -> client: exec stderr
   Data: 3, // both ways: upload and download bytes
   End: 4, // client -> server: the upload is complete (empty payload)
+  RequestBody: 5, // client -> server: a request and its body (a write's content)
+  AnswerBody: 6, // server -> client: an answer and its body (a read's content)
 } as const;
 export type FrameKindValue = (typeof FrameKind)[keyof typeof FrameKind];
 /** A binary frame is [kind u8][request id u32 big-endian], then the payload. */
 export const FRAME_HEADER_LEN = 5;
+/** A frame with a body (kinds 5, 6) has a 4-byte big-endian JSON length after the header, then the JSON, then the body. */
+export const BODY_HEADER_LEN = 9;
 
 /** Close codes the broker uses besides the standard ones; the close reason is the error code. */
 export const CloseCode = {
@@ -110,6 +116,11 @@ export interface WriteArgs {
   encoding?: "utf-8" | "base64";
   mode?: "overwrite" | "create";
 }
+/** A write's args on the wire: its content is the body of its frame (FrameKind.RequestBody). */
+export interface WriteHead {
+  path: string;
+  mode?: "overwrite" | "create";
+}
 export interface EditArgs {
   path: string;
   old: string;
@@ -163,10 +174,13 @@ export interface LsResult {
   /** The directory has more entries than the broker's cap (10,000); narrow with glob. */
   truncated?: boolean;
 }
-export interface ReadResult {
-  path: string;
+export interface ReadResult extends ReadHead {
   content: string;
   encoding: "utf-8" | "base64" | string;
+}
+/** A read's answer on the wire: its content is the body of its frame (FrameKind.AnswerBody), raw bytes. */
+export interface ReadHead {
+  path: string;
   size: number;
   total_lines?: number;
   /** The broker stopped counting at its scan cap (64 MiB): the file has at least total_lines lines. */
@@ -306,7 +320,8 @@ export const argSchemas: Record<Exclude<Op, "ping" | "env">, Schema> = {
   untar: { path: r("string") },
   tar: { path: r("string") },
   read: { path: r("string"), offset: o("int"), length: o("int"), line_offset: o("int"), line_limit: o("int") },
-  write: { path: r("string"), content: r("string"), encoding: o("string"), mode: o("string") },
+  // On the wire a write's content is its frame's body (WriteHead); WriteArgs' content leaves there.
+  write: { path: r("string"), mode: o("string") },
   edit: { path: r("string"), old: r("string"), new: r("string"), replace_all: o("bool") },
   delete: { path: r("string"), recursive: o("bool") },
   mkdir: { path: r("string"), parents: o("bool") },
@@ -343,10 +358,9 @@ export const resultSchemas = {
   ping: {} as Schema,
   stat: fileInfo,
   ls: { entries: r({ array: fileInfo, nullable: true }), truncated: o("bool") },
+  // On the wire a read's content is its answer frame's body (ReadHead); the client makes the ReadResult.
   read: {
     path: r("string"),
-    content: r("string"),
-    encoding: r("string"),
     size: r("int"),
     total_lines: o("int"),
     total_lines_partial: o("bool"),
@@ -603,4 +617,63 @@ export function encodeBinaryFrame(kind: number, id: number, payload?: Uint8Array
 export function parseBinaryFrame(b: Buffer): BinaryFrame {
   if (b.length < FRAME_HEADER_LEN) throw new ProtocolError("binary frame shorter than its 5-byte header");
   return { kind: b[0]!, id: b.readUInt32BE(1), payload: b.subarray(FRAME_HEADER_LEN) };
+}
+
+// ---- Frames with a body ----
+
+export interface BodyFrame {
+  kind: number;
+  id: number;
+  /** The request's or answer's JSON text. */
+  json: string;
+  /** The body: a view of the frame, not a copy. */
+  body: Buffer;
+}
+
+/** Builds a frame with a body (kinds 5, 6): header, JSON length, JSON, body. */
+export function encodeBodyFrame(kind: number, id: number, json: string, body?: Uint8Array): Buffer {
+  const jsLen = Buffer.byteLength(json);
+  const b = Buffer.allocUnsafe(BODY_HEADER_LEN + jsLen + (body?.length ?? 0));
+  b[0] = kind;
+  b.writeUInt32BE(id >>> 0, 1);
+  b.writeUInt32BE(jsLen, FRAME_HEADER_LEN);
+  b.write(json, BODY_HEADER_LEN, "utf8");
+  if (body) b.set(body, BODY_HEADER_LEN + jsLen);
+  return b;
+}
+
+/** Splits a frame with a body; a JSON length past the frame's end is refused. */
+export function parseBodyFrame(b: Buffer): BodyFrame {
+  if (b.length < BODY_HEADER_LEN) throw new ProtocolError("a frame with a body is shorter than its 9-byte header");
+  const jsLen = b.readUInt32BE(FRAME_HEADER_LEN);
+  if (jsLen > b.length - BODY_HEADER_LEN) throw new ProtocolError("a frame with a body says its JSON passes the frame's end");
+  return {
+    kind: b[0]!,
+    id: b.readUInt32BE(1),
+    json: b.toString("utf8", BODY_HEADER_LEN, BODY_HEADER_LEN + jsLen),
+    body: b.subarray(BODY_HEADER_LEN + jsLen),
+  };
+}
+
+/** The ReadResult a read's head and raw content make: content that is not UTF-8 comes base64-encoded, as the Go backends answer. */
+export function readResultOf(head: ReadHead, body: Buffer): ReadResult {
+  return isUtf8(body)
+    ? { ...head, content: body.toString("utf8"), encoding: "utf-8" }
+    : { ...head, content: body.toString("base64"), encoding: "base64" };
+}
+
+const BASE64 = /^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$/;
+
+/** Splits a write into its wire args and its body (base64 content decoded); bad base64 or an unknown encoding is refused. */
+export function writeBodyOf(a: WriteArgs): { head: WriteHead; body: Buffer } {
+  const head: WriteHead = a.mode !== undefined ? { path: a.path, mode: a.mode } : { path: a.path };
+  switch (a.encoding) {
+    case undefined:
+    case "utf-8":
+      return { head, body: Buffer.from(a.content, "utf8") };
+    case "base64":
+      if (!BASE64.test(a.content)) throw new ProtocolError("content is not valid base64");
+      return { head, body: Buffer.from(a.content, "base64") };
+  }
+  throw new ProtocolError(`unknown encoding ${JSON.stringify(a.encoding)}; use "utf-8" or "base64"`);
 }

@@ -11,11 +11,16 @@ import {
   decodeResult,
   decodeServerFrame,
   encodeBinaryFrame,
+  encodeBodyFrame,
   encodeClientFrame,
   encodeResult,
   encodeServerFrame,
   parseBinaryFrame,
+  parseBodyFrame,
+  FrameKind,
   ProtocolError,
+  readResultOf,
+  writeBodyOf,
   resultKindOf,
   type ResultKind,
 } from "../src/protocol.js";
@@ -38,6 +43,8 @@ interface Golden {
   kind?: number;
   id?: number;
   payload_hex?: string;
+  json?: unknown;
+  body_hex?: string;
 }
 
 const file = JSON.parse(readFileSync(join(REPO_DIR, "protocol", "testdata", "frames.json"), "utf8")) as { frames: Golden[] };
@@ -52,6 +59,27 @@ describe("golden frames (protocol/testdata/frames.json)", () => {
 
   for (const f of file.frames) {
     it(f.name, () => {
+      if (f.kind === FrameKind.RequestBody || f.kind === FrameKind.AnswerBody) {
+        const bytes = Buffer.from(f.binary!, "hex");
+        const parsed = parseBodyFrame(bytes);
+        assert.equal(parsed.kind, f.kind);
+        assert.equal(parsed.id, f.id);
+        assert.equal(parsed.body.toString("hex"), f.body_hex);
+        assert.deepEqual(JSON.parse(parsed.json), f.json);
+        if (f.kind === FrameKind.RequestBody) {
+          const frame = decodeClientFrame(parsed.json);
+          assert.equal(frame.op, f.op);
+          assert.equal(frame.id, f.id);
+          assert.equal(encodeBodyFrame(f.kind, f.id!, encodeClientFrame(frame), parsed.body).toString("hex"), f.binary);
+        } else {
+          const frame = decodeServerFrame(parsed.json, true);
+          assert.ok("result" in frame);
+          const head = decodeResult("read", frame.result, true);
+          assert.deepEqual(encodeResult("read", head), (f.json as { result: unknown }).result);
+          assert.equal(encodeBodyFrame(f.kind, f.id!, encodeServerFrame(frame, "read"), parsed.body).toString("hex"), f.binary);
+        }
+        return;
+      }
       if (f.binary !== undefined) {
         const bytes = Buffer.from(f.binary, "hex");
         const parsed = parseBinaryFrame(bytes);
@@ -87,14 +115,27 @@ describe("strict decoding", () => {
     assert.throws(() => decodeClientFrame('{"id":4294967296,"op":"ping"}'), ProtocolError);
     assert.throws(() => decodeClientFrame('{"id":1,"op":"nope"}'), ProtocolError);
     assert.throws(() => decodeServerFrame('{"id":1,"result":{},"error":{"code":"x","message":"y"}}'), ProtocolError);
-    assert.throws(() => decodeResult("read", { path: "/workspace/a", content: "x", size: 1 }), /missing field "encoding"/);
+    assert.throws(() => decodeResult("read", { path: "/workspace/a" }), /missing field "size"/);
+    assert.throws(() => decodeResult("read", { path: "/workspace/a", size: 1, content: "x" }, true), /unknown field "content"/);
     assert.throws(() => decodeResult("exec", { exit_code: 0, duration_ms: 1.5 }), ProtocolError);
-    assert.throws(() => encodeClientFrame({ id: 1, op: "write", args: { path: "a", content: "b", mdoe: "create" } as never }), /unknown field "mdoe"/);
+    assert.throws(() => encodeClientFrame({ id: 1, op: "write", args: { path: "a", mdoe: "create" } as never }), /unknown field "mdoe"/);
     assert.throws(() => parseBinaryFrame(Buffer.from("0100", "hex")), ProtocolError);
+    // A frame with a body whose JSON length passes its end.
+    assert.throws(() => parseBodyFrame(Buffer.from("06000000010000ffff7b7d", "hex")), ProtocolError);
+    assert.throws(() => parseBodyFrame(Buffer.from("0600000001", "hex")), ProtocolError);
+  });
+
+  it("carries content raw: writes split into head and body, reads made whole again", () => {
+    assert.deepEqual(writeBodyOf({ path: "a", content: "héllo", mode: "create" }), { head: { path: "a", mode: "create" }, body: Buffer.from("héllo") });
+    assert.deepEqual(writeBodyOf({ path: "a", content: "AAEC/w==", encoding: "base64" }).body, Buffer.from([0, 1, 2, 255]));
+    assert.throws(() => writeBodyOf({ path: "a", content: "!!!", encoding: "base64" }), /not valid base64/);
+    assert.throws(() => writeBodyOf({ path: "a", content: "x", encoding: "utf-16" as never }), /unknown encoding/);
+    assert.deepEqual(readResultOf({ path: "/workspace/a", size: 3 }, Buffer.from("abc")), { path: "/workspace/a", size: 3, content: "abc", encoding: "utf-8" });
+    assert.deepEqual(readResultOf({ path: "/workspace/b", size: 4 }, Buffer.from([0, 1, 2, 255])), { path: "/workspace/b", size: 4, content: "AAEC/w==", encoding: "base64" });
   });
 
   it("reads the broker's frames leniently: unknown keys are dropped, unless strict", () => {
-    const hello = '{"id":0,"type":"hello","new":1,"hello":{"protocol":"sbx.dataplane.v1","sandbox_id":"sb_1","workspace":"/workspace","scopes":[],"region":"eu","limits":{"max_frame_bytes":1,"max_inflight":1,"max_chunk_bytes":1,"max_output_bytes":1,"max_new":2}}}';
+    const hello = '{"id":0,"type":"hello","new":1,"hello":{"protocol":"sbx.dataplane.v2","sandbox_id":"sb_1","workspace":"/workspace","scopes":[],"region":"eu","limits":{"max_frame_bytes":1,"max_inflight":1,"max_chunk_bytes":1,"max_output_bytes":1,"max_new":2}}}';
     const f = decodeServerFrame(hello);
     assert.ok("hello" in f);
     assert.equal(f.hello.sandbox_id, "sb_1");

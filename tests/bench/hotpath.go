@@ -1,0 +1,226 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"text/tabwriter"
+	"time"
+
+	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/protocol"
+)
+
+var hotpathOnly = flag("hotpath", "only the hot-path rows of issue 17 (1 MiB read/write, 4 KiB, ping, exec, bulk, 1,000 clients)")
+
+// hotpath measures the dataplane's hot path (issue 17) and prints each figure beside its floor in
+// this run and the peers' figures from the issue (E2B envd and the Daytona daemon built from their
+// sources, run without isolation, on this machine type).
+func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protocol.SandboxBlock, tcp, bare samples, n int) error {
+	fmt.Fprintln(os.Stderr, "hot path (issue 17)...")
+	var rows []row
+	add := func(r row) { rows = append(rows, r); fmt.Fprintf(os.Stderr, "  %s: %s\n", r.metric, r.ours) }
+	big := n / 3
+	mib := make([]byte, 1<<20)
+	rand.Read(mib)
+	// Text, as the source files and lockfiles an agent reads are; the broker's answer for binary
+	// content differs only in its encoding flag.
+	text := bytes.Repeat([]byte("0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcde\n"), 1<<14)
+
+	// Floors: the same bytes through the local file system of the data dir's disk.
+	floorDir, err := os.MkdirTemp(br.dir, "floor-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(floorDir)
+	local := filepath.Join(floorDir, "f")
+	if err := os.WriteFile(local, text, 0o644); err != nil {
+		return err
+	}
+	localRead := sample(big, func() error { _, err := os.ReadFile(local); return err })
+	localWrite := sample(big, func() error { return atomicWrite(filepath.Join(floorDir, "w"), text) })
+
+	if _, err := r.Write(ctx, protocol.WriteArgs{Path: "mib.txt", Content: string(text)}); err != nil {
+		return err
+	}
+	read1 := sample(big, func() error {
+		got, err := r.Read(ctx, protocol.ReadArgs{Path: "mib.txt"})
+		if err == nil && len(got.Content) != len(text) {
+			err = fmt.Errorf("read %d bytes", len(got.Content))
+		}
+		return err
+	})
+	textS := string(text)
+	write1 := sample(big, func() error {
+		_, err := r.Write(ctx, protocol.WriteArgs{Path: "mibw.txt", Content: textS})
+		return err
+	})
+	add(row{"1 MiB read", p50p99(read1), "faster than envd, <= 3x floor", "0.97", "1.06", "local read " + p50p99(localRead) + ratio(read1, localRead)})
+	add(row{"1 MiB write", p50p99(write1), "faster than envd, <= 3x floor", "1.8", "4.7", "local write+rename " + p50p99(localWrite) + ratio(write1, localWrite)})
+
+	small := string(text[:4096])
+	rw := sample(n, func() error {
+		if _, err := r.Write(ctx, protocol.WriteArgs{Path: "small.txt", Content: small}); err != nil {
+			return err
+		}
+		got, err := r.Read(ctx, protocol.ReadArgs{Path: "small.txt"})
+		if err == nil && len(got.Content) != 4096 {
+			err = fmt.Errorf("read %d bytes", len(got.Content))
+		}
+		return err
+	})
+	add(row{"4 KiB write+read", p50p99(rw), "p50 < 0.25 ms", "0.73", "", ""})
+	ping := sample(n*3, func() error { return r.Ping(ctx) })
+	add(row{"dataplane ping", p50p99(ping), "<= 3x TCP round trip", "0.158", "0.190", "TCP round trip " + p50p99(tcp) + ratio(ping, tcp)})
+	execTrue := sample(n, func() error {
+		res, err := r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Argv: []string{"true"}}})
+		if err == nil && res.ExitCode != 0 {
+			err = fmt.Errorf("true exited %d", res.ExitCode)
+		}
+		return err
+	})
+	add(row{"exec `true`", p50p99(execTrue), "<= 1.3x os/exec", "3.4", "", "bare os/exec " + p50p99(bare) + ratio(execTrue, bare)})
+
+	// Bulk: 100 MiB each way, with the broker's peak RSS before and after.
+	const size = 100 << 20
+	data := make([]byte, size)
+	rand.Read(data)
+	rss0 := br.peakRSS()
+	t := time.Now()
+	if _, err := r.Upload(ctx, "bulk.bin", bytes.NewReader(data)); err != nil {
+		return err
+	}
+	up := float64(size) / (1 << 20) / time.Since(t).Seconds()
+	t = time.Now()
+	if got, err := r.Download(ctx, "bulk.bin", io.Discard); err != nil || got != size {
+		return fmt.Errorf("download: %d bytes, %v", got, err)
+	}
+	down := float64(size) / (1 << 20) / time.Since(t).Seconds()
+	rss1 := br.peakRSS()
+	toFile, fromFile := tcpFileBaselines(br.dir, size)
+	add(row{"100 MiB upload", fmt.Sprintf("%.0f MiB/s", up), ">= 80% of floor", "856", "282",
+		fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%); broker peak RSS %d -> %d MiB", toFile, 100*up/toFile, rss0>>20, rss1>>20)})
+	add(row{"100 MiB download", fmt.Sprintf("%.0f MiB/s", down), ">= 80% of floor", "1391", "1761",
+		fmt.Sprintf("file out over raw TCP %.0f MiB/s (%.0f%%)", fromFile, 100*down/fromFile)})
+
+	fmt.Fprintln(os.Stderr, "  1000 concurrent clients...")
+	cw, cr, ce, errs, took := concurrentClients(ctx, blk, 1000, 3)
+	add(row{"1,000 clients: 4 KiB write", p50p99(cw), "0 errors", "", "", fmt.Sprintf("%d errors, %.1f s in all", errs, took.Seconds())})
+	add(row{"1,000 clients: 4 KiB read", p50p99(cr), "0 errors", "", "", ""})
+	add(row{"1,000 clients: exec `true`", p50p99(ce), "0 errors", "", "", ""})
+
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "HOT PATH (issue 17)\tBROKER (p50 / p99)\tTARGET\tE2B ENVD\tDAYTONA\tFLOOR THIS RUN")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.metric, r.ours, r.budget, r.e2b, r.daytona, r.baseline)
+	}
+	tw.Flush()
+	fmt.Println()
+	return nil
+}
+
+// atomicWrite is what a file write that readers never see half of costs locally: a temporary file
+// in the same directory, then a rename.
+func atomicWrite(path string, b []byte) error {
+	f, err := os.CreateTemp(filepath.Dir(path), ".tmp-")
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(b); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(f.Name(), path)
+}
+
+func p50p99(s samples) string {
+	out := fmt.Sprintf("%.3f / %.3f ms", s.pct(.5).Seconds()*1000, s.pct(.99).Seconds()*1000)
+	if s.errs > 0 {
+		out += fmt.Sprintf(" (%d errors)", s.errs)
+	}
+	return out
+}
+
+// ratio is ours/floor at p50, as the targets state them.
+func ratio(ours, floor samples) string {
+	if floor.pct(.5) == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" (x%.1f)", float64(ours.pct(.5))/float64(floor.pct(.5)))
+}
+
+// concurrentClients opens n connections at once; each does rounds of a 4 KiB write, its read and an
+// exec of `true`. It returns the latencies of each op over all clients and the errors.
+func concurrentClients(ctx context.Context, blk protocol.SandboxBlock, n, rounds int) (w, r, e samples, errs int64, took time.Duration) {
+	var mu sync.Mutex
+	var ws, rs, es []time.Duration
+	var nerr atomic.Int64
+	fail := func(err error) {
+		if nerr.Add(1) <= 3 {
+			fmt.Fprintln(os.Stderr, "  error:", err)
+		}
+	}
+	content := string(bytes.Repeat([]byte("x"), 4096))
+	var wg sync.WaitGroup
+	start := time.Now()
+	remotes := make([]*backend.Remote, n)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rem, err := backend.Dial(ctx, backend.Config{URL: blk.DataplaneURL, Credential: blk.Credential, Reconnects: 3})
+			if err != nil {
+				fail(err)
+				return
+			}
+			remotes[i] = rem
+			p := fmt.Sprintf("clients/%d.txt", i)
+			var lw, lr, le []time.Duration
+			for range rounds {
+				t := time.Now()
+				if _, err := rem.Write(ctx, protocol.WriteArgs{Path: p, Content: content}); err != nil {
+					fail(err)
+					continue
+				}
+				lw = append(lw, time.Since(t))
+				t = time.Now()
+				if got, err := rem.Read(ctx, protocol.ReadArgs{Path: p}); err != nil || len(got.Content) != len(content) {
+					fail(fmt.Errorf("read %d bytes: %v", len(got.Content), err))
+					continue
+				}
+				lr = append(lr, time.Since(t))
+				t = time.Now()
+				if res, err := rem.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Argv: []string{"true"}}}); err != nil || res.ExitCode != 0 {
+					fail(fmt.Errorf("exec true: exit %d, %v", res.ExitCode, err))
+					continue
+				}
+				le = append(le, time.Since(t))
+			}
+			mu.Lock()
+			ws, rs, es = append(ws, lw...), append(rs, lr...), append(es, le...)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	took = time.Since(start)
+	for _, rem := range remotes {
+		if rem != nil {
+			rem.Close()
+		}
+	}
+	sorted := func(d []time.Duration) samples {
+		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+		return samples{d: d}
+	}
+	return sorted(ws), sorted(rs), sorted(es), nerr.Load(), took
+}

@@ -33,8 +33,11 @@ func loop(b *testing.B, call func() error) {
 }
 
 // BenchmarkToolCall measures one small read (a 6-byte file) on loopback: straight on the dataplane
-// (the floor), through the MCP server in process (the SDK's cost), and over Streamable HTTP on the
-// broker (what an agent server's MCP client pays). The MCP overhead is the difference to the floor.
+// (the floor), through the MCP server on an in-memory transport over that dataplane connection (the
+// SDK's cost, as sbctl mcp pays it), and over Streamable HTTP on the broker, whose sessions run
+// their calls on an in-process dataplane connection (what an agent server's MCP client pays). The
+// MCP overhead is the difference to the floor; client and server share this process, so cpu-us/op
+// counts both ends (tests/bench prints the broker's share alone).
 func BenchmarkToolCall(b *testing.B) {
 	f := newFixture(b)
 	m, err := f.b.Client.Delegate(b.Context(), f.sbx.ID, protocol.MintRequest{Scopes: protocol.Scopes})

@@ -17,7 +17,6 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/jsonrpc"
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
-	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -32,12 +31,24 @@ type Identity struct {
 	ExpiresAt time.Time
 }
 
+// Conn is one session's dataplane connection. *backend.Remote is one; the broker opens its
+// sessions' connections in process.
+type Conn interface {
+	Dataplane
+	// Ended is closed when the broker ends the connection for good (the token was revoked or
+	// expired, the sandbox stopped), and EndedErr says why.
+	Ended() <-chan struct{}
+	EndedErr() *protocol.Error
+	Close() error
+}
+
 // HTTPConfig configures the Streamable HTTP front end.
 type HTTPConfig struct {
-	// DataplaneURL is the dataplane URL of a sandbox on this broker (its own listener, so a session
-	// drives exactly the dataplane any delegate would).
-	DataplaneURL func(sandboxID string) string
-	Options      Options
+	// Open opens the dataplane connection of a session (sessionID) with its verified token, on its
+	// first tool call. A refusal that ends the session for good (revoked, expired, the sandbox
+	// stopped or gone) ends it.
+	Open    func(ctx context.Context, id Identity, sessionID string) (Conn, error)
+	Options Options
 	// SessionTimeout closes a session idle this long (default 30 minutes).
 	SessionTimeout time.Duration
 	Logger         *slog.Logger
@@ -147,7 +158,7 @@ func (h *HTTP) Serve(w http.ResponseWriter, r *http.Request) error {
 			return nil
 		}
 		r.Body = io.NopCloser(bytes.NewReader(body))
-		rw := &rpcErrors{ResponseWriter: w, id: requestID(body)}
+		rw := &rpcErrors{ResponseWriter: w, body: body}
 		defer rw.finish()
 		w = rw
 	}
@@ -180,7 +191,9 @@ func requestID(body []byte) any {
 // the transport specifies it: clients act on the status.
 type rpcErrors struct {
 	http.ResponseWriter
-	id      any
+	// body is the request's, whose id a rewritten refusal echoes (found only then: decoding it for
+	// every request cost as much as a third of the SDK's own handling of a tool call).
+	body    []byte
 	rewrite bool
 	status  int
 	buf     bytes.Buffer
@@ -224,7 +237,7 @@ func (e *rpcErrors) finish() {
 	if strings.Contains(msg, "not handled") || strings.Contains(msg, "unsupported") {
 		code = jsonrpc.CodeMethodNotFound
 	}
-	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": e.id, "error": map[string]any{"code": code, "message": msg}})
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": requestID(e.body), "error": map[string]any{"code": code, "message": msg}})
 	e.Header().Del("X-Content-Type-Options")
 	e.Header().Set("Content-Type", "application/json")
 	e.Header().Del("Content-Length")
@@ -290,18 +303,17 @@ type httpSession struct {
 	sid string
 	ss  *sdk.ServerSession
 
-	mu     sync.Mutex
-	remote *backend.Remote
+	mu   sync.Mutex
+	conn Conn
 }
 
-func (s *httpSession) dataplane(ctx context.Context) (*backend.Remote, error) {
+func (s *httpSession) dataplane(ctx context.Context) (Conn, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.remote != nil {
-		return s.remote, nil
+	if s.conn != nil {
+		return s.conn, nil
 	}
-	r, err := backend.Dial(ctx, backend.Config{URL: s.h.cfg.DataplaneURL(s.id.SandboxID), Credential: s.id.Token,
-		SandboxID: s.id.SandboxID, Reconnects: 1})
+	r, err := s.h.cfg.Open(ctx, s.id, s.sid)
 	if err != nil {
 		var pe *protocol.Error
 		if errors.As(err, &pe) && endsSession(pe.Code) {
@@ -310,7 +322,7 @@ func (s *httpSession) dataplane(ctx context.Context) (*backend.Remote, error) {
 		s.h.forget(s.sid)
 		return nil, err
 	}
-	s.remote = r
+	s.conn = r
 	go s.watch(r)
 	return r, nil
 }
@@ -332,7 +344,7 @@ func endsSession(code string) bool {
 
 // watch ends the session when the broker ends its dataplane connection, and closes the connection
 // when the session ends.
-func (s *httpSession) watch(r *backend.Remote) {
+func (s *httpSession) watch(r Conn) {
 	defer func() {
 		r.Close()
 		s.h.forget(s.sid)

@@ -20,7 +20,9 @@ import (
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/mcp"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func TestMain(m *testing.M) { servertest.Main(m) }
@@ -30,9 +32,11 @@ type fixture struct {
 	sbx protocol.Sandbox
 }
 
-func newFixture(t testing.TB) *fixture {
+func newFixture(t testing.TB) *fixture { return newFixtureWith(t, servertest.Options{}) }
+
+func newFixtureWith(t testing.TB, o servertest.Options) *fixture {
 	t.Helper()
-	b := servertest.New(t, servertest.Options{})
+	b := servertest.New(t, o)
 	res, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "mcp"})
 	if err != nil {
 		t.Fatal(err)
@@ -213,6 +217,96 @@ func TestEveryToolMatchesDataplane(t *testing.T) {
 	if !sawWrite || !sawExec {
 		t.Errorf("events attributed to token:%s: file_written %v, exec %v", m.JTI, sawWrite, sawExec)
 	}
+}
+
+// An MCP session's events are a dataplane connection's: connected and disconnected under the
+// token's jti, and for reads nothing else, as the dataplane does not event reads (docs/dataplane.md
+// §7); calls that change files or run commands are evented (TestEveryToolMatchesDataplane).
+func TestReadSessionEventsMatchDataplane(t *testing.T) {
+	f := newFixture(t)
+	viaMCP, viaDP := f.mint(t, protocol.Scopes), f.mint(t, protocol.Scopes)
+	dp, err := backend.Dial(t.Context(), backend.Config{URL: viaDP.Sandbox.DataplaneURL, Credential: viaDP.Token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dp.Call(t.Context(), protocol.OpWrite, protocol.WriteArgs{Path: "r.txt", Content: "x\n"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		op   string
+		args any
+	}{{protocol.OpLs, protocol.LsArgs{Path: "/workspace"}}, {protocol.OpRead, protocol.ReadArgs{Path: "r.txt"}},
+		{protocol.OpGlob, protocol.GlobArgs{Pattern: "*.txt"}}, {protocol.OpGrep, protocol.GrepArgs{Pattern: "x"}}} {
+		if _, err := dp.Call(t.Context(), c.op, c.args); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dp.Close()
+	cs := f.connect(t, viaMCP.Token, nil)
+	for name, args := range map[string]any{"ls": map[string]any{}, "read_file": map[string]any{"file_path": "r.txt"},
+		"glob": map[string]any{"pattern": "*.txt"}, "grep": map[string]any{"pattern": "x"}} {
+		if r := call(t, cs, name, args); r.IsError {
+			t.Fatalf("%s: %s", name, text(r))
+		}
+	}
+	cs.Close()
+
+	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
+	defer cancel()
+	types := map[string][]string{} // by jti
+	ended := 0
+	f.b.Client.Events(ctx, client.EventOptions{Ref: f.sbx.ID, Backlog: 100, Follow: true}, func(ev protocol.Event) error {
+		if ev.JTI != viaMCP.JTI && ev.JTI != viaDP.JTI || ev.Type == protocol.EventTokenMinted { // minting is the owner's
+			return nil
+		}
+		types[ev.JTI] = append(types[ev.JTI], ev.Type)
+		if ev.Type == protocol.EventDisconnected {
+			if ended++; ended == 2 {
+				return errors.New("done")
+			}
+		}
+		return nil
+	})
+	want := []string{protocol.EventConnected, protocol.EventDisconnected}
+	if got := types[viaMCP.JTI]; !slices.Equal(got, want) {
+		t.Errorf("a read-only MCP session's events under its jti: %v, want %v", got, want)
+	}
+	// The dataplane's write is evented; its reads are not.
+	if got := types[viaDP.JTI]; !slices.Equal(got, []string{protocol.EventConnected, protocol.EventFileWritten, protocol.EventDisconnected}) {
+		t.Errorf("the dataplane connection's events: %v", got)
+	}
+}
+
+// A session's tool calls run on a dataplane connection of its token, counted like any: with a cap
+// of one connection per credential, a WebSocket of the token keeps the session from opening its
+// own (a tool error saying why, the session goes on), and the session's keeps the next WebSocket
+// out until the session ends.
+func TestSessionIsADataplaneConnection(t *testing.T) {
+	f := newFixtureWith(t, servertest.Options{Dataplane: server.DataplaneLimits{PerCredential: 1}})
+	m := f.mint(t, protocol.Scopes)
+	dp, err := backend.Dial(t.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := f.connect(t, m.Token, nil)
+	if r := call(t, cs, "ls", map[string]any{}); !r.IsError || !strings.Contains(text(r), protocol.CodeTooManyConnections) {
+		t.Fatalf("a call while the token's one connection is a WebSocket: %v %s", r.IsError, text(r))
+	}
+	dp.Close()
+	wait.Eventually(t, 10*time.Second, func() bool { return !call(t, cs, "ls", map[string]any{}).IsError },
+		"the session's call after the WebSocket closed")
+	_, err = backend.Dial(t.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+	if err == nil || !strings.Contains(err.Error(), protocol.CodeTooManyConnections) {
+		t.Fatalf("a WebSocket while the session holds the token's one connection: %v", err)
+	}
+	cs.Close()
+	wait.Eventually(t, 10*time.Second, func() bool {
+		r, err := backend.Dial(t.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
+		if err == nil {
+			r.Close()
+		}
+		return err == nil
+	}, "a WebSocket after the session ended")
 }
 
 // Bad input gets a JSON-RPC error and reaches no sandbox.

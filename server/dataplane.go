@@ -110,23 +110,46 @@ func (s *Server) dataplane(c echo.Context) error {
 	if cred == "" {
 		return errNoCredentials
 	}
-	conn := &dpConn{s: s}
 	ctx := r.Context()
+	conn, releaseShare, err := s.authorizeConn(ctx, cred, c.Param("ref"), c.Response().Header())
+	if conn != nil {
+		c.Set(ctxSandbox, conn.rec)
+	}
+	if err != nil {
+		return err
+	}
+	defer releaseShare()
+	ws, err := s.upgrade(c)
+	if err != nil {
+		return nil // upgrade answered already
+	}
+	c.Response().Committed = true
+	conn.serve(ws, requestID(c))
+	return nil
+}
+
+// authorizeConn authenticates cred for a dataplane connection to the sandbox ref, counts it
+// against its org's and its credential's connection caps, and resolves the running sandbox: what
+// every dataplane connection passes, over the WebSocket or in process (the MCP endpoint's
+// sessions, mcp_dataplane.go). release uncounts the connection; hdr gets Retry-After on a refusal
+// that says to retry. conn, when not nil, names the sandbox resolved, even on a refusal.
+func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.Header) (conn *dpConn, release func(), err error) {
+	conn = &dpConn{s: s}
 	if store.LooksLikeAPIKey(cred) {
 		p, err := s.ownerKey(ctx, cred)
 		if err != nil {
-			return err
+			return nil, nil, err
 		}
 		conn.org, conn.keyID, conn.actor = p.Org, p.KeyID, p.Actor()
 		conn.scopes = map[string]bool{protocol.ScopeFSRead: true, protocol.ScopeFSWrite: true, protocol.ScopeExec: true}
 	} else {
 		claims, err := s.delegation.Verifier().Verify(ctx, cred)
 		if err != nil {
-			return err
+			return nil, nil, err
 		}
 		// A token is a credential like a key: its upgrades spend its own bucket of the org's rps.
 		if err := s.limitCredential(ctx, claims.Org, "token:"+claims.ID); err != nil {
-			return err
+			return nil, nil, err
 		}
 		conn.org, conn.claims, conn.actor = claims.Org, claims, "token:"+claims.ID
 		conn.scopes = map[string]bool{}
@@ -142,30 +165,25 @@ func (s *Server) dataplane(c echo.Context) error {
 	}
 	releaseShare, err := s.hub.admit(conn.org, holder, s.orgLimits.get(ctx, conn.org).Connections, s.dpLimits.PerCredential)
 	if err != nil {
-		c.Response().Header().Set("Retry-After", dpRetryAfter)
-		return err
+		hdr.Set("Retry-After", dpRetryAfter)
+		return nil, nil, err
 	}
-	defer releaseShare()
-	rec, err := s.dataplaneSandbox(ctx, conn, c.Param("ref"))
+	rec, err := s.dataplaneSandbox(ctx, conn, ref)
 	if err != nil {
-		return err
+		releaseShare()
+		return nil, nil, err
 	}
-	c.Set(ctxSandbox, rec)
+	conn.rec = rec
 	if rec.Status != protocol.StatusRunning {
-		return protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: its owner must resume it", rec.Name, rec.Status)
+		releaseShare()
+		return conn, nil, protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: its owner must resume it", rec.Name, rec.Status)
 	}
 	if conn.rt, err = s.sandboxes.Runtime(rec); err != nil {
-		return err
+		releaseShare()
+		return conn, nil, err
 	}
 	conn.files = conn.rt.Files
-	conn.rec = rec
-	ws, err := s.upgrade(c)
-	if err != nil {
-		return nil // upgrade answered already
-	}
-	c.Response().Committed = true
-	conn.serve(ws, requestID(c))
-	return nil
+	return conn, releaseShare, nil
 }
 
 // upgrade switches the request to a WebSocket. A request that is not a well-formed upgrade gets the

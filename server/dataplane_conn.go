@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,6 +61,9 @@ type dpConn struct {
 	inflight map[uint32]*request
 	closing  bool
 	closeMsg []byte // the close frame to send, set once
+	// endCode and endReason are the close code and reason given to shutdown (closeMsg's parts).
+	endCode   int
+	endReason string
 	// drained, once set (the broker is shutting down), refuses new requests and is closed when
 	// no request is in flight any more (stopNew).
 	drained       chan struct{}
@@ -101,18 +105,12 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.conn = ws
 	c.out = make(chan outFrame, dpWriteQueue)
 	c.queued = newQuota(dpQueueBytes, 0)
-	c.inflight = map[uint32]*request{}
-	c.heavy = make(chan struct{}, dpHeavyPerConn)
-	c.ctx, c.cancel = context.WithCancel(context.Background())
-	log := c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
 	ws.SetReadLimit(dpMaxFrameBytes)
 	ws.SetReadDeadline(time.Now().Add(dpPongWait))
 	ws.SetPongHandler(func(string) error { return ws.SetReadDeadline(time.Now().Add(dpPongWait)) })
-
-	unregister := c.s.hub.add(c)
+	log, unregister := c.open(reqID)
 	writerDone := make(chan struct{})
 	go func() { defer close(writerDone); c.writer() }()
-	go c.watch()
 
 	hello := protocol.Hello{Protocol: protocol.Subprotocol, SandboxID: c.rec.ID, Workspace: sandbox.WorkspaceRoot,
 		Scopes: c.scopeList(), Limits: protocol.Limits{MaxFrameBytes: dpMaxFrameBytes, MaxInflight: dpMaxInflight,
@@ -123,14 +121,37 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 		hello.ExpiresAt = &exp
 	}
 	c.send(protocol.Response{Type: "hello", Hello: &hello})
-	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventConnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
-	log.Info("dataplane connected", "jti", c.jti())
+	c.connected(log)
 
 	c.readLoop()
 
 	c.shutdown(websocket.CloseNormalClosure, "")
 	<-writerDone
 	ws.Close()
+	c.closed(log, unregister)
+}
+
+// open starts what every connection has, over the WebSocket or in process (mcp_dataplane.go): its
+// context, its requests in flight, its place in the hub (revocations, drain, shutdown) and its
+// watcher (expiry, the sandbox ending, rechecks).
+func (c *dpConn) open(reqID string) (log *slog.Logger, unregister func()) {
+	c.inflight = map[uint32]*request{}
+	c.heavy = make(chan struct{}, dpHeavyPerConn)
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	log = c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
+	unregister = c.s.hub.add(c)
+	go c.watch()
+	return log, unregister
+}
+
+func (c *dpConn) connected(log *slog.Logger) {
+	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventConnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
+	log.Info("dataplane connected", "jti", c.jti())
+}
+
+// closed ends a connection that was shut down: it waits for its requests, then says so. The
+// handler's release comes after it: broker shutdown waits for that, then closes the event writer.
+func (c *dpConn) closed(log *slog.Logger, unregister func()) {
 	c.running.Wait()
 	// Frames queued after the writer left (a producer that raced the close) are given back here:
 	// nothing produces any more.
@@ -138,7 +159,6 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.s.events.Emit(c.org, protocol.Event{Type: protocol.EventDisconnected, SandboxID: c.rec.ID, Name: c.rec.Name, Actor: c.actor, JTI: c.jti()})
 	log.Info("dataplane disconnected", "jti", c.jti())
 	unregister()
-	// The handler's release comes last: broker shutdown waits for it, then closes the event writer.
 }
 
 func (c *dpConn) jti() string {
@@ -225,6 +245,7 @@ func (c *dpConn) shutdown(code int, reason string) {
 	}
 	c.closing = true
 	c.closeMsg = websocket.FormatCloseMessage(code, reason)
+	c.endCode, c.endReason = code, reason
 	for _, r := range c.inflight {
 		r.cancel()
 		if r.upload != nil {
@@ -233,8 +254,10 @@ func (c *dpConn) shutdown(code int, reason string) {
 	}
 	c.mu.Unlock()
 	c.cancel()
-	// Unblock the reader if the close came from elsewhere.
-	c.conn.SetReadDeadline(time.Now().Add(time.Second))
+	if c.conn != nil {
+		// Unblock the reader if the close came from elsewhere.
+		c.conn.SetReadDeadline(time.Now().Add(time.Second))
+	}
 }
 
 // writer is the one goroutine that writes to the socket. A peer that stops reading blocks it; the
@@ -615,26 +638,30 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id 0 is reserved for errors not tied to a request; use 1 or more")})
 		return
 	}
-	o, known := dpOps[op]
-	if !known {
-		put()
-		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnknownOp, "unknown operation %q", clipHeader(op))})
-		return
-	}
-	if withBody := body != nil; withBody != o.bodyIn {
-		put()
-		answerID := id
-		if op == protocol.OpCancel {
-			answerID = 0 // a cancel is never answered: its id names the request it cancels
+	if o, known := dpOps[op]; known {
+		if withBody := body != nil; withBody != o.bodyIn {
+			put()
+			answerID := id
+			if op == protocol.OpCancel {
+				answerID = 0 // a cancel is never answered: its id names the request it cancels
+			}
+			if withBody {
+				c.send(protocol.Response{ID: answerID, Error: protocol.Errorf(protocol.CodeInvalidArgument, "%s takes no body: send it as a text frame (binary frames of kind %d are for write); nothing was done", clipHeader(op), protocol.FrameRequestBody)})
+			} else {
+				c.send(protocol.Response{ID: answerID, Error: protocol.Errorf(protocol.CodeInvalidArgument, "%s carries its content as the body of a binary frame of kind %d, not in a text frame (%s, docs/dataplane.md); nothing was done", op, protocol.FrameRequestBody, protocol.Subprotocol)})
+			}
+			return
 		}
-		if withBody {
-			c.send(protocol.Response{ID: answerID, Error: protocol.Errorf(protocol.CodeInvalidArgument, "%s takes no body: send it as a text frame (binary frames of kind %d are for write); nothing was done", clipHeader(op), protocol.FrameRequestBody)})
-		} else {
-			c.send(protocol.Response{ID: answerID, Error: protocol.Errorf(protocol.CodeInvalidArgument, "%s carries its content as the body of a binary frame of kind %d, not in a text frame (%s, docs/dataplane.md); nothing was done", op, protocol.FrameRequestBody, protocol.Subprotocol)})
+	}
+	o, ctx, req, refusal := c.admit(id, op)
+	switch {
+	case refusal != nil:
+		put()
+		if refusal.Error != nil {
+			c.send(*refusal)
 		}
 		return
-	}
-	if o.class == opInline {
+	case o.class == opInline:
 		if o.control != nil {
 			o.control(c, id, args)
 		} else {
@@ -642,52 +669,7 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 		}
 		return
 	}
-	if o.scope != "" && !c.scopes[o.scope] {
-		put()
-		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeScopeDenied, "%s needs the %s scope, which this credential does not have", op, o.scope)})
-		return
-	}
-	ctx, cancel := context.WithCancel(c.ctx)
-	req := &request{id: id, cancel: cancel, body: body}
-	c.mu.Lock()
-	switch {
-	case c.closing:
-		c.mu.Unlock()
-		cancel()
-		put()
-		return
-	case c.drained != nil:
-		c.mu.Unlock()
-		cancel()
-		put()
-		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: request %d was not started; reconnect (the sandbox's broker will be back) and send it again", id)})
-		return
-	case c.inflight[id] != nil:
-		c.mu.Unlock()
-		cancel()
-		put()
-		// Answered with id 0: the request already in flight under this id gets its own answer.
-		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id %d is already in flight; this request was ignored", id)})
-		return
-	case len(c.inflight) >= dpMaxInflight:
-		c.mu.Unlock()
-		cancel()
-		put()
-		c.send(protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeTooManyRequests, "%d requests are in flight on this connection, the most allowed: wait for answers", dpMaxInflight)})
-		return
-	}
-	c.inflight[id] = req
-	if o.prepare != nil {
-		o.prepare(ctx, req)
-	}
-	renew := c.s.dpRenews && time.Since(c.lastRenew) > c.rec.TTL/10
-	if renew {
-		c.lastRenew = time.Now()
-	}
-	c.mu.Unlock()
-	if renew {
-		go c.s.sandboxes.Heartbeat(context.WithoutCancel(ctx), c.org, c.rec.ID)
-	}
+	req.body = body
 
 	if o.class == opUpload {
 		_, err := o.run(ctx, c, req, args)
@@ -713,6 +695,60 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 		}
 		c.answer(id, req, resp)
 	}()
+}
+
+// admit applies the op table's policy to request id, the one place every front end's requests pass
+// (dispatch for the WebSocket, call for in-process connections): the op must be known and its scope
+// the credential's, and the connection must be open, not draining, and within max_inflight. An
+// admitted request is in flight (the caller ends it with forget, or through its answer) and may
+// renew the sandbox's lease. A refusal is the response to send (no Error: send nothing, the
+// connection is closing); an opInline op is admitted with no request.
+func (c *dpConn) admit(id uint32, op string) (o dpOp, ctx context.Context, req *request, refusal *protocol.Response) {
+	o, known := dpOps[op]
+	if !known {
+		return o, nil, nil, &protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnknownOp, "unknown operation %q", clipHeader(op))}
+	}
+	if o.class == opInline {
+		return o, nil, nil, nil
+	}
+	if o.scope != "" && !c.scopes[o.scope] {
+		return o, nil, nil, &protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeScopeDenied, "%s needs the %s scope, which this credential does not have", op, o.scope)}
+	}
+	ctx, cancel := context.WithCancel(c.ctx)
+	req = &request{id: id, cancel: cancel}
+	c.mu.Lock()
+	switch {
+	case c.closing:
+		c.mu.Unlock()
+		cancel()
+		return o, nil, nil, &protocol.Response{}
+	case c.drained != nil:
+		c.mu.Unlock()
+		cancel()
+		return o, nil, nil, &protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: request %d was not started; reconnect (the sandbox's broker will be back) and send it again", id)}
+	case c.inflight[id] != nil:
+		c.mu.Unlock()
+		cancel()
+		// Answered with id 0: the request already in flight under this id gets its own answer.
+		return o, nil, nil, &protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id %d is already in flight; this request was ignored", id)}
+	case len(c.inflight) >= dpMaxInflight:
+		c.mu.Unlock()
+		cancel()
+		return o, nil, nil, &protocol.Response{ID: id, Error: protocol.Errorf(protocol.CodeTooManyRequests, "%d requests are in flight on this connection, the most allowed: wait for answers", dpMaxInflight)}
+	}
+	c.inflight[id] = req
+	if o.prepare != nil {
+		o.prepare(ctx, req)
+	}
+	renew := c.s.dpRenews && time.Since(c.lastRenew) > c.rec.TTL/10
+	if renew {
+		c.lastRenew = time.Now()
+	}
+	c.mu.Unlock()
+	if renew {
+		go c.s.sandboxes.Heartbeat(context.WithoutCancel(ctx), c.org, c.rec.ID)
+	}
+	return o, ctx, req, nil
 }
 
 // decodeArgs reads an op's arguments strictly: one JSON object of known fields, nothing after it.

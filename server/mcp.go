@@ -4,12 +4,8 @@ import (
 	"crypto/sha256"
 	"encoding/json"
 	"io"
-	"net"
 	"net/http"
-	"net/url"
-	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -21,49 +17,20 @@ import (
 	"github.com/sbxbroker/broker/store"
 )
 
-// mcpFront is the Streamable HTTP MCP endpoint. Each session drives this broker's own dataplane
-// with the caller's delegation token through the Go dataplane client, so scopes, the command
-// allowlist, limits, revocation and events apply exactly as for any delegate. (It could dispatch
-// in process on the dataplane's operations later; the wire hop costs a loopback round trip.)
+// mcpFront is the Streamable HTTP MCP endpoint. Each session's tool calls run on an in-process
+// dataplane connection opened with the caller's delegation token (mcp_dataplane.go): the checks of
+// an upgrade, the hub, admit and the op table's handlers, so scopes, the command allowlist, limits,
+// revocation and events apply exactly as for any delegate, without a loopback WebSocket.
 type mcpFront struct {
 	http *mcp.HTTP
 	// checked are tokens whose signature and claims were checked, so that a session's requests
 	// after the first cost a hash, not an Ed25519 verification.
 	checked checkedTokens
-	// self is this broker's own base WebSocket URL (ws://127.0.0.1:port), set by Serve.
-	self atomic.Pointer[string]
 }
 
 func (s *Server) newMCP() {
 	s.mcp = &mcpFront{}
-	s.mcp.http = mcp.NewHTTP(mcp.HTTPConfig{
-		DataplaneURL: func(id string) string {
-			base := s.mcp.self.Load()
-			if base == nil {
-				return ""
-			}
-			return *base + "/v1/sandboxes/" + url.PathEscape(id) + "/dataplane"
-		},
-		Logger: s.log,
-	})
-}
-
-// setSelf records the listener the broker serves on, for MCP sessions' dataplane connections: an
-// unspecified address (0.0.0.0, ::) is reached on loopback.
-func (m *mcpFront) setSelf(addr net.Addr) {
-	tcp, ok := addr.(*net.TCPAddr)
-	if !ok {
-		return
-	}
-	ip := tcp.IP
-	if ip == nil || ip.IsUnspecified() {
-		ip = net.IPv4(127, 0, 0, 1)
-		if tcp.IP != nil && tcp.IP.To4() == nil {
-			ip = net.IPv6loopback
-		}
-	}
-	base := "ws://" + net.JoinHostPort(ip.String(), strconv.Itoa(tcp.Port))
-	m.self.Store(&base)
+	s.mcp.http = mcp.NewHTTP(mcp.HTTPConfig{Open: s.openLocal, Logger: s.log})
 }
 
 var errMCPNoToken = protocol.Errorf(protocol.CodeUnauthenticated,

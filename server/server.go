@@ -260,7 +260,6 @@ func (s *Server) Handler() http.Handler { return s.e }
 // Serve serves on l until Shutdown. It also follows revocations announced by every broker, to close
 // the dataplane connections they concern. Call it once.
 func (s *Server) Serve(l net.Listener) error {
-	s.mcp.setSelf(l.Addr())
 	// Subscribed before the first request is served, so no revocation can slip past a cache or an
 	// open connection.
 	if err := delegation.Subscribe(s.bgCtx, s.store, s.hub.revoked); err != nil {

@@ -32,7 +32,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/sbxbroker/broker/backend"
@@ -127,6 +126,9 @@ func run() error {
 		return nil
 	}
 
+	if *mcpOnly {
+		return mcpOnlyRun(ctx, m, n, br)
+	}
 	if err := hotpath(ctx, r, br, m.Sandbox, tcp, bare, n); *hotpathOnly || err != nil {
 		return err
 	}
@@ -158,13 +160,7 @@ func run() error {
 	add(row{"exec `true` (" + sb.Sandbox.Provider + " sandbox)", execTrue.ms(), "p50 < 1.0 ms", "2.12", "2.20", "os/exec " + bare.ms() + "; bwrap per command ~3.9"})
 	add(row{"4 KiB write+read", rw.ms(), "p50 < 0.2 ms", "0.30", "0.38", ""})
 
-	fmt.Fprintln(os.Stderr, "MCP...")
-	if mcpRead, dpRead, err := mcpToolCall(ctx, m, n); err != nil {
-		fmt.Fprintln(os.Stderr, "  MCP tool call:", err)
-	} else {
-		add(row{"MCP tool call (read_file, Streamable HTTP)", mcpRead.ms(), "< 0.3 ms over the dataplane", "", "",
-			"the same read on the dataplane " + dpRead.ms()})
-	}
+	mcpRows(ctx, m, n, br, add)
 
 	const size = 100 << 20
 	data := make([]byte, size)
@@ -255,8 +251,16 @@ func sample(n int, fn func() error) samples {
 		}
 		s.d = append(s.d, time.Since(t))
 	}
-	sort.Slice(s.d, func(i, j int) bool { return s.d[i] < s.d[j] })
+	s.sort()
 	return s
+}
+
+func (s *samples) sort() { sort.Slice(s.d, func(i, j int) bool { return s.d[i] < s.d[j] }) }
+
+// add appends o's latencies and errors (sort again before reading percentiles).
+func (s *samples) add(o samples) {
+	s.d = append(s.d, o.d...)
+	s.errs += o.errs
 }
 
 func (s samples) pct(p float64) time.Duration {
@@ -731,48 +735,4 @@ func raiseFileLimit() {
 		l.Cur = l.Max
 		syscall.Setrlimit(syscall.RLIMIT_NOFILE, &l)
 	}
-}
-
-// mcpToolCall times a small read as an MCP tool call over Streamable HTTP (the official Go SDK's
-// client) and as the same read on the dataplane, one after the other.
-func mcpToolCall(ctx context.Context, m protocol.MintResponse, n int) (mcpRead, dpRead samples, err error) {
-	r, err := backend.Dial(ctx, backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token})
-	if err != nil {
-		return
-	}
-	defer r.Close()
-	if _, err = r.Write(ctx, protocol.WriteArgs{Path: "mcp.txt", Content: "hello\n"}); err != nil {
-		return
-	}
-	hc := &http.Client{Transport: bearer{m.Token}}
-	cs, err := sdk.NewClient(&sdk.Implementation{Name: "bench", Version: "0"}, nil).Connect(ctx,
-		&sdk.StreamableClientTransport{Endpoint: m.Sandbox.MCPURL, HTTPClient: hc}, nil)
-	if err != nil {
-		return
-	}
-	defer cs.Close()
-	args := map[string]any{"file_path": "mcp.txt"}
-	for range 100 { // warm up
-		cs.CallTool(ctx, &sdk.CallToolParams{Name: "read_file", Arguments: args})
-	}
-	mcpRead = sample(n, func() error {
-		res, err := cs.CallTool(ctx, &sdk.CallToolParams{Name: "read_file", Arguments: args})
-		if err == nil && res.IsError {
-			err = fmt.Errorf("read_file failed")
-		}
-		return err
-	})
-	dpRead = sample(n, func() error {
-		_, err := r.Read(ctx, protocol.ReadArgs{Path: "mcp.txt"})
-		return err
-	})
-	return
-}
-
-type bearer struct{ token string }
-
-func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
-	r = r.Clone(r.Context())
-	r.Header.Set("Authorization", "Bearer "+b.token)
-	return http.DefaultTransport.RoundTrip(r)
 }

@@ -677,6 +677,7 @@ func (c *Cluster) Stop() error {
 	for _, p := range hostPaths {
 		os.RemoveAll(p)
 	}
+	os.Remove("/tmp/hostpath_pv") // the provisioner's parent directory, when nothing else is in it
 	for d, before := range c.hostDirs {
 		for name := range listDir(d) {
 			if !before[name] {

@@ -9,6 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/protocol"
@@ -143,24 +144,31 @@ func TestBrokerOnKubernetes(t *testing.T) {
 	}
 
 	// A pod labelled as this broker's with no record (Redis lost it, a delete crashed halfway) is
-	// found by the broker's periodic reconcile and deleted; its claim stays.
-	orphan := provider.Spec{ID: protocol.NewSandboxID(), Org: b.Org, Name: "orphan", Template: provider.Template{Name: "default"}}
-	if err := p.Create(ctx, orphan); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Destroy(context.Background(), orphan)
-	oin, err := p.Start(ctx, orphan)
+	// found by the broker's periodic reconcile (every 5 s) and deleted.
+	orphanID := protocol.NewSandboxID()
+	orphan, err := pods.Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: kube.PodName(orphanID), Annotations: map[string]string{"sbx.dev/org": b.Org},
+			Labels: map[string]string{kube.LabelManaged: "sbx-broker", kube.LabelBroker: "node-k8s", kube.LabelID: strings.TrimPrefix(orphanID, protocol.SandboxIDPrefix)}},
+		Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever, Containers: []corev1.Container{{
+			Name: "c", Image: kubetest.SandboxImage, ImagePullPolicy: corev1.PullNever, Command: []string{"/bin/sleep", "3600"}}}},
+	}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-oin.Done():
-	case <-time.After(time.Minute):
-		t.Fatal("the pod of a sandbox without a record is still there after a minute (the reconcile runs every 5 s)")
+	w, err := pods.Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + orphan.Name, ResourceVersion: orphan.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, err := c.Client.CoreV1().PersistentVolumeClaims("default").Get(ctx, kube.PodName(orphan.ID), metav1.GetOptions{}); err != nil {
-		t.Errorf("the orphan's claim: %v (its files must stay)", err)
+	deadline := time.After(time.Minute)
+	for gone := false; !gone; {
+		select {
+		case ev := <-w.ResultChan():
+			gone = ev.Type == watch.Deleted
+		case <-deadline:
+			t.Fatal("the pod of a sandbox without a record is still there after a minute (the reconcile runs every 5 s)")
+		}
 	}
+	w.Stop()
 
 	// Delete: pod and claim.
 	if _, err := b.Client.ResumeSandbox(ctx, "pod-box"); err != nil {
@@ -172,7 +180,7 @@ func TestBrokerOnKubernetes(t *testing.T) {
 	if _, err := pods.Get(ctx, podName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 		t.Errorf("the pod after delete: %v", err)
 	}
-	if _, err := c.Client.CoreV1().PersistentVolumeClaims("default").Get(context.Background(), podName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-		t.Errorf("the claim after delete: %v", err)
+	if pvc, err := c.Client.CoreV1().PersistentVolumeClaims("default").Get(context.Background(), podName, metav1.GetOptions{}); !apierrors.IsNotFound(err) && (err != nil || pvc.DeletionTimestamp == nil) {
+		t.Errorf("the claim after delete: %v (want it deleted or being deleted)", err)
 	}
 }

@@ -34,6 +34,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -289,6 +290,9 @@ func (p *Provider) Start(ctx context.Context, spec provider.Spec) (provider.Inst
 	if err != nil {
 		return nil, err
 	}
+	if err := p.waitClaimBound(ctx, name); err != nil {
+		return nil, err
+	}
 	got, err := c.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
 		// Reuse the pod a previous start (or another broker, or this one before a restart) made,
@@ -336,8 +340,9 @@ func (p *Provider) waitRunning(ctx context.Context, pod *corev1.Pod) (*corev1.Po
 		var ue *unschedulableError
 		switch {
 		case errors.As(err, &ue):
-			if unschedulable.IsZero() || !p.claimBound(ctx, pod.Name) {
-				// A claim still being provisioned is worth the whole start timeout.
+			if unschedulable.IsZero() || strings.Contains(ue.msg, "unbound immediate PersistentVolumeClaims") || !p.claimBound(ctx, pod.Name) {
+				// A claim still being provisioned (or bound since the scheduler's last try, which
+				// it retries with a backoff) is worth the whole start timeout.
 				unschedulable = time.Now()
 			}
 			if time.Since(unschedulable) >= unschedulableGrace {
@@ -475,6 +480,67 @@ func podStartState(pod *corev1.Pod) (bool, error) {
 		}
 	}
 	return false, nil
+}
+
+// waitClaimBound waits (a watch) until the workspace's claim is bound when its storage class binds
+// at once: a pod created on a claim still being provisioned is unschedulable, and the scheduler may
+// only try it again minutes later. A class that binds on first use (WaitForFirstConsumer), or one
+// the broker may not read, is not waited for.
+func (p *Provider) waitClaimBound(ctx context.Context, name string) error {
+	claims := p.cfg.Client.CoreV1().PersistentVolumeClaims(p.cfg.Namespace)
+	pvc, err := claims.Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("the workspace's claim %s/%s: %w", p.cfg.Namespace, name, err)
+	}
+	if pvc.Status.Phase == corev1.ClaimBound {
+		return nil
+	}
+	if cls := pvc.Spec.StorageClassName; cls != nil && *cls != "" {
+		sc, err := p.cfg.Client.StorageV1().StorageClasses().Get(ctx, *cls, metav1.GetOptions{})
+		if err != nil || sc.VolumeBindingMode != nil && *sc.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer {
+			return nil
+		}
+	}
+	for {
+		w, err := claims.Watch(ctx, metav1.ListOptions{
+			FieldSelector:   fields.OneTermEqualSelector("metadata.name", name).String(),
+			ResourceVersion: pvc.ResourceVersion,
+		})
+		if err != nil {
+			return fmt.Errorf("watching the workspace's claim %s: %w", name, err)
+		}
+		for ev := range w.ResultChan() {
+			if c, ok := ev.Object.(*corev1.PersistentVolumeClaim); ok {
+				pvc = c
+				if c.Status.Phase == corev1.ClaimBound {
+					w.Stop()
+					return nil
+				}
+			}
+			if ev.Type == watch.Deleted {
+				w.Stop()
+				return fmt.Errorf("the workspace's claim %s was deleted", name)
+			}
+		}
+		w.Stop()
+		if ctx.Err() != nil {
+			return fmt.Errorf("the workspace's claim %s/%s is not bound after %s (phase %s): does storage class %q have a provisioner?",
+				p.cfg.Namespace, name, p.cfg.StartTimeout, pvc.Status.Phase, ptrStr(pvc.Spec.StorageClassName))
+		}
+		if fresh, err := claims.Get(ctx, name, metav1.GetOptions{}); err == nil {
+			pvc = fresh
+			if pvc.Status.Phase == corev1.ClaimBound {
+				return nil
+			}
+		}
+	}
+}
+
+func ptrStr(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
 }
 
 // claimBound says whether the sandbox's claim is bound to a volume (an error counts as bound:

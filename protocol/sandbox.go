@@ -32,6 +32,10 @@ const (
 	// IsolationNone: a plain directory on the host (the dir provider); its commands see the host's
 	// files, processes and network.
 	IsolationNone = "none"
+	// IsolationContainer: a pod's container on a Kubernetes node (the kubernetes provider): its own
+	// namespaces and cgroup from the cluster's runtime (runc, or gVisor or Kata through the
+	// template's runtime class).
+	IsolationContainer = "container"
 )
 
 // Create outcomes: what create-or-reuse did.
@@ -77,6 +81,17 @@ type Sandbox struct {
 	// DataplaneURL is the sandbox's dataplane on the broker hosting it (create, list, get, stop, resume):
 	// an owner's client dials it there, since any other broker answers wrong_node.
 	DataplaneURL string `json:"dataplane_url,omitempty"`
+	// Placement says where a running sandbox of a provider that places sandboxes elsewhere runs
+	// (the kubernetes provider: its cluster node and pod); absent otherwise.
+	Placement *Placement `json:"placement,omitempty"`
+}
+
+// Placement is where a sandbox runs outside the broker's host.
+type Placement struct {
+	// Node is the cluster node running the sandbox.
+	Node string `json:"node,omitempty"`
+	// Pod is the sandbox's pod, namespace/name.
+	Pod string `json:"pod,omitempty"`
 }
 
 // NodeLost is the node_status of a sandbox whose hosting broker was declared lost.

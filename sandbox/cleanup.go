@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
 	"github.com/sbxbroker/broker/store"
@@ -23,6 +24,9 @@ func (m *Manager) openWorkspace(ctx context.Context, h *hosted, rec store.Record
 	id := rec.ID
 	if h.ws != nil && !sweep {
 		return h.ws, nil
+	}
+	if provider.IsRemote(m.cfg.Provider) {
+		return nil, protocol.Errorf(protocol.CodeNotRunning, "sandbox %s's files are served by its %s runtime: it must be running", rec.Name, m.cfg.Provider.Name())
 	}
 	if h.ws == nil {
 		if wm, ok := m.cfg.Provider.(provider.WorkspaceMounter); ok {

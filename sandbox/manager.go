@@ -3,6 +3,7 @@ package sandbox
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -242,7 +243,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	defer h.mu.Unlock()
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
-	spec := provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID}
+	spec := provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID, Org: rec.Org, Name: rec.Name}
 	// fail records why (for the owner, on the record) and emits code (the event carries no text).
 	fail := func(code, why string, cause error) (store.Record, error) {
 		m.cfg.Log.Error("sandbox provisioning failed", "sandbox_id", rec.ID, "org", rec.Org, "why", why, "err", cause)
@@ -289,14 +290,21 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			return fail(protocol.ReasonCreateFailed, "the provider could not create it", err)
 		}
 	}
-	if _, err := m.openWorkspace(ctx, h, rec, true); err != nil {
-		m.cfg.Log.Warn("opening the workspace to sweep it failed", "sandbox_id", rec.ID, "err", err)
+	// A remote provider's workspace is not here (and holds no upload temporaries of a broker).
+	if !provider.IsRemote(m.cfg.Provider) {
+		if _, err := m.openWorkspace(ctx, h, rec, true); err != nil {
+			m.cfg.Log.Warn("opening the workspace to sweep it failed", "sandbox_id", rec.ID, "err", err)
+		}
 	}
 	inst, err := m.cfg.Provider.Start(ctx, spec)
 	if err != nil {
 		return fail(protocol.ReasonStartFailed, "the provider could not start it: "+err.Error(), err)
 	}
 	h.inst = inst
+	if pl, ok := inst.(placed); ok {
+		b, _ := json.Marshal(protocol.Placement{Node: pl.Node(), Pod: pl.Pod()})
+		fields[store.FieldPlacement] = string(b)
+	}
 	if first && tmpl.Setup != "" {
 		if why := runSetup(ctx, inst, tmpl.Setup); why != "" {
 			return fail(protocol.ReasonSetupFailed, why, nil)
@@ -315,6 +323,12 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	}
 	go m.watch(rec.Org, rec.ID, h, inst)
 	return got, nil
+}
+
+// placed is an instance that runs elsewhere and says where (the kubernetes provider's pod).
+type placed interface {
+	Node() string
+	Pod() string
 }
 
 // allocateUID takes a host uid for the sandbox from the range, or answers 0 when there is none.
@@ -577,7 +591,7 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 	defer h.mu.Unlock()
 	h.release(ctx)
 	tmpl := m.cfg.Templates[rec.Template]
-	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID}); err != nil {
+	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID, Org: rec.Org, Name: rec.Name}); err != nil {
 		m.cfg.Log.Error("removing sandbox files failed; it stays deleting and is retried at next start", "sandbox_id", rec.ID, "err", err)
 		return fmt.Errorf("sandbox %s: remove files: %w", rec.ID, err)
 	}

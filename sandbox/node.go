@@ -247,6 +247,47 @@ func (m *Manager) reconcileAll(ctx context.Context) {
 	for _, p := range all {
 		m.reconcileOne(ctx, p.org, p.id, "")
 	}
+	if r, ok := m.cfg.Provider.(provider.Reconciler); ok {
+		m.reconcileRuntimes(ctx, r)
+	}
+}
+
+// reconcileRuntimes ends the runtimes a provider keeps for this broker (pods on a cluster) that no
+// record wants: a sandbox whose record is gone (Redis lost it, or a delete crashed between the two)
+// or that is stopped or failed. Files stay; a runtime a start or a stop is busy with is left alone.
+func (m *Manager) reconcileRuntimes(ctx context.Context, r provider.Reconciler) {
+	refs, err := r.Runtimes(ctx)
+	if err != nil {
+		m.cfg.Log.Warn("listing the provider's runtimes to reconcile them failed; trying again at the next reconcile", "err", err)
+		return
+	}
+	for _, ref := range refs {
+		h := m.hostedFor(ref.ID, ref.Org)
+		h.mu.Lock()
+		rec, err := m.cfg.Store.Get(ctx, ref.Org, ref.ID)
+		why := ""
+		switch {
+		case errors.Is(err, store.ErrNotFound):
+			why = "it has no record"
+		case err != nil || rec.Node != m.cfg.Node:
+		case h.inst == nil && (rec.Status == protocol.StatusStopped || rec.Status == protocol.StatusFailed):
+			why = "it is " + rec.Status
+		}
+		if why != "" {
+			m.cfg.Log.Warn("ending the runtime of a sandbox that should have none (its files are kept)", "sandbox_id", ref.ID, "org", ref.Org, "why", why)
+			if err := r.EndRuntime(ctx, ref.ID); err != nil {
+				m.cfg.Log.Error("ending an orphan runtime failed; trying again at the next reconcile", "sandbox_id", ref.ID, "err", err)
+			}
+		}
+		h.mu.Unlock()
+		if why == "it has no record" {
+			m.mu.Lock()
+			if h.inst == nil {
+				delete(m.host, ref.ID)
+			}
+			m.mu.Unlock()
+		}
+	}
 }
 
 // reconcileOne makes the local runtime of one sandbox match its record. A provisioning record is

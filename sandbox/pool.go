@@ -210,8 +210,10 @@ func (p *pool) fill(ctx context.Context, name string) error {
 	if err := m.cfg.Provider.Create(ctx, spec); err != nil {
 		return fail(fmt.Errorf("create a pooled sandbox: %w", err))
 	}
-	if _, err := m.openWorkspace(ctx, pd.h, store.Record{ID: id, UID: pd.uid}, true); err != nil {
-		return fail(err)
+	if !provider.IsRemote(m.cfg.Provider) { // a remote provider's workspace is not here
+		if _, err := m.openWorkspace(ctx, pd.h, store.Record{ID: id, UID: pd.uid}, true); err != nil {
+			return fail(err)
+		}
 	}
 	inst, err := m.cfg.Provider.Start(ctx, spec)
 	if err != nil {

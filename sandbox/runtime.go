@@ -141,11 +141,21 @@ func (m *Manager) Runtime(rec store.Record) (*Runtime, error) {
 	if h.inst == nil {
 		return nil, protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: resume it first", rec.Name, rec.Status)
 	}
+	if fi, ok := h.inst.(filesInstance); ok {
+		// A sandbox elsewhere (a pod) serves its files through its resident init.
+		return &Runtime{Files: fi.Files(), inst: h.inst}, nil
+	}
 	ws, err := m.openWorkspace(context.Background(), h, rec, false)
 	if err != nil {
 		return nil, err
 	}
 	return &Runtime{Files: hostFiles{ws}, inst: h.inst}, nil
+}
+
+// filesInstance is an instance that serves its own files: one of a provider.Remote, whose
+// workspace is not on this host.
+type filesInstance interface {
+	Files() Files
 }
 
 // hostFiles serves Files from a workspace directory on this host.

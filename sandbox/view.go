@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"encoding/json"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -17,6 +18,12 @@ func View(r store.Record) protocol.Sandbox {
 		StoppedAt: timePtr(r.StoppedAt), Failure: r.Failure, CreatedBy: r.CreatedBy,
 		Workspace: provider.WorkspacePath, ProcessesLostAt: timePtr(r.LostAt),
 	}
+	if r.Placement != "" && r.Status == protocol.StatusRunning {
+		var pl protocol.Placement
+		if json.Unmarshal([]byte(r.Placement), &pl) == nil {
+			v.Placement = &pl
+		}
+	}
 	if !r.NodeLostAt.IsZero() {
 		v.NodeStatus, v.NodeLostAt = protocol.NodeLost, timePtr(r.NodeLostAt)
 	}
@@ -28,6 +35,9 @@ func View(r store.Record) protocol.Sandbox {
 func Isolation(providerName string) string {
 	if providerName == provider.ChoiceNamespace {
 		return protocol.IsolationNamespace
+	}
+	if providerName == "kubernetes" {
+		return protocol.IsolationContainer
 	}
 	return protocol.IsolationNone
 }

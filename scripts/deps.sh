@@ -2,7 +2,8 @@
 # Installs what the broker and its tests need when it is missing: redis-server (the embedded Redis
 # and the tests' real Redis), bubblewrap (the namespace sandbox provider), pasta (package passt: the
 # user-mode network stack of network: true sandboxes), e2fsprogs (mkfs.ext4: per-sandbox disk
-# quotas), tmux (the TUI tests), and the toolchains the sandbox tests run
+# quotas), tmux (the TUI tests), etcd, containerd, runc, the CNI plugins, iptables and conntrack
+# (the kubernetes provider's test cluster), and the toolchains the sandbox tests run
 # inside a sandbox, from Debian packages.
 set -euo pipefail
 
@@ -30,6 +31,14 @@ fi
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)
 # A static shell for the test of a template whose rootfs holds no libc (sandbox/provider).
 [ -x /bin/busybox ] || missing+=(busybox-static)
+# The kubernetes provider's test cluster (sandbox/provider/kube/kubetest): etcd, containerd with runc,
+# the CNI plugins and the tools kubelet needs; the Kubernetes binaries are built by scripts/kube.sh.
+command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+command -v containerd >/dev/null 2>&1 || missing+=(containerd)
+command -v runc >/dev/null 2>&1 || [ -x /usr/sbin/runc ] || missing+=(runc)
+[ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || missing+=(iptables)
+command -v conntrack >/dev/null 2>&1 || [ -x /usr/sbin/conntrack ] || missing+=(conntrack)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -17,5 +17,8 @@ done
 (cd scripts/openapi && npm ci --no-audit --no-fund --loglevel=error && npm run -s check)
 # The MCP tests (tests/mcp_test.go) drive the broker with the official TypeScript MCP client.
 (cd tests/mcp && npm ci --no-audit --no-fund)
+# The Kubernetes binaries of the kubernetes provider's test cluster, built once and cached outside the
+# repository (the first build takes 10-30 minutes on 2 cores, then nothing).
+scripts/kube.sh build >/dev/null
 go test -count=1 -timeout 20m ./...
 (cd examples/langgraph-config && npm ci --no-audit --no-fund && npm test)

@@ -58,6 +58,9 @@ type Record struct {
 	// range (AllocateUID); 0 for a sandbox recorded before each got its own, or on a broker that
 	// runs them as its own user.
 	UID int
+	// Placement is where a provider that places sandboxes elsewhere last started it (JSON of
+	// protocol.Placement; "" for the host's own providers).
+	Placement string
 }
 
 // Hash field names. Lua scripts spell the same names.
@@ -65,7 +68,7 @@ const (
 	fID, fOrg, fName, fTemplate, fProvider, fNode, fStatus = "id", "org", "name", "template", "provider", "node", "status"
 	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
 	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
-	fStarted, fUID, fNodeLost                              = "started", "uid", "node_lost"
+	fStarted, fUID, fNodeLost, fPlacement                  = "started", "uid", "node_lost", "placement"
 )
 
 // fields flattens a new record into HSET arguments.
@@ -108,6 +111,7 @@ func recordFromMap(m map[string]string) (Record, error) {
 		StoppedAt: fromMS(m[fStopped]), LostAt: fromMS(m[fLost]), StartedAt: fromMS(m[fStarted]), Gen: atoi(m[fGen]),
 		NodeLostAt: fromMS(m[fNodeLost]),
 		UID:        int(atoi(m[fUID])),
+		Placement:  m[fPlacement],
 	}
 	if t := m[fTags]; t != "" && t != "null" {
 		if err := json.Unmarshal([]byte(t), &r.Tags); err != nil {

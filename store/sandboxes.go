@@ -374,6 +374,7 @@ const (
 	FieldLost       = fLost
 	FieldProvider   = fProvider
 	FieldUID        = fUID
+	FieldPlacement  = fPlacement
 )
 
 // Transition applies t to the sandbox ref and returns the updated record; its times come from the

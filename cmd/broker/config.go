@@ -31,6 +31,7 @@ type config struct {
 	Provider        string
 	ProviderReset   bool
 	AllowUnisolated bool
+	Kube            kubeConfig
 	AdvertiseURL    string
 	LogFormat       string
 	LogLevel        string
@@ -141,9 +142,10 @@ func (c *config) signingDir() string {
 
 func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Listen, "listen", "127.0.0.1:7070", "address to serve the API, dataplane and events on")
-	fs.StringVar(&c.Provider, "provider", "auto", "sandbox provider: auto (namespace where it works, else dir), namespace (bubblewrap isolation) or dir (no isolation)")
+	fs.StringVar(&c.Provider, "provider", "auto", "sandbox provider: auto (namespace where it works, else dir), namespace (bubblewrap isolation), dir (no isolation) or kubernetes (pods on a cluster: --kubeconfig, --namespace, --kube-image)")
 	fs.BoolVar(&c.ProviderReset, "provider-reset", false, "forget the provider this data dir was set up with and choose again (a data dir set up for namespace sandboxes is never moved to dir this way)")
 	fs.BoolVar(&c.AllowUnisolated, "allow-unisolated", false, "confirm --provider dir on a data dir set up for namespace sandboxes: they then run with no isolation")
+	kubeFlags(fs, c)
 	fs.StringVar(&c.AdvertiseURL, "advertise-url", "", "base URL clients and agent servers reach this broker at, used to build dataplane_url (default http://<listen>; set it when --listen is 0.0.0.0 or :PORT)")
 	fs.StringVar(&c.Templates, "templates", "", "YAML or JSON file of sandbox templates (a built-in \"default\" always exists)")
 	fs.StringVar(&c.Node, "node", "", "this broker's node name, recorded on the sandboxes it hosts (default: generated once and kept in --data-dir)")
@@ -195,10 +197,11 @@ func (c *config) validate() error {
 		bad("listen", "%q is not host:port, e.g. 127.0.0.1:7070", c.Listen)
 	}
 	switch c.Provider {
-	case "auto", "namespace", "dir":
+	case "auto", "namespace", "dir", "kubernetes":
 	default:
-		bad("provider", "%q is not one of auto, namespace, dir", c.Provider)
+		bad("provider", "%q is not one of auto, namespace, dir, kubernetes", c.Provider)
 	}
+	c.validateKube(bad)
 	if c.AllowUnisolated && c.Provider != "dir" {
 		bad("allow-unisolated", "confirms --provider dir and goes with nothing else (the provider is %q)", c.Provider)
 	}

@@ -48,7 +48,13 @@ func serve(parent context.Context, c *config) error {
 			return fmt.Errorf("--templates (SBX_TEMPLATES): %w", err)
 		}
 	}
-	prov, report, err := chooseProvider(ctx, c, log)
+	var prov provider.Provider
+	var report provider.Report
+	if c.Provider == "kubernetes" {
+		prov, report, err = kubeProvider(ctx, c, node, log)
+	} else {
+		prov, report, err = chooseProvider(ctx, c, log)
+	}
 	if err != nil {
 		return err
 	}

@@ -33,8 +33,11 @@ type Provider interface {
 // Spec names one sandbox for a provider.
 type Spec struct {
 	// ID is the sandbox id (sb_...). Providers name host resources (directories, cgroups) after it.
-	ID       string
-	Template Template
+	ID string
+	// Org and Name are the sandbox's owner and name, for providers that label what they make
+	// (the kubernetes provider's pods); empty where the caller does not know them.
+	Org, Name string
+	Template  Template
 	// UID is the host uid, and gid, the sandbox runs as and its workspace belongs to when the broker
 	// is root: its own, from the broker's range. 0 means Config.UID, the uid sandboxes shared
 	// before each got its own. It is ignored when the broker is not root.
@@ -164,6 +167,9 @@ type Template struct {
 	// Pool keeps sandboxes of this template started and set up ahead of demand on each broker, so
 	// that a create claims one instead of starting one (sandbox/pool.go).
 	Pool Pool `json:"pool,omitzero"`
+	// Kubernetes is how the kubernetes provider makes the sandbox's pod (remote.go); other providers
+	// ignore it.
+	Kubernetes *KubernetesTemplate `json:"kubernetes,omitempty"`
 }
 
 // Pool is a template's warm pool: Size sandboxes started, set up, and kept ready on each broker.
@@ -202,6 +208,9 @@ type Duration time.Duration
 func EndReason(inst Instance) string {
 	if r, ok := inst.(interface{ endReason() string }); ok {
 		return r.endReason()
+	}
+	if r, ok := inst.(interface{ EndReason() string }); ok { // a provider outside this package
+		return r.EndReason()
 	}
 	return ""
 }

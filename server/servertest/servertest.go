@@ -60,6 +60,9 @@ var leakOptions = []goleak.Option{
 type Options struct {
 	// Provider is "dir" (default: fast, no isolation) or "namespace" (real bubblewrap).
 	Provider string
+	// ProviderImpl, when set, is the provider itself (the kubernetes provider on a test cluster);
+	// Provider is then ignored.
+	ProviderImpl provider.Provider
 	// Redis reuses a server (two brokers on one Redis); nil starts a new one.
 	Redis *redistest.Server
 	// Now is the broker's clock (nil = time.Now). When set, it is the store's lease clock too, in
@@ -160,9 +163,15 @@ func New(t testing.TB, opts Options) *Broker {
 	rdb := redis.NewUniversalClient(ropts)
 	t.Cleanup(func() { rdb.Close() })
 	st := store.NewWithOptions(rdb, store.Options{Timeout: opts.RedisTimeout, Clock: leaseClock, Log: log})
-	prov, report, err := provider.Preflight(context.Background(), provider.Config{DataDir: opts.DataDir}, opts.Provider)
-	if err != nil {
-		t.Fatalf("servertest: provider %s: %v", opts.Provider, err)
+	prov, report := opts.ProviderImpl, provider.Report{}
+	if prov == nil {
+		var err error
+		prov, report, err = provider.Preflight(context.Background(), provider.Config{DataDir: opts.DataDir}, opts.Provider)
+		if err != nil {
+			t.Fatalf("servertest: provider %s: %v", opts.Provider, err)
+		}
+	} else {
+		report.Provider = prov.Name()
 	}
 	uid := -1
 	var uids store.UIDRange

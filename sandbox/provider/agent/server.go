@@ -1,0 +1,687 @@
+package agent
+
+import (
+	"bufio"
+	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/workspace"
+	"golang.org/x/sys/unix"
+)
+
+// Config is what a Server serves.
+type Config struct {
+	// Secret authenticates the broker (at least 16 bytes).
+	Secret []byte
+	// Workspace is the directory that is the sandbox's /workspace.
+	Workspace string
+	// Env is the environment commands start from (the snapshot the broker reads with OpEnv).
+	Env []string
+}
+
+// Server serves one sandbox's commands and files.
+type Server struct {
+	cfg Config
+	ws  *workspace.Workspace
+}
+
+// NewServer opens the workspace.
+func NewServer(cfg Config) (*Server, error) {
+	if len(cfg.Secret) < 16 {
+		return nil, errors.New("agent: the secret must be at least 16 bytes")
+	}
+	ws, err := workspace.Open(cfg.Workspace, workspace.Options{})
+	if err != nil {
+		return nil, err
+	}
+	return &Server{cfg: cfg, ws: ws}, nil
+}
+
+// Serve accepts connections until ln closes.
+func (s *Server) Serve(ln net.Listener) error {
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			return err
+		}
+		go s.handle(conn)
+	}
+}
+
+// Main is cmd/sbx-agent: it reads the secret from $SBX_AGENT_SECRET_FILE (default
+// /run/sbx/secret), serves /workspace on $SBX_AGENT_ADDR (default :7450) and never returns.
+func Main() {
+	fail := func(err error) {
+		fmt.Fprintln(os.Stderr, "sbx-agent:", err)
+		os.Exit(1)
+	}
+	secretFile := envOr("SBX_AGENT_SECRET_FILE", "/run/sbx/secret")
+	secret, err := os.ReadFile(secretFile)
+	if err != nil {
+		fail(err)
+	}
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "SBX_AGENT_") {
+			env = append(env, kv)
+		}
+	}
+	if envValue(env, "HOME") == "" {
+		env = append(env, "HOME=/root")
+	}
+	s, err := NewServer(Config{Secret: []byte(strings.TrimSpace(string(secret))), Workspace: envOr("SBX_AGENT_WORKSPACE", "/workspace"), Env: env})
+	if err != nil {
+		fail(err)
+	}
+	ln, err := net.Listen("tcp", envOr("SBX_AGENT_ADDR", fmt.Sprintf(":%d", Port)))
+	if err != nil {
+		fail(err)
+	}
+	fail(s.Serve(ln))
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+type conn struct {
+	net.Conn
+	r   *bufio.Reader
+	buf []byte
+	wmu sync.Mutex
+}
+
+func (c *conn) read() (byte, []byte, error) {
+	typ, p, err := ReadFrame(c.r, c.buf)
+	if cap(p) > cap(c.buf) {
+		c.buf = p[:0]
+	}
+	return typ, p, err
+}
+
+func (c *conn) write(typ byte, p []byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	return WriteFrame(c.Conn, typ, p)
+}
+
+func (c *conn) result(v any, err error) error {
+	var r Result
+	if err != nil {
+		r.Error = toError(err)
+	} else if v != nil {
+		b, merr := json.Marshal(v)
+		if merr != nil {
+			r.Error = toError(merr)
+		}
+		r.Result = b
+	}
+	b, _ := json.Marshal(r)
+	return c.write(FrameResult, b)
+}
+
+func (s *Server) handle(nc net.Conn) {
+	defer nc.Close()
+	if tc, ok := nc.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	challenge := make([]byte, ChallengeSize)
+	rand.Read(challenge)
+	nc.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := nc.Write(challenge); err != nil {
+		return
+	}
+	answer := make([]byte, ChallengeSize)
+	if _, err := io.ReadFull(nc, answer); err != nil {
+		return
+	}
+	if !hmac.Equal(answer, Answer(s.cfg.Secret, challenge)) {
+		return
+	}
+	nc.SetDeadline(time.Time{})
+	c := &conn{Conn: nc, r: bufio.NewReaderSize(nc, 64<<10)}
+	for {
+		typ, p, err := c.read()
+		if err != nil {
+			return
+		}
+		if typ != FrameRequest {
+			return
+		}
+		var req Request
+		if err := json.Unmarshal(p, &req); err != nil {
+			return
+		}
+		if !s.serve(c, req) {
+			return
+		}
+	}
+}
+
+// serve runs one request; false ends the connection (streamed operations, errors on the wire).
+func (s *Server) serve(c *conn, req Request) bool {
+	ctx := context.Background()
+	unary := func(args any, fn func() (any, error)) bool {
+		if args != nil && len(req.Args) > 0 {
+			if err := json.Unmarshal(req.Args, args); err != nil {
+				return c.result(nil, &Error{Kind: KindArgs, Message: "bad arguments: " + err.Error()}) == nil
+			}
+		}
+		v, err := fn()
+		return c.result(v, err) == nil
+	}
+	switch req.Op {
+	case OpEnv:
+		return unary(nil, func() (any, error) { return s.cfg.Env, nil })
+	case OpStat:
+		var a PathArgs
+		return unary(&a, func() (any, error) { return s.ws.Stat(a.Path) })
+	case OpList:
+		var a PathArgs
+		return unary(&a, func() (any, error) { return s.ws.ListContext(ctx, a.Path) })
+	case OpRead:
+		var a protocol.ReadArgs
+		return unary(&a, func() (any, error) { return s.ws.ReadContext(ctx, a) })
+	case OpGlob:
+		var a protocol.GlobArgs
+		return unary(&a, func() (any, error) { return s.ws.GlobContext(ctx, a) })
+	case OpGrep:
+		var a protocol.GrepArgs
+		return unary(&a, func() (any, error) { return s.ws.Grep(ctx, a) })
+	case OpWrite:
+		var a protocol.WriteArgs
+		return unary(&a, func() (any, error) { return s.ws.Write(a) })
+	case OpEdit:
+		var a protocol.EditArgs
+		return unary(&a, func() (any, error) { return s.ws.Edit(a) })
+	case OpDelete:
+		var a protocol.DeleteArgs
+		return unary(&a, func() (any, error) { return nil, s.ws.Delete(a) })
+	case OpMkdir:
+		var a protocol.MkdirArgs
+		return unary(&a, func() (any, error) { return nil, s.ws.Mkdir(a) })
+	case OpMove:
+		var a protocol.MoveArgs
+		return unary(&a, func() (any, error) { return nil, s.ws.Move(a) })
+	case OpExec:
+		var a ExecArgs
+		if err := json.Unmarshal(req.Args, &a); err != nil {
+			c.result(nil, &Error{Kind: KindArgs, Message: "bad arguments: " + err.Error()})
+			return false
+		}
+		s.exec(c, a)
+		return false
+	case OpCreate:
+		var a CreateArgs
+		if json.Unmarshal(req.Args, &a) == nil {
+			s.create(c, a)
+		}
+		return false
+	case OpOpen:
+		var a PathArgs
+		if json.Unmarshal(req.Args, &a) == nil {
+			s.open(c, a)
+		}
+		return false
+	case OpExtract:
+		var a PathArgs
+		if json.Unmarshal(req.Args, &a) == nil {
+			s.extract(c, a)
+		}
+		return false
+	case OpArchive:
+		var a PathArgs
+		if json.Unmarshal(req.Args, &a) == nil {
+			res, err := s.ws.Archive(ctx, a.Path, &frameWriter{c: c, typ: FrameData})
+			c.result(res, err)
+		}
+		return false
+	}
+	return c.result(nil, protocol.Errorf(protocol.CodeInvalidArgument, "the sandbox's agent does not know the operation %q (is its image older than the broker?)", req.Op)) == nil
+}
+
+// frameWriter sends what is written as frames of one type.
+type frameWriter struct {
+	c   *conn
+	typ byte
+}
+
+func (w *frameWriter) Write(p []byte) (int, error) {
+	n := 0
+	for len(p) > 0 {
+		chunk := p[:min(len(p), 256<<10)]
+		if err := w.c.write(w.typ, chunk); err != nil {
+			return n, err
+		}
+		n += len(chunk)
+		p = p[len(chunk):]
+	}
+	return n, nil
+}
+
+func (s *Server) create(c *conn, a CreateArgs) {
+	up, err := s.ws.Create(a.Path, a.Mode)
+	if err != nil {
+		c.result(nil, err)
+		return
+	}
+	if err := WriteJSON(c, FrameStarted, Started{}); err != nil {
+		up.Abort()
+		return
+	}
+	var werr error
+	for {
+		typ, p, err := c.read()
+		if err != nil {
+			up.Abort()
+			return
+		}
+		switch typ {
+		case FrameData:
+			if werr == nil {
+				_, werr = up.Write(p)
+			}
+		case FrameEnd:
+			if werr != nil {
+				up.Abort()
+				c.result(nil, werr)
+				return
+			}
+			res, err := up.Commit()
+			c.result(res, err)
+			return
+		default: // FrameAbort and anything else
+			up.Abort()
+			c.result(nil, nil)
+			return
+		}
+	}
+}
+
+func (c *conn) Write(p []byte) (int, error) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	return c.Conn.Write(p)
+}
+
+func (s *Server) open(c *conn, a PathArgs) {
+	rc, info, err := s.ws.OpenRead(a.Path)
+	if err != nil {
+		c.result(nil, err)
+		return
+	}
+	defer rc.Close()
+	if err := WriteJSON(c, FrameStarted, Started{Info: &info}); err != nil {
+		return
+	}
+	buf := make([]byte, 256<<10)
+	for {
+		n, err := rc.Read(buf)
+		if n > 0 {
+			if werr := c.write(FrameData, buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err == io.EOF {
+			c.result(nil, nil)
+			return
+		}
+		if err != nil {
+			c.result(nil, err)
+			return
+		}
+	}
+}
+
+func (s *Server) extract(c *conn, a PathArgs) {
+	pr, pw := io.Pipe()
+	type out struct {
+		res protocol.TreeResult
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := s.ws.Extract(context.Background(), a.Path, pr)
+		pr.CloseWithError(errors.New("extract ended"))
+		done <- out{res, err}
+	}()
+	for {
+		typ, p, err := c.read()
+		if err != nil {
+			pw.CloseWithError(err)
+			<-done
+			return
+		}
+		if typ == FrameData {
+			pw.Write(p) // an error means Extract stopped; keep reading to the end
+			continue
+		}
+		pw.Close()
+		o := <-done
+		c.result(o.res, o.err)
+		return
+	}
+}
+
+// exec runs one command on its connection.
+func (s *Server) exec(c *conn, a ExecArgs) {
+	if len(a.Argv) == 0 || a.Argv[0] == "" {
+		c.result(nil, &Error{Kind: KindArgs, Message: "no command"})
+		return
+	}
+	// The sandbox path /workspace is the served workspace directory (the same in a pod).
+	dir := cmpOr(a.Dir, workspace.Root)
+	if dir == workspace.Root || strings.HasPrefix(dir, workspace.Root+"/") {
+		dir = filepath.Join(s.cfg.Workspace, strings.TrimPrefix(dir, workspace.Root))
+	}
+	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		c.result(nil, &Error{Kind: KindCwd, Message: fmt.Sprintf("cwd %s: not a directory in the sandbox", dir)})
+		return
+	}
+	env := mergeEnv(s.cfg.Env, a.Env)
+	prog, err := lookPath(a.Argv[0], envValue(env, "PATH"), dir)
+	if err != nil {
+		// As a shell reports it: a message on stderr and 127 (not found) or 126 (not executable).
+		code, what := 126, err.Error()
+		if errors.Is(err, errNotFound) || errors.Is(err, os.ErrNotExist) {
+			code, what = 127, "command not found"
+		}
+		msg := a.Argv[0] + ": " + what
+		if a.Background {
+			c.result(nil, &Error{Kind: KindStart, Message: msg})
+			return
+		}
+		switch {
+		case a.Stderr:
+			c.write(FrameStderr, []byte(msg+"\n"))
+		case a.Stdout:
+			c.write(FrameStdout, []byte(msg+"\n"))
+		}
+		c.result(ExecResult{Code: code}, nil)
+		return
+	}
+	cmd := &exec.Cmd{Path: prog, Args: a.Argv, Dir: dir, Env: env}
+	if a.Background {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		if err := cmd.Start(); err != nil {
+			c.result(nil, &Error{Kind: KindStart, Message: err.Error()})
+			return
+		}
+		go cmd.Wait()
+		c.result(ExecResult{Pid: cmd.Process.Pid}, nil)
+		return
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	var stdinW *os.File
+	var outR, errR *os.File
+	var closeAfter []*os.File
+	if a.Stdin {
+		r, w, err := os.Pipe()
+		if err != nil {
+			c.result(nil, err)
+			return
+		}
+		cmd.Stdin, stdinW = r, w
+		closeAfter = append(closeAfter, r)
+	}
+	if a.Stdout {
+		r, w, err := os.Pipe()
+		if err != nil {
+			c.result(nil, err)
+			return
+		}
+		cmd.Stdout, cmd.Stderr, outR = w, w, r
+		closeAfter = append(closeAfter, w)
+	}
+	if a.Stderr {
+		r, w, err := os.Pipe()
+		if err != nil {
+			c.result(nil, err)
+			return
+		}
+		cmd.Stderr, errR = w, r
+		closeAfter = append(closeAfter, w)
+	}
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		for _, f := range append(closeAfter, stdinW, outR, errR) {
+			if f != nil {
+				f.Close()
+			}
+		}
+		c.result(nil, &Error{Kind: KindStart, Message: err.Error()})
+		return
+	}
+	for _, f := range closeAfter {
+		f.Close()
+	}
+	pid := cmd.Process.Pid
+	var mu sync.Mutex
+	reason, ended := "", false
+	kill := func(why string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if ended {
+			return // reaped: its pid may be another's now
+		}
+		if reason == "" {
+			reason = why
+		}
+		unix.Kill(-pid, unix.SIGKILL)
+	}
+	if err := WriteJSON(c, FrameStarted, Started{Pid: pid}); err != nil {
+		kill(protocol.ExecReasonCancelled)
+	}
+	var timer *time.Timer
+	if a.TimeoutMs > 0 {
+		timer = time.AfterFunc(time.Duration(a.TimeoutMs)*time.Millisecond, func() { kill(protocol.ExecReasonTimeout) })
+	}
+	// The broker's frames: input, its end, a kill. A broken connection kills the command.
+	stdin := make(chan []byte, 64)
+	go func() {
+		defer close(stdin)
+		for {
+			typ, p, err := ReadFrame(c.r, nil)
+			if err != nil {
+				kill(protocol.ExecReasonCancelled)
+				return
+			}
+			switch typ {
+			case FrameStdin:
+				stdin <- p
+			case FrameStdinEOF:
+				if stdinW != nil {
+					stdin <- nil
+				}
+			case FrameKill:
+				kill(protocol.ExecReasonCancelled)
+			}
+		}
+	}()
+	if stdinW != nil {
+		go func() {
+			for p := range stdin {
+				if p == nil {
+					stdinW.Close()
+					continue
+				}
+				stdinW.Write(p) // fails once the command closed its input or ended: dropped
+			}
+			stdinW.Close()
+		}()
+	} else {
+		go func() {
+			for range stdin {
+			}
+		}()
+	}
+	limit := protocol.NewExecOutputLimit(a.MaxOutput)
+	var wg sync.WaitGroup
+	pump := func(f *os.File, typ byte) {
+		defer wg.Done()
+		w := &frameWriter{c: c, typ: typ}
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := f.Read(buf)
+			if n > 0 {
+				if limit.Deliver(w, buf[:n]) != nil {
+					kill(protocol.ExecReasonCancelled)
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}
+	for _, p := range []struct {
+		f   *os.File
+		typ byte
+	}{{outR, FrameStdout}, {errR, FrameStderr}} {
+		if p.f != nil {
+			wg.Add(1)
+			go pump(p.f, p.typ)
+		}
+	}
+	// Wait without reaping, so that a kill racing the end never reaches a reused pid.
+	var info unix.Siginfo
+	for {
+		if err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOWAIT, nil); err != unix.EINTR {
+			break
+		}
+	}
+	mu.Lock()
+	ended = true
+	mu.Unlock()
+	cmd.Wait()
+	// The command ended; a child it left behind may still hold its output open: give it a moment,
+	// then stop reading.
+	drained := make(chan struct{})
+	go func() { wg.Wait(); close(drained) }()
+	select {
+	case <-drained:
+	case <-time.After(time.Second):
+		for _, f := range []*os.File{outR, errR} {
+			if f != nil {
+				f.SetReadDeadline(time.Now())
+			}
+		}
+		<-drained
+	}
+	for _, f := range []*os.File{outR, errR} {
+		if f != nil {
+			f.Close()
+		}
+	}
+	if timer != nil {
+		timer.Stop()
+	}
+	res := ExecResult{DurationUs: time.Since(start).Microseconds(), Truncated: limit.Truncated(), Pid: pid}
+	ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
+	switch {
+	case ws.Signaled():
+		res.Code = 128 + int(ws.Signal())
+		res.Signal = strings.TrimPrefix(unix.SignalName(ws.Signal()), "SIG")
+	default:
+		res.Code = ws.ExitStatus()
+	}
+	mu.Lock()
+	res.Reason = reason
+	mu.Unlock()
+	c.result(res, nil)
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+func envValue(env []string, key string) string {
+	for i := len(env) - 1; i >= 0; i-- {
+		if k, v, ok := strings.Cut(env[i], "="); ok && k == key {
+			return v
+		}
+	}
+	return ""
+}
+
+func mergeEnv(base, overrides []string) []string {
+	if len(overrides) == 0 {
+		return base
+	}
+	drop := map[string]bool{}
+	for _, kv := range overrides {
+		k, _, _ := strings.Cut(kv, "=")
+		drop[k] = true
+	}
+	out := make([]string, 0, len(base)+len(overrides))
+	for _, kv := range base {
+		k, _, _ := strings.Cut(kv, "=")
+		if !drop[k] {
+			out = append(out, kv)
+		}
+	}
+	return append(out, overrides...)
+}
+
+// lookPath finds name in pathEnv (a name with a slash is taken as it is, relative to dir).
+func lookPath(name, pathEnv, dir string) (string, error) {
+	if strings.Contains(name, "/") {
+		p := name
+		if !filepath.IsAbs(p) {
+			p = filepath.Join(dir, p)
+		}
+		if err := executable(p); err != nil {
+			return "", err
+		}
+		return p, nil
+	}
+	for _, d := range filepath.SplitList(pathEnv) {
+		if d == "" {
+			d = "."
+		}
+		p := filepath.Join(d, name)
+		if !filepath.IsAbs(p) {
+			p = filepath.Join(dir, p)
+		}
+		if executable(p) == nil {
+			return p, nil
+		}
+	}
+	return "", errNotFound
+}
+
+var errNotFound = errors.New("command not found")
+
+func executable(p string) error {
+	fi, err := os.Stat(p)
+	if err != nil {
+		return err
+	}
+	if fi.IsDir() || fi.Mode()&0o111 == 0 {
+		return fmt.Errorf("%s: permission denied", p)
+	}
+	return nil
+}

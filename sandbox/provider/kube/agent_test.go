@@ -1,0 +1,180 @@
+package kube
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/provider/agent"
+)
+
+// agentInstance serves a temporary workspace with the real agent on loopback and returns an
+// instance reaching it as the provider reaches a pod's (no cluster: the pod network is replaced by
+// loopback, nothing else).
+func agentInstance(t *testing.T, secret string) (*instance, string) {
+	t.Helper()
+	dir := t.TempDir()
+	srv, err := agent.NewServer(agent.Config{Secret: []byte("the-pods-secret-0123456789"), Workspace: dir,
+		Env: []string{"PATH=/usr/bin:/bin", "FROM=agent"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go srv.Serve(ln)
+	in := &instance{name: "test", done: make(chan struct{})}
+	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte(secret), gone: in.goneErr}
+	t.Cleanup(in.client.close)
+	return in, dir
+}
+
+func TestAgentExec(t *testing.T) {
+	in, dir := agentInstance(t, "the-pods-secret-0123456789")
+	ctx := context.Background()
+	if err := in.connect(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if in.Environment()["FROM"] != "agent" {
+		t.Errorf("environment snapshot %v", in.Environment())
+	}
+	run := func(req provider.ExecRequest) (provider.ExecResult, string, string) {
+		t.Helper()
+		var out, errOut bytes.Buffer
+		req.Stdout = &out
+		if req.Stderr == nil {
+			req.Stderr = &errOut
+		}
+		res, err := in.Exec(ctx, req)
+		if err != nil {
+			t.Fatalf("exec %q: %v", req.Command, err)
+		}
+		return res, out.String(), errOut.String()
+	}
+	res, out, errs := run(provider.ExecRequest{Command: `echo "$FROM $X $(pwd)"; echo oops >&2; exit 3`, Env: map[string]string{"X": "y"}})
+	// The agent's workspace here is a temp dir (in a pod it is /workspace itself).
+	if res.ExitCode != 3 || out != "agent y "+dir+"\n" || errs != "oops\n" {
+		t.Errorf("exit %d stdout %q stderr %q, want 3, %q and oops", res.ExitCode, out, errs, "agent y "+dir)
+	}
+	res, out, _ = run(provider.ExecRequest{Argv: []string{"cat"}, Cwd: "/workspace", Stdin: strings.NewReader("from stdin"), Timeout: 10 * time.Second})
+	_ = res
+	if out != "from stdin" {
+		t.Errorf("stdin round trip %q", out)
+	}
+	res, out, _ = run(provider.ExecRequest{Command: "yes | head -c 100000", MaxOutput: 10})
+	if out != "y\ny\ny\ny\ny\n" || !res.Truncated {
+		t.Errorf("capped output %q truncated %v", out, res.Truncated)
+	}
+	res, _, _ = run(provider.ExecRequest{Command: "sleep 30", Timeout: 200 * time.Millisecond})
+	if res.Reason != provider.ReasonTimeout || res.Signal != "KILL" || res.ExitCode != 137 {
+		t.Errorf("timeout: %+v", res)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	time.AfterFunc(200*time.Millisecond, cancel)
+	r2, err := in.Exec(cctx, provider.ExecRequest{Command: "sleep 30", Stdout: io.Discard})
+	if err != nil || r2.Reason != provider.ReasonCancelled {
+		t.Errorf("cancelled: %+v %v", r2, err)
+	}
+	res, _, errs = run(provider.ExecRequest{Argv: []string{"no-such-program"}})
+	if res.ExitCode != 127 || !strings.Contains(errs, "command not found") {
+		t.Errorf("missing program: %+v %q", res, errs)
+	}
+	bg, err := in.Exec(ctx, provider.ExecRequest{Command: "sleep 1", Background: true})
+	if err != nil || bg.Pid == 0 {
+		t.Errorf("background: %+v %v", bg, err)
+	}
+	_, err = in.Exec(ctx, provider.ExecRequest{Command: "true", Cwd: "/elsewhere"})
+	var ire *provider.InvalidRequestError
+	if !errors.As(err, &ire) {
+		t.Errorf("cwd outside the workspace: %v, want an invalid request", err)
+	}
+}
+
+func TestAgentRefusesAWrongSecret(t *testing.T) {
+	in, _ := agentInstance(t, "not-the-pods-secret-at-all")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var env []string
+	if err := in.client.unary(ctx, agent.OpEnv, nil, &env); err == nil || len(env) > 0 {
+		t.Fatalf("a wrong secret got %v, %v", env, err)
+	}
+	if _, err := in.Exec(ctx, provider.ExecRequest{Command: "true"}); err == nil {
+		t.Fatal("a wrong secret ran a command")
+	}
+}
+
+func TestAgentFiles(t *testing.T) {
+	in, dir := agentInstance(t, "the-pods-secret-0123456789")
+	f := in.Files()
+	ctx := context.Background()
+	if _, err := f.Write(protocol.WriteArgs{Path: "/workspace/a/b.txt", Content: "hello"}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := f.ReadContext(ctx, protocol.ReadArgs{Path: "/workspace/a/b.txt"})
+	if err != nil || got.Content != "hello" {
+		t.Fatalf("read %+v %v", got, err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "a/b.txt")); string(b) != "hello" {
+		t.Errorf("on disk %q", b)
+	}
+	ls, err := f.ListContext(ctx, "/workspace/a")
+	if err != nil || len(ls.Entries) != 1 || ls.Entries[0].Name != "b.txt" {
+		t.Errorf("ls %+v %v", ls, err)
+	}
+	_, err = f.ReadContext(ctx, protocol.ReadArgs{Path: "/workspace/missing"})
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeFileNotFound {
+		t.Errorf("missing file: %v, want a file_not_found protocol error", err)
+	}
+	_, err = f.Stat("/workspace/../etc/passwd")
+	if !errors.As(err, &pe) {
+		t.Errorf("escape: %v, want a protocol error", err)
+	}
+	up, err := f.Create("/workspace/big", protocol.WriteOverwrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
+	if _, err := up.Write(big); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := up.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	rc, info, err := f.OpenRead("/workspace/big")
+	if err != nil || info.Size != int64(len(big)) {
+		t.Fatalf("open %+v %v", info, err)
+	}
+	back, err := io.ReadAll(rc)
+	rc.Close()
+	if err != nil || !bytes.Equal(back, big) {
+		t.Errorf("download: %d bytes, %v", len(back), err)
+	}
+	var tb bytes.Buffer
+	if _, err := f.Archive(ctx, "/workspace/a", &tb); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Extract(ctx, "/workspace/copy", bytes.NewReader(tb.Bytes())); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "copy/a/b.txt")); string(b) != "hello" {
+		names := []string{}
+		tr := tar.NewReader(bytes.NewReader(tb.Bytes()))
+		for h, err := tr.Next(); err == nil; h, err = tr.Next() {
+			names = append(names, h.Name)
+		}
+		t.Errorf("extracted copy/a/b.txt = %q (archive held %v)", b, names)
+	}
+}

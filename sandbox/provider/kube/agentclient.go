@@ -1,0 +1,482 @@
+package kube
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
+	"github.com/sbxbroker/broker/sandbox/provider/agent"
+)
+
+// agentClient reaches one pod's agent (sandbox/provider/agent) over the pod network. Unary
+// operations reuse idle authenticated connections; exec and streamed operations take one each.
+type agentClient struct {
+	addr   string
+	secret []byte
+	// gone says why the pod is no longer there (nil while it runs), to tell a broken connection
+	// from a stopped sandbox.
+	gone func() error
+
+	mu   sync.Mutex
+	idle []*agentConn
+}
+
+const maxIdle = 8
+
+type agentConn struct {
+	net.Conn
+	r   *bufio.Reader
+	buf []byte
+	wmu sync.Mutex
+}
+
+func (c *agentConn) write(typ byte, p []byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	return agent.WriteFrame(c.Conn, typ, p)
+}
+
+func (c *agentConn) writeJSON(typ byte, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return c.write(typ, b)
+}
+
+func (c *agentConn) read() (byte, []byte, error) {
+	typ, p, err := agent.ReadFrame(c.r, c.buf)
+	if cap(p) > cap(c.buf) {
+		c.buf = p[:0]
+	}
+	return typ, p, err
+}
+
+// dial opens and authenticates a connection.
+func (a *agentClient) dial(ctx context.Context) (*agentConn, error) {
+	d := net.Dialer{Timeout: 10 * time.Second}
+	nc, err := d.DialContext(ctx, "tcp", a.addr)
+	if err != nil {
+		return nil, a.lost(fmt.Errorf("reaching the sandbox's agent at %s: %w", a.addr, err))
+	}
+	if tc, ok := nc.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	nc.SetDeadline(time.Now().Add(10 * time.Second))
+	challenge := make([]byte, agent.ChallengeSize)
+	if _, err := io.ReadFull(nc, challenge); err != nil {
+		nc.Close()
+		return nil, a.lost(fmt.Errorf("the sandbox's agent at %s did not greet: %w", a.addr, err))
+	}
+	if _, err := nc.Write(agent.Answer(a.secret, challenge)); err != nil {
+		nc.Close()
+		return nil, a.lost(err)
+	}
+	nc.SetDeadline(time.Time{})
+	return &agentConn{Conn: nc, r: bufio.NewReaderSize(nc, 64<<10)}, nil
+}
+
+// lost is err, or ErrStopped's wrapping when the pod is gone.
+func (a *agentClient) lost(err error) error {
+	if a.gone != nil {
+		if g := a.gone(); g != nil {
+			return g
+		}
+	}
+	return err
+}
+
+func (a *agentClient) get(ctx context.Context) (*agentConn, error) {
+	a.mu.Lock()
+	if n := len(a.idle); n > 0 {
+		c := a.idle[n-1]
+		a.idle = a.idle[:n-1]
+		a.mu.Unlock()
+		return c, nil
+	}
+	a.mu.Unlock()
+	return a.dial(ctx)
+}
+
+func (a *agentClient) put(c *agentConn) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if len(a.idle) < maxIdle {
+		a.idle = append(a.idle, c)
+		return
+	}
+	c.Close()
+}
+
+// close drops the idle connections.
+func (a *agentClient) close() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, c := range a.idle {
+		c.Close()
+	}
+	a.idle = nil
+}
+
+// result reads the operation's end: a result frame, decoded into out.
+func result(c *agentConn, out any) error {
+	for {
+		typ, p, err := c.read()
+		if err != nil {
+			return err
+		}
+		if typ != agent.FrameResult {
+			continue
+		}
+		var r agent.Result
+		if err := json.Unmarshal(p, &r); err != nil {
+			return fmt.Errorf("the sandbox's agent answered garbage: %w", err)
+		}
+		if r.Error != nil {
+			return &opError{r.Error}
+		}
+		if out != nil && len(r.Result) > 0 {
+			return json.Unmarshal(r.Result, out)
+		}
+		return nil
+	}
+}
+
+// opError is an error the agent answered (as opposed to a broken connection).
+type opError struct{ e *agent.Error }
+
+func (e *opError) Error() string { return e.e.Error() }
+func (e *opError) Unwrap() error { return e.e.AsError() }
+
+// unary runs one request/answer operation, on an idle connection when there is one. A stale idle
+// connection (the agent restarted) is retried once on a fresh one.
+func (a *agentClient) unary(ctx context.Context, op string, args, out any) error {
+	raw, err := json.Marshal(args)
+	if err != nil {
+		return err
+	}
+	req, _ := json.Marshal(agent.Request{Op: op, Args: raw})
+	for attempt := 0; ; attempt++ {
+		c, err := a.get(ctx)
+		if err != nil {
+			return err
+		}
+		stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
+		err = c.write(agent.FrameRequest, req)
+		if err == nil {
+			err = result(c, out)
+		}
+		stopped := !stop()
+		var oe *opError
+		if err == nil || errors.As(err, &oe) {
+			if stopped {
+				c.Close()
+			} else {
+				a.put(c)
+			}
+			if oe != nil {
+				return agentErr(oe)
+			}
+			return nil
+		}
+		c.Close()
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if attempt == 0 {
+			continue
+		}
+		return a.lost(fmt.Errorf("the sandbox's agent: %w", err))
+	}
+}
+
+// agentErr is what an agent's error means to the broker: a protocol error as it is.
+func agentErr(oe *opError) error {
+	if oe.e.Code != "" {
+		return oe.e.AsError()
+	}
+	return oe
+}
+
+// stream starts an operation on a connection of its own and reads up to its started frame (or its
+// error).
+func (a *agentClient) stream(ctx context.Context, op string, args any) (*agentConn, agent.Started, error) {
+	raw, err := json.Marshal(args)
+	if err != nil {
+		return nil, agent.Started{}, err
+	}
+	c, err := a.dial(ctx)
+	if err != nil {
+		return nil, agent.Started{}, err
+	}
+	if err := c.writeJSON(agent.FrameRequest, agent.Request{Op: op, Args: raw}); err != nil {
+		c.Close()
+		return nil, agent.Started{}, a.lost(err)
+	}
+	return c, agent.Started{}, nil
+}
+
+// started reads the started frame of a streamed operation, or its error.
+func started(c *agentConn) (agent.Started, error) {
+	typ, p, err := c.read()
+	if err != nil {
+		return agent.Started{}, err
+	}
+	switch typ {
+	case agent.FrameStarted:
+		var s agent.Started
+		return s, json.Unmarshal(p, &s)
+	case agent.FrameResult:
+		var r agent.Result
+		if err := json.Unmarshal(p, &r); err != nil {
+			return agent.Started{}, err
+		}
+		if r.Error != nil {
+			return agent.Started{}, agentErr(&opError{r.Error})
+		}
+		return agent.Started{}, errors.New("the sandbox's agent ended the operation before it started")
+	}
+	return agent.Started{}, fmt.Errorf("the sandbox's agent sent frame %q before starting", typ)
+}
+
+// agentFiles serves sandbox.Files through the agent.
+type agentFiles struct{ a *agentClient }
+
+var _ sandbox.Files = agentFiles{}
+
+func (f agentFiles) Stat(path string) (protocol.FileInfo, error) {
+	var out protocol.FileInfo
+	return out, f.a.unary(context.Background(), agent.OpStat, agent.PathArgs{Path: path}, &out)
+}
+
+func (f agentFiles) ListContext(ctx context.Context, path string) (protocol.LsResult, error) {
+	var out protocol.LsResult
+	return out, f.a.unary(ctx, agent.OpList, agent.PathArgs{Path: path}, &out)
+}
+
+func (f agentFiles) ReadContext(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
+	var out protocol.ReadResult
+	return out, f.a.unary(ctx, agent.OpRead, a, &out)
+}
+
+func (f agentFiles) GlobContext(ctx context.Context, a protocol.GlobArgs) (protocol.GlobResult, error) {
+	var out protocol.GlobResult
+	return out, f.a.unary(ctx, agent.OpGlob, a, &out)
+}
+
+func (f agentFiles) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.GrepResult, error) {
+	var out protocol.GrepResult
+	return out, f.a.unary(ctx, agent.OpGrep, a, &out)
+}
+
+func (f agentFiles) Write(a protocol.WriteArgs) (protocol.WriteResult, error) {
+	var out protocol.WriteResult
+	return out, f.a.unary(context.Background(), agent.OpWrite, a, &out)
+}
+
+func (f agentFiles) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
+	var out protocol.EditResult
+	return out, f.a.unary(context.Background(), agent.OpEdit, a, &out)
+}
+
+func (f agentFiles) Delete(a protocol.DeleteArgs) error {
+	return f.a.unary(context.Background(), agent.OpDelete, a, nil)
+}
+
+func (f agentFiles) Mkdir(a protocol.MkdirArgs) error {
+	return f.a.unary(context.Background(), agent.OpMkdir, a, nil)
+}
+
+func (f agentFiles) Move(a protocol.MoveArgs) error {
+	return f.a.unary(context.Background(), agent.OpMove, a, nil)
+}
+
+func (f agentFiles) Create(path, mode string) (sandbox.Upload, error) {
+	c, _, err := f.a.stream(context.Background(), agent.OpCreate, agent.CreateArgs{Path: path, Mode: mode})
+	if err != nil {
+		return nil, err
+	}
+	if _, err := started(c); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return &upload{c: c}, nil
+}
+
+// upload is a streamed write through the agent.
+type upload struct {
+	c    *agentConn
+	done bool
+}
+
+func (u *upload) Write(p []byte) (int, error) {
+	n := 0
+	for len(p) > 0 {
+		chunk := p[:min(len(p), 256<<10)]
+		if err := u.c.write(agent.FrameData, chunk); err != nil {
+			return n, err
+		}
+		n += len(chunk)
+		p = p[len(chunk):]
+	}
+	return n, nil
+}
+
+func (u *upload) Commit() (protocol.WriteResult, error) {
+	var out protocol.WriteResult
+	if u.done {
+		return out, errors.New("upload already ended")
+	}
+	u.done = true
+	defer u.c.Close()
+	if err := u.c.write(agent.FrameEnd, nil); err != nil {
+		return out, err
+	}
+	err := result(u.c, &out)
+	var oe *opError
+	if errors.As(err, &oe) {
+		return out, agentErr(oe)
+	}
+	return out, err
+}
+
+func (u *upload) Abort() error {
+	if u.done {
+		return nil
+	}
+	u.done = true
+	defer u.c.Close()
+	if err := u.c.write(agent.FrameAbort, nil); err != nil {
+		return nil
+	}
+	result(u.c, nil)
+	return nil
+}
+
+func (f agentFiles) OpenRead(path string) (io.ReadCloser, protocol.FileInfo, error) {
+	c, _, err := f.a.stream(context.Background(), agent.OpOpen, agent.PathArgs{Path: path})
+	if err != nil {
+		return nil, protocol.FileInfo{}, err
+	}
+	s, err := started(c)
+	if err != nil {
+		c.Close()
+		return nil, protocol.FileInfo{}, err
+	}
+	var info protocol.FileInfo
+	if s.Info != nil {
+		info = *s.Info
+	}
+	return &download{c: c}, info, nil
+}
+
+// download reads a file's data frames.
+type download struct {
+	c    *agentConn
+	rest []byte
+	err  error
+}
+
+func (d *download) Read(p []byte) (int, error) {
+	for len(d.rest) == 0 {
+		if d.err != nil {
+			return 0, d.err
+		}
+		typ, b, err := d.c.read()
+		switch {
+		case err != nil:
+			d.err = err
+		case typ == agent.FrameData:
+			d.rest = b
+		case typ == agent.FrameResult:
+			var r agent.Result
+			if jerr := json.Unmarshal(b, &r); jerr != nil {
+				d.err = jerr
+			} else if r.Error != nil {
+				d.err = agentErr(&opError{r.Error})
+			} else {
+				d.err = io.EOF
+			}
+		}
+	}
+	n := copy(p, d.rest)
+	d.rest = d.rest[n:]
+	return n, nil
+}
+
+func (d *download) Close() error { return d.c.Close() }
+
+func (f agentFiles) Extract(ctx context.Context, dir string, r io.Reader) (protocol.TreeResult, error) {
+	var out protocol.TreeResult
+	c, _, err := f.a.stream(ctx, agent.OpExtract, agent.PathArgs{Path: dir})
+	if err != nil {
+		return out, err
+	}
+	defer c.Close()
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
+	defer stop()
+	buf := make([]byte, 256<<10)
+	for {
+		n, rerr := r.Read(buf)
+		if n > 0 {
+			if err := c.write(agent.FrameData, buf[:n]); err != nil {
+				return out, f.a.lost(err)
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			return out, rerr
+		}
+	}
+	if err := c.write(agent.FrameEnd, nil); err != nil {
+		return out, f.a.lost(err)
+	}
+	err = result(c, &out)
+	var oe *opError
+	if errors.As(err, &oe) {
+		return out, agentErr(oe)
+	}
+	return out, err
+}
+
+func (f agentFiles) Archive(ctx context.Context, path string, w io.Writer) (protocol.TreeResult, error) {
+	var out protocol.TreeResult
+	c, _, err := f.a.stream(ctx, agent.OpArchive, agent.PathArgs{Path: path})
+	if err != nil {
+		return out, err
+	}
+	defer c.Close()
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
+	defer stop()
+	for {
+		typ, b, err := c.read()
+		if err != nil {
+			return out, f.a.lost(err)
+		}
+		switch typ {
+		case agent.FrameData:
+			if _, err := w.Write(b); err != nil {
+				return out, err
+			}
+		case agent.FrameResult:
+			var r agent.Result
+			if err := json.Unmarshal(b, &r); err != nil {
+				return out, err
+			}
+			if r.Error != nil {
+				return out, agentErr(&opError{r.Error})
+			}
+			return out, json.Unmarshal(r.Result, &out)
+		}
+	}
+}

@@ -1,0 +1,92 @@
+package provider
+
+import (
+	"context"
+	"time"
+)
+
+// Remote is a provider whose sandboxes do not live on the broker's host (a pod of the kubernetes
+// provider): their workspace is no directory here, their instances serve files themselves (the
+// manager's Runtime asks the instance for them), and the manager neither opens nor sweeps a
+// workspace directory for them. WorkspaceDir answers "".
+type Remote interface {
+	Provider
+	// RemoteWorkspace marks the provider.
+	RemoteWorkspace()
+}
+
+// IsRemote says whether p's sandboxes live elsewhere.
+func IsRemote(p Provider) bool {
+	_, ok := p.(Remote)
+	return ok
+}
+
+// PrepareExec checks a request as every provider's Exec does and returns what a remote init needs:
+// the argv (a Command runs as /bin/sh -c), the environment overrides as KEY=VALUE, the sandbox cwd
+// (WorkspacePath when empty) and the timeout to enforce under the template's limits over the
+// built-in defaults. A request the sandbox cannot run is an *InvalidRequestError.
+func PrepareExec(req ExecRequest, limits Limits) (argv, env []string, cwd string, timeout time.Duration, err error) {
+	if argv, err = execArgv(req); err != nil {
+		return
+	}
+	if cwd, err = sandboxCwd(req.Cwd); err != nil {
+		return
+	}
+	if env, err = envOverrides(req.Env); err != nil {
+		return
+	}
+	if req.Timeout < 0 {
+		err = invalidRequest("negative timeout")
+		return
+	}
+	l := resolveLimits(Limits{}, limits)
+	timeout = req.Timeout
+	if timeout == 0 {
+		timeout = time.Duration(l.ExecTimeout)
+	}
+	timeout = min(timeout, time.Duration(l.ExecTimeoutMax))
+	return
+}
+
+// KubernetesTemplate is a template's pod for the kubernetes provider: what the cluster adds to the
+// template's env, limits and network. Every field is optional.
+type KubernetesTemplate struct {
+	// Image is the sandbox image (default: the broker's --kube-image); its entrypoint must run
+	// sbx-agent (cmd/sbx-agent).
+	Image string `json:"image,omitempty"`
+	// ImagePullPolicy is Always, IfNotPresent or Never (default: the broker's --kube-pull-policy).
+	ImagePullPolicy string `json:"image_pull_policy,omitempty"`
+	// RuntimeClassName runs the pod under a runtime class the cluster has (gVisor, Kata).
+	RuntimeClassName string `json:"runtime_class_name,omitempty"`
+	// NodeSelector places the pod on nodes with these labels.
+	NodeSelector map[string]string `json:"node_selector,omitempty"`
+	// Tolerations let the pod onto tainted nodes.
+	Tolerations []KubernetesToleration `json:"tolerations,omitempty"`
+	// CPURequest and MemoryRequest are the container's requests (quantities such as "250m",
+	// "256Mi"); the limits come from the template's limits (cpus, memory_bytes). Default: the limits.
+	CPURequest    string `json:"cpu_request,omitempty"`
+	MemoryRequest string `json:"memory_request,omitempty"`
+}
+
+// KubernetesToleration is a pod toleration.
+type KubernetesToleration struct {
+	Key               string `json:"key,omitempty"`
+	Operator          string `json:"operator,omitempty"` // Exists or Equal (default)
+	Value             string `json:"value,omitempty"`
+	Effect            string `json:"effect,omitempty"` // NoSchedule, PreferNoSchedule, NoExecute, or all
+	TolerationSeconds *int64 `json:"toleration_seconds,omitempty"`
+}
+
+// Reconciler is a provider whose runtimes can outlive what the broker knows of them (pods on a
+// cluster): it lists them, so that the manager's periodic reconcile ends those no record wants.
+type Reconciler interface {
+	// Runtimes lists the sandboxes this broker has a runtime for.
+	Runtimes(ctx context.Context) ([]RuntimeRef, error)
+	// EndRuntime ends a sandbox's runtime (its files stay).
+	EndRuntime(ctx context.Context, id string) error
+}
+
+// RuntimeRef names a sandbox's runtime: its id and org.
+type RuntimeRef struct {
+	ID, Org string
+}

@@ -3,6 +3,7 @@ package kube
 import (
 	"bufio"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -265,6 +266,24 @@ func (f agentFiles) ListContext(ctx context.Context, path string) (protocol.LsRe
 func (f agentFiles) ReadContext(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
 	var out protocol.ReadResult
 	return out, f.a.unary(ctx, agent.OpRead, a, &out)
+}
+
+// ReadRaw is ReadContext with the content as raw bytes (the agent answers in JSON, where content
+// that is not UTF-8 comes base64-encoded); alloc is not used, the bytes are the decoded answer's.
+func (f agentFiles) ReadRaw(ctx context.Context, a protocol.ReadArgs, _ func(n int) []byte) (protocol.ReadHead, []byte, error) {
+	res, err := f.ReadContext(ctx, a)
+	if err != nil {
+		return protocol.ReadHead{}, nil, err
+	}
+	head := protocol.ReadHead{Path: res.Path, Size: res.Size, TotalLines: res.TotalLines, TotalLinesPartial: res.TotalLinesPartial, Truncated: res.Truncated}
+	if res.Encoding == protocol.EncodingBase64 {
+		b, err := base64.StdEncoding.DecodeString(res.Content)
+		if err != nil {
+			return protocol.ReadHead{}, nil, fmt.Errorf("the sandbox's agent answered a read with bad base64: %w", err)
+		}
+		return head, b, nil
+	}
+	return head, []byte(res.Content), nil
 }
 
 func (f agentFiles) GlobContext(ctx context.Context, a protocol.GlobArgs) (protocol.GlobResult, error) {

@@ -112,6 +112,9 @@ type launchSpec struct {
 	// network, when set, attaches the sandbox's network helper to the namespaces of the init (host
 	// pid) once it is ready; the function it returns ends the helper and runs when the sandbox ends.
 	network func(ctx context.Context, initPid int) (stop func(), err error)
+	// relay: the init runs where no fd passes in from the host (gvisor); cmd's stdin and stdout
+	// are the stream to its bridge, and startRelay carries the control socket over it.
+	relay bool
 }
 
 // launch starts an init and returns once it is ready, attached to its cgroups, and the environment
@@ -161,7 +164,16 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		calls:   make(map[uint64]*call),
 		done:    make(chan struct{}),
 	}
-	in.cmd.ExtraFiles = append([]*os.File{initEnd}, extra...)
+	var afterSpawn func()
+	if ls.relay {
+		if afterSpawn, err = startRelay(initEnd, in.cmd); err != nil {
+			initEnd.Close()
+			ctl.close()
+			return fail(fmt.Errorf("control relay: %w", err))
+		}
+	} else {
+		in.cmd.ExtraFiles = append([]*os.File{initEnd}, extra...)
+	}
 	in.cmd.Stderr = in.stderr
 	in.cmd.WaitDelay = time.Second
 	// The config waits in the socket buffer until the init reads it, so it costs no round trip.
@@ -178,6 +190,9 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 	}
 	initEnd.Close()
 	closeExtra()
+	if afterSpawn != nil {
+		afterSpawn()
+	}
 	if err != nil {
 		ctl.close()
 		if ls.info != nil {
@@ -435,6 +450,10 @@ func (in *instance) kill() {
 			return
 		}
 		killTree(in.cmd.Process.Pid, 0, 0, os.Getpid())
+	case kindGvisor:
+		// runsc run is attached: its sandbox and gofer die with it (Pdeathsig), and with the
+		// sandbox every process in it. The release removes its state.
+		in.cmd.Process.Kill()
 	case kindDir:
 		// Stop the init first (through its pidfd, so never a reused pid): frozen, it reaps nothing
 		// and forks nothing, so the pids of its tree stay valid while we walk and kill it.
@@ -1095,6 +1114,7 @@ func (h *headBuffer) String() string {
 const (
 	kindNamespace = "namespace"
 	kindDir       = "dir"
+	kindGvisor    = "gvisor"
 )
 
 // spawner is one goroutine locked to its OS thread for the life of the process. Every init (or

@@ -134,6 +134,11 @@ type Template struct {
 	// Setup is a shell command run once at create, in the workspace; a non-zero exit marks the sandbox
 	// failed with the command's output.
 	Setup string `json:"setup,omitempty"`
+	// Isolation is the level the sandbox runs at: "namespace" (empty: the default; bubblewrap) or
+	// "gvisor" (runsc: gVisor's kernel between the sandbox and the host's). "microvm" is recognised
+	// and refused: it needs /dev/kvm and a microVM runtime. A level the host cannot give is refused
+	// at create, never replaced by a weaker one (gvisor.go).
+	Isolation string `json:"isolation,omitempty"`
 }
 
 // Mount is a read-only bind of a host directory into the sandbox.

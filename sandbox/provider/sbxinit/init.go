@@ -25,6 +25,9 @@ const ctlFD = 3
 // RunInit runs the resident init and never returns. Mains call it first thing when os.Args[1] is
 // InitArg (see the package doc); it expects the control socket on fd 3.
 func RunInit() {
+	if len(os.Args) > 2 && os.Args[2] == BridgeArg {
+		RunBridge() // the same binary, started as the first process of a gVisor sandbox
+	}
 	if err := runInit(); err != nil {
 		fmt.Fprintf(os.Stderr, "sandbox-init: %v\n", err)
 		os.Exit(1)

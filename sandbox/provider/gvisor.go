@@ -300,7 +300,7 @@ func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) 
 	return launch(ctx, launchSpec{
 		kind:   kindGvisor,
 		cmd:    cmd,
-		config: request{Op: opConfig, Env: env},
+		config: request{Op: opConfig, Env: env, UID: uid, GID: gid},
 		limits: limits,
 		relay:  true,
 		release: func() {
@@ -377,14 +377,23 @@ func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limit
 		Version: specs.Version,
 		Root:    &specs.Root{Path: root, Readonly: true},
 		Process: &specs.Process{
-			User: specs.User{UID: uint32(uid), GID: uint32(gid)},
+			// The init runs as gVisor's root, with only the capabilities it needs to start
+			// commands as the sandbox user (uid) and end them. gVisor does not shield a pid 1 from
+			// its namespace's SIGKILL as Linux does: as another user, the init is out of the
+			// tenant's reach (no signal, no ptrace, no /proc/1). Commands lose every capability
+			// at their setuid.
+			User: specs.User{UID: 0, GID: 0},
 			Args: []string{sbxDir + "/init", InitArg, sbxinit.BridgeArg},
 			Env: append(append([]string(nil), env...),
 				// The init keeps the marker runsc started with, as in a namespace sandbox.
 				orphanEnv+"="+orphanValue(n.cfg.DataDir)),
 			Cwd:             WorkspacePath,
 			NoNewPrivileges: true,
-			Capabilities:    &specs.LinuxCapabilities{},
+			Capabilities: &specs.LinuxCapabilities{
+				Bounding:  initCaps,
+				Effective: initCaps,
+				Permitted: initCaps,
+			},
 			// gVisor's kernel counts the sandbox's processes against RLIMIT_NPROC (its own count,
 			// not the host's): a fork bomb meets EAGAIN there, before the host's pids limit could
 			// take the sentry down.
@@ -406,6 +415,9 @@ func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limit
 		},
 	}, nil
 }
+
+// initCaps are the init's capabilities inside gVisor: setting the commands' user, and signalling them.
+var initCaps = []string{"CAP_SETUID", "CAP_SETGID", "CAP_KILL"}
 
 // gvisorPidsBase is the host tasks a gvisor sandbox needs beside its processes'.
 const gvisorPidsBase = 128

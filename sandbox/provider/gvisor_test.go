@@ -108,6 +108,23 @@ for name, nr, args in (("io_uring_setup", 425, (1, buf)), ("add_key", 248, (b"us
 			}
 		}
 	})
+	t.Run("the init withstands the tenant", func(t *testing.T) {
+		// The init (and its bridge) is pid 1 of gVisor's pid namespace, non-dumpable: the tenant
+		// runs as its uid and still cannot trace it, read it, or signal it down.
+		res, out := sh(t, in, `python3 -c 'import ctypes; libc = ctypes.CDLL(None, use_errno=True); r = libc.ptrace(0x4206, 1, 0, 0); print(r, ctypes.get_errno())'`)
+		if res.ExitCode != 0 || out != "-1 1\n" {
+			t.Errorf("PTRACE_SEIZE of the init: %+v %q, want -1 EPERM", res, out)
+		}
+		if _, out := sh(t, in, "head -c 16 /proc/1/environ 2>/dev/null | wc -c"); out != "0\n" {
+			t.Errorf("/proc/1/environ is readable inside: %q", out)
+		}
+		for _, sig := range []string{"TERM", "INT", "HUP", "PIPE", "ABRT", "SEGV", "QUIT", "KILL", "STOP"} {
+			sh(t, in, "kill -"+sig+" 1")
+			if _, out := sh(t, in, "echo alive"); out != "alive\n" {
+				t.Fatalf("after kill -%s 1 the sandbox answers %q", sig, out)
+			}
+		}
+	})
 	t.Run("workspace shared both ways at once", func(t *testing.T) {
 		if err := os.WriteFile(filepath.Join(ws, "from-host"), []byte("host"), 0o644); err != nil {
 			t.Fatal(err)

@@ -6,21 +6,18 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
-	"os/signal"
 	"sync"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 )
 
-// BridgeArg, after InitArg (so that every main that dispatches InitArg to RunInit runs it), is the
-// argument that makes the init binary a bridge: the first process of a sandbox
-// whose runtime cannot pass file descriptors in from the host (gVisor: a host socket imported into
-// the sentry carries bytes, not SCM_RIGHTS). The bridge starts the resident init beside itself on
-// an ordinary control socket, and carries the control messages and every command's stdio over one
-// byte stream, its own stdin and stdout (pipes the runtime imports from the host). The init is the
-// same one, with the same protocol; only the carriage differs.
+// BridgeArg, after InitArg (so that every main that dispatches InitArg to RunInit runs it), makes
+// the init run behind a bridge: in a sandbox whose runtime cannot pass file descriptors in from the
+// host (gVisor: a host socket imported into the sentry carries bytes, not SCM_RIGHTS). The bridge
+// gives the init an ordinary control socket, inside, and carries its messages and every command's
+// stdio over one byte stream, the process's stdin and stdout (pipes the runtime imports from the
+// host). The init is the same one, with the same protocol, in the same process; only the carriage
+// differs.
 const BridgeArg = "sandbox-bridge"
 
 // Frame kinds of the bridge's stream. A frame is a 9-byte header (kind, channel as a big-endian
@@ -100,8 +97,8 @@ func ReadFrame(r io.Reader, buf []byte) (kind byte, ch uint32, payload []byte, e
 	return h[0], binary.BigEndian.Uint32(h[1:]), buf, nil
 }
 
-// RunBridge runs the bridge and never returns: it ends when the host closes its stream or the init
-// exits, and with it (it is the sandbox's first process) the sandbox.
+// RunBridge runs the init behind the bridge and never returns: it ends when the host closes its
+// stream, and with it (it is the sandbox's first process) the sandbox.
 func RunBridge() {
 	err := runBridge()
 	if err != nil {
@@ -121,61 +118,64 @@ type bridge struct {
 }
 
 func runBridge() error {
-	closeInherited(3)
-	// Commands run as our uid, as in the init: they must not trace us or read our memory.
-	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
-		return fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
-	}
-	// A command may signal us (we share its uid); the default of most signals would end the sandbox.
-	signal.Notify(make(chan os.Signal, 1), unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT,
-		unix.SIGUSR1, unix.SIGUSR2, unix.SIGPIPE, unix.SIGALRM, unix.SIGTSTP, unix.SIGTTIN, unix.SIGTTOU)
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("control socket: %w", err)
 	}
-	initEnd := os.NewFile(uintptr(pair[1]), "sandbox-ctl-init")
-	self, err := os.Executable()
-	if err != nil {
-		return err
+	// The init's end goes where the init expects it; runInit closes what else was inherited
+	// (everything of ours is close-on-exec, so it stays). Ours must first leave that slot: with
+	// fd 3 free, the socketpair may have taken it.
+	if pair[0] == ctlFD {
+		fd, err := unix.FcntlInt(uintptr(pair[0]), unix.F_DUPFD_CLOEXEC, ctlFD+1)
+		if err != nil {
+			return fmt.Errorf("control socket: %w", err)
+		}
+		unix.Close(pair[0])
+		pair[0] = fd
 	}
-	cmd := &exec.Cmd{
-		Path:        self,
-		Args:        []string{"sbx-init", InitArg},
-		Env:         os.Environ(),
-		Dir:         "/",
-		ExtraFiles:  []*os.File{initEnd},
-		Stderr:      os.Stderr,
-		SysProcAttr: &syscall.SysProcAttr{Pdeathsig: unix.SIGKILL},
+	if pair[1] != ctlFD {
+		if err := unix.Dup2(pair[1], ctlFD); err != nil {
+			return fmt.Errorf("control socket: %w", err)
+		}
+		unix.Close(pair[1])
 	}
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start init: %w", err)
-	}
-	initEnd.Close()
 	b := &bridge{
 		out:  NewFrameWriter(os.Stdout),
 		ctl:  newBlockingCtlConn(pair[0]),
 		ins:  make(map[uint32]chan []byte),
 		outs: make(map[uint32]*os.File),
 	}
+	go b.replies()
 	go func() {
-		// The init's replies go to the host as they come; the init's end is the sandbox's end.
-		buf := make([]byte, 64<<10)
-		oob := make([]byte, unix.CmsgSpace(16*4))
-		for {
-			n, oobn, _, err := b.ctl.recv(buf, oob)
-			if oobn > 0 {
-				fds, _ := ParseRights(oob[:oobn])
-				CloseFDs(fds)
-			}
-			if err != nil || n == 0 {
-				cmd.Wait()
-				os.Exit(1)
-			}
-			if b.out.Write(FrameReply, 0, buf[:n]) != nil {
-				os.Exit(1)
-			}
+		if err := b.requests(); err != nil {
+			fmt.Fprintf(os.Stderr, "sandbox-bridge: %v\n", err)
+			os.Exit(1)
 		}
+		os.Exit(0) // the host is gone: so is the sandbox
 	}()
+	// The init proper runs in this same process, the sandbox's pid 1, which nothing inside can
+	// kill or stop; a second process would be the tenant's to kill (it runs as the tenant's uid).
+	return runInit()
+}
+
+// replies sends the init's replies to the host as they come.
+func (b *bridge) replies() {
+	buf := make([]byte, 64<<10)
+	oob := make([]byte, unix.CmsgSpace(16*4))
+	for {
+		n, oobn, _, err := b.ctl.recv(buf, oob)
+		if oobn > 0 {
+			fds, _ := ParseRights(oob[:oobn])
+			CloseFDs(fds)
+		}
+		if err != nil || n == 0 || b.out.Write(FrameReply, 0, buf[:n]) != nil {
+			os.Exit(1)
+		}
+	}
+}
+
+// requests reads the host's frames until the host closes the stream.
+func (b *bridge) requests() error {
 	buf := make([]byte, MaxFrame)
 	for {
 		kind, ch, p, err := ReadFrame(os.Stdin, buf)

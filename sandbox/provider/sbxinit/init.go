@@ -40,7 +40,8 @@ type initProc struct {
 	ctl     *ctlConn
 	env     []string // the whole environment commands start from
 	devnull int
-	host    bool // dir provider: shares the host's pid space
+	host    bool                // dir provider: shares the host's pid space
+	cred    *syscall.Credential // who commands run as, nil: as we do
 	self    int
 	// oomAdj is our /proc/self/oom_score_adj open for writing (-1 in the dir provider), and oomBase
 	// the score we started with: every command is forked with CommandOOMScoreAdj, and we go back
@@ -96,6 +97,9 @@ func runInit() error {
 		byPid:   make(map[int]*initChild),
 		byID:    make(map[uint64]*initChild),
 		forked:  make(chan struct{}, 1),
+	}
+	if cfg.UID > 0 {
+		p.cred = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), Groups: []uint32{}}
 	}
 	if !cfg.Host {
 		// Opened before we turn non-dumpable: after that our /proc files belong to root.
@@ -271,7 +275,7 @@ func (p *initProc) exec(req *Request, fds []int) {
 		Env:   env,
 		Files: files[:],
 		// Each command leads its own process group, so a kill reaches its children too.
-		Sys: &syscall.SysProcAttr{Setpgid: true},
+		Sys: &syscall.SysProcAttr{Setpgid: true, Credential: p.cred},
 	}
 	var pid int
 	var err error

@@ -128,6 +128,9 @@ type CreateRequest struct {
 	TTL      *time.Duration
 	Tags     map[string]string
 	Reuse    bool
+	// Isolation is the level asked for instead of the template's ("" = the template's); it may
+	// raise the template's level, never lower it.
+	Isolation string
 }
 
 // Create creates the named sandbox, or reuses it (resuming it when stopped) when req.Reuse. It returns
@@ -143,6 +146,10 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if !ok {
 		return store.Record{}, "", protocol.Errorf(protocol.CodeUnknownTemplate, "template %q does not exist on this broker", clip(req.Template))
 	}
+	tmpl, err := withIsolation(m.cfg.Provider, tmpl, req.Isolation)
+	if err != nil {
+		return store.Record{}, "", err
+	}
 	ttl := m.cfg.DefaultTTL
 	if req.TTL != nil {
 		ttl = *req.TTL
@@ -153,11 +160,10 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if err := ValidateTags(req.Tags); err != nil {
 		return store.Record{}, "", err
 	}
-	var err error
 	now := m.now()
 	rec := store.Record{
 		ID: protocol.NewSandboxID(), Org: c.Org, Name: req.Name, Template: req.Template,
-		Provider: m.cfg.Provider.Name(), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
+		Provider: provider.Runner(m.cfg.Provider, tmpl), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
 		Tags: req.Tags, TTL: ttl, CreatedAt: now, CreatedBy: c.Actor, Heartbeat: now,
 	}
 	// The index entry comes first: a crash after the record is written must still leave a trace on
@@ -216,6 +222,12 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	defer h.mu.Unlock()
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
+	if !first {
+		// A sandbox keeps the level it was created at, whatever its template says now.
+		if level := provider.RecordedIsolation(rec.Provider); level != "" {
+			tmpl.Isolation = level
+		}
+	}
 	spec := provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID}
 	// fail records why (for the owner, on the record) and emits code (the event carries no text).
 	fail := func(code, why string, cause error) (store.Record, error) {
@@ -242,7 +254,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		})
 		return got, protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %s could not start: %s", rec.Name, why)
 	}
-	fields := map[string]string{store.FieldProvider: m.cfg.Provider.Name()}
+	fields := map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, tmpl)}
 	if rec.UID == 0 && m.cfg.UIDs.Size() > 0 {
 		// A sandbox recorded before each got its own uid gets one now; the provider gives it its
 		// files. Keeping it on the shared uid would keep it sharing keyrings and limits with every

@@ -144,7 +144,7 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 		return nil, provider.Report{}, fmt.Errorf("--provider dir (SBX_PROVIDER): the data dir %s was set up for namespace sandboxes, and the dir provider would run them with no isolation, as a user of this host; "+
 			"to do that knowingly, confirm with --allow-unisolated (SBX_ALLOW_UNISOLATED=true)", c.DataDir)
 	}
-	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log), DiskReserve: c.diskReserve()}
+	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log), DiskReserve: c.diskReserve(), RunscPath: c.Runsc}
 	prov, report, err := provider.Preflight(ctx, cfg, choice)
 	if err != nil {
 		switch {

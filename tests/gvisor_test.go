@@ -77,6 +77,9 @@ func TestGvisorLevelEndToEnd(t *testing.T) {
 		if !got["namespace"] || !got["gvisor"] || got["microvm"] || len(got) != 3 {
 			t.Errorf("/readyz levels: %s", raw)
 		}
+		if !strings.Contains(b.log.String(), "namespace,gvisor") {
+			t.Errorf("the start-up log does not list the levels offered:\n%s", tailLines(b.log.String(), 20))
+		}
 		metrics := get(t, b.URL+"/metrics")
 		for _, want := range []string{`sbx_isolation_level_available{level="gvisor"} 1`, `sbx_isolation_level_available{level="microvm"} 0`} {
 			if !strings.Contains(metrics, want) {

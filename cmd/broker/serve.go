@@ -171,6 +171,12 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 	}
 	log.Info("sandbox provider ready", "provider", prov.Name(), "isolation", sandbox.Isolation(prov.Name()), "limits_enforced", report.LimitsEnforced,
 		"cgroups", report.Cgroups, "preflight_ms", report.Took.Milliseconds())
+	// Which isolation levels templates may ask for here; one asking for another is refused at create.
+	offered, missing := sandbox.IsolationLevels(prov)
+	for level, why := range missing {
+		log.Info("isolation level unavailable: templates asking for it are refused", "level", level, "missing", why)
+	}
+	log.Info("isolation levels offered", "levels", strings.Join(offered, ","))
 	content := prov.Name() + "\n"
 	if report.Fallback != "" {
 		content += fallbackNote + strings.ReplaceAll(report.Fallback, "\n", " ") + "\n"

@@ -18,6 +18,7 @@ import (
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
+	"golang.org/x/sys/unix"
 )
 
 // Isolation levels a template may ask for (Template.Isolation).
@@ -180,6 +181,10 @@ func (n *Namespace) initGvisor() {
 		n.gv.err = fmt.Errorf("gvisor root: %w", err)
 		return
 	}
+	if err := bindUsr(skel); err != nil {
+		n.gv.err = fmt.Errorf("gvisor root: %w", err)
+		return
+	}
 	n.gv.runsc, n.gv.skel = runsc, skel
 	n.reapGvisor()
 }
@@ -188,6 +193,12 @@ func (n *Namespace) initGvisor() {
 // usr/bin), and an empty file or directory at every mount point, so that nothing has to be created
 // in a read-only root.
 func writeSkeleton(dir string) error {
+	// The old skeleton holds the host's /usr (bindUsr): detach it before anything is removed, and
+	// remove nothing while any mount is left under it.
+	UnmountUnder(dir)
+	if m := mountsAt(filepath.Join(dir, "usr")); len(m) > 0 {
+		return fmt.Errorf("%s is still mounted; not rewriting the skeleton over it", m[0])
+	}
 	tmp := dir + ".tmp"
 	os.RemoveAll(tmp)
 	if err := os.MkdirAll(tmp, 0o755); err != nil {
@@ -238,6 +249,41 @@ func writeSkeleton(dir string) error {
 	}
 	os.RemoveAll(dir)
 	return os.Rename(tmp, dir)
+}
+
+// bindUsr binds the host's /usr read-only at the skeleton's usr, once per boot. The skeleton is the
+// root mount, which runsc serves with exclusive file access: the sentry caches its dentries and
+// pages, so an exec's loading of binaries and libraries costs no gofer round trip each time (a
+// bind mount in the spec is served shared, revalidated at every access, which tripled exec).
+// /usr changes only when the host's packages do; a sandbox sees such a change at its next start.
+func bindUsr(skel string) error {
+	usr := filepath.Join(skel, "usr")
+	if len(mountsAt(usr)) > 0 {
+		return nil
+	}
+	if err := unix.Mount("/usr", usr, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("bind /usr: %w", err)
+	}
+	if err := unix.Mount("", usr, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+		unix.Unmount(usr, unix.MNT_DETACH)
+		return fmt.Errorf("bind /usr read-only: %w", err)
+	}
+	return nil
+}
+
+// mountsAt lists the mount points at exactly p.
+func mountsAt(p string) []string {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && unescapeMount(f[4]) == p {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // gvisorDir is a sandbox's runsc state (its --root) and bundle: <state>/gvisor.
@@ -291,7 +337,7 @@ func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) 
 	}
 	cmd := &exec.Cmd{
 		Path: n.gv.runsc,
-		Args: append([]string{"runsc"}, append(n.runscFlags(spec.ID), "run", "--bundle", dir, spec.ID)...),
+		Args: append([]string{"runsc"}, append(n.runscFlags(spec.ID, spec.Template), "run", "--bundle", dir, spec.ID)...),
 		Dir:  "/",
 		Env:  []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", orphanMarker(n.cfg.DataDir)},
 		// If the broker dies, runsc run dies, and its attached sandbox and gofer with it.
@@ -312,14 +358,20 @@ func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) 
 
 // runscFlags are runsc's global flags for one sandbox: its own state root, the systrap platform (no
 // KVM here), no network, no host UDS, and the workspace bind shared with the host (a write on
-// either side is seen at once by the other).
-func (n *Namespace) runscFlags(id string) []string {
+// either side is seen at once by the other). The host-/usr root is a skeleton with every mount
+// point in place and needs no overlay; a template's rootfs gets one in memory (counted in the
+// sandbox's), so that the mount points it lacks can be made without writing to it.
+func (n *Namespace) runscFlags(id string, t Template) []string {
+	overlay := "none"
+	if t.Rootfs != "" {
+		overlay = "root:memory"
+	}
 	return []string{
 		"--root", filepath.Join(n.gvisorDir(id), "root"),
 		"--platform", "systrap",
 		"--network", "none",
 		"--file-access-mounts", "shared",
-		"--overlay2", "none",
+		"--overlay2", overlay,
 		"--host-uds", "none",
 		"--ignore-cgroups=" + strconv.FormatBool(n.cg == nil || !n.cg.enforced()),
 	}
@@ -343,8 +395,13 @@ func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limit
 		{Destination: HomePath, Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev", "mode=700",
 			"uid=" + strconv.Itoa(uid), "gid=" + strconv.Itoa(gid), "size=" + tmpSize}},
 	}
+	if t.Rootfs != "" && n.initInterp != "" {
+		if _, err := os.Stat(filepath.Join(t.Rootfs, n.initInterp)); err != nil {
+			return nil, fmt.Errorf("template %q: the init binary %s is dynamically linked and the rootfs has no %s: install sbx-init (static: CGO_ENABLED=0 go build ./cmd/sbx-init) next to the broker, or add the host's libc to the rootfs", t.Name, n.cfg.InitPath, n.initInterp)
+		}
+	}
 	if t.Rootfs == "" {
-		mounts = append(mounts, specs.Mount{Destination: "/usr", Type: "bind", Source: "/usr", Options: ro})
+		// /usr is in the root itself (bindUsr): the root mount's files are the sentry's to cache.
 		for _, d := range []string{"/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"} {
 			if fi, err := os.Lstat(d); err == nil && fi.IsDir() {
 				mounts = append(mounts, specs.Mount{Destination: d, Type: "bind", Source: d, Options: ro})
@@ -355,10 +412,10 @@ func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limit
 				mounts = append(mounts, specs.Mount{Destination: f, Type: "bind", Source: f, Options: ro})
 			}
 		}
-		mounts = append(mounts,
-			specs.Mount{Destination: "/etc/passwd", Type: "bind", Source: filepath.Join(dir, "passwd"), Options: ro},
-			specs.Mount{Destination: "/etc/group", Type: "bind", Source: filepath.Join(dir, "group"), Options: ro})
 	}
+	mounts = append(mounts,
+		specs.Mount{Destination: "/etc/passwd", Type: "bind", Source: filepath.Join(dir, "passwd"), Options: ro},
+		specs.Mount{Destination: "/etc/group", Type: "bind", Source: filepath.Join(dir, "group"), Options: ro})
 	mounts = append(mounts,
 		specs.Mount{Destination: WorkspacePath, Type: "bind", Source: n.layout.workspaceDir(spec.ID),
 			Options: []string{"rbind", "rw", "nosuid", "nodev"}},
@@ -402,7 +459,7 @@ func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limit
 		Hostname: "sandbox",
 		Mounts:   mounts,
 		Linux: &specs.Linux{
-			CgroupsPath: "/" + n.cfg.CgroupParent + "-gvisor/" + spec.ID,
+			CgroupsPath: "/" + n.cfg.CgroupParent + "/gvisor/" + spec.ID,
 			Resources: &specs.LinuxResources{
 				Memory: &specs.LinuxMemory{Limit: &mem},
 				Pids:   &specs.LinuxPids{Limit: pids},
@@ -431,7 +488,7 @@ func (n *Namespace) removeGvisorState(id string) {
 	}
 	if n.gv.runsc != "" {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		args := append(n.runscFlags(id), "delete", "--force", id)
+		args := append(n.runscFlags(id, Template{}), "delete", "--force", id)
 		exec.CommandContext(ctx, n.gv.runsc, args...).Run()
 		cancel()
 	}

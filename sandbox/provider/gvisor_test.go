@@ -68,7 +68,7 @@ func assertNoLeftovers(t *testing.T, n *Namespace, id string) {
 		t.Errorf("runsc state left behind (%v)", err)
 	}
 	for _, c := range []string{"memory", "pids", "cpu"} {
-		if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", c, n.cfg.CgroupParent+"-gvisor", id)); err == nil {
+		if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", c, n.cfg.CgroupParent, "gvisor", id)); err == nil {
 			t.Errorf("cgroup %s of %s left behind", c, id)
 		}
 	}
@@ -177,11 +177,11 @@ for name, nr, args in (("io_uring_setup", 425, (1, buf)), ("add_key", 248, (b"us
 		}
 	})
 	t.Run("limits in the sandbox's cgroups", func(t *testing.T) {
-		b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory", n.cfg.CgroupParent+"-gvisor", spec.ID, "memory.limit_in_bytes"))
+		b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory", n.cfg.CgroupParent, "gvisor", spec.ID, "memory.limit_in_bytes"))
 		if err != nil || strings.TrimSpace(string(b)) != strconv.Itoa(256<<20) {
 			t.Errorf("memory limit: %q %v", b, err)
 		}
-		b, err = os.ReadFile(filepath.Join("/sys/fs/cgroup/pids", n.cfg.CgroupParent+"-gvisor", spec.ID, "pids.max"))
+		b, err = os.ReadFile(filepath.Join("/sys/fs/cgroup/pids", n.cfg.CgroupParent, "gvisor", spec.ID, "pids.max"))
 		if err != nil || strings.TrimSpace(string(b)) == "max" {
 			t.Errorf("pids limit: %q %v", b, err)
 		}
@@ -353,4 +353,16 @@ func TestGvisorBrokerCrash(t *testing.T) {
 	restarted := newNamespace(t, Config{DataDir: data, CgroupParent: parent})
 	assertNoLeftovers(t, restarted, id)
 	restarted.cg.sweepStale(0)
+}
+
+// A template's rootfs runs at the gvisor level too: read-only, its mount points made in a memory
+// overlay, the sandbox's identity bound over its /etc/passwd.
+func TestGvisorRootfs(t *testing.T) {
+	n := newGvisor(t)
+	tmpl := gvisorTemplate
+	tmpl.Rootfs = minimalRootfs(t)
+	in, _ := startSandbox(t, n, tmpl)
+	if _, out := sh(t, in, "cat /marker; echo; id -un; echo x > /workspace/w && cat /workspace/w; (echo y > /marker) 2>/dev/null || echo read-only"); out != "rootfs\nuser\nx\nread-only\n" {
+		t.Fatalf("in the rootfs: %q", out)
+	}
 }

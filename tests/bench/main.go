@@ -109,6 +109,9 @@ func run() error {
 	}
 	defer r.Close()
 
+	if *gvisorOnly {
+		return gvisorRows(ctx, c, br)
+	}
 	if *treeOnly {
 		fmt.Fprintln(os.Stderr, "tree copy...")
 		rows, err := treeRows(ctx, r, br.dir, br.peakRSS)

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -68,7 +69,7 @@ func assertNoLeftovers(t *testing.T, n *Namespace, id string) {
 		t.Errorf("runsc state left behind (%v)", err)
 	}
 	for _, c := range []string{"memory", "pids", "cpu"} {
-		if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", c, n.cfg.CgroupParent, "gvisor", id)); err == nil {
+		if _, err := os.Stat(filepath.Join("/sys/fs/cgroup", c, n.cfg.CgroupParent, id)); err == nil {
 			t.Errorf("cgroup %s of %s left behind", c, id)
 		}
 	}
@@ -177,11 +178,11 @@ for name, nr, args in (("io_uring_setup", 425, (1, buf)), ("add_key", 248, (b"us
 		}
 	})
 	t.Run("limits in the sandbox's cgroups", func(t *testing.T) {
-		b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory", n.cfg.CgroupParent, "gvisor", spec.ID, "memory.limit_in_bytes"))
+		b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory", n.cfg.CgroupParent, spec.ID, "memory.limit_in_bytes"))
 		if err != nil || strings.TrimSpace(string(b)) != strconv.Itoa(256<<20) {
 			t.Errorf("memory limit: %q %v", b, err)
 		}
-		b, err = os.ReadFile(filepath.Join("/sys/fs/cgroup/pids", n.cfg.CgroupParent, "gvisor", spec.ID, "pids.max"))
+		b, err = os.ReadFile(filepath.Join("/sys/fs/cgroup/pids", n.cfg.CgroupParent, spec.ID, "pids.max"))
 		if err != nil || strings.TrimSpace(string(b)) == "max" {
 			t.Errorf("pids limit: %q %v", b, err)
 		}
@@ -191,6 +192,24 @@ for name, nr, args in (("io_uring_setup", 425, (1, buf)), ("add_key", 248, (b"us
 		sh(t, in, "for i in $(seq 200); do sleep 5 & done 2>/dev/null; wait")
 		if _, out := sh(t, in, "echo alive; pgrep -c sleep || true"); !strings.HasPrefix(out, "alive\n") || out == "alive\n201\n" {
 			t.Errorf("after 200 forks under a pids limit of 64: %q", out)
+		}
+	})
+	t.Run("past its memory the sandbox stops with memory_limit", func(t *testing.T) {
+		// The memory limit's OOM killer takes the sentry, which holds all of the sandbox's
+		// memory: the sandbox ends (files kept), and says why.
+		_, err := in.Exec(ctx, ExecRequest{Argv: []string{"python3", "-c", "b = bytearray(400 << 20); print('allocated')"}, Stdout: io.Discard})
+		select {
+		case <-in.Done():
+		case <-time.After(20 * time.Second):
+			t.Fatalf("the sandbox still runs after 400 MiB under a 256 MiB limit (exec: %v)", err)
+		}
+		if why := EndReason(in); why != ReasonMemoryLimit {
+			t.Fatalf("end reason %q, want %q", why, ReasonMemoryLimit)
+		}
+		assertNoLeftovers(t, n, spec.ID)
+		var err2 error
+		if in, err2 = n.Start(ctx, spec); err2 != nil {
+			t.Fatal(err2)
 		}
 	})
 	t.Run("stop keeps files, start again, nothing left behind", func(t *testing.T) {

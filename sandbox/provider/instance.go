@@ -48,6 +48,7 @@ type instance struct {
 	limits  Limits
 	hostWS  string // dir provider: the host directory /workspace stands for
 	release func()
+	lostWhy func() string // see launchSpec.lostWhy
 
 	mu      sync.Mutex
 	calls   map[uint64]*call
@@ -115,6 +116,9 @@ type launchSpec struct {
 	// relay: the init runs where no fd passes in from the host (gvisor); cmd's stdin and stdout
 	// are the stream to its bridge, and startRelay carries the control socket over it.
 	relay bool
+	// lostWhy, when set, says why the init's process ended when nobody stopped it ("" if it does
+	// not know), before anything is torn down: gvisor reads its sentry's cgroup.
+	lostWhy func() string
 }
 
 // launch starts an init and returns once it is ready, attached to its cgroups, and the environment
@@ -161,6 +165,7 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		limits:  ls.limits,
 		hostWS:  ls.hostWS,
 		release: ls.release,
+		lostWhy: ls.lostWhy,
 		calls:   make(map[uint64]*call),
 		done:    make(chan struct{}),
 	}
@@ -394,6 +399,11 @@ func (in *instance) wait() {
 	// The cgroup goes below: whether its OOM killer took the init must be read first.
 	if !in.stopping.Load() && killedBySIGKILL(in.cmd, err) && in.oomSince() {
 		in.setWhy(ReasonMemoryLimit)
+	}
+	if in.lostWhy != nil && !in.stopping.Load() {
+		if why := in.lostWhy(); why != "" {
+			in.setWhy(why)
+		}
 	}
 	in.fail(in.endErr())
 	if in.kind == kindDir && in.initPid > 0 {

@@ -157,7 +157,7 @@ func idleMemory(ctx context.Context, c *client.Client, br *brokerProc, level str
 		ids = append(ids, sb.Sandbox.ID)
 	}
 	time.Sleep(2 * time.Second) // let them settle: this is what idle costs, not what starting does
-	parent := map[string]string{protocol.IsolationNamespace: "sbx-broker", protocol.IsolationGvisor: "sbx-broker/gvisor"}[level]
+	parent := map[string]string{protocol.IsolationNamespace: "sbx-broker", protocol.IsolationGvisor: "sbx-broker"}[level]
 	var cg, outside int64
 	for _, id := range ids {
 		b, _ := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory", parent, id, "memory.usage_in_bytes"))

@@ -57,6 +57,8 @@ type Manager struct {
 	host map[string]*hosted // sandbox id -> local runtime state, for sandboxes this node hosts
 	// closing is set by Close: instances ending then are the broker's doing, not a crash.
 	closing bool
+	// pool keeps started sandboxes ready for templates that ask for it (pool.go).
+	pool *pool
 }
 
 // hosted is the local state of one sandbox. mu serializes lifecycle actions on it (start, stop,
@@ -91,7 +93,9 @@ func NewManager(cfg Config) (*Manager, error) {
 	if cfg.Events == nil {
 		cfg.Events = func(string, protocol.Event) {}
 	}
-	return &Manager{cfg: cfg, host: map[string]*hosted{}}, nil
+	m := &Manager{cfg: cfg, host: map[string]*hosted{}}
+	m.pool = newPool(m)
+	return m, nil
 }
 
 // Provider is the provider in use.
@@ -166,33 +170,59 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 		Provider: provider.Runner(m.cfg.Provider, tmpl), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
 		Tags: req.Tags, TTL: ttl, CreatedAt: now, CreatedBy: c.Actor, Heartbeat: now,
 	}
-	// The index entry comes first: a crash after the record is written must still leave a trace on
-	// this node for Recover to find.
-	if err := m.index(rec.ID, c.Org); err != nil {
-		return store.Record{}, "", err
+	// A sandbox from the template's warm pool, when it has one ready, is already started and set up:
+	// the create only records it (pool.go).
+	// Pooled sandboxes run at their template's own level: a create that raised it never takes one.
+	var pd *pooled
+	if provider.LevelOf(tmpl) == provider.LevelOf(m.cfg.Templates[req.Template]) {
+		pd = m.pool.take(req.Template)
 	}
-	// The uid is taken before the record exists, so that the record never lacks it; a create that
-	// ends up reusing another sandbox gives it back.
-	if rec.UID, err = m.allocateUID(ctx, c.Org, rec.ID); err != nil {
-		// With every uid taken, a reuse of a sandbox that exists still works: it needs none.
-		var pe *protocol.Error
-		capacity := errors.As(err, &pe) && pe.Code == protocol.CodeCapacity
-		if _, gerr := m.cfg.Store.Get(ctx, c.Org, req.Name); !capacity || !req.Reuse || gerr != nil {
-			m.unindex(rec.ID)
+	if pd != nil {
+		defer m.pool.settled(pd)
+		if cerr := m.pool.claim(ctx, c.Org, pd); cerr != nil {
+			m.cfg.Log.Warn("claiming a pooled sandbox failed; starting one", "sandbox_id", pd.id, "err", cerr)
+			pd = nil
+		} else {
+			rec.ID, rec.UID = pd.id, pd.uid
+		}
+	}
+	if pd == nil {
+		// The index entry comes first: a crash after the record is written must still leave a
+		// trace on this node for Recover to find.
+		if err := m.index(rec.ID, c.Org); err != nil {
 			return store.Record{}, "", err
+		}
+		// The uid is taken before the record exists, so that the record never lacks it; a create
+		// that ends up reusing another sandbox gives it back.
+		if rec.UID, err = m.allocateUID(ctx, c.Org, rec.ID); err != nil {
+			// With every uid taken, a reuse of a sandbox that exists still works: it needs none.
+			var pe *protocol.Error
+			capacity := errors.As(err, &pe) && pe.Code == protocol.CodeCapacity
+			if _, gerr := m.cfg.Store.Get(ctx, c.Org, req.Name); !capacity || !req.Reuse || gerr != nil {
+				m.unindex(rec.ID)
+				return store.Record{}, "", err
+			}
 		}
 	}
 	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, req.Reuse)
 	if err != nil || got.ID != rec.ID {
-		m.unindex(rec.ID)
-		m.releaseUID(context.WithoutCancel(ctx), rec)
+		if pd != nil {
+			m.pool.unclaim(ctx, c.Org, pd, err)
+		} else {
+			m.unindex(rec.ID)
+			m.releaseUID(context.WithoutCancel(ctx), rec)
+		}
 	}
 	if err != nil {
 		return store.Record{}, "", m.mapStoreErr(err, req.Name)
 	}
 	switch outcome {
 	case protocol.OutcomeCreated:
-		got, err = m.provision(ctx, c, got, tmpl, true)
+		if pd != nil {
+			got, err = m.adopt(ctx, c, got, pd)
+		} else {
+			got, err = m.provision(ctx, c, got, tmpl, true)
+		}
 		if err == nil {
 			m.emit(c, got, protocol.EventCreated, nil)
 		}

@@ -105,6 +105,10 @@ func (m *Manager) Recover(ctx context.Context) error {
 		if err != nil {
 			continue
 		}
+		if pooled, _, _ := parsePooledIndex(string(org)); pooled {
+			m.recoverPooled(ctx, e.Name(), string(org))
+			continue
+		}
 		m.recoverOne(ctx, string(org), e.Name())
 	}
 	return nil
@@ -280,7 +284,8 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 }
 
 // Close stops every runtime on this node without touching records: they are "running" still, and a
-// restarted broker brings them back (with their processes lost, as it records).
+// restarted broker brings them back (with their processes lost, as it records). The warm pool's
+// sandboxes are destroyed.
 func (m *Manager) Close(ctx context.Context) {
 	m.mu.Lock()
 	m.closing = true
@@ -294,6 +299,8 @@ func (m *Manager) Close(ctx context.Context) {
 		h.release(ctx)
 		h.mu.Unlock()
 	}
+	// Pooled sandboxes have no record to bring them back: they go with the broker.
+	m.pool.close(ctx)
 }
 
 // Liveness: a broker renews its node record every beat; one silent for longer than lostAfter is

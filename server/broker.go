@@ -156,7 +156,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		Provider: prov, Dataplane: cfg.Dataplane, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, advertise),
 		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow,
 		Ready: func(ctx context.Context) ReadyReport {
-			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings}
+			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings, Pool: b.Sandboxes.PoolStats()}
 			if err := cfg.Store.Ping(ctx); err != nil {
 				r.Ready, r.Redis = false, "unreachable"
 			}
@@ -171,6 +171,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.loop(func() { b.Sandboxes.Run(loopCtx, 5*time.Second) })
 	b.loop(func() { reloadKeys(loopCtx, b.Keys, cfg.Log) })
 	b.loop(func() { b.Sandboxes.RunLiveness(loopCtx, live) })
+	b.loop(func() { b.Sandboxes.RunPool(loopCtx) })
 	if cfg.SweepInterval > 0 {
 		b.loop(func() { b.Sweeper.Run(loopCtx) })
 	}

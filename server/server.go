@@ -115,6 +115,8 @@ type ReadyReport struct {
 	Redis    string   `json:"redis"`
 	Node     string   `json:"node"`
 	Warnings []string `json:"warnings,omitempty"`
+	// Pool is each template's warm pool on this broker (templates without one are not listed).
+	Pool []sandbox.PoolStat `json:"pool,omitempty"`
 }
 
 // Server is the HTTP server.
@@ -187,6 +189,9 @@ func New(cfg Config) *Server {
 	}
 	s.newLimiters(cfg)
 	s.registerLimitMetrics(s.metrics.reg)
+	if cfg.Sandboxes != nil {
+		s.metrics.reg.MustRegister(&poolCollector{m: cfg.Sandboxes})
+	}
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler

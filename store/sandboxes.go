@@ -181,7 +181,8 @@ end
 // ARGV: 1 name, 2 new id, 3 now (ms), 4 reuse ("1"/"0"), 5 sandbox key prefix, 6 template,
 // 7 the broker's default max_running, 8 the broker's default max_sandboxes, 9.. field/value pairs
 // of the new record.
-// Answers {"created"|"reused"|"resumed", id} or {"err", code, detail}. A stopped sandbox found by
+// Answers {"created"|"reused"|"resumed", id, HGETALL of the record} (the record as a Get would
+// read it, without a second round trip) or {"err", code, detail}. A stopped sandbox found by
 // reuse is claimed for resuming (status provisioning) here, so only one caller resumes it.
 // Invariant: names[name] = id iff the record exists with that name and is not deleting; a create or
 // a resume claims a place in the org's active set (luaClaim) in the same step, so racing callers
@@ -200,10 +201,10 @@ if id then
     if over then return {'err', 'quota', over} end
     redis.call('HSET', key, 'status', 'provisioning', 'stop_reason', '', 'stopped', 0, 'heartbeat', now)
     redis.call('ZREM', KEYS[4], id)
-    return {'resumed', id}
+    return {'resumed', id, redis.call('HGETALL', key)}
   end
   if cur[1] == 'failed' then return {'err', 'state', 'failed'} end
-  return {'reused', id}
+  return {'reused', id, redis.call('HGETALL', key)}
 end
 local maxs = tonumber(redis.call('HGET', KEYS[6], 'max_sandboxes') or ARGV[8]) or 0
 if maxs > 0 and redis.call('ZCARD', KEYS[3]) >= maxs then return {'err', 'quota_sandboxes', tostring(maxs)} end
@@ -215,7 +216,7 @@ for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('ZADD', KEYS[3], now, newid)
 for i = 7, #KEYS do redis.call('ZADD', KEYS[i], now, newid) end
-return {'created', newid}
+return {'created', newid, redis.call('HGETALL', KEYS[2])}
 `)
 
 // Outcome says what CreateOrReuse did: created, reused or resumed (protocol.Outcome*).
@@ -232,18 +233,24 @@ func (s *Store) CreateOrReuse(ctx context.Context, rec Record, reuse bool) (Reco
 	}
 	args := append([]any{rec.Name, rec.ID, ms(rec.CreatedAt), boolArg(reuse), sandboxPrefix(rec.Org), rec.Template,
 		s.DefaultLimits().MaxRunning, s.DefaultLimits().MaxSandboxes}, rec.fields()...)
-	res, err := createScript.Run(ctx, s.rdb, keys, args...).StringSlice()
+	res, err := createScript.Run(ctx, s.rdb, keys, args...).Slice()
+	if err == nil && len(res) != 3 {
+		err = fmt.Errorf("unexpected answer of %d values", len(res))
+	}
 	if err != nil {
 		return Record{}, "", fmt.Errorf("store: create %s: %w", rec.Name, err)
 	}
-	if res[0] == "err" {
-		return Record{}, "", quotaOrScriptErr(rec.Org, res[1], res[2])
+	outcome, _ := res[0].(string)
+	if outcome == "err" {
+		code, _ := res[1].(string)
+		detail, _ := res[2].(string)
+		return Record{}, "", quotaOrScriptErr(rec.Org, code, detail)
 	}
-	got, err := s.Get(ctx, rec.Org, res[1])
+	got, err := parseRecord(res[2])
 	if err != nil {
 		return Record{}, "", err
 	}
-	return got, Outcome(res[0]), nil
+	return got, Outcome(outcome), nil
 }
 
 // getScript resolves a ref and reads the record in one round trip.

@@ -78,6 +78,7 @@ func TestStore(t *testing.T) {
 				{"APIKeys", testAPIKeys},
 				{"ExpiryWarnings", testExpiryWarnings},
 				{"UIDs", testUIDs},
+				{"TransferUID", testTransferUID},
 				{"Tokens", testTokens},
 				{"SweepLock", testSweepLock},
 				{"Follow", testFollow},

@@ -52,7 +52,10 @@ func TestGvisorLevelEndToEnd(t *testing.T) {
 	}
 	dir := t.TempDir()
 	tmpl := filepath.Join(dir, "templates.yaml")
-	if err := os.WriteFile(tmpl, []byte("- name: untrusted\n  isolation: gvisor\n  limits: {memory_bytes: 536870912, pids: 128}\n"), 0o644); err != nil {
+	templates := "- name: untrusted\n  isolation: gvisor\n  limits: {memory_bytes: 536870912, pids: 128}\n" +
+		"- name: pooled\n  pool: {size: 1}\n" +
+		"- name: gvpooled\n  isolation: gvisor\n  pool: {size: 1}\n"
+	if err := os.WriteFile(tmpl, []byte(templates), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	// The broker's HOME is a temp dir, so it would not find the cached runsc itself.
@@ -122,6 +125,29 @@ func TestGvisorLevelEndToEnd(t *testing.T) {
 			t.Errorf("uname -r after a resume: %q", out)
 		}
 		b.ok("delete", "raised", "--yes")
+	})
+	t.Run("warm pools keep the level", func(t *testing.T) {
+		// A pooled namespace sandbox is never handed to a create that asked for gvisor, and a
+		// gvisor template's pooled sandbox is recorded (and resumed) as gvisor.
+		for _, tmpl := range []string{"pooled", "gvpooled"} {
+			wait.Eventually(t, 30*time.Second, func() bool {
+				return strings.Contains(get(t, b.URL+"/metrics"), `sbx_pool_ready{template="`+tmpl+`"} 1`)
+			}, "the %s pool to fill", tmpl)
+		}
+		b.ok("create", "from-ns-pool", "--template", "pooled", "--isolation", "gvisor")
+		b.ok("create", "from-gv-pool", "--template", "gvpooled")
+		for _, name := range []string{"from-ns-pool", "from-gv-pool"} {
+			if s := b.sandbox(name); s.Isolation != "gvisor" || s.Provider != "gvisor" {
+				t.Errorf("%s: isolation %q provider %q", name, s.Isolation, s.Provider)
+			}
+			if out := b.ok("exec", name, "--", "uname", "-r"); !strings.Contains(out, "gvisor") {
+				t.Errorf("%s: uname -r %q", name, out)
+			}
+			b.ok("delete", name, "--yes")
+		}
+		if !strings.Contains(get(t, b.URL+"/metrics"), `sbx_pool_claims_total{template="gvpooled"} 1`) {
+			t.Error("the gvisor template's create did not come from its pool")
+		}
 	})
 	t.Run("exec and files both ways", func(t *testing.T) {
 		if out := b.ok("exec", "gv", "--", "sh", "-c", "uname -r; echo made-inside > inside.txt"); !strings.Contains(out, "gvisor") {

@@ -139,7 +139,20 @@ type Template struct {
 	// and refused: it needs /dev/kvm and a microVM runtime. A level the host cannot give is refused
 	// at create, never replaced by a weaker one (gvisor.go).
 	Isolation string `json:"isolation,omitempty"`
+	// Pool keeps sandboxes of this template started and set up ahead of demand on each broker, so
+	// that a create claims one instead of starting one (sandbox/pool.go).
+	Pool Pool `json:"pool,omitzero"`
 }
+
+// Pool is a template's warm pool: Size sandboxes started, set up, and kept ready on each broker.
+type Pool struct {
+	// Size is how many are kept ready; 0 (the default) keeps none. At most MaxPoolSize.
+	Size int `json:"size,omitempty"`
+}
+
+// MaxPoolSize bounds a template's pool: each pooled sandbox holds a host uid, its processes (about
+// 2 MB of host memory) and its workspace image while it waits.
+const MaxPoolSize = 32
 
 // Mount is a read-only bind of a host directory into the sandbox.
 type Mount struct {

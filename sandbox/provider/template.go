@@ -221,6 +221,9 @@ func (t Template) validateContent() error {
 	default:
 		return fmt.Errorf("isolation %q: use namespace (the default), gvisor or microvm", t.Isolation)
 	}
+	if t.Pool.Size < 0 || t.Pool.Size > MaxPoolSize {
+		return fmt.Errorf("pool.size %d: must be between 0 and %d", t.Pool.Size, MaxPoolSize)
+	}
 	if t.Tmp < 0 || t.Tmp != 0 && t.Tmp < 1<<20 {
 		return fmt.Errorf("tmp %s: must be at least 1MiB", t.Tmp)
 	}

@@ -32,6 +32,7 @@ func TestLoadTemplates(t *testing.T) {
 		Setup:   "pip install -r requirements.txt",
 		Disk:    2 << 30,
 		Tmp:     256 << 20,
+		Pool:    Pool{Size: 3},
 	}
 	body := `
   rootfs: ` + kb + `
@@ -50,6 +51,7 @@ func TestLoadTemplates(t *testing.T) {
   setup: pip install -r requirements.txt
   disk: 2GiB
   tmp: 256MiB
+  pool: {size: 3}
 `
 	jsonBody, _ := json.Marshal([]Template{want})
 	for name, content := range map[string]string{
@@ -121,6 +123,9 @@ func TestLoadTemplatesErrors(t *testing.T) {
 		{"- name: a\n  network: {allow: [\"10.0.0.1:90-80\"]}\n", "port: want a number 1-65535 or a range"},
 		{"- name: a\n  network: {allow: [\"[2001:db8::1:443\"]}\n", "missing ']'"},
 		{"- name: a\n  network: {deny: [10.0.0.0/8]}\n", `network: want true, false or {allow:`},
+		{"- name: a\n  pool: {size: -1}\n", `template "a": pool.size -1: must be between 0 and 32`},
+		{"- name: a\n  pool: {size: 33}\n", "pool.size 33: must be between 0 and 32"},
+		{"- name: a\n  pool: {size: 1, warm: yes}\n", `unknown field "warm"`},
 		{"- name: a\n  network: yes please\n", `network: want true, false or {allow:`},
 	} {
 		_, err := LoadTemplates(writeFile(t, "t.yaml", tc.content))

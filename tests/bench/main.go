@@ -62,6 +62,9 @@ type row struct{ metric, ours, budget, e2b, daytona, baseline string }
 
 func run() error {
 	raiseFileLimit()
+	if *poolOnly {
+		return printPoolRows(context.Background())
+	}
 	n := 3000
 	if *quick {
 		n = 500
@@ -217,6 +220,8 @@ func run() error {
 	}
 	add(row{"sweep of expired leases", fmt.Sprintf("%.3f s for %d expired among %d", sweepTook.Seconds(), stopped, tracked), "< 1 s for 1,000 of 100,000", "", "", ""})
 
+	addPoolRows(ctx, add)
+
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "METRIC\tSBX BROKER (p50 / p90)\tBUDGET\tE2B ENVD\tDAYTONA\tBASELINE THIS RUN")
 	for _, r := range rows {
@@ -363,7 +368,7 @@ type brokerProc struct {
 	dir      string
 }
 
-func startBroker() (*brokerProc, error) {
+func startBroker(extra ...string) (*brokerProc, error) {
 	root, err := moduleRoot()
 	if err != nil {
 		return nil, err
@@ -391,6 +396,7 @@ func startBroker() (*brokerProc, error) {
 		// The bench measures the broker's capacity, not one org's or one credential's fair share of it.
 		"--org-max-running", "0", "--org-max-sandboxes", "0", "--org-rps", "0",
 		"--max-dataplane-connections-per-org", "4096", "--max-dataplane-connections-per-credential", "4096")
+	b.cmd.Args = append(b.cmd.Args, extra...)
 	b.cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_CONFIG_HOME=", "SBCTL_CONFIG=")
 	logf, _ := os.Create(filepath.Join(dir, "broker.log"))
 	b.cmd.Stdout, b.cmd.Stderr = logf, logf

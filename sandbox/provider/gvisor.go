@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -113,6 +114,9 @@ type gvisorHost struct {
 	runsc string
 	err   error
 	skel  string // the read-only skeleton root: mount points and the host's top-level links
+
+	usrMu    sync.Mutex
+	usrBound bool // the host's /usr is bound into skel (bindUsr), at the first gvisor start
 }
 
 // RunscCacheDir is where scripts/runsc.sh puts runsc: <cache>/sbx-broker/runsc-<version>/runsc.
@@ -178,10 +182,6 @@ func (n *Namespace) initGvisor() {
 	}
 	skel := filepath.Join(n.cfg.DataDir, "gvisor-root")
 	if err := writeSkeleton(skel); err != nil {
-		n.gv.err = fmt.Errorf("gvisor root: %w", err)
-		return
-	}
-	if err := bindUsr(skel); err != nil {
 		n.gv.err = fmt.Errorf("gvisor root: %w", err)
 		return
 	}
@@ -251,7 +251,8 @@ func writeSkeleton(dir string) error {
 	return os.Rename(tmp, dir)
 }
 
-// bindUsr binds the host's /usr read-only at the skeleton's usr, once per boot. The skeleton is the
+// bindUsr binds the host's /usr read-only at the skeleton's usr, at the first gvisor start (a data
+// dir that never runs one never holds the mount). The skeleton is the
 // root mount, which runsc serves with exclusive file access: the sentry caches its dentries and
 // pages, so an exec's loading of binaries and libraries costs no gofer round trip each time (a
 // bind mount in the spec is served shared, revalidated at every access: a fork+exec of /bin/true
@@ -296,6 +297,18 @@ func (n *Namespace) gvisorDir(id string) string {
 // or the template's rootfs read-only, /workspace the host directory, shared both ways), limits in
 // the OCI spec's cgroups, no network, and the same resident init behind sbxinit's bridge.
 func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) (Instance, error) {
+	if spec.Template.Rootfs == "" {
+		n.gv.usrMu.Lock()
+		if !n.gv.usrBound {
+			if err := bindUsr(n.gv.skel); err != nil {
+				n.gv.usrMu.Unlock()
+				release()
+				return nil, fmt.Errorf("gvisor root: %w", err)
+			}
+			n.gv.usrBound = true
+		}
+		n.gv.usrMu.Unlock()
+	}
 	dir := n.gvisorDir(spec.ID)
 	n.removeGvisorState(spec.ID) // a leftover from a crash would make runsc refuse the id
 	if err := os.MkdirAll(filepath.Join(dir, "root"), 0o700); err != nil {

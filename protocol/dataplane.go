@@ -35,6 +35,7 @@ const (
 	OpDownload = "download"
 	OpUntar    = "untar"
 	OpTar      = "tar"
+	OpChanges  = "changes"
 	OpExec     = "exec"
 )
 
@@ -164,6 +165,54 @@ type TreeResult struct {
 	Bytes    int64  `json:"bytes"`
 	Skipped  int    `json:"skipped,omitempty"`
 }
+
+// ChangesArgs asks what changed in a tree since its push baseline (sbctl push): Path is the tree
+// (default /workspace); its baseline record is Path/.sbx/baseline (BaselineRecord). Entries named
+// .git, and the tree's own .sbx, are never looked at.
+type ChangesArgs struct {
+	Path string `json:"path,omitempty"`
+	// Paths, when given, limits the comparison to these paths (relative to Path): what a push is
+	// about to overwrite or delete. At most MaxChangesPaths.
+	Paths []string `json:"paths,omitempty"`
+}
+
+// MaxChangesPaths bounds ChangesArgs.Paths.
+const MaxChangesPaths = 10_000
+
+// BaselineRecord is where a pushed tree's baseline lives, relative to the tree.
+const BaselineRecord = ".sbx/baseline"
+
+// ChangesResult lists what differs from the baseline, by path (relative to the tree, sorted).
+// Commit is the baseline's commit id as its pusher recorded it; Scanned counts the files and
+// symlinks looked at, Hashed the bytes read to hash them.
+type ChangesResult struct {
+	Path    string   `json:"path"`
+	Commit  string   `json:"commit"`
+	Changes []Change `json:"changes"`
+	Scanned int      `json:"scanned"`
+	Hashed  int64    `json:"hashed"`
+	// Skipped are names the tree holds that no git path can be (control characters, invalid
+	// UTF-8), shown quoted; they are left out of Changes.
+	Skipped []string `json:"skipped,omitempty"`
+}
+
+// Change is one path that differs from the baseline. Status is "added", "modified" or "deleted";
+// Mode is the git mode of what is there now ("100644", "100755", "120000"; "" when deleted) and
+// OID its git blob id (of a symlink: of its target's text).
+type Change struct {
+	Path   string `json:"path"`
+	Status string `json:"status"`
+	Mode   string `json:"mode,omitempty"`
+	OID    string `json:"oid,omitempty"`
+	Size   int64  `json:"size,omitempty"`
+}
+
+// The statuses of a Change.
+const (
+	ChangeAdded    = "added"
+	ChangeModified = "modified"
+	ChangeDeleted  = "deleted"
+)
 
 // EnvResult is the sandbox's environment snapshot.
 type EnvResult struct {

@@ -7,7 +7,7 @@ import (
 
 // Delegation scopes. A token carries a space-separated subset in its "scope" claim.
 const (
-	ScopeFSRead  = "fs:read"  // stat, ls, read, glob, grep, download, env
+	ScopeFSRead  = "fs:read"  // stat, ls, read, glob, grep, download, tar, changes, env
 	ScopeFSWrite = "fs:write" // write, edit, delete, mkdir, move, upload
 	ScopeExec    = "exec"     // exec
 )

@@ -23,6 +23,7 @@ var dpOps = map[string]dpOp{
 	protocol.OpGrep:     op(protocol.ScopeFSRead, opHeavy, opGrep),
 	protocol.OpDownload: op(protocol.ScopeFSRead, opStreamed, opDownload),
 	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar),
+	protocol.OpChanges:  op(protocol.ScopeFSRead, opHeavy, opChanges),
 
 	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite),
 	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit),

@@ -155,7 +155,7 @@ command's own code.`,
 		createCmd(g), listCmd(g), getCmd(g), deleteCmd(g), stopCmd(g), resumeCmd(g), extendCmd(g),
 		heartbeatCmd(g), delegateCmd(g), delegationsCmd(g), revokeCmd(g), runConfigCmd(g), introspectCmd(g),
 		execCmd(g), attachCmd(g), eventsCmd(g), watchCmd(g), sweepCmd(g), limitsCmd(g),
-		mcpCmd(g), cpCmd(g),
+		mcpCmd(g), cpCmd(g), pushCmd(g), diffCmd(g), pullCmd(g),
 	)
 	addCompletions(g, root)
 	return root

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/gitsync"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -39,6 +40,7 @@ func createCmd(g *globals) *cobra.Command {
 	var tags []string
 	var noReuse bool
 	var isolation string
+	var from string
 	cmd := &cobra.Command{
 		Use:   "create [NAME]",
 		Short: "Create a sandbox, or reuse (and resume) the one with this name",
@@ -54,8 +56,12 @@ the host's. It may raise the template's level, never lower it; a level the broke
 give is refused (isolation_unavailable), never replaced by a weaker one.
 
 A sandbox the broker cannot isolate (its dir provider) comes with a warning on stderr; the answer's
-"isolation" field says "namespace", "gvisor" or "none".`,
+"isolation" field says "namespace", "gvisor" or "none".
+
+--from DIR pushes the git repository at DIR into the new sandbox's /workspace, as sbctl push does
+(see sbctl push --help).`,
 		Example: `  sbctl create dev
+  sbctl create dev --from .        # create, then push the repository here
   sbctl create dev --ttl 2h --tag thread_id=T42 --tag team=infra
   sbctl create ci-$(date +%s) --no-reuse -o json
   sbctl create review --isolation gvisor`,
@@ -83,9 +89,17 @@ A sandbox the broker cannot isolate (its dir provider) comes with a warning on s
 				f := false
 				req.Reuse = &f
 			}
+			if from != "" { // before anything is created: a wrong DIR changes nothing
+				if _, err := gitsync.Open(cmd.Context(), from); err != nil {
+					return usageErr("--from: %v", err)
+				}
+			}
 			res, err := c.CreateSandbox(cmd.Context(), req)
 			if err != nil {
 				return err
+			}
+			if from != "" {
+				return g.createFrom(cmd.Context(), res, from)
 			}
 			if res.Sandbox.Isolation == protocol.IsolationNone {
 				// On stderr, whatever the output format: a script piping -o json still shows it.
@@ -105,6 +119,7 @@ A sandbox the broker cannot isolate (its dir provider) comes with a warning on s
 	cmd.Flags().Var(client.Duration{D: &ttl}, "ttl", "lease: stop the sandbox when nothing heartbeats it this long, e.g. 2h or 1d (default: the broker's, 30m)")
 	cmd.Flags().StringArrayVar(&tags, "tag", nil, "tag key=value (repeatable)")
 	cmd.Flags().BoolVar(&noReuse, "no-reuse", false, "fail with a conflict if the name is taken instead of reusing it")
+	cmd.Flags().StringVar(&from, "from", "", "then push the git repository at this directory into the sandbox (sbctl push)")
 	return cmd
 }
 

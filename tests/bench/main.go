@@ -115,6 +115,9 @@ func run() error {
 	if *gvisorOnly {
 		return gvisorRows(ctx, c, br)
 	}
+	if *pushOnly {
+		return pushReport(ctx, c, br)
+	}
 	if *treeOnly {
 		fmt.Fprintln(os.Stderr, "tree copy...")
 		rows, err := treeRows(ctx, r, br.dir, br.peakRSS)

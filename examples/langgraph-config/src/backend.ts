@@ -25,6 +25,7 @@ import { DataplaneClient, type CallOptions, type DataplaneOptions } from "./data
 import { DataplaneError, asDataplaneError, describeForModel, isCredentialRefusal } from "./errors.js";
 import { ErrorCode, type FileInfo as WireFileInfo, type WriteResult as WireWriteResult } from "./protocol.js";
 import type { SandboxBlock } from "./runconfig.js";
+import { tarFiles, workspaceName } from "./trees.js";
 
 /** The sandbox's workspace: file tools work inside it, and commands start in it. */
 export const WORKSPACE = "/workspace";
@@ -469,7 +470,23 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     }
   }
 
+  /**
+   * Writes files into the workspace: every file under /workspace in one tar stream (one round
+   * trip, the dataplane's untar); anything else, or all of them again one by one when the tar is
+   * refused, through uploads, so that each file gets its own answer.
+   */
   async uploadFiles(files: Array<[string, Uint8Array]>): Promise<FileUploadResponse[]> {
+    if (files.length > 1) {
+      const named = files.map(([path, content]) => [workspaceName(toSandboxPath(path)), content] as const);
+      if (named.every(([n]) => n !== null)) {
+        try {
+          await this.client.untar(WORKSPACE, tarFiles(named as Array<[string, Uint8Array]>), this.call());
+          return files.map(([path]) => ({ path, error: null }));
+        } catch {
+          // One by one below: each file's own error.
+        }
+      }
+    }
     return Promise.all(
       files.map(async ([path, content]): Promise<FileUploadResponse> => {
         try {

@@ -684,6 +684,16 @@ export class DataplaneClient {
     return this.call("upload", args, { signal: o.signal, retry: o.mode !== "create" }, { upload: bytes });
   }
 
+  /**
+   * Extracts a tar stream into the directory dir (created if missing) in one round trip; the broker
+   * refuses a hostile archive and changes nothing outside dir. Not retried: entries before a
+   * failure stay extracted.
+   */
+  untar(dir: string, archive: Uint8Array, o: CallOptions = {}) {
+    validPaths(dir);
+    return this.call("untar", { path: dir }, { signal: o.signal, retry: false }, { upload: archive });
+  }
+
   /** A file's bytes, from data frames. Retried once like a read (the buffer starts over). */
   async download(path: string, o: CallOptions = {}): Promise<Buffer> {
     validPaths(path);

@@ -1,0 +1,185 @@
+package baseline
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+)
+
+func TestBlobIDIsGit(t *testing.T) {
+	// git hash-object of "hello\n" and of nothing.
+	if got := BlobID([]byte("hello\n")); got != "ce013625030ba8dba906f756967f9e9ca394464a" {
+		t.Fatal(got)
+	}
+	if got := BlobID(nil); got != "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391" {
+		t.Fatal(got)
+	}
+}
+
+func TestParseRefusesGarbage(t *testing.T) {
+	good := Record{Commit: "0123456789abcdef0123456789abcdef01234567", Entries: []Entry{
+		{Path: "a b/c", Mode: ModeFile, OID: BlobID([]byte("x")), Size: 1, MtimeNS: 5},
+		{Path: "l", Mode: ModeSymlink, OID: BlobID([]byte("a b")), Size: 3},
+	}}
+	var buf bytes.Buffer
+	good.Write(&buf)
+	if r, err := Parse(buf.Bytes()); err != nil || len(r.Entries) != 2 || r.Entries[0].Path != "a b/c" {
+		t.Fatalf("round trip: %+v %v", r, err)
+	}
+	for name, b := range map[string]string{
+		"empty":      "",
+		"binary":     "\x00\x01\x02",
+		"no commit":  "sbx-baseline 1\ncommit nope\n",
+		"bad mode":   "sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n100600 " + BlobID(nil) + " 0 0 a\n",
+		"climbs":     "sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n100644 " + BlobID(nil) + " 0 0 ../a\n",
+		"into .git":  "sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n100644 " + BlobID(nil) + " 0 0 x/.git/config\n",
+		"unordered":  "sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n100644 " + BlobID(nil) + " 0 0 b\n100644 " + BlobID(nil) + " 0 0 a\n",
+		"negative":   "sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n100644 " + BlobID(nil) + " -1 0 a\n",
+		"truncated":  "sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n100644 " + BlobID(nil) + " 0 0 a",
+		"few fields": "sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n100644 " + BlobID(nil) + " 0\n",
+	} {
+		if _, err := Parse([]byte(b)); !errors.Is(err, ErrDamaged) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+}
+
+// tree writes files and a record of them (mtimes as the record says), the record's own mtime
+// set after everything, as a push leaves them.
+func tree(t *testing.T, files map[string]string) (string, *os.Root) {
+	t.Helper()
+	dir := t.TempDir()
+	mt := time.Unix(1_700_000_000, 0)
+	rec := Record{Commit: "0123456789abcdef0123456789abcdef01234567"}
+	for _, p := range []string{"a.txt", "d/b.bin", "d/e/c.txt"} {
+		data, ok := files[p]
+		if !ok {
+			continue
+		}
+		full := filepath.Join(dir, p)
+		os.MkdirAll(filepath.Dir(full), 0o755)
+		os.WriteFile(full, []byte(data), 0o644)
+		os.Chtimes(full, mt, mt)
+		rec.Entries = append(rec.Entries, Entry{Path: p, Mode: ModeFile, OID: BlobID([]byte(data)), Size: int64(len(data)), MtimeNS: mt.UnixNano()})
+	}
+	os.Symlink("../../etc/passwd", filepath.Join(dir, "link"))
+	rec.Entries = append(rec.Entries, Entry{Path: "link", Mode: ModeSymlink, OID: BlobID([]byte("../../etc/passwd")), Size: 16})
+	var buf bytes.Buffer
+	rec.Write(&buf)
+	os.MkdirAll(filepath.Join(dir, ".sbx"), 0o755)
+	os.WriteFile(filepath.Join(dir, protocol.BaselineRecord), buf.Bytes(), 0o644)
+	// The record is newer than every file's ctime (a coarse clock could make them equal).
+	later := time.Now().Add(time.Hour)
+	os.Chtimes(filepath.Join(dir, protocol.BaselineRecord), later, later)
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { root.Close() })
+	return dir, root
+}
+
+func TestChangesTrustsOnlyUntouchedFiles(t *testing.T) {
+	files := map[string]string{"a.txt": "alpha\n", "d/b.bin": "\x00\x01bin", "d/e/c.txt": "gamma\n"}
+	dir, root := tree(t, files)
+	ctx := context.Background()
+	res, err := Changes(ctx, root, Options{})
+	if err != nil || len(res.Changes) != 0 || res.Hashed != 0 || res.Scanned != 4 {
+		t.Fatalf("untouched tree: %+v %v", res, err)
+	}
+
+	// Same size, mtime put back: the ctime gives it away (its record is in the future, so
+	// move the record's mtime to just now and let the change come after it).
+	os.Chtimes(filepath.Join(dir, protocol.BaselineRecord), time.Now().Add(-time.Minute), time.Now().Add(-time.Minute))
+	mt := time.Unix(1_700_000_000, 0)
+	os.WriteFile(filepath.Join(dir, "a.txt"), []byte("ALPHA\n"), 0o644)
+	os.Chtimes(filepath.Join(dir, "a.txt"), mt, mt)
+	os.WriteFile(filepath.Join(dir, "new.txt"), []byte("n"), 0o755)
+	os.Remove(filepath.Join(dir, "d/e/c.txt"))
+	os.Mkdir(filepath.Join(dir, ".git"), 0o755)
+	os.WriteFile(filepath.Join(dir, ".git/config"), []byte("[core]"), 0o644)
+	os.WriteFile(filepath.Join(dir, "d/.git"), []byte("gitdir: x"), 0o644)
+	res, err = Changes(ctx, root, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []protocol.Change{
+		{Path: "a.txt", Status: protocol.ChangeModified, Mode: ModeFile, OID: BlobID([]byte("ALPHA\n")), Size: 6},
+		{Path: "d/e/c.txt", Status: protocol.ChangeDeleted},
+		{Path: "new.txt", Status: protocol.ChangeAdded, Mode: ModeExec, OID: BlobID([]byte("n")), Size: 1},
+	}
+	if len(res.Changes) != len(want) {
+		t.Fatalf("changes: %+v", res.Changes)
+	}
+	for i := range want {
+		if res.Changes[i] != want[i] {
+			t.Fatalf("change %d: %+v, want %+v", i, res.Changes[i], want[i])
+		}
+	}
+}
+
+func TestChangesRecordHostile(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	rec := filepath.Join(dir, protocol.BaselineRecord)
+	os.Remove(rec)
+	if _, err := Changes(context.Background(), root, Options{}); !isCode(err, protocol.CodeFileNotFound) {
+		t.Fatalf("no record: %v", err)
+	}
+	os.Symlink("/etc/passwd", rec)
+	if _, err := Changes(context.Background(), root, Options{}); !isCode(err, protocol.CodeInvalidArgument) {
+		t.Fatalf("a link for a record: %v", err)
+	}
+	os.Remove(rec)
+	os.WriteFile(rec, []byte("sbx-baseline 1\ngarbage"), 0o644)
+	if _, err := Changes(context.Background(), root, Options{}); !isCode(err, protocol.CodeInvalidArgument) {
+		t.Fatalf("garbage: %v", err)
+	}
+}
+
+func TestChangesBounded(t *testing.T) {
+	_, root := tree(t, map[string]string{"a.txt": "a", "d/b.bin": "b", "d/e/c.txt": "c"})
+	if _, err := Changes(context.Background(), root, Options{MaxEntries: 3}); !isCode(err, protocol.CodeTooLarge) {
+		t.Fatalf("entries: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := Changes(ctx, root, Options{}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled: %v", err)
+	}
+}
+
+func isCode(err error, code string) bool {
+	var pe *protocol.Error
+	return errors.As(err, &pe) && pe.Code == code
+}
+
+func TestChangesOnlyThesePaths(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a", "d/b.bin": "b", "d/e/c.txt": "c"})
+	os.WriteFile(filepath.Join(dir, "a.txt"), []byte("A"), 0o644)
+	os.WriteFile(filepath.Join(dir, "d/b.bin"), []byte("B"), 0o644)
+	os.Remove(filepath.Join(dir, "d/e/c.txt"))
+	os.WriteFile(filepath.Join(dir, "new"), []byte("n"), 0o644)
+	// d/x is reached through a link: not the path itself, so it counts as absent.
+	os.Symlink("d", filepath.Join(dir, "l"))
+	res, err := Changes(context.Background(), root, Options{Only: []string{"a.txt", "d/e/c.txt", "new", "l/b.bin", "missing"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, c := range res.Changes {
+		got = append(got, c.Path+" "+c.Status)
+	}
+	if want := []string{"a.txt modified", "d/e/c.txt deleted", "new added"}; !slices.Equal(got, want) {
+		t.Fatalf("got %q, want %q", got, want)
+	}
+	if _, err := Changes(context.Background(), root, Options{Only: []string{"../x"}}); !isCode(err, protocol.CodeInvalidArgument) {
+		t.Fatalf("a climbing path: %v", err)
+	}
+}

@@ -40,19 +40,22 @@ func Errorf(code, format string, args ...any) *Error {
 // Stable error codes. Clients branch on these; never rename one.
 const (
 	// Request shape.
-	CodeInvalidJSON      = "invalid_json"
-	CodeInvalidArgument  = "invalid_argument"
-	CodeInvalidName      = "invalid_name"
-	CodeInvalidTTL       = "invalid_ttl"
-	CodeInvalidTag       = "invalid_tag"
-	CodeInvalidStatus    = "invalid_status"
-	CodeInvalidCursor    = "invalid_cursor"
-	CodeInvalidEventID   = "invalid_event_id"
-	CodeInvalidScope     = "invalid_scope"
-	CodeUnknownTemplate  = "unknown_template"
-	CodeTooLarge         = "payload_too_large"
-	CodeRouteNotFound    = "route_not_found"
-	CodeMethodNotAllowed = "method_not_allowed"
+	CodeInvalidJSON     = "invalid_json"
+	CodeInvalidArgument = "invalid_argument"
+	CodeInvalidName     = "invalid_name"
+	CodeInvalidTTL      = "invalid_ttl"
+	CodeInvalidTag      = "invalid_tag"
+	CodeInvalidStatus   = "invalid_status"
+	CodeInvalidCursor   = "invalid_cursor"
+	CodeInvalidEventID  = "invalid_event_id"
+	CodeInvalidScope    = "invalid_scope"
+	CodeUnknownTemplate = "unknown_template"
+	// CodeIsolationUnavailable: the isolation level asked for cannot run on this broker's host
+	// (runsc missing, no /dev/kvm); the message says what to install.
+	CodeIsolationUnavailable = "isolation_unavailable"
+	CodeTooLarge             = "payload_too_large"
+	CodeRouteNotFound        = "route_not_found"
+	CodeMethodNotAllowed     = "method_not_allowed"
 
 	// Who is calling.
 	CodeUnauthenticated   = "unauthenticated"

@@ -29,6 +29,11 @@ const (
 	// IsolationNamespace: its own mount, pid, ipc, uts, user and network namespaces (bubblewrap),
 	// with resource limits where the host enforces them.
 	IsolationNamespace = "namespace"
+	// IsolationGvisor: a gVisor sandbox (runsc): its commands talk to gVisor's kernel in user space,
+	// never to the host's, inside the same namespaces and limits.
+	IsolationGvisor = "gvisor"
+	// IsolationMicroVM: a virtual machine with its own kernel (designed, not built: it needs /dev/kvm).
+	IsolationMicroVM = "microvm"
 	// IsolationNone: a plain directory on the host (the dir provider); its commands see the host's
 	// files, processes and network.
 	IsolationNone = "none"
@@ -52,7 +57,8 @@ type Sandbox struct {
 	Name     string `json:"name"`
 	Template string `json:"template"`
 	Provider string `json:"provider"`
-	// Isolation says how isolated the sandbox is: IsolationNamespace or IsolationNone.
+	// Isolation says how isolated the sandbox is: IsolationNamespace, IsolationGvisor or
+	// IsolationNone.
 	Isolation       string            `json:"isolation"`
 	Status          string            `json:"status"`
 	Tags            map[string]string `json:"tags"`
@@ -108,6 +114,10 @@ type CreateSandboxRequest struct {
 	// Reuse (default true) returns an existing sandbox of the same name instead of failing with
 	// name_conflict; a stopped one is resumed.
 	Reuse *bool `json:"reuse,omitempty"`
+	// Isolation asks for a level (IsolationNamespace, IsolationGvisor) instead of the template's;
+	// empty means the template's. It may raise the template's level, never lower it, and a level the
+	// host cannot give is refused (isolation_unavailable), never replaced by a weaker one.
+	Isolation string `json:"isolation,omitempty"`
 }
 
 // CreateSandboxResponse says what create-or-reuse did.

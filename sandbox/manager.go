@@ -133,6 +133,9 @@ type CreateRequest struct {
 	TTL      *time.Duration
 	Tags     map[string]string
 	Reuse    bool
+	// Isolation is the level asked for instead of the template's ("" = the template's); it may
+	// raise the template's level, never lower it.
+	Isolation string
 }
 
 // Create creates the named sandbox, or reuses it (resuming it when stopped) when req.Reuse. It returns
@@ -148,6 +151,10 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if !ok {
 		return store.Record{}, "", protocol.Errorf(protocol.CodeUnknownTemplate, "template %q does not exist on this broker", clip(req.Template))
 	}
+	tmpl, err := withIsolation(m.cfg.Provider, tmpl, req.Isolation)
+	if err != nil {
+		return store.Record{}, "", err
+	}
 	ttl := m.cfg.DefaultTTL
 	if req.TTL != nil {
 		ttl = *req.TTL
@@ -158,16 +165,19 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if err := ValidateTags(req.Tags); err != nil {
 		return store.Record{}, "", err
 	}
-	var err error
 	now := m.now()
 	rec := store.Record{
 		ID: protocol.NewSandboxID(), Org: c.Org, Name: req.Name, Template: req.Template,
-		Provider: m.cfg.Provider.Name(), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
+		Provider: provider.Runner(m.cfg.Provider, tmpl), Node: m.cfg.Node, Status: protocol.StatusProvisioning,
 		Tags: req.Tags, TTL: ttl, CreatedAt: now, CreatedBy: c.Actor, Heartbeat: now,
 	}
 	// A sandbox from the template's warm pool, when it has one ready, is already started and set up:
 	// the create only records it (pool.go).
-	pd := m.pool.take(req.Template)
+	// Pooled sandboxes run at their template's own level: a create that raised it never takes one.
+	var pd *pooled
+	if provider.LevelOf(tmpl) == provider.LevelOf(m.cfg.Templates[req.Template]) {
+		pd = m.pool.take(req.Template)
+	}
 	if pd != nil {
 		defer m.pool.settled(pd)
 		if cerr := m.pool.claim(ctx, c.Org, pd); cerr != nil {
@@ -243,6 +253,12 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	defer h.mu.Unlock()
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
+	if !first {
+		// A sandbox keeps the level it was created at, whatever its template says now.
+		if level := provider.RecordedIsolation(rec.Provider); level != "" {
+			tmpl.Isolation = level
+		}
+	}
 	spec := provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID, Org: rec.Org, Name: rec.Name}
 	// fail records why (for the owner, on the record) and emits code (the event carries no text).
 	fail := func(code, why string, cause error) (store.Record, error) {
@@ -269,7 +285,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		})
 		return got, protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %s could not start: %s", rec.Name, why)
 	}
-	fields := map[string]string{store.FieldProvider: m.cfg.Provider.Name()}
+	fields := map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, tmpl)}
 	if rec.UID == 0 && m.cfg.UIDs.Size() > 0 {
 		// A sandbox recorded before each got its own uid gets one now; the provider gives it its
 		// files. Keeping it on the shared uid would keep it sharing keyrings and limits with every

@@ -473,7 +473,7 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 	// again on the create's path: Recover reads the mark, finds the record and rewrites it.
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning,
-		Fields: map[string]string{store.FieldProvider: m.cfg.Provider.Name()}})
+		Fields: map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, m.cfg.Templates[rec.Template])}})
 	if err != nil {
 		// As in provision: deleted (or the store failed) meanwhile; the record's own path cleans up.
 		inst.Stop(ctx)

@@ -30,11 +30,12 @@ func View(r store.Record) protocol.Sandbox {
 	return v
 }
 
-// Isolation is the isolation level of sandboxes run by the named provider. Only the namespace
-// provider isolates; anything else (dir, or a name this broker does not know) is reported as none.
+// Isolation is the isolation level of sandboxes run by the named provider (the runner recorded on a
+// sandbox: provider.Runner). The namespace provider isolates, at the namespace or the gvisor level;
+// anything else (dir, or a name this broker does not know) is reported as none.
 func Isolation(providerName string) string {
-	if providerName == provider.ChoiceNamespace {
-		return protocol.IsolationNamespace
+	if level := provider.RecordedIsolation(providerName); level != "" {
+		return level
 	}
 	if providerName == "kubernetes" {
 		return protocol.IsolationContainer

@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
+# runsc for the gvisor isolation level's tests: built static from the Go module proxy at the version
+# tools/runsc pins, cached under ~/.cache/sbx-broker (minutes the first time, nothing after).
+scripts/runsc.sh >/dev/null
 go vet ./...
 # sbctl and the Go SDK build for every OS and CPU people run them on (the broker itself is Linux only).
 for os in linux darwin windows; do

@@ -144,7 +144,8 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		return fail(err)
 	}
 	prov := ProviderInfo{Name: cfg.Provider.Name(), Isolation: sandbox.Isolation(cfg.Provider.Name()),
-		LimitsEnforced: cfg.ProviderReport.LimitsEnforced, DiskQuota: cfg.ProviderReport.DiskQuota, Fallback: cfg.ProviderReport.Fallback}
+		LimitsEnforced: cfg.ProviderReport.LimitsEnforced, DiskQuota: cfg.ProviderReport.DiskQuota, Fallback: cfg.ProviderReport.Fallback,
+		Levels: isolationLevels(cfg.Provider)}
 	var warnings []string
 	if cfg.ProviderReport.Warning != "" {
 		warnings = []string{cfg.ProviderReport.Warning}
@@ -239,4 +240,19 @@ func dataplaneURL(st *store.Store, self, selfURL string) func(ctx context.Contex
 		}
 		return u, nil
 	}
+}
+
+// isolationLevels is what /readyz and /metrics say of each isolation level on this host.
+func isolationLevels(p sandbox.Provider) []IsolationLevel {
+	offered, missing := sandbox.IsolationLevels(p)
+	var out []IsolationLevel
+	for _, l := range offered {
+		out = append(out, IsolationLevel{Level: l, Available: true})
+	}
+	for _, l := range []string{protocol.IsolationNamespace, protocol.IsolationGvisor, protocol.IsolationMicroVM} {
+		if why, ok := missing[l]; ok {
+			out = append(out, IsolationLevel{Level: l, Missing: why})
+		}
+	}
+	return out
 }

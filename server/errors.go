@@ -15,7 +15,7 @@ import (
 var statusOf = map[string]int{
 	protocol.CodeInvalidJSON: 400, protocol.CodeInvalidArgument: 400, protocol.CodeInvalidName: 400,
 	protocol.CodeInvalidTTL: 400, protocol.CodeInvalidTag: 400, protocol.CodeInvalidStatus: 400,
-	protocol.CodeInvalidCursor: 400, protocol.CodeInvalidEventID: 400, protocol.CodeInvalidScope: 400, protocol.CodeUnknownTemplate: 400,
+	protocol.CodeInvalidCursor: 400, protocol.CodeInvalidEventID: 400, protocol.CodeInvalidScope: 400, protocol.CodeUnknownTemplate: 400, protocol.CodeIsolationUnavailable: 400,
 	protocol.CodeUnauthenticated: 401,
 	protocol.CodeTokenMalformed:  401, protocol.CodeTokenTooLarge: 401, protocol.CodeTokenAlgorithm: 401,
 	protocol.CodeTokenType: 401, protocol.CodeTokenUnknownKey: 401, protocol.CodeTokenSignature: 401,

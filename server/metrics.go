@@ -39,6 +39,16 @@ func newMetrics(dpConns func() int, prov ProviderInfo) *metrics {
 		Help:        "The sandbox provider this broker runs, with its isolation level (none: sandboxes run on the host with no isolation); always 1.",
 		ConstLabels: prometheus.Labels{"provider": prov.Name, "isolation": prov.Isolation}})
 	info.Set(1)
+	levels := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "sbx_isolation_level_available",
+		Help: "1 for each isolation level this broker's host can run sandboxes at (namespace, gvisor, microvm), 0 for the others."},
+		[]string{"level"})
+	for _, l := range prov.Levels {
+		v := 0.0
+		if l.Available {
+			v = 1
+		}
+		levels.WithLabelValues(l.Level).Set(v)
+	}
 	limits := prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_provider_limits_enforced",
 		Help: "1 when memory, pids and cpu limits apply to sandboxes, 0 when they do not."})
 	fallback := prometheus.NewGauge(prometheus.GaugeOpts{Name: "sbx_provider_fallback",
@@ -49,7 +59,7 @@ func newMetrics(dpConns func() int, prov ProviderInfo) *metrics {
 	if prov.Fallback != "" {
 		fallback.Set(1)
 	}
-	m.reg.MustRegister(m.requests, m.latency, conns, info, limits, fallback, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.reg.MustRegister(m.requests, m.latency, conns, info, levels, limits, fallback, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

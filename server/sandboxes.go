@@ -74,7 +74,7 @@ func (s *Server) createSandbox(c echo.Context) error {
 	if err := decodeJSON(c, &req); err != nil {
 		return err
 	}
-	cr := sandbox.CreateRequest{Name: req.Name, Template: req.Template, Tags: req.Tags, Reuse: req.Reuse == nil || *req.Reuse}
+	cr := sandbox.CreateRequest{Name: req.Name, Template: req.Template, Tags: req.Tags, Reuse: req.Reuse == nil || *req.Reuse, Isolation: req.Isolation}
 	if req.TTLSeconds != nil {
 		ttl := leaseOf(*req.TTLSeconds)
 		cr.TTL = &ttl

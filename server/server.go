@@ -66,6 +66,16 @@ type ProviderInfo struct {
 	// Fallback is why preflight fell back to the dir provider (on this start or the one that set up
 	// the data dir), empty if it did not.
 	Fallback string `json:"fallback,omitempty"`
+	// Levels are the isolation levels a template may ask for, and whether this host offers each.
+	Levels []IsolationLevel `json:"isolation_levels,omitempty"`
+}
+
+// IsolationLevel is one isolation level and whether this broker's host can run it.
+type IsolationLevel struct {
+	Level     string `json:"level"`
+	Available bool   `json:"available"`
+	// Missing says what the host lacks, when it is not available.
+	Missing string `json:"missing,omitempty"`
 }
 
 // DataplaneLimits bound the dataplane connections one broker serves, so that one credential or one

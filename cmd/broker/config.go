@@ -29,6 +29,7 @@ type config struct {
 	RedisTimeout    time.Duration
 	DataDir         string
 	Provider        string
+	Runsc           string
 	ProviderReset   bool
 	AllowUnisolated bool
 	Kube            kubeConfig
@@ -68,7 +69,7 @@ type config struct {
 // envOf maps each flag to its environment fallback.
 var envOf = map[string]string{
 	"listen": "SBX_LISTEN", "redis-url": "SBX_REDIS_URL", "redis-timeout": "SBX_REDIS_TIMEOUT",
-	"data-dir": "SBX_DATA_DIR", "provider": "SBX_PROVIDER",
+	"data-dir": "SBX_DATA_DIR", "provider": "SBX_PROVIDER", "runsc": "SBX_RUNSC",
 	"provider-reset": "SBX_PROVIDER_RESET", "allow-unisolated": "SBX_ALLOW_UNISOLATED",
 	"advertise-url": "SBX_ADVERTISE_URL", "log-format": "SBX_LOG_FORMAT", "log-level": "SBX_LOG_LEVEL",
 	"templates": "SBX_TEMPLATES", "node": "SBX_NODE", "default-ttl": "SBX_DEFAULT_TTL", "max-ttl": "SBX_MAX_TTL",
@@ -142,6 +143,7 @@ func (c *config) signingDir() string {
 
 func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Listen, "listen", "127.0.0.1:7070", "address to serve the API, dataplane and events on")
+	fs.StringVar(&c.Runsc, "runsc", "", "gVisor's runsc for templates with isolation: gvisor (default: runsc in PATH, else the one scripts/runsc.sh built into ~/.cache/sbx-broker); it must be a static build")
 	fs.StringVar(&c.Provider, "provider", "auto", "sandbox provider: auto (namespace where it works, else dir), namespace (bubblewrap isolation), dir (no isolation) or kubernetes (pods on a cluster: --kubeconfig, --namespace, --kube-image)")
 	fs.BoolVar(&c.ProviderReset, "provider-reset", false, "forget the provider this data dir was set up with and choose again (a data dir set up for namespace sandboxes is never moved to dir this way)")
 	fs.BoolVar(&c.AllowUnisolated, "allow-unisolated", false, "confirm --provider dir on a data dir set up for namespace sandboxes: they then run with no isolation")

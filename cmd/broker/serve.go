@@ -150,7 +150,7 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 		return nil, provider.Report{}, fmt.Errorf("--provider dir (SBX_PROVIDER): the data dir %s was set up for namespace sandboxes, and the dir provider would run them with no isolation, as a user of this host; "+
 			"to do that knowingly, confirm with --allow-unisolated (SBX_ALLOW_UNISOLATED=true)", c.DataDir)
 	}
-	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log), DiskReserve: c.diskReserve()}
+	cfg := provider.Config{DataDir: c.DataDir, UID: c.SandboxUID, GID: c.SandboxUID, InitPath: initPath(log), DiskReserve: c.diskReserve(), RunscPath: c.Runsc}
 	prov, report, err := provider.Preflight(ctx, cfg, choice)
 	if err != nil {
 		switch {
@@ -177,6 +177,12 @@ func chooseProvider(ctx context.Context, c *config, log *slog.Logger) (provider.
 	}
 	log.Info("sandbox provider ready", "provider", prov.Name(), "isolation", sandbox.Isolation(prov.Name()), "limits_enforced", report.LimitsEnforced,
 		"cgroups", report.Cgroups, "preflight_ms", report.Took.Milliseconds())
+	// Which isolation levels templates may ask for here; one asking for another is refused at create.
+	offered, missing := sandbox.IsolationLevels(prov)
+	for level, why := range missing {
+		log.Info("isolation level unavailable: templates asking for it are refused", "level", level, "missing", why)
+	}
+	log.Info("isolation levels offered", "levels", strings.Join(offered, ","))
 	content := prov.Name() + "\n"
 	if report.Fallback != "" {
 		content += fallbackNote + strings.ReplaceAll(report.Fallback, "\n", " ") + "\n"

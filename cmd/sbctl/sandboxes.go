@@ -39,6 +39,7 @@ func createCmd(g *globals) *cobra.Command {
 	var ttl time.Duration
 	var tags []string
 	var noReuse bool
+	var isolation string
 	var from string
 	cmd := &cobra.Command{
 		Use:   "create [NAME]",
@@ -50,22 +51,27 @@ Without NAME a random name is chosen.
 The sandbox is stopped (files kept) when nothing heartbeats it for --ttl; keep it alive with
 sbctl attach or sbctl heartbeat.
 
+--isolation gvisor runs the sandbox under gVisor (runsc): its commands meet gVisor's kernel, not
+the host's. It may raise the template's level, never lower it; a level the broker's host cannot
+give is refused (isolation_unavailable), never replaced by a weaker one.
+
 A sandbox the broker cannot isolate (its dir provider) comes with a warning on stderr; the answer's
-"isolation" field says "namespace" or "none".
+"isolation" field says "namespace", "gvisor" or "none".
 
 --from DIR pushes the git repository at DIR into the new sandbox's /workspace, as sbctl push does
 (see sbctl push --help).`,
 		Example: `  sbctl create dev
   sbctl create dev --from .        # create, then push the repository here
   sbctl create dev --ttl 2h --tag thread_id=T42 --tag team=infra
-  sbctl create ci-$(date +%s) --no-reuse -o json`,
+  sbctl create ci-$(date +%s) --no-reuse -o json
+  sbctl create review --isolation gvisor`,
 		Args: maxArgs(1, "at most one NAME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := g.client()
 			if err != nil {
 				return err
 			}
-			req := protocol.CreateSandboxRequest{Template: template}
+			req := protocol.CreateSandboxRequest{Template: template, Isolation: isolation}
 			if len(args) == 1 {
 				req.Name = args[0]
 			} else {
@@ -109,6 +115,7 @@ A sandbox the broker cannot isolate (its dir provider) comes with a warning on s
 		},
 	}
 	cmd.Flags().StringVar(&template, "template", "", "template to create from (default: the broker's \"default\")")
+	cmd.Flags().StringVar(&isolation, "isolation", "", "isolation level: namespace or gvisor (default: the template's)")
 	cmd.Flags().Var(client.Duration{D: &ttl}, "ttl", "lease: stop the sandbox when nothing heartbeats it this long, e.g. 2h or 1d (default: the broker's, 30m)")
 	cmd.Flags().StringArrayVar(&tags, "tag", nil, "tag key=value (repeatable)")
 	cmd.Flags().BoolVar(&noReuse, "no-reuse", false, "fail with a conflict if the name is taken instead of reusing it")

@@ -20,6 +20,9 @@ type Config struct {
 	// InitPath is the executable re-run as the resident init (default os.Executable()). Its main must
 	// call RunInit when os.Args[1] == InitArg.
 	InitPath string
+	// RunscPath is gVisor's runsc for gvisor-level templates; "" finds it (FindRunsc: PATH, then the
+	// cache scripts/runsc.sh builds into). Without one, gvisor templates are refused at create.
+	RunscPath string
 	// BwrapPath is the bubblewrap binary; a bare name is looked up in PATH. Default "bwrap".
 	BwrapPath string
 	// PastaPath is pasta (Debian package passt), the user-mode network stack that gives a

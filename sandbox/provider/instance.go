@@ -49,6 +49,7 @@ type instance struct {
 	limits  Limits
 	hostWS  string // dir provider: the host directory /workspace stands for
 	release func()
+	lostWhy func() string // see launchSpec.lostWhy
 
 	mu      sync.Mutex
 	calls   map[uint64]*call
@@ -115,6 +116,12 @@ type launchSpec struct {
 	// network, when set, attaches the sandbox's network helper to the namespaces of the init (host
 	// pid) once it is ready; the function it returns ends the helper and runs when the sandbox ends.
 	network func(ctx context.Context, initPid int) (stop func(), err error)
+	// relay: the init runs where no fd passes in from the host (gvisor); cmd's stdin and stdout
+	// are the stream to its bridge, and startRelay carries the control socket over it.
+	relay bool
+	// lostWhy, when set, says why the init's process ended when nobody stopped it ("" if it does
+	// not know), before anything is torn down: gvisor reads its sentry's cgroup.
+	lostWhy func() string
 }
 
 // launch starts an init and returns once it is ready, attached to its cgroups, and the environment
@@ -161,10 +168,20 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		limits:  ls.limits,
 		hostWS:  ls.hostWS,
 		release: ls.release,
+		lostWhy: ls.lostWhy,
 		calls:   make(map[uint64]*call),
 		done:    make(chan struct{}),
 	}
-	in.cmd.ExtraFiles = append([]*os.File{initEnd}, extra...)
+	var afterSpawn func()
+	if ls.relay {
+		if afterSpawn, err = startRelay(initEnd, in.cmd); err != nil {
+			initEnd.Close()
+			ctl.close()
+			return fail(fmt.Errorf("control relay: %w", err))
+		}
+	} else {
+		in.cmd.ExtraFiles = append([]*os.File{initEnd}, extra...)
+	}
 	in.cmd.Stderr = in.stderr
 	in.cmd.WaitDelay = time.Second
 	// The config waits in the socket buffer until the init reads it, so it costs no round trip.
@@ -181,6 +198,9 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 	}
 	initEnd.Close()
 	closeExtra()
+	if afterSpawn != nil {
+		afterSpawn()
+	}
 	if err != nil {
 		ctl.close()
 		if ls.info != nil {
@@ -383,6 +403,11 @@ func (in *instance) wait() {
 	if !in.stopping.Load() && killedBySIGKILL(in.cmd, err) && in.oomSince() {
 		in.setWhy(ReasonMemoryLimit)
 	}
+	if in.lostWhy != nil && !in.stopping.Load() {
+		if why := in.lostWhy(); why != "" {
+			in.setWhy(why)
+		}
+	}
 	in.fail(in.endErr())
 	if in.kind == kindDir && in.initPid > 0 {
 		// Without a pid namespace, processes that outlived the init (their parent died, and so did
@@ -438,6 +463,10 @@ func (in *instance) kill() {
 			return
 		}
 		killTree(in.cmd.Process.Pid, 0, 0, os.Getpid())
+	case kindGvisor:
+		// runsc run is attached: its sandbox and gofer die with it (Pdeathsig), and with the
+		// sandbox every process in it. The release removes its state.
+		in.cmd.Process.Kill()
 	case kindDir:
 		// Stop the init first (through its pidfd, so never a reused pid): frozen, it reaps nothing
 		// and forks nothing, so the pids of its tree stay valid while we walk and kill it.
@@ -1106,6 +1135,7 @@ func (h *headBuffer) String() string {
 const (
 	kindNamespace = "namespace"
 	kindDir       = "dir"
+	kindGvisor    = "gvisor"
 )
 
 // spawner is one goroutine locked to its OS thread for the life of the process. Every init (or

@@ -83,7 +83,7 @@ func crashHelper(mode string) {
 	}
 	var p Provider
 	var err error
-	if mode == kindNamespace || mode == crashNetwork {
+	if mode == kindNamespace || mode == crashNetwork || mode == kindGvisor {
 		p, err = NewNamespace(cfg)
 	} else {
 		p, err = NewDir(cfg)
@@ -96,6 +96,9 @@ func crashHelper(mode string) {
 	if mode == crashNetwork {
 		// pasta's command line names the sandbox's state dir, so the test sees it die too.
 		spec.Template.Network = NetworkOn
+	}
+	if mode == kindGvisor {
+		spec.Template.Isolation = IsolationGvisor
 	}
 	ctx := context.Background()
 	if err := p.Create(ctx, spec); err != nil {

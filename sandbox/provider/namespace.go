@@ -69,7 +69,8 @@ type Namespace struct {
 	pasta      string // the network helper for network: true templates (network.go)
 	pastaErr   error  // why there is none; a network: true sandbox then fails to start
 	running    running
-	vol        volumes // disk quotas (volume.go)
+	vol        volumes    // disk quotas (volume.go)
+	gv         gvisorHost // the gvisor level (gvisor.go)
 }
 
 // NewNamespace checks what the provider needs on this host (bwrap, a reachable data dir, cgroups)
@@ -115,6 +116,7 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 	if n.pasta, err = exec.LookPath(cfg.PastaPath); err != nil {
 		n.pastaErr = fmt.Errorf("sandbox network: the template allows the network and pasta was not found (%s): install it: apt-get install -y passt", cfg.PastaPath)
 	}
+	n.initGvisor()
 	return n, nil
 }
 
@@ -235,6 +237,10 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if err := spec.Template.validateContent(); err != nil {
 		return nil, fmt.Errorf("template %q: %w", spec.Template.Name, err)
 	}
+	gvisor := LevelOf(spec.Template) == IsolationGvisor
+	if err := CheckIsolation(n, spec.Template); err != nil {
+		return nil, err // never a weaker level than the one asked for
+	}
 	if spec.Template.Network.Enabled && !n.asRoot {
 		return nil, errNetworkNeedsRoot(spec.Template.Name)
 	}
@@ -268,6 +274,9 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		return nil, err
 	}
 	release := func() { n.running.release(spec.ID) }
+	if gvisor {
+		return n.startGvisor(ctx, spec, release)
+	}
 	limits := resolveLimits(n.cfg.Defaults, spec.Template.Limits)
 	cg, err := n.cg.create(spec.ID, limits)
 	if err != nil {

@@ -8,15 +8,30 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 )
 
+// TestNamespaceIsolation is the hostile-sandbox suite, run at both isolation levels the namespace
+// provider offers: what holds for a namespace sandbox must hold for a gvisor one.
 func TestNamespaceIsolation(t *testing.T) {
+	requireRunsc(t)
 	n := newNamespace(t, Config{})
-	in, spec := startSandbox(t, n, Template{})
+	for _, level := range []string{IsolationNamespace, IsolationGvisor} {
+		t.Run(level, func(t *testing.T) { testIsolation(t, n, level) })
+	}
+}
+
+func testIsolation(t *testing.T, n *Namespace, level string) {
+	in, spec := startSandbox(t, n, Template{Isolation: level})
+	// Inside gVisor the sandbox user keeps its host uid (the gofer creates files with it).
+	uid := "1000"
+	if level == IsolationGvisor {
+		uid = strconv.Itoa(DefaultUID)
+	}
 
 	t.Run("host files outside the workspace are invisible", func(t *testing.T) {
 		secret := filepath.Join(t.TempDir(), "secret")
@@ -51,7 +66,7 @@ func TestNamespaceIsolation(t *testing.T) {
 		}
 	})
 	t.Run("identity", func(t *testing.T) {
-		if _, out := sh(t, in, "id -u; id -g; id -un; hostname; echo $HOME"); out != "1000\n1000\nuser\nsandbox\n/home/user\n" {
+		if _, out := sh(t, in, "id -u; id -g; id -un; hostname; echo $HOME; touch ~/dotfile && echo home-ok"); out != uid+"\n"+uid+"\nuser\nsandbox\n/home/user\nhome-ok\n" {
 			t.Errorf("identity inside: %q", out)
 		}
 		ws := n.WorkspaceDir(spec)

@@ -20,6 +20,11 @@ const killGrace = time.Second
 // command's end before it answers for it.
 const outsideReport = 100 * time.Millisecond
 
+// gvisorWedged is how much longer than killGrace a gvisor sandbox's init may take to end a command
+// before the sandbox is ended instead: gVisor's kernel is slower to kill, and the report comes
+// through the bridge.
+const gvisorWedged = 10 * time.Second
+
 // killOutside ends a command from the broker's side: every process of the sandbox in the command's
 // process group, every one that holds the command's output pipes (a child that left the group and
 // its parent still keeps the exec open), and all their descendants. Then, if the init still has not
@@ -56,6 +61,20 @@ func (in *instance) killOutside(c *call) {
 		}
 	}
 	c.mu.Unlock()
+	if in.kind == kindGvisor {
+		// A gvisor sandbox's processes are the sentry's, not the host's: there is no tree to walk
+		// from here. An init that has not ended the command gvisorWedged later is wedged, and a
+		// timeout must fire: the sandbox ends (runtime_lost), its files stay.
+		if !exited {
+			select {
+			case <-c.done:
+			case <-in.done:
+			case <-time.After(gvisorWedged):
+				in.stopOnce.Do(in.kill)
+			}
+		}
+		return
+	}
 	in.mu.Lock()
 	initPid := in.initPid
 	in.mu.Unlock()

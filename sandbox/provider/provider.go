@@ -164,6 +164,11 @@ type Template struct {
 	// Setup is a shell command run once at create, in the workspace; a non-zero exit marks the sandbox
 	// failed with the command's output.
 	Setup string `json:"setup,omitempty"`
+	// Isolation is the level the sandbox runs at: "namespace" (empty: the default; bubblewrap) or
+	// "gvisor" (runsc: gVisor's kernel between the sandbox and the host's). "microvm" is recognised
+	// and refused: it needs /dev/kvm and a microVM runtime. A level the host cannot give is refused
+	// at create, never replaced by a weaker one (gvisor.go).
+	Isolation string `json:"isolation,omitempty"`
 	// Pool keeps sandboxes of this template started and set up ahead of demand on each broker, so
 	// that a create claims one instead of starting one (sandbox/pool.go).
 	Pool Pool `json:"pool,omitzero"`

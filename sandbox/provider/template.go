@@ -216,6 +216,11 @@ func (t Template) validateContent() error {
 	if t.Disk != 0 && t.Disk < MinDisk {
 		return fmt.Errorf("disk %s: must be at least %s", t.Disk, ByteSize(MinDisk))
 	}
+	switch t.Isolation {
+	case "", IsolationNamespace, IsolationGvisor, IsolationMicroVM:
+	default:
+		return fmt.Errorf("isolation %q: use namespace (the default), gvisor or microvm", t.Isolation)
+	}
 	if t.Pool.Size < 0 || t.Pool.Size > MaxPoolSize {
 		return fmt.Errorf("pool.size %d: must be between 0 and %d", t.Pool.Size, MaxPoolSize)
 	}

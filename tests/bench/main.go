@@ -111,6 +111,9 @@ func run() error {
 	}
 	defer r.Close()
 
+	if *gvisorOnly {
+		return gvisorRows(ctx, c, br)
+	}
 	if *pushOnly {
 		return pushReport(ctx, c, br)
 	}

@@ -25,6 +25,9 @@ const ctlFD = 3
 // RunInit runs the resident init and never returns. Mains call it first thing when os.Args[1] is
 // InitArg (see the package doc); it expects the control socket on fd 3.
 func RunInit() {
+	if len(os.Args) > 2 && os.Args[2] == BridgeArg {
+		RunBridge() // the same binary, started as the first process of a gVisor sandbox
+	}
 	if err := runInit(); err != nil {
 		fmt.Fprintf(os.Stderr, "sandbox-init: %v\n", err)
 		os.Exit(1)
@@ -37,7 +40,8 @@ type initProc struct {
 	ctl     *ctlConn
 	env     []string // the whole environment commands start from
 	devnull int
-	host    bool // dir provider: shares the host's pid space
+	host    bool                // dir provider: shares the host's pid space
+	cred    *syscall.Credential // who commands run as, nil: as we do
 	self    int
 	// oomAdj is our /proc/self/oom_score_adj open for writing (-1 in the dir provider), and oomBase
 	// the score we started with: every command is forked with CommandOOMScoreAdj, and we go back
@@ -95,6 +99,9 @@ func runInit() error {
 		byPid:   make(map[int]*initChild),
 		byID:    make(map[uint64]*initChild),
 		forked:  make(chan struct{}, 1),
+	}
+	if cfg.UID > 0 {
+		p.cred = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), Groups: []uint32{}}
 	}
 	if !cfg.Host {
 		// Opened before we turn non-dumpable: after that our /proc files belong to root.
@@ -293,7 +300,7 @@ func (p *initProc) exec(req *Request, fds []int) {
 		Env:   env,
 		Files: files[:],
 		// Each command leads its own process group, so a kill reaches its children too.
-		Sys: &syscall.SysProcAttr{Setpgid: true},
+		Sys: &syscall.SysProcAttr{Setpgid: true, Credential: p.cred},
 	}
 	if req.TTY {
 		// A session leader leads its process group too (and may not call setpgid).

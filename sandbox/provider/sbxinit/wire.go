@@ -50,6 +50,10 @@ type Request struct {
 	Cols uint16 `json:"cols,omitempty"`
 	// config
 	Host bool `json:"host,omitempty"` // dir provider: the init shares the host pid space
+	// UID and GID, when set, are who commands run as: the init itself runs as another user that
+	// no command can signal, trace or read (gvisor, where the kernel does not shield a pid 1).
+	UID int `json:"uid,omitempty"`
+	GID int `json:"gid,omitempty"`
 }
 
 // Reply is one message from the init to the broker.

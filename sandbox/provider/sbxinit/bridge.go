@@ -1,0 +1,308 @@
+package sbxinit
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// BridgeArg, after InitArg (so that every main that dispatches InitArg to RunInit runs it), makes
+// the init run behind a bridge: in a sandbox whose runtime cannot pass file descriptors in from the
+// host (gVisor: a host socket imported into the sentry carries bytes, not SCM_RIGHTS). The bridge
+// gives the init an ordinary control socket, inside, and carries its messages and every command's
+// stdio over one byte stream, the process's stdin and stdout (pipes the runtime imports from the
+// host). The init is the same one, with the same protocol, in the same process; only the carriage
+// differs.
+const BridgeArg = "sandbox-bridge"
+
+// Frame kinds of the bridge's stream. A frame is a 9-byte header (kind, channel as a big-endian
+// uint32, payload length as a big-endian uint32) and the payload.
+const (
+	// FrameRequest (host → bridge): a request for the init. Payload: a count byte, then per fd
+	// the request passes (in Stdio order) a channel (uint32) and a direction byte (FrameIn: the
+	// command reads it, FrameOut: the command writes it), then the request's JSON.
+	FrameRequest = 1
+	// FrameReply (bridge → host): a reply of the init, its JSON.
+	FrameReply = 2
+	// FrameData: bytes on a channel, from the side that writes it.
+	FrameData = 3
+	// FrameEOF: the writing side of a channel has finished.
+	FrameEOF = 4
+	// FrameClose: the reading side of a channel is gone; the writer stops.
+	FrameClose = 5
+)
+
+// Directions of a channel, as the command sees its fd.
+const (
+	FrameIn  = 'r' // the command reads it (stdin): data flows host → sandbox
+	FrameOut = 'w' // the command writes it (stdout, stderr): data flows sandbox → host
+)
+
+// FrameHeader is the size of a frame's header; MaxFrame bounds a payload.
+const (
+	FrameHeader = 9
+	MaxFrame    = MaxMessage + 4096
+)
+
+// chunk is the most a data frame carries.
+const chunk = 32 << 10
+
+// FrameWriter writes whole frames to one stream; it is safe for concurrent use.
+type FrameWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+// NewFrameWriter writes frames to w.
+func NewFrameWriter(w io.Writer) *FrameWriter { return &FrameWriter{w: w} }
+
+// Write sends one frame.
+func (fw *FrameWriter) Write(kind byte, ch uint32, payload []byte) error {
+	if len(payload) > MaxFrame {
+		return fmt.Errorf("frame of %d bytes, more than %d", len(payload), MaxFrame)
+	}
+	b := make([]byte, FrameHeader+len(payload))
+	b[0] = kind
+	binary.BigEndian.PutUint32(b[1:], ch)
+	binary.BigEndian.PutUint32(b[5:], uint32(len(payload)))
+	copy(b[FrameHeader:], payload)
+	fw.mu.Lock()
+	defer fw.mu.Unlock()
+	_, err := fw.w.Write(b)
+	return err
+}
+
+// ReadFrame reads one frame; buf is reused when it is large enough.
+func ReadFrame(r io.Reader, buf []byte) (kind byte, ch uint32, payload []byte, err error) {
+	var h [FrameHeader]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return 0, 0, nil, err
+	}
+	n := binary.BigEndian.Uint32(h[5:])
+	if n > MaxFrame {
+		return 0, 0, nil, fmt.Errorf("frame of %d bytes, more than %d", n, MaxFrame)
+	}
+	if int(n) > cap(buf) {
+		buf = make([]byte, n)
+	}
+	buf = buf[:n]
+	if _, err := io.ReadFull(r, buf); err != nil {
+		return 0, 0, nil, err
+	}
+	return h[0], binary.BigEndian.Uint32(h[1:]), buf, nil
+}
+
+// RunBridge runs the init behind the bridge and never returns: it ends when the host closes its
+// stream, and with it (it is the sandbox's first process) the sandbox.
+func RunBridge() {
+	err := runBridge()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "sandbox-bridge: %v\n", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// bridge is the bridge's state: its channels by id.
+type bridge struct {
+	out  *FrameWriter
+	ctl  *ctlConn
+	mu   sync.Mutex
+	ins  map[uint32]chan []byte // host → command: queued data, closed at EOF
+	outs map[uint32]*os.File    // command → host: our read ends
+}
+
+func runBridge() error {
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("control socket: %w", err)
+	}
+	// The init's end goes where the init expects it; runInit closes what else was inherited
+	// (everything of ours is close-on-exec, so it stays). Ours must first leave that slot: with
+	// fd 3 free, the socketpair may have taken it.
+	if pair[0] == ctlFD {
+		fd, err := unix.FcntlInt(uintptr(pair[0]), unix.F_DUPFD_CLOEXEC, ctlFD+1)
+		if err != nil {
+			return fmt.Errorf("control socket: %w", err)
+		}
+		unix.Close(pair[0])
+		pair[0] = fd
+	}
+	if pair[1] != ctlFD {
+		if err := unix.Dup2(pair[1], ctlFD); err != nil {
+			return fmt.Errorf("control socket: %w", err)
+		}
+		unix.Close(pair[1])
+	}
+	b := &bridge{
+		out:  NewFrameWriter(os.Stdout),
+		ctl:  newBlockingCtlConn(pair[0]),
+		ins:  make(map[uint32]chan []byte),
+		outs: make(map[uint32]*os.File),
+	}
+	go b.replies()
+	go func() {
+		if err := b.requests(); err != nil {
+			fmt.Fprintf(os.Stderr, "sandbox-bridge: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0) // the host is gone: so is the sandbox
+	}()
+	// The init proper runs in this same process, the sandbox's pid 1, which nothing inside can
+	// kill or stop; a second process would be the tenant's to kill (it runs as the tenant's uid).
+	return runInit()
+}
+
+// replies sends the init's replies to the host as they come.
+func (b *bridge) replies() {
+	buf := make([]byte, 64<<10)
+	oob := make([]byte, unix.CmsgSpace(16*4))
+	for {
+		n, oobn, _, err := b.ctl.recv(buf, oob)
+		if oobn > 0 {
+			fds, _ := ParseRights(oob[:oobn])
+			CloseFDs(fds)
+		}
+		if err != nil || n == 0 || b.out.Write(FrameReply, 0, buf[:n]) != nil {
+			os.Exit(1)
+		}
+	}
+}
+
+// requests reads the host's frames until the host closes the stream.
+func (b *bridge) requests() error {
+	buf := make([]byte, MaxFrame)
+	for {
+		kind, ch, p, err := ReadFrame(os.Stdin, buf)
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil // the host is gone
+			}
+			return err
+		}
+		switch kind {
+		case FrameRequest:
+			if err := b.request(p); err != nil {
+				return err
+			}
+		case FrameData:
+			b.mu.Lock()
+			q := b.ins[ch]
+			b.mu.Unlock()
+			if q != nil {
+				q <- append([]byte(nil), p...)
+			}
+		case FrameEOF:
+			b.mu.Lock()
+			q := b.ins[ch]
+			delete(b.ins, ch)
+			b.mu.Unlock()
+			if q != nil {
+				close(q)
+			}
+		case FrameClose:
+			b.mu.Lock()
+			f := b.outs[ch]
+			delete(b.outs, ch)
+			b.mu.Unlock()
+			if f != nil {
+				f.Close() // the command's next write fails with EPIPE, as on the host
+			}
+		}
+	}
+}
+
+// request makes a pipe for each channel the request names and passes the command's ends to the
+// init with the request.
+func (b *bridge) request(p []byte) error {
+	if len(p) < 1 || len(p) < 1+5*int(p[0]) {
+		return errors.New("short request frame")
+	}
+	n := int(p[0])
+	var send []int
+	for i := 0; i < n; i++ {
+		e := p[1+5*i:]
+		ch, dir := binary.BigEndian.Uint32(e), e[4]
+		var fds [2]int
+		if err := unix.Pipe2(fds[:], unix.O_CLOEXEC); err != nil {
+			CloseFDs(send)
+			return fmt.Errorf("pipe: %w", err)
+		}
+		// Our end goes through the poller, so that a FrameClose can end a pump blocked in Read.
+		ours := fds[0]
+		if dir == FrameIn {
+			ours = fds[1]
+		}
+		if err := unix.SetNonblock(ours, true); err != nil {
+			CloseFDs(fds[:])
+			CloseFDs(send)
+			return err
+		}
+		if dir == FrameIn {
+			w := os.NewFile(uintptr(fds[1]), "stdin")
+			q := make(chan []byte, 64)
+			b.mu.Lock()
+			b.ins[ch] = q
+			b.mu.Unlock()
+			go b.feed(ch, w, q)
+			send = append(send, fds[0])
+		} else {
+			r := os.NewFile(uintptr(fds[0]), "output")
+			b.mu.Lock()
+			b.outs[ch] = r
+			b.mu.Unlock()
+			go b.pump(ch, r)
+			send = append(send, fds[1])
+		}
+	}
+	err := b.ctl.send(p[1+5*n:], send)
+	CloseFDs(send)
+	return err
+}
+
+// feed writes a channel's data into the command's stdin; after a write error it drops the rest and
+// tells the host to stop sending.
+func (b *bridge) feed(ch uint32, w *os.File, q chan []byte) {
+	failed := false
+	for p := range q {
+		if failed {
+			continue
+		}
+		if _, err := w.Write(p); err != nil {
+			failed = true
+			w.Close()
+			b.out.Write(FrameClose, ch, nil)
+		}
+	}
+	if !failed {
+		w.Close()
+	}
+}
+
+// pump sends a command's output to the host until every writer has closed it.
+func (b *bridge) pump(ch uint32, r *os.File) {
+	buf := make([]byte, chunk)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			if b.out.Write(FrameData, ch, buf[:n]) != nil {
+				break
+			}
+		}
+		if err != nil {
+			break
+		}
+	}
+	b.mu.Lock()
+	if b.outs[ch] == r {
+		delete(b.outs, ch)
+	}
+	b.mu.Unlock()
+	r.Close()
+	b.out.Write(FrameEOF, ch, nil)
+}

@@ -47,13 +47,21 @@ func TestMemoryLimitStopsTheSandbox(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("the sandbox was not stopped for memory_limit: %v", err)
 	}
-	var stopped bool
-	b.Client.Events(ctx, client.EventOptions{Ref: m.Sandbox.SandboxID, Backlog: 100}, func(e protocol.Event) error {
-		stopped = stopped || e.Type == protocol.EventStopped && e.Reason == protocol.StopMemoryLimit
+	// The event is written after the record changes (the emitter does not hold up the stop): wait for it.
+	if err := wait.For(5*time.Second, func() error {
+		var stopped bool
+		if err := b.Client.Events(ctx, client.EventOptions{Ref: m.Sandbox.SandboxID, Backlog: 100}, func(e protocol.Event) error {
+			stopped = stopped || e.Type == protocol.EventStopped && e.Reason == protocol.StopMemoryLimit
+			return nil
+		}); err != nil {
+			return err
+		}
+		if !stopped {
+			return fmt.Errorf("no stopped event with reason memory_limit")
+		}
 		return nil
-	})
-	if !stopped {
-		t.Error("no stopped event with reason memory_limit")
+	}); err != nil {
+		t.Error(err)
 	}
 	if _, err := b.Client.ResumeSandbox(ctx, "tight"); err != nil {
 		t.Fatal(err)

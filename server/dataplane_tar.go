@@ -36,12 +36,13 @@ func (f fileStream) end() (any, string, error) {
 	return res, res.Path, nil
 }
 
-// untarStream feeds a tar stream to an extraction running in its own goroutine through a pipe: the
-// reader's Write returns once the extractor has taken the bytes, so a slow disk slows the client
-// (backpressure) and memory stays at one frame.
+// untarStream feeds a tar stream to an extraction running in its own goroutine through a pipe with
+// untarAhead bytes of buffer: the reader's Write returns once the bytes are buffered, so receiving
+// the next frames overlaps writing files, a slow disk still slows the client (backpressure) and
+// memory stays at the buffer.
 type untarStream struct {
 	c    *dpConn
-	pw   *io.PipeWriter
+	pw   *aheadPipe
 	done chan struct{}
 	res  protocol.TreeResult
 	err  error
@@ -63,13 +64,13 @@ func (s *untarStream) Write(p []byte) (int, error) {
 }
 
 func (s *untarStream) Abort() error {
-	s.pw.CloseWithError(errUntarAborted)
+	s.pw.AbortWrite(errUntarAborted)
 	<-s.done
 	return nil
 }
 
 func (s *untarStream) end() (any, string, error) {
-	s.pw.Close()
+	s.pw.CloseWrite()
 	<-s.done
 	if s.err != nil {
 		return nil, "", s.err
@@ -85,10 +86,14 @@ func (c *dpConn) emitSynced(res protocol.TreeResult, direction string) {
 		Path: res.Path, Files: &files, Bytes: &bytes, Direction: direction})
 }
 
+// untarAhead is what an untar buffers between the connection and the extractor.
+const untarAhead = 1 << 20
+
 // opUntarOpen starts the extraction on the reader's goroutine, so that the binary frames that
 // follow find it; the end frame answers it (binary).
 func opUntarOpen(ctx context.Context, c *dpConn, r *request, a protocol.UntarArgs) (any, error) {
-	pr, pw := io.Pipe()
+	pr := newAheadPipe(untarAhead)
+	pw := pr
 	s := &untarStream{c: c, pw: pw, done: make(chan struct{})}
 	// The request's context ends when its end frame arrives (finish), before the extraction has
 	// taken the last bytes: the pipe is what stops it instead (Abort closes it).
@@ -106,7 +111,7 @@ func opUntarOpen(ctx context.Context, c *dpConn, r *request, a protocol.UntarArg
 		} else if errors.Is(s.err, errUntarAborted) {
 			s.err = context.Canceled
 		}
-		pr.CloseWithError(errUntarAborted)
+		pr.CloseRead(errUntarAborted)
 	}()
 	c.mu.Lock()
 	r.upload = s

@@ -90,7 +90,8 @@ type dirMeta struct {
 // or a FIFO, is a hard link leaving the archive's tree, or goes through a symbolic link the archive
 // itself created is refused with an invalid_argument error, and extraction stops there. Whatever
 // the archive says, nothing outside root changes: every operation goes through the os.Root, which
-// never follows a link out of it. Entries before a refused one stay extracted. Regular files and
+// never follows a link out of it, or (on Linux) through directories opened from it one component
+// at a time without following any link. Entries before a refused one stay extracted. Regular files and
 // symlinks replace what is at their name (a directory is never replaced); the archive's owners are
 // ignored. Symlinks keep their target text verbatim and their own mtime is not set.
 func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions) (Stats, error) {
@@ -103,10 +104,9 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// dirAt indexes dirs by name: an archive that names one directory a million times (no disk
 	// used, so no quota stops it) keeps one entry, the last one's mode and mtime, like tar.
 	dirAt := map[string]int{}
-	// known are the directories this extraction made or checked, so that the thousands of files of
-	// one directory do not each check their parents again. A directory the sandbox swaps for a link
-	// meanwhile still cannot lead out: every operation goes through the root.
-	known := map[string]bool{}
+	// t does the writing: on Linux through open directory descriptors, elsewhere through root.
+	t := newTree(root, opt)
+	defer t.close()
 	buf := make([]byte, 256<<10)
 	for {
 		if err := ctx.Err(); err != nil {
@@ -135,10 +135,9 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 		perm := fs.FileMode(hdr.Mode) & fs.ModePerm
 		switch hdr.Typeflag {
 		case tar.TypeDir:
-			if err := mkdirAll(root, name, opt); err != nil {
+			if err := t.dir(name); err != nil {
 				return st, err
 			}
-			markKnown(known, name)
 			delete(links, name)
 			if i, ok := dirAt[name]; ok {
 				dirs[i] = dirMeta{name, perm, hdr.ModTime}
@@ -151,10 +150,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
 			st.Dirs++
 		case tar.TypeReg, tar.TypeGNUSparse, '\x00':
-			if err := parents(root, name, opt, known); err != nil {
-				return st, err
-			}
-			n, err := writeFile(ctx, root, name, tr, perm, hdr.ModTime, opt, buf)
+			n, err := t.file(ctx, name, tr, perm, hdr.ModTime, buf)
 			st.Bytes += n
 			if err != nil {
 				return st, err
@@ -168,13 +164,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if hdr.Linkname == "" {
 				return st, refuse(hdr.Name, "the symbolic link has an empty target")
 			}
-			if err := parents(root, name, opt, known); err != nil {
-				return st, err
-			}
-			if err := create(root, name, func() error { return root.Symlink(hdr.Linkname, name) }); err != nil {
-				return st, err
-			}
-			if err := lchown(root, name, opt); err != nil {
+			if err := t.symlink(hdr.Linkname, name); err != nil {
 				return st, err
 			}
 			links[name] = true
@@ -190,10 +180,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if fi, err := root.Lstat(old); err != nil || !fi.Mode().IsRegular() {
 				return st, refuse(hdr.Name, "it is a hard link to %s, which is not a regular file extracted before it", quote(hdr.Linkname))
 			}
-			if err := parents(root, name, opt, known); err != nil {
-				return st, err
-			}
-			if err := create(root, name, func() error { return root.Link(old, name) }); err != nil {
+			if err := t.link(old, name); err != nil {
 				return st, err
 			}
 			st.Files++
@@ -302,6 +289,70 @@ func underLink(name string, links map[string]bool) string {
 	return ""
 }
 
+// tree is where Extract writes: every name is relative to the root and already checked by
+// entryName and underLink. A directory is never replaced; a file or a symlink replaces what is at
+// its name; nothing is ever written through a symbolic link.
+type tree interface {
+	// dir makes name a directory (with its parents), replacing a symlink there.
+	dir(name string) error
+	// file writes r's bytes to a new file at name, then its owner, mode and mtime.
+	file(ctx context.Context, name string, r io.Reader, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error)
+	// symlink makes name a symbolic link to target, owned like the rest.
+	symlink(target, name string) error
+	// link makes name a hard link to old, an earlier regular file of the archive.
+	link(old, name string) error
+	close()
+}
+
+// rootTree writes through the os.Root, each operation walking its path from the root: the
+// portable way, used where open directory descriptors are not (see dirfd_linux.go).
+type rootTree struct {
+	root *os.Root
+	opt  ExtractOptions
+	// known are the directories this extraction made or checked, so that the thousands of files of
+	// one directory do not each check their parents again. A directory the sandbox swaps for a link
+	// meanwhile still cannot lead out: every operation goes through the root.
+	known map[string]bool
+}
+
+func newRootTree(root *os.Root, opt ExtractOptions) *rootTree {
+	return &rootTree{root: root, opt: opt, known: map[string]bool{}}
+}
+
+func (t *rootTree) dir(name string) error {
+	if err := mkdirAll(t.root, name, t.opt); err != nil {
+		return err
+	}
+	markKnown(t.known, name)
+	return nil
+}
+
+func (t *rootTree) file(ctx context.Context, name string, r io.Reader, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error) {
+	if err := parents(t.root, name, t.opt, t.known); err != nil {
+		return 0, err
+	}
+	return writeFile(ctx, t.root, name, r, perm, mtime, t.opt, buf)
+}
+
+func (t *rootTree) symlink(target, name string) error {
+	if err := parents(t.root, name, t.opt, t.known); err != nil {
+		return err
+	}
+	if err := create(t.root, name, func() error { return t.root.Symlink(target, name) }); err != nil {
+		return err
+	}
+	return lchown(t.root, name, t.opt)
+}
+
+func (t *rootTree) link(old, name string) error {
+	if err := parents(t.root, name, t.opt, t.known); err != nil {
+		return err
+	}
+	return create(t.root, name, func() error { return t.root.Link(old, name) })
+}
+
+func (t *rootTree) close() {}
+
 // mkdirAll creates name and its parents through the root; an existing directory is fine.
 func mkdirAll(root *os.Root, name string, opt ExtractOptions) error {
 	err := root.Mkdir(name, 0o700)
@@ -405,17 +456,23 @@ func writeFile(ctx context.Context, root *os.Root, name string, r io.Reader, per
 	if err == nil && !mtime.IsZero() {
 		err = root.Chtimes(name, mtime, mtime)
 	}
-	if err != nil {
-		var pe *protocol.Error
-		if errors.As(err, &pe) || ctx.Err() != nil {
-			return n, err
-		}
-		if errors.Is(err, io.ErrUnexpectedEOF) {
-			return n, readErr(err)
-		}
-		return n, &EntryError{name, err}
+	return n, fileErr(ctx, name, err)
+}
+
+// fileErr sorts an error of writing one file: the archive's or the context's as they are, the
+// file system's as an EntryError naming the entry.
+func fileErr(ctx context.Context, name string, err error) error {
+	if err == nil {
+		return nil
 	}
-	return n, nil
+	var pe *protocol.Error
+	if errors.As(err, &pe) || ctx.Err() != nil {
+		return err
+	}
+	if errors.Is(err, io.ErrUnexpectedEOF) {
+		return readErr(err)
+	}
+	return &EntryError{name, err}
 }
 
 // copyCtx copies r to w in buf-sized steps, stopping when ctx ends.

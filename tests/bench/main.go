@@ -119,7 +119,7 @@ func run() error {
 	}
 	if *treeOnly {
 		fmt.Fprintln(os.Stderr, "tree copy...")
-		rows, err := treeRows(ctx, r, br.dir, br.peakRSS)
+		rows, err := treeRows(ctx, r, workspaceDir(br.dir, sb.Sandbox.ID), br.peakRSS)
 		if err != nil {
 			return err
 		}
@@ -187,7 +187,7 @@ func run() error {
 		fmt.Sprintf("raw file out over TCP %.0f MiB/s", fromFile)})
 
 	fmt.Fprintln(os.Stderr, "tree copy...")
-	if tr, err := treeRows(ctx, r, br.dir, br.peakRSS); err != nil {
+	if tr, err := treeRows(ctx, r, workspaceDir(br.dir, sb.Sandbox.ID), br.peakRSS); err != nil {
 		fmt.Fprintln(os.Stderr, "  tree copy:", err)
 	} else {
 		for _, r := range tr {

@@ -67,13 +67,14 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 	fmt.Fprintln(os.Stderr, "push: first push beside tar over TCP...")
 	// Each timed copy starts with the disk's dirty pages written back: otherwise the one before
 	// pays for its predecessor's 100 MB.
+	ws := workspaceDir(br.dir, sb.Sandbox.ID) // the floors extract into the same file system as the push
 	syscall.Sync()
-	floor1, err := tarOverTCP(data, br.dir)
+	floor1, err := tarOverTCP(data, ws)
 	if err != nil {
 		return err
 	}
 	syscall.Sync()
-	pipe1, err := tarPipeOverTCP(repo, br.dir)
+	pipe1, err := tarPipeOverTCP(repo, ws)
 	if err != nil {
 		return err
 	}
@@ -85,7 +86,7 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 	}
 	first := time.Since(start)
 	syscall.Sync()
-	floor2, err := tarOverTCP(data, br.dir)
+	floor2, err := tarOverTCP(data, ws)
 	if err != nil {
 		return err
 	}
@@ -93,7 +94,7 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 	// The same with tar c reading the repository's files (what a person would pipe), not bytes
 	// made in memory beforehand.
 	syscall.Sync()
-	pipe, err := tarPipeOverTCP(repo, br.dir)
+	pipe, err := tarPipeOverTCP(repo, ws)
 	if err != nil {
 		return err
 	}

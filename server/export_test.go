@@ -29,3 +29,6 @@ func OrgUsage(s *Server, org string) DataplaneUsage {
 	_, queued := s.dpQueued.inUse(org)
 	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued}
 }
+
+// OpenLocal exposes the MCP front end's in-process dataplane connection (openLocal).
+var OpenLocal = (*Server).openLocal

@@ -142,8 +142,9 @@ func isOID(s string) bool {
 }
 
 // ValidPath says whether p can be a path of a record (and of a tar entry, and of a git tree on
-// every side): relative, slash-separated, clean, no ".git" component, no control characters, valid
-// UTF-8, at most 4096 bytes.
+// every side): relative, slash-separated, clean, no ".git" component (nor a name that Windows or
+// macOS reads as .git or as a way up: foreignName), no control characters, valid UTF-8, at most
+// 4096 bytes.
 func ValidPath(p string) error {
 	switch {
 	case p == "":
@@ -176,6 +177,9 @@ func ValidPath(p string) error {
 		}
 		if len(c) == 4 && strings.EqualFold(c, ".git") {
 			return errors.New("the path goes into a .git directory")
+		}
+		if why := foreignName(c); why != "" {
+			return errors.New(why)
 		}
 		if !found {
 			return nil
@@ -212,4 +216,36 @@ func BlobID(b []byte) string {
 // errCut is the protocol error for a scan over its budget.
 func errCut(what string) error {
 	return protocol.Errorf(protocol.CodeTooLarge, "the tree's changes since the push pass %s; push again (or copy the tree with sbctl cp)", what)
+}
+
+// foreignName says why a path component, harmless as a Linux name, is not one on a file system
+// where sbctl pull may write it into a person's repository, or "": NTFS drops trailing dots and
+// spaces, reads "name:stream" as name and "GIT~1" as the short name of .git, and Windows takes a
+// backslash for a separator (so "x\..\.git\hooks" climbs into .git); HFS+ ignores some invisible
+// code points. A hook written into .git runs at the person's next commit. These are the names git
+// itself refuses (core.protectNTFS, core.protectHFS); a backslash alone (a\b) stays valid.
+func foreignName(c string) string {
+	for part := range strings.SplitSeq(c, `\`) {
+		if part != "" && strings.Contains(part, ".") && strings.TrimRight(part, ". ") == "" {
+			return "the path has a component that Windows reads as . or .. (dots and spaces between backslashes)"
+		}
+		name, _, _ := strings.Cut(part, ":") // an NTFS stream of name
+		name = strings.TrimRight(name, ". ")
+		if strings.EqualFold(name, ".git") || strings.EqualFold(name, "git~1") {
+			return "the path has a component that Windows reads as .git"
+		}
+		if strings.EqualFold(strings.Map(dropHFSIgnorable, part), ".git") {
+			return "the path has a component that macOS reads as .git"
+		}
+	}
+	return ""
+}
+
+// dropHFSIgnorable drops the code points HFS+ ignores in names (as git's is_hfs_dotgit does).
+func dropHFSIgnorable(r rune) rune {
+	switch {
+	case r >= 0x200c && r <= 0x200f, r >= 0x202a && r <= 0x202e, r >= 0x206a && r <= 0x206f, r == 0xfeff:
+		return -1
+	}
+	return r
 }

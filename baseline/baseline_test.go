@@ -183,3 +183,57 @@ func TestChangesOnlyThesePaths(t *testing.T) {
 		t.Fatalf("a climbing path: %v", err)
 	}
 }
+
+// TestChangesLeavesOutGitDirAliases: a hostile sandbox names files so that sbctl pull, writing
+// them into the person's repository on Windows or macOS, would land them in its .git (a hook runs
+// at the next commit): NTFS reads ".git." and ".git " and "GIT~1" and ".git::$INDEX_ALLOCATION" as
+// .git and a backslash as a separator (so "x\..\.git\hooks" goes up), HFS+ ignores zero-width code
+// points. The scan leaves them out (skipped) like .git itself, and pull's check refuses them; names
+// that only look alike stay.
+func TestChangesLeavesOutGitDirAliases(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	hostile := []string{
+		".git.", ".git ", ".GIT. .", "git~1", "GIT~1.", ".git::$INDEX_ALLOCATION", ".git:x",
+		`.git\hooks\pre-commit`, `hooks\..\.git\hooks\pre-commit`, `x\..\..\escape`, `a\.\b`, `a\...\b`,
+		".g\u200cit", "\ufeff.git", ".gi\u200dt",
+	}
+	fine := []string{`a\b`, ".github", ".gitignore", "git~2", "x.git", "..x", "a.git.", "git~1x"}
+	for _, name := range append(slices.Clone(hostile), fine...) {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("#!/bin/sh\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range []string{".git.", "d/git~1"} { // as directories too
+		os.MkdirAll(filepath.Join(dir, "sub", name), 0o755)
+		os.WriteFile(filepath.Join(dir, "sub", name, "hook"), []byte("x"), 0o755)
+	}
+	res, err := Changes(context.Background(), root, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, c := range res.Changes {
+		got = append(got, c.Path)
+		if err := ValidPath(c.Path); err != nil {
+			t.Errorf("a change at %q, which ValidPath refuses: %v", c.Path, err)
+		}
+	}
+	for _, name := range hostile {
+		if slices.Contains(got, name) {
+			t.Errorf("%q was reported as a change; pull would write it", name)
+		}
+		if ValidPath(name) == nil || ValidPath("d/"+name+"/x") == nil {
+			t.Errorf("ValidPath accepts %q", name)
+		}
+	}
+	for _, p := range []string{"sub/.git./hook", "sub/d/git~1/hook"} {
+		if slices.Contains(got, p) {
+			t.Errorf("%q was reported as a change", p)
+		}
+	}
+	for _, name := range fine {
+		if !slices.Contains(got, name) {
+			t.Errorf("%q is an ordinary name and was left out (changes %v, skipped %v)", name, got, res.Skipped)
+		}
+	}
+}

@@ -84,9 +84,10 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 	return res, nil
 }
 
-// readRecord reads the record without following a link at its place, and returns its mtime.
+// readRecord reads the record without following a link at its place, and returns its mtime. The
+// sandbox may have put anything there: a FIFO is opened without waiting for a writer, then refused.
 func readRecord(root *os.Root) (Record, int64, error) {
-	f, err := root.OpenFile(protocol.BaselineRecord, os.O_RDONLY|noFollow, 0)
+	f, err := root.OpenFile(protocol.BaselineRecord, os.O_RDONLY|noFollow|nonBlock, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return Record{}, 0, protocol.Errorf(protocol.CodeFileNotFound, "nothing was pushed here: there is no push baseline (%s); push a repository first (sbctl push)", protocol.BaselineRecord)
 	}

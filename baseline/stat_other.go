@@ -10,6 +10,7 @@ import (
 const (
 	noFollow = 0
 	dirFlag  = 0
+	nonBlock = 0
 )
 
 // lstatAt has no ctime here: the mtime stands in, so a file is trusted on size and mtime alone.

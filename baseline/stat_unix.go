@@ -9,10 +9,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// noFollow and dirFlag open without following a link at the last component, and only a directory.
+// noFollow and dirFlag open without following a link at the last component, and only a directory;
+// nonBlock opens a FIFO without waiting for a writer (the file's type is checked after the open).
 const (
 	noFollow = unix.O_NOFOLLOW
 	dirFlag  = unix.O_DIRECTORY
+	nonBlock = unix.O_NONBLOCK
 )
 
 // lstatAt lstats name in the directory d (opened through the root), without following it.

@@ -53,6 +53,13 @@ const (
 	// dpRetryAfter is the Retry-After (seconds) of an upgrade refused for too many connections.
 	dpRetryAfter = "5"
 	dpQueueBytes = 4 << 20
+	// dpShellInputBytes bounds the keystrokes one client sent that its shells' terminals have not
+	// taken yet (a paste into a program that does not read its input): past it the connection's
+	// reader waits, as for a pipe. dpShellInputBudget bounds them for every client together and
+	// dpShellInputPerOrg one org's. Each shell queued 64 frames of up to max_frame_bytes before.
+	dpShellInputBytes  = 1 << 20
+	dpShellInputBudget = 256 << 20
+	dpShellInputPerOrg = dpShellInputBudget / 4
 	// dpDirectBytes is the largest frame a producer writes itself when the connection's writer is
 	// idle (dpConn.wmu); larger ones (stream chunks, big answers) go through the writer, so that
 	// producing the next one overlaps writing this one.

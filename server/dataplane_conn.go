@@ -56,6 +56,9 @@ type dpConn struct {
 	heavy chan struct{}
 	// queued counts the bytes waiting for this client (dpQueueBytes).
 	queued *quota
+	// shellIn counts the keystrokes this client sent that its shells' terminals have not taken
+	// (dpShellInputBytes).
+	shellIn *quota
 
 	mu       sync.Mutex
 	inflight map[uint32]*request
@@ -137,6 +140,7 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 func (c *dpConn) open(reqID string) (log *slog.Logger, unregister func()) {
 	c.inflight = map[uint32]*request{}
 	c.heavy = make(chan struct{}, dpHeavyPerConn)
+	c.shellIn = newQuota(dpShellInputBytes, 0)
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	log = c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
 	unregister = c.s.hub.add(c)
@@ -738,7 +742,7 @@ func (c *dpConn) admit(id uint32, op string) (o dpOp, ctx context.Context, req *
 	}
 	c.inflight[id] = req
 	if o.prepare != nil {
-		o.prepare(ctx, req)
+		o.prepare(c, ctx, req)
 	}
 	renew := c.s.dpRenews && time.Since(c.lastRenew) > c.rec.TTL/10
 	if renew {

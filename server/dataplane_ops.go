@@ -51,7 +51,7 @@ type dpOp struct {
 	control func(c *dpConn, id uint32, raw json.RawMessage)
 	// prepare, when set, runs on the reader's goroutine as the request starts, before any frame
 	// that follows it is read: what those frames feed (a shell's input) is there for them.
-	prepare func(ctx context.Context, r *request)
+	prepare func(c *dpConn, ctx context.Context, r *request)
 	// bodyIn says the op's content comes as the body of a protocol.FrameRequestBody (write), which
 	// it then must; no other op takes one. An op answers with a body (protocol.FrameAnswerBody) by
 	// returning a *bodyAnswer (read).
@@ -59,7 +59,7 @@ type dpOp struct {
 }
 
 // withPrepare gives an op a step run on the reader's goroutine as its request starts.
-func (o dpOp) withPrepare(prepare func(ctx context.Context, r *request)) dpOp {
+func (o dpOp) withPrepare(prepare func(c *dpConn, ctx context.Context, r *request)) dpOp {
 	o.prepare = prepare
 	return o
 }

@@ -38,10 +38,61 @@ type shellSession struct {
 	shutdown bool
 	end      context.CancelFunc
 	pending  []byte // what the terminal's writer has taken of the frame at the head
+	head     int64  // the size of that frame, given back once pending is all taken
+
+	// Keystrokes queued are counted against the connection's and the broker's shell input
+	// (chargeInput) from the reader's taking them until the terminal has, or the request ended.
+	c      *dpConn
+	inMu   sync.Mutex
+	held   int64 // counted and not given back
+	inDone bool  // the request ended: everything held was given back
 }
 
-func prepareShell(ctx context.Context, r *request) {
-	r.shell = &shellSession{keys: make(chan []byte, shellQueue), resizes: make(chan sandbox.WindowSize, 1), done: make(chan struct{}), ctx: ctx}
+func prepareShell(c *dpConn, ctx context.Context, r *request) {
+	s := &shellSession{keys: make(chan []byte, shellQueue), resizes: make(chan sandbox.WindowSize, 1), done: make(chan struct{}), ctx: ctx, c: c}
+	r.shell = s
+	// However the request ends (the program exited, a cancel, the connection closing), what its
+	// queued keystrokes hold is given back then; frames still queued are garbage.
+	context.AfterFunc(ctx, s.releaseInput)
+}
+
+// releaseInput gives back every keystroke byte the session still holds, for good.
+func (s *shellSession) releaseInput() {
+	s.inMu.Lock()
+	n := s.held
+	s.held, s.inDone = 0, true
+	s.inMu.Unlock()
+	s.c.unchargeInput(n)
+}
+
+// taken gives back n bytes the terminal has taken.
+func (s *shellSession) taken(n int64) {
+	s.inMu.Lock()
+	if s.inDone {
+		s.inMu.Unlock()
+		return
+	}
+	s.held -= n
+	s.inMu.Unlock()
+	s.c.unchargeInput(n)
+}
+
+// chargeInput counts n bytes of keystrokes against the connection's and the org's shell input,
+// waiting while they are full; false when the connection is ending.
+func (c *dpConn) chargeInput(n int64) bool {
+	if c.shellIn.acquire(c.ctx, "", n) != nil {
+		return false
+	}
+	if c.s.dpShellInput.acquire(c.ctx, c.org, n) != nil {
+		c.shellIn.release("", n)
+		return false
+	}
+	return true
+}
+
+func (c *dpConn) unchargeInput(n int64) {
+	c.shellIn.release("", n)
+	c.s.dpShellInput.release(c.org, n)
 }
 
 // Read is the terminal's input: the keystrokes in order, then io.EOF when the input was closed or
@@ -53,7 +104,7 @@ func (s *shellSession) Read(p []byte) (int, error) {
 			if !ok {
 				return 0, io.EOF
 			}
-			s.pending = b
+			s.pending, s.head = b, int64(len(b))
 		case <-s.done:
 			return 0, io.EOF
 		case <-s.ctx.Done():
@@ -62,14 +113,31 @@ func (s *shellSession) Read(p []byte) (int, error) {
 	}
 	n := copy(p, s.pending)
 	s.pending = s.pending[n:]
+	if len(s.pending) == 0 && s.head > 0 {
+		s.taken(s.head)
+		s.head = 0
+	}
 	return n, nil
 }
 
-// feed queues one frame of keystrokes (reader goroutine), waiting while the queue is full.
+// feed queues one frame of keystrokes (reader goroutine), waiting while the queue, or the
+// connection's or the broker's shell input, is full.
 func (s *shellSession) feed(ctx context.Context, b []byte) {
 	if s.closed {
 		return
 	}
+	n := int64(len(b))
+	if !s.c.chargeInput(n) {
+		return
+	}
+	s.inMu.Lock()
+	if s.inDone {
+		s.inMu.Unlock()
+		s.c.unchargeInput(n)
+		return
+	}
+	s.held += n
+	s.inMu.Unlock()
 	select {
 	case s.keys <- b:
 	case <-s.done:

@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/tests/wait"
 )
@@ -405,4 +407,57 @@ func TestShellEndsAtShutdown(t *testing.T) {
 	if took := <-stopped; took > 10*time.Second {
 		t.Errorf("the shutdown took %s with only a shell in flight", took)
 	}
+}
+
+// TestShellInputBounded: keystrokes sent to shells whose programs do not read them wait in the
+// broker only up to a bound per connection; past it the connection's reader waits (as for a client
+// that does not read its answers). Each shell queued 64 frames of up to max_frame_bytes before, so
+// one connection with 64 shells could make the broker hold 4 GiB. Not parallel: it measures the
+// heap.
+func TestShellInputBounded(t *testing.T) {
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "flood"}); err != nil {
+		t.Fatal(err)
+	}
+	c := dialRaw(t, dataplaneURL(b, "flood"), b.Client.APIKey())
+	const shells = 4
+	for id := uint32(1); id <= shells; id++ {
+		c.sendJSON(protocol.Request{ID: id, Op: "shell", Args: map[string]any{"argv": []string{"sleep", "2006"}}})
+	}
+	c.ping()
+	liveHeap := func() int64 {
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return int64(m.HeapAlloc)
+	}
+	frames := make([][]byte, shells)
+	for i := range frames {
+		frames[i] = dataFrame(protocol.FrameData, uint32(i+1), make([]byte, 1<<20))
+	}
+	base := liveHeap()
+	var sent atomic.Int64
+	go func() {
+		for i := 0; i < 100; i++ {
+			if c.ws.WriteMessage(websocket.BinaryMessage, frames[i%shells]) != nil {
+				return
+			}
+			sent.Add(1)
+		}
+	}()
+	const bound = 16 << 20
+	var held int64
+	if wait.Until(5*time.Second, func() bool { held = liveHeap() - base; return held > bound }) {
+		t.Fatalf("the broker holds %d MiB, over %d MiB, of keystrokes nobody reads (%d frames of 1 MiB sent)", held>>20, bound>>20, sent.Load())
+	}
+	if sent.Load() == 0 {
+		t.Fatal("no keystroke frame was taken")
+	}
+	if u := server.Usage(b.Server); u.ShellInputBytes <= 0 || u.ShellInputBytes > 2*int64(len(frames[0])) {
+		t.Errorf("%d bytes of keystrokes counted as waiting, not one frame or two", u.ShellInputBytes)
+	}
+	// Everything counted is given back when the shells end with their connection.
+	c.ws.Close()
+	wait.Eventually(t, 20*time.Second, func() bool { return server.Usage(b.Server).ShellInputBytes == 0 },
+		"the closed connection's keystrokes given back (%d bytes still counted)", server.Usage(b.Server).ShellInputBytes)
 }

@@ -12,6 +12,8 @@ type DataplaneUsage struct {
 	ExecOutputBytes int64
 	// QueuedBytes waits for clients in every connection's queue.
 	QueuedBytes int64
+	// ShellInputBytes are keystrokes waiting for shells' terminals.
+	ShellInputBytes int64
 }
 
 // Usage reads s's dataplane accounting.
@@ -19,7 +21,8 @@ func Usage(s *Server) DataplaneUsage {
 	heavy, _ := s.dpHeavy.inUse("")
 	exec, _ := s.dpExecOutput.inUse("")
 	queued, _ := s.dpQueued.inUse("")
-	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued}
+	shellIn, _ := s.dpShellInput.inUse("")
+	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued, ShellInputBytes: shellIn}
 }
 
 // OrgUsage is Usage for one org.
@@ -29,3 +32,6 @@ func OrgUsage(s *Server, org string) DataplaneUsage {
 	_, queued := s.dpQueued.inUse(org)
 	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued}
 }
+
+// OpenLocal exposes the MCP front end's in-process dataplane connection (openLocal).
+var OpenLocal = (*Server).openLocal

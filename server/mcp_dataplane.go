@@ -20,8 +20,9 @@ import (
 // renewal and events are the dataplane's own. What it saves is the loopback round trip and the
 // frame encoding at both ends.
 //
-// Its calls take only operations answered by one result (opLight, opHeavy): nothing here reads
-// stream frames, so a streamed or background exec, a download or an upload is refused. The seam it
+// Its calls take only operations answered by one result (opLight, opHeavy, with no prepare):
+// nothing here reads or writes stream frames, so a streamed or background exec, a shell, a
+// download or an upload is refused. The seam it
 // relies on: an opLight or opHeavy handler answers through its return value (encoded here as the
 // WebSocket's answer encodes it) and never queues frames itself (c.send, c.enqueue: this
 // connection has no writer); how an answer is framed on the WebSocket is the WebSocket path's
@@ -102,7 +103,9 @@ func (l *localConn) Call(ctx context.Context, op string, args any) (json.RawMess
 		return nil, refusal.Error
 	case refusal != nil:
 		return nil, l.err()
-	case o.class != opLight && o.class != opHeavy || o.bodyIn != (body != nil):
+	case o.class != opLight && o.class != opHeavy || o.prepare != nil || o.bodyIn != (body != nil):
+		// An op fed by frames (prepare: a shell's keystrokes) also sends frames of its own (its
+		// terminal's output), which this connection, with no writer or queue, cannot carry.
 		if req != nil {
 			c.forget(id, req)
 		}

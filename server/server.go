@@ -158,6 +158,8 @@ type Server struct {
 	// dpQueued is the bytes waiting for dataplane clients, every connection's queue together,
 	// with a share per org.
 	dpQueued *quota
+	// dpShellInput is the keystrokes waiting for shells' terminals, every connection's together.
+	dpShellInput *quota
 	// routes are the registered route paths (echo's c.Path() form), the only route labels.
 	routes map[string]bool
 	// dpLimits bound open dataplane connections (counted by hub).
@@ -180,7 +182,7 @@ func New(cfg Config) *Server {
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store, cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
-		dpLimits: cfg.Dataplane.withDefaults()}
+		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults()}
 	s.dataplaneURL = cfg.DataplaneURL
 	s.newMCP()
 	s.metrics.reg.MustRegister(s.dataplaneGauges()...)

@@ -95,6 +95,8 @@ type call struct {
 	outside *time.Timer
 	// pty receives a terminal command's master from the forked reply (tty.go); nil otherwise.
 	pty chan *os.File
+	// ptyTaken says the master came: another forked reply's fd is not taken (tty.go).
+	ptyTaken bool
 }
 
 // launchSpec is what a provider hands to launch.

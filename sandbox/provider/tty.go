@@ -18,16 +18,25 @@ import (
 func (in *instance) runsTTY() {}
 
 // takeTerminal hands a terminal call its master, received with the forked reply. It answers false
-// (the caller closes fds) when the call wants none or the reply carried anything else.
+// (the caller closes fds) when the call wants none, the reply carried anything else, or a master
+// came already: the init sends one, and a second must neither block the reply loop (pty holds
+// one) nor be kept.
 func (c *call) takeTerminal(fds []int) bool {
 	if c.pty == nil || len(fds) != 1 {
 		return false
 	}
+	c.mu.Lock()
+	if c.ptyTaken {
+		c.mu.Unlock()
+		return false
+	}
+	c.mu.Unlock()
 	if err := unix.SetNonblock(fds[0], true); err != nil {
 		return false
 	}
 	f := os.NewFile(uintptr(fds[0]), "tty-master")
 	c.mu.Lock()
+	c.ptyTaken = true
 	// Among outs, the command's end sets its read deadline as for a pipe (complete, fail).
 	c.outs = append(c.outs, f)
 	c.mu.Unlock()

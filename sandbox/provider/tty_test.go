@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -172,4 +173,42 @@ func TestTerminalCancelWithoutTheInit(t *testing.T) {
 		t.Fatalf("cancelled with the init frozen: %+v", res)
 	}
 	waitHostGone(t, job)
+}
+
+// TestTakeTerminalOnlyOnce: the init sends one master per terminal command; a second or third
+// forked reply with an fd (an init that misbehaves) is refused and its fd left to the caller to
+// close, and never blocks the reply loop, which every command of the sandbox waits on.
+func TestTakeTerminalOnlyOnce(t *testing.T) {
+	c := &call{done: make(chan struct{}), pty: make(chan *os.File, 1)}
+	var fds []int
+	for range 3 {
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(p[1])
+		fds = append(fds, p[0])
+	}
+	took := make(chan []bool, 1)
+	go func() {
+		var got []bool
+		for _, fd := range fds {
+			got = append(got, c.takeTerminal([]int{fd}))
+		}
+		took <- got
+	}()
+	select {
+	case got := <-took:
+		if !got[0] || got[1] || got[2] {
+			t.Fatalf("takeTerminal answered %v, want the first only", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a third master blocked the reply loop")
+	}
+	for _, fd := range fds[1:] {
+		if err := unix.Close(fd); err != nil {
+			t.Errorf("fd %d was not left to the caller: %v", fd, err)
+		}
+	}
+	(<-c.pty).Close()
 }

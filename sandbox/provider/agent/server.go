@@ -152,11 +152,16 @@ func (s *Server) handle(nc net.Conn) {
 	if _, err := nc.Write(challenge); err != nil {
 		return
 	}
-	answer := make([]byte, ChallengeSize)
-	if _, err := io.ReadFull(nc, answer); err != nil {
+	// The broker's answer, then its own challenge, which this agent answers once the broker's
+	// answer holds (wire.go, Proof).
+	hs := make([]byte, 2*ChallengeSize)
+	if _, err := io.ReadFull(nc, hs); err != nil {
 		return
 	}
-	if !hmac.Equal(answer, Answer(s.cfg.Secret, challenge)) {
+	if !hmac.Equal(hs[:ChallengeSize], Answer(s.cfg.Secret, challenge)) {
+		return
+	}
+	if _, err := nc.Write(Proof(s.cfg.Secret, hs[ChallengeSize:])); err != nil {
 		return
 	}
 	nc.SetDeadline(time.Time{})

@@ -6,9 +6,11 @@
 //
 // The wire, over one TCP connection:
 //
-//  1. The agent sends a 32-byte random challenge; the broker answers HMAC-SHA256(secret, challenge).
-//     A wrong answer closes the connection: only the holder of the sandbox's secret gets further,
-//     and the secret itself never crosses the network.
+//  1. The agent sends a 32-byte random challenge; the broker answers it (Answer: an HMAC-SHA256
+//     keyed by the secret) and sends a 32-byte challenge of its own, which the agent answers
+//     (Proof) once the broker's answer holds. A wrong answer on either side closes the connection:
+//     only the holder of the sandbox's secret gets further, the broker sends a request only to an
+//     agent that holds it, and the secret itself never crosses the network.
 //  2. Then frames, each a type byte, a 4-byte big-endian length and the payload. A request is a
 //     FrameRequest holding JSON {op, args}; the agent answers with a FrameResult holding JSON
 //     {result} or {error}. Unary operations (stat, ls, read, write, ...) may follow one another on
@@ -174,9 +176,23 @@ type PathArgs struct {
 	Path string `json:"path"`
 }
 
-// Answer is the challenge's answer for secret.
+// The handshake proves the secret both ways before any request: the agent sends a challenge; the
+// broker answers it (Answer) and sends a challenge of its own; the agent, having checked the answer,
+// answers that one (Proof). Without the agent's proof the broker sends nothing, so whatever else
+// listens at a pod's address (another pod given the IP of one that went) gets no request. The two
+// answers are keyed apart, so neither side's answer can be reflected as the other's.
+
+// Answer is the broker's answer to the agent's challenge for secret.
 func Answer(secret, challenge []byte) []byte {
+	return answer(secret, "sbx-agent broker\x00", challenge)
+}
+
+// Proof is the agent's answer to the broker's challenge for secret.
+func Proof(secret, challenge []byte) []byte { return answer(secret, "sbx-agent agent\x00", challenge) }
+
+func answer(secret []byte, side string, challenge []byte) []byte {
 	m := hmac.New(sha256.New, secret)
+	m.Write([]byte(side))
 	m.Write(challenge)
 	return m.Sum(nil)
 }

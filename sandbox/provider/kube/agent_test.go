@@ -178,3 +178,55 @@ func TestAgentFiles(t *testing.T) {
 		t.Errorf("extracted copy/a/b.txt = %q (archive held %v)", b, names)
 	}
 }
+
+// TestAgentClientRefusesAnImpostor: whatever listens at a pod's address (another pod given the IP
+// of one that went, say) must prove it holds the sandbox's secret before the broker sends it a
+// request; one that answers the handshake without it gets nothing, and the broker's own answer
+// to its challenge cannot serve as that proof.
+func TestAgentClientRefusesAnImpostor(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	got := make(chan []byte, 8)
+	go func() {
+		for {
+			nc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer nc.Close()
+				challenge := bytes.Repeat([]byte{7}, agent.ChallengeSize)
+				nc.Write(challenge)
+				hs := make([]byte, 2*agent.ChallengeSize)
+				n, _ := io.ReadAtLeast(nc, hs, agent.ChallengeSize)
+				// Reflect what the broker sent as the proof: its own answer, or its challenge.
+				nc.Write(hs[:agent.ChallengeSize])
+				if n >= 2*agent.ChallengeSize {
+					nc.Write(hs[agent.ChallengeSize:])
+				}
+				nc.SetReadDeadline(time.Now().Add(2 * time.Second))
+				rest, _ := io.ReadAll(nc)
+				got <- rest
+			}()
+		}
+	}()
+	in := &instance{name: "test", done: make(chan struct{})}
+	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), gone: in.goneErr}
+	defer in.client.close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := in.Exec(ctx, provider.ExecRequest{Command: "echo secret-data > /workspace/x"}); err == nil {
+		t.Fatal("an impostor agent ran a command")
+	}
+	select {
+	case rest := <-got:
+		if bytes.Contains(rest, []byte("secret-data")) {
+			t.Fatalf("the broker sent its request to an impostor: %q", rest)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the broker never reached the impostor")
+	}
+}

@@ -3,6 +3,8 @@ package kube
 import (
 	"bufio"
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -77,9 +79,17 @@ func (a *agentClient) dial(ctx context.Context) (*agentConn, error) {
 		nc.Close()
 		return nil, a.lost(fmt.Errorf("the sandbox's agent at %s did not greet: %w", a.addr, err))
 	}
-	if _, err := nc.Write(agent.Answer(a.secret, challenge)); err != nil {
+	// Our answer and our own challenge; the agent must answer it before it gets a request.
+	ours := make([]byte, agent.ChallengeSize)
+	rand.Read(ours)
+	if _, err := nc.Write(append(agent.Answer(a.secret, challenge), ours...)); err != nil {
 		nc.Close()
 		return nil, a.lost(err)
+	}
+	proof := make([]byte, agent.ChallengeSize)
+	if _, err := io.ReadFull(nc, proof); err != nil || !hmac.Equal(proof, agent.Proof(a.secret, ours)) {
+		nc.Close()
+		return nil, a.lost(fmt.Errorf("what answers at %s did not prove it holds the sandbox's agent secret (a wrong secret, or another pod at the address): nothing was sent to it", a.addr))
 	}
 	nc.SetDeadline(time.Time{})
 	return &agentConn{Conn: nc, r: bufio.NewReaderSize(nc, 64<<10)}, nil

@@ -16,6 +16,7 @@ import (
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/tests/wait"
@@ -65,13 +66,27 @@ func shellEnd(t *testing.T, sh *backend.Shell) (protocol.ExecResult, error) {
 	return sh.Wait()
 }
 
-// The shell op on real bubblewrap: the login shell on a terminal of the sandbox's own devpts, sized
-// as asked and resized (stty size sees it), ^C typed interrupts the foreground job, ^Z stops it and
-// the shell takes it back, the exit code comes back, and shell_started / shell_ended name the token.
+// The shell op on real bubblewrap, and on real runsc at the gvisor level: the login shell on a
+// terminal of the sandbox's own devpts, sized as asked and resized (stty size sees it), ^C typed
+// interrupts the foreground job, ^Z stops it and the shell takes it back, the exit code comes back,
+// and shell_started / shell_ended name the token.
 func TestShellOnRealTerminal(t *testing.T) {
 	t.Parallel()
-	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	for _, level := range []string{provider.IsolationNamespace, provider.IsolationGvisor} {
+		t.Run(level, func(t *testing.T) {
+			t.Parallel()
+			shellOnRealTerminal(t, level, servertest.New(t, servertest.Options{Provider: "namespace",
+				Templates: map[string]provider.Template{"default": levelTemplate(level)}}))
+		})
+	}
+}
+
+func shellOnRealTerminal(t *testing.T, level string, b *servertest.Broker) {
 	r, m := dialToken(t, b, "term", protocol.MintRequest{Scopes: []string{"exec"}})
+	if res, err := r.Exec(t.Context(), backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "uname -r"}}); err != nil ||
+		res.Stdout == nil || strings.Contains(*res.Stdout, "gvisor") != (level == provider.IsolationGvisor) {
+		t.Fatalf("uname -r at the %s level: %+v %v", level, res, err)
+	}
 	sh, out := startShell(t, r, t.Context(), protocol.ShellArgs{Rows: 30, Cols: 100})
 	sh.Write([]byte("echo \"$0 on $(tty) sized $(stty size)\"\n"))
 	out.waitFor(t, "/bin/bash on /dev/pts/0 sized 30 100")
@@ -79,8 +94,17 @@ func TestShellOnRealTerminal(t *testing.T) {
 	if err := sh.Resize(45, 132); err != nil {
 		t.Fatal(err)
 	}
+	// The window and the keys take different paths, so a key may overtake the resize: ask again
+	// until stty sees it.
 	sh.Write([]byte("stty size\n"))
-	out.waitFor(t, "45 132\r\n")
+	next := time.Now().Add(300 * time.Millisecond)
+	wait.Eventually(t, 20*time.Second, func() bool {
+		if time.Now().After(next) {
+			sh.Write([]byte("stty size\n"))
+			next = time.Now().Add(300 * time.Millisecond)
+		}
+		return strings.Contains(out.String(), "45 132\r\n")
+	}, "stty size to see the resize; the terminal shows %q", out)
 
 	sh.Write([]byte("sleep 1000\n"))
 	wait.Eventually(t, 10*time.Second, func() bool {
@@ -143,10 +167,26 @@ func TestShellOnRealTerminal(t *testing.T) {
 }
 
 // A shell's session ends, its processes with it, when the token is revoked, when its context is
-// cancelled, and when the sandbox stops.
+// cancelled, and when the sandbox stops; at both levels.
 func TestShellEndsWithItsCredential(t *testing.T) {
 	t.Parallel()
-	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	for _, level := range []string{provider.IsolationNamespace, provider.IsolationGvisor} {
+		t.Run(level, func(t *testing.T) {
+			t.Parallel()
+			shellEndsWithItsCredential(t, servertest.New(t, servertest.Options{Provider: "namespace",
+				Templates: map[string]provider.Template{"default": levelTemplate(level)}}))
+		})
+	}
+}
+
+// levelTemplate is the default template at an isolation level.
+func levelTemplate(level string) provider.Template {
+	tmpl := provider.DefaultTemplate()
+	tmpl.Isolation = level
+	return tmpl
+}
+
+func shellEndsWithItsCredential(t *testing.T, b *servertest.Broker) {
 	r, m := dialToken(t, b, "ends", protocol.MintRequest{Scopes: []string{"exec"}})
 	owner, err := backend.Dial(t.Context(), backend.Config{URL: m.Sandbox.DataplaneURL, Credential: b.Client.APIKey()})
 	if err != nil {
@@ -307,7 +347,15 @@ func TestShellHostileFrames(t *testing.T) {
 // request was cancelled, the connection closed): the terminal's master in the broker, the
 // goroutines that served it, and its processes. Not parallel: it counts the process's terminals.
 func TestShellReleasesWhatItHolds(t *testing.T) {
-	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	for _, level := range []string{provider.IsolationNamespace, provider.IsolationGvisor} {
+		t.Run(level, func(t *testing.T) {
+			shellReleasesWhatItHolds(t, servertest.New(t, servertest.Options{Provider: "namespace",
+				Templates: map[string]provider.Template{"default": levelTemplate(level)}}))
+		})
+	}
+}
+
+func shellReleasesWhatItHolds(t *testing.T, b *servertest.Broker) {
 	if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "release"}); err != nil {
 		t.Fatal(err)
 	}
@@ -317,7 +365,9 @@ func TestShellReleasesWhatItHolds(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer owner.Close()
-	// masters counts the broker's open terminal masters (the sandbox's /dev/pts/ptmx).
+	// masters counts the broker's open terminal masters (the sandbox's /dev/pts/ptmx) and, at the
+	// gvisor level, where the master stays inside, the relay's ends of the sockets in their place
+	// (one goroutine reads each).
 	masters := func() int {
 		n := 0
 		d, _ := os.ReadDir("/proc/self/fd")
@@ -326,7 +376,8 @@ func TestShellReleasesWhatItHolds(t *testing.T) {
 				n++
 			}
 		}
-		return n
+		buf := make([]byte, 4<<20)
+		return n + strings.Count(string(buf[:runtime.Stack(buf, true)]), "provider.(*relay).terminalInput(")
 	}
 	// serving counts the goroutines that serve a shell.
 	serving := func() int {

@@ -180,6 +180,11 @@ func (r *relay) fromBridge() {
 			// An error means the instance is gone; keep draining so the bridge never blocks.
 			for unix.Sendmsg(r.ctl, p, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
 			}
+		case sbxinit.FrameTerminal:
+			if len(p) < 4 {
+				continue
+			}
+			r.terminal(binary.BigEndian.Uint32(p), p[4:])
 		case sbxinit.FrameData:
 			r.mu.Lock()
 			q := r.outs[ch]
@@ -219,4 +224,74 @@ func (r *relay) closeAll() {
 	for _, q := range outs {
 		close(q)
 	}
+}
+
+// Messages on a bridged terminal's socket, from the instance to the relay: a type byte, then its
+// payload. The other way, each message is the terminal's output as it is.
+const (
+	ttyMsgData   = 'd' // keystrokes
+	ttyMsgResize = 'r' // a window: rows, then columns, each a big-endian uint16
+	ttyMsgEOF    = 'e' // the input ended: type the terminal's end-of-file character
+)
+
+// ttyMsgMax is the most keystrokes one message carries; a message is read whole or cut.
+const ttyMsgMax = 16 << 10
+
+// terminal hands the instance a bridged terminal: the reply, with one end of a fresh socket pair
+// where the init would have passed the master. The master stays in the sandbox, with the bridge;
+// the socket's messages become the channel's frames (terminalInput) and the channel's data the
+// socket's messages (deliver). The instance cannot tell a socket from a master by what it reads,
+// so it writes (tty.go, bridgedTerminal) in messages that say what they are.
+func (r *relay) terminal(ch uint32, reply []byte) {
+	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		// No terminal: the reply alone, and the instance ends the call; the bridge closes the
+		// master when its writes here fail.
+		r.out.Write(sbxinit.FrameClose, ch, nil)
+		for unix.Sendmsg(r.ctl, reply, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
+		}
+		return
+	}
+	unix.SetNonblock(sp[0], true) // through the poller, so closeAll ends a blocked read
+	f := os.NewFile(uintptr(sp[0]), "tty-bridge")
+	q := make(chan []byte, 64)
+	r.mu.Lock()
+	r.ins[ch] = f
+	r.outs[ch] = q
+	r.mu.Unlock()
+	go r.deliver(ch, f, q)
+	go r.terminalInput(ch, f)
+	for unix.Sendmsg(r.ctl, reply, unix.UnixRights(sp[1]), nil, unix.MSG_NOSIGNAL) == unix.EINTR {
+	}
+	unix.Close(sp[1])
+}
+
+// terminalInput turns the instance's messages on a terminal's socket into the channel's frames.
+// When the instance closes its end (the call returned), the bridge is told to close the master.
+func (r *relay) terminalInput(ch uint32, f *os.File) {
+	b := make([]byte, 1+ttyMsgMax)
+	for {
+		n, err := f.Read(b)
+		if err != nil || n == 0 {
+			break
+		}
+		switch b[0] {
+		case ttyMsgData:
+			err = r.out.Write(sbxinit.FrameData, ch, b[1:n])
+		case ttyMsgResize:
+			err = r.out.Write(sbxinit.FrameResize, ch, b[1:n])
+		case ttyMsgEOF:
+			err = r.out.Write(sbxinit.FrameEOF, ch, nil)
+		}
+		if err != nil {
+			break
+		}
+	}
+	r.mu.Lock()
+	if r.ins[ch] == f {
+		delete(r.ins, ch)
+	}
+	r.mu.Unlock()
+	f.Close()
+	r.out.Write(sbxinit.FrameClose, ch, nil)
 }

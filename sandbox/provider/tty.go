@@ -14,6 +14,11 @@ import (
 // passes its master back with the forked reply; from then on the broker talks to the master
 // directly: keystrokes are written to it, output read from it, and a resize is an ioctl on it. No
 // byte of the session goes through the init.
+//
+// At the gvisor level the master cannot leave the sentry: the bridge keeps it and the relay passes,
+// in its place, one end of a socket pair whose messages the bridge's frames carry (gvisor_relay.go).
+// Output reads the same from either; what the broker writes differs (bridgedTerminal), and that is
+// the only place the two levels part.
 
 func (in *instance) runsTTY() {}
 
@@ -89,6 +94,7 @@ func (in *instance) runTTY(ctx context.Context, r *request, req ExecRequest) (Ex
 		return ExecResult{}, err
 	}
 	defer master.Close()
+	term := terminalOf(master)
 	var timer *time.Timer
 	if req.Timeout > 0 {
 		timer = time.AfterFunc(min(req.Timeout, time.Duration(in.limits.ExecTimeoutMax)), func() { in.killCall(c, ReasonTimeout) })
@@ -96,7 +102,7 @@ func (in *instance) runTTY(ctx context.Context, r *request, req ExecRequest) (Ex
 	stopCancel := context.AfterFunc(ctx, func() { in.killCall(c, ReasonCancelled) })
 	quit := make(chan struct{})
 	if req.TTY.Resize != nil {
-		go resizeLoop(master, req.TTY.Resize, quit)
+		go resizeLoop(term, req.TTY.Resize, quit)
 	}
 	if req.Stdin != nil {
 		// Ends at the master's close (its next write fails), or when Stdin ends; a Read still
@@ -104,8 +110,8 @@ func (in *instance) runTTY(ctx context.Context, r *request, req ExecRequest) (Ex
 		// end-of-file character (^D), which is how a terminal says it: a program reading a line
 		// reads end of file.
 		go func() {
-			if _, err := io.Copy(master, req.Stdin); err == nil {
-				typeEOF(master)
+			if _, err := io.Copy(term, req.Stdin); err == nil {
+				term.typeEOF()
 			}
 		}()
 	}
@@ -139,13 +145,70 @@ func (in *instance) runTTY(ctx context.Context, r *request, req ExecRequest) (Ex
 	return res, nil
 }
 
-// resizeLoop applies window sizes to the terminal until quit: the kernel sends SIGWINCH to the
-// terminal's foreground process group.
-func resizeLoop(master *os.File, sizes <-chan WindowSize, quit <-chan struct{}) {
-	rc, err := master.SyscallConn()
+// terminal is the broker's end of a command's terminal: keystrokes are written to it; the window
+// and the end of input are set through it. Output is read from the file under it.
+type terminal interface {
+	io.Writer
+	resize(WindowSize)
+	typeEOF()
+}
+
+// terminalOf is the terminal whose end f is: a master (the namespace level), or a socket to the
+// gvisor level's bridge, which holds the master.
+func terminalOf(f *os.File) terminal {
+	if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		return bridgedTerminal{f}
+	}
+	return ptyMaster{f}
+}
+
+// ptyMaster is a terminal's master itself.
+type ptyMaster struct{ f *os.File }
+
+func (m ptyMaster) Write(p []byte) (int, error) { return m.f.Write(p) }
+
+// ReadFrom keeps io.Copy to a master on the file's own path.
+func (m ptyMaster) ReadFrom(r io.Reader) (int64, error) { return m.f.ReadFrom(r) }
+
+// resize sets the window: the kernel sends SIGWINCH to the terminal's foreground process group.
+func (m ptyMaster) resize(ws WindowSize) {
+	rc, err := m.f.SyscallConn()
 	if err != nil {
 		return
 	}
+	rc.Control(func(fd uintptr) {
+		unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: ws.Rows, Col: ws.Cols})
+	})
+}
+
+func (m ptyMaster) typeEOF() { typeEOF(m.f) }
+
+// bridgedTerminal is a socket to the bridge that holds the master (gvisor level): each message says
+// what it is (ttyMsgData, ttyMsgResize, ttyMsgEOF) and the bridge does it to the master.
+type bridgedTerminal struct{ f *os.File }
+
+func (b bridgedTerminal) Write(p []byte) (int, error) {
+	msg := make([]byte, 1+min(len(p), ttyMsgMax))
+	msg[0] = ttyMsgData
+	n := 0
+	for n < len(p) {
+		k := copy(msg[1:], p[n:])
+		if _, err := b.f.Write(msg[:1+k]); err != nil {
+			return n, err
+		}
+		n += k
+	}
+	return n, nil
+}
+
+func (b bridgedTerminal) resize(ws WindowSize) {
+	b.f.Write([]byte{ttyMsgResize, byte(ws.Rows >> 8), byte(ws.Rows), byte(ws.Cols >> 8), byte(ws.Cols)})
+}
+
+func (b bridgedTerminal) typeEOF() { b.f.Write([]byte{ttyMsgEOF}) }
+
+// resizeLoop applies window sizes to the terminal until quit.
+func resizeLoop(term terminal, sizes <-chan WindowSize, quit <-chan struct{}) {
 	for {
 		select {
 		case <-quit:
@@ -157,9 +220,7 @@ func resizeLoop(master *os.File, sizes <-chan WindowSize, quit <-chan struct{}) 
 			if ws.Rows == 0 || ws.Cols == 0 {
 				continue
 			}
-			rc.Control(func(fd uintptr) {
-				unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: ws.Rows, Col: ws.Cols})
-			})
+			term.resize(ws)
 		}
 	}
 }

@@ -35,7 +35,21 @@ const (
 	FrameEOF = 4
 	// FrameClose: the reading side of a channel is gone; the writer stops.
 	FrameClose = 5
+	// FrameTerminal (bridge → host): a reply of the init that passed a terminal's master (the
+	// forked reply of a command on a terminal). Payload: the channel (uint32) the bridge opens
+	// for the terminal, then the reply's JSON. The master stays here, in the sandbox; the
+	// channel carries its bytes both ways: FrameData from the host is typed on it, FrameData to
+	// the host is what it shows, FrameEOF from the host types its end-of-file character, and
+	// FrameClose from the host closes it.
+	FrameTerminal = 6
+	// FrameResize (host → bridge): a terminal's new window. Payload: rows, then columns, each a
+	// big-endian uint16.
+	FrameResize = 7
 )
+
+// TerminalChannel marks the channels the bridge numbers (terminals); the host numbers the others
+// from 1 up, so the two never meet.
+const TerminalChannel = 1 << 31
 
 // Directions of a channel, as the command sees its fd.
 const (
@@ -114,7 +128,9 @@ type bridge struct {
 	ctl  *ctlConn
 	mu   sync.Mutex
 	ins  map[uint32]chan []byte // host → command: queued data, closed at EOF
-	outs map[uint32]*os.File    // command → host: our read ends
+	outs map[uint32]*os.File    // command → host: our read ends (a terminal's master)
+	// nextTTY numbers the terminals' channels (with TerminalChannel); only replies uses it.
+	nextTTY uint32
 }
 
 func runBridge() error {
@@ -164,11 +180,21 @@ func (b *bridge) replies() {
 	oob := make([]byte, unix.CmsgSpace(16*4))
 	for {
 		n, oobn, _, err := b.ctl.recv(buf, oob)
+		var fds []int
 		if oobn > 0 {
-			fds, _ := ParseRights(oob[:oobn])
-			CloseFDs(fds)
+			fds, _ = ParseRights(oob[:oobn])
 		}
-		if err != nil || n == 0 || b.out.Write(FrameReply, 0, buf[:n]) != nil {
+		if err != nil || n == 0 {
+			os.Exit(1)
+		}
+		if len(fds) == 1 && n > 0 && isTerminalMaster(fds[0]) {
+			if b.terminal(fds[0], buf[:n]) != nil {
+				os.Exit(1)
+			}
+			continue
+		}
+		CloseFDs(fds)
+		if b.out.Write(FrameReply, 0, buf[:n]) != nil {
 			os.Exit(1)
 		}
 	}
@@ -209,9 +235,31 @@ func (b *bridge) requests() error {
 			b.mu.Lock()
 			f := b.outs[ch]
 			delete(b.outs, ch)
+			var q chan []byte
+			if ch&TerminalChannel != 0 {
+				// The broker let the terminal go: nothing more is typed on it either.
+				q = b.ins[ch]
+				delete(b.ins, ch)
+			}
 			b.mu.Unlock()
 			if f != nil {
 				f.Close() // the command's next write fails with EPIPE, as on the host
+			}
+			if q != nil {
+				close(q)
+			}
+		case FrameResize:
+			b.mu.Lock()
+			f := b.outs[ch]
+			b.mu.Unlock()
+			if f != nil && ch&TerminalChannel != 0 && len(p) == 4 {
+				ws := unix.Winsize{Row: binary.BigEndian.Uint16(p), Col: binary.BigEndian.Uint16(p[2:])}
+				if ws.Row > 0 && ws.Col > 0 {
+					// The sentry's line discipline sends SIGWINCH to the foreground job.
+					if rc, err := f.SyscallConn(); err == nil {
+						rc.Control(func(fd uintptr) { unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &ws) })
+					}
+				}
 			}
 		}
 	}
@@ -305,4 +353,73 @@ func (b *bridge) pump(ch uint32, r *os.File) {
 	b.mu.Unlock()
 	r.Close()
 	b.out.Write(FrameEOF, ch, nil)
+}
+
+// isTerminalMaster reports whether fd is a pseudo-terminal's master (it has a terminal number).
+func isTerminalMaster(fd int) bool {
+	_, err := unix.IoctlGetUint32(fd, unix.TIOCGPTN)
+	return err == nil
+}
+
+// terminal keeps a command's terminal master here and opens a channel for it: the host learns the
+// channel with the reply before any of the terminal's output, since both go out in this order on
+// the one stream.
+func (b *bridge) terminal(master int, reply []byte) error {
+	b.nextTTY++
+	ch := TerminalChannel | b.nextTTY
+	if err := unix.SetNonblock(master, true); err != nil {
+		unix.Close(master)
+		return b.out.Write(FrameReply, 0, reply) // the broker sees no master and ends the call
+	}
+	f := os.NewFile(uintptr(master), "tty-master")
+	q := make(chan []byte, 64)
+	b.mu.Lock()
+	b.ins[ch] = q
+	b.outs[ch] = f
+	b.mu.Unlock()
+	p := binary.BigEndian.AppendUint32(make([]byte, 0, 4+len(reply)), ch)
+	if err := b.out.Write(FrameTerminal, ch, append(p, reply...)); err != nil {
+		return err
+	}
+	go b.typeKeys(ch, f, q)
+	go b.pump(ch, f)
+	return nil
+}
+
+// typeKeys types a terminal's keystrokes from the host. The end of the host's input is typed as the
+// terminal's end-of-file character, which is how a terminal says it (as the broker does at the
+// namespace level, tty.go). A failed write tells the host to stop sending.
+func (b *bridge) typeKeys(ch uint32, f *os.File, q chan []byte) {
+	failed := false
+	for p := range q {
+		if failed {
+			continue
+		}
+		if _, err := f.Write(p); err != nil {
+			failed = true
+			b.out.Write(FrameClose, ch, nil)
+		}
+	}
+	b.mu.Lock()
+	eof := b.outs[ch] == f // still open: the host ended its input (FrameEOF), not the terminal
+	b.mu.Unlock()
+	if eof && !failed {
+		typeEOF(f)
+	}
+}
+
+// typeEOF writes the terminal's VEOF character (^D unless the program changed it) to its master.
+func typeEOF(master *os.File) {
+	rc, err := master.SyscallConn()
+	if err != nil {
+		return
+	}
+	eof := byte(4)
+	rc.Control(func(fd uintptr) {
+		// Terminal modes asked of a master are its slave's, which the program sets.
+		if t, err := unix.IoctlGetTermios(int(fd), unix.TCGETS); err == nil && t.Cc[unix.VEOF] != 0 {
+			eof = t.Cc[unix.VEOF]
+		}
+	})
+	master.Write([]byte{eof})
 }

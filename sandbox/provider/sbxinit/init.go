@@ -303,8 +303,9 @@ func (p *initProc) exec(req *Request, fds []int) {
 		Sys: &syscall.SysProcAttr{Setpgid: true, Credential: p.cred},
 	}
 	if req.TTY {
-		// A session leader leads its process group too (and may not call setpgid).
-		attr.Sys = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
+		// A session leader leads its process group too (and may not call setpgid). It runs as
+		// every command does (the gvisor level's init is root and drops to the tenant's uid).
+		attr.Sys = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: p.cred}
 	}
 	var pid int
 	var err error

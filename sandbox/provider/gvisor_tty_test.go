@@ -43,14 +43,7 @@ func TestGvisorTerminal(t *testing.T) {
 	io.WriteString(stdin, "\n")
 	out.waitFor(t, "24 80\r\n")
 	resize <- WindowSize{Rows: 50, Cols: 120}
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(out.String(), "50 120") {
-		if time.Now().After(deadline) {
-			t.Fatalf("stty size never saw the resize: %q", out.String())
-		}
-		io.WriteString(stdin, "\n")
-		time.Sleep(20 * time.Millisecond) // a poll interval
-	}
+	waitForResize(t, out, stdin, "50 120")
 	stdin.Close() // the end of input is typed as ^D: read sees end of file
 	if res := waitResult(t, done); res.ExitCode != 0 {
 		t.Fatalf("^D ended the loop with %+v", res)

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // syncBuffer collects a terminal's output for a test to wait on.
@@ -33,13 +35,21 @@ func (s *syncBuffer) String() string {
 
 func (s *syncBuffer) waitFor(t *testing.T, text string) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(s.String(), text) {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %q in the terminal's output:\n%q", text, s.String())
+	wait.Eventually(t, 10*time.Second, func() bool { return strings.Contains(s.String(), text) },
+		"%q in the terminal's output:\n%q", text, s)
+}
+
+// waitForResize types Enter until a `while read; do stty size; done` loop on the terminal prints
+// the new size: a keystroke can reach the terminal before a resize sent ahead of it.
+func waitForResize(t *testing.T, out *syncBuffer, stdin io.Writer, size string) {
+	t.Helper()
+	wait.Eventually(t, 10*time.Second, func() bool {
+		if strings.Contains(out.String(), size) {
+			return true
 		}
-		time.Sleep(5 * time.Millisecond) // a poll interval
-	}
+		io.WriteString(stdin, "\n")
+		return false
+	}, "stty size seeing the resize to %s", size)
 }
 
 // ttyRun starts argv on a terminal and returns its output, its stdin and the result's channel.
@@ -96,14 +106,7 @@ func TestExecOnTerminal(t *testing.T) {
 	io.WriteString(stdin, "\n")
 	out.waitFor(t, "24 80\r\n")
 	resize <- WindowSize{Rows: 50, Cols: 120}
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(out.String(), "50 120") {
-		if time.Now().After(deadline) {
-			t.Fatalf("stty size never saw the resize: %q", out.String())
-		}
-		io.WriteString(stdin, "\n")
-		time.Sleep(20 * time.Millisecond) // a poll interval
-	}
+	waitForResize(t, out, stdin, "50 120")
 	io.WriteString(stdin, "\x04") // ^D: read sees the end of input
 	if res := waitResult(t, done); res.ExitCode != 0 {
 		t.Fatalf("^D ended the loop with %+v", res)

@@ -89,6 +89,9 @@ func (r *relay) fromBroker(toBridge *os.File) {
 		}
 		fds, _ := parseRights(oob[:oobn])
 		head := []byte{byte(len(fds))}
+		// A command's stdin is copied only once its request is on the way: data or an EOF for a
+		// channel the bridge has not heard of yet is dropped there, and the command waits forever.
+		var senders []func()
 		for _, fd := range fds {
 			r.mu.Lock()
 			r.next++
@@ -106,7 +109,7 @@ func (r *relay) fromBroker(toBridge *os.File) {
 				r.mu.Lock()
 				r.ins[ch] = f
 				r.mu.Unlock()
-				go r.send(ch, f)
+				senders = append(senders, func() { go r.send(ch, f) })
 			} else {
 				q := make(chan []byte, 64)
 				r.mu.Lock()
@@ -117,6 +120,9 @@ func (r *relay) fromBroker(toBridge *os.File) {
 		}
 		if r.out.Write(sbxinit.FrameRequest, 0, append(head, buf[:n]...)) != nil {
 			return // the bridge is gone; fromBridge ends the channels
+		}
+		for _, start := range senders {
+			start()
 		}
 	}
 }

@@ -227,6 +227,19 @@ func TestGetSaysBrokerLost(t *testing.T) {
 	}
 }
 
+// A sandbox running as a pod says where in get's table: the cluster node and the pod.
+func TestGetShowsPlacement(t *testing.T) {
+	t.Parallel()
+	sb := protocol.Sandbox{ID: "sb_1", Name: "dev", Status: "running", Provider: "kubernetes", Isolation: "container",
+		Placement: &protocol.Placement{Node: "node-a", Pod: "sbx/sbx-1"}}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { json.NewEncoder(w).Encode(sb) }))
+	defer srv.Close()
+	code, out, stderr := sbctl(t, t.Context(), srv.URL, "", "get", "dev")
+	if code != 0 || !strings.Contains(out, "Placement:       node node-a, pod sbx/sbx-1") {
+		t.Errorf("sbctl get: exit %d\nstdout: %s\nstderr: %s", code, out, stderr)
+	}
+}
+
 // Every refusal of a credential exits 4 as the help says, whichever way it is refused: a bad,
 // expired or revoked token, a scope or command the token does not allow.
 func TestCredentialRefusalsExit4(t *testing.T) {

@@ -273,6 +273,9 @@ func describeSandbox(w io.Writer, s protocol.Sandbox) {
 	}
 	row("Provider", s.Provider)
 	row("Isolation", isolation)
+	if p := s.Placement; p != nil {
+		row("Placement", "node "+p.Node+", pod "+p.Pod)
+	}
 	row("Workspace", s.Workspace)
 	row("TTL", (time.Duration(s.TTLSeconds) * time.Second).String())
 	row("Expires", expiresIn(s))

@@ -650,6 +650,9 @@ func compactDuration(d time.Duration) string {
 }
 
 func (m *watchModel) nodeOf(s protocol.Sandbox) string {
+	if s.Placement != nil && s.Placement.Node != "" {
+		return s.Placement.Node // where it runs says more than which broker reaches it
+	}
 	if n, ok := m.nodes[s.ID]; ok {
 		return n
 	}

@@ -65,6 +65,32 @@ func TestWatchViewEscapesData(t *testing.T) {
 	}
 }
 
+// A pod sandbox's NODE column is the cluster node it runs on, not the broker that reaches it (and a
+// node name from the cluster is escaped like any data).
+func TestWatchShowsWhereAPodRuns(t *testing.T) {
+	m := newWatchModel(t.Context(), nil, "http://b", "", nil)
+	m.loaded = true
+	m.width, m.height = 120, 24
+	m.sandboxes = []protocol.Sandbox{
+		{ID: "sb_1", Name: "pod-box", Status: "running", Isolation: "container", DataplaneURL: "ws://broker-a:7070/v1/sandboxes/sb_1/dataplane",
+			Placement: &protocol.Placement{Node: "worker-7\x1b", Pod: "sbx/sbx-1"}},
+		{ID: "sb_2", Name: "local-box", Status: "running", Isolation: "namespace", DataplaneURL: "ws://broker-a:7070/v1/sandboxes/sb_2/dataplane"},
+	}
+	v := regexp.MustCompile("\x1b\\[[0-9;]*m").ReplaceAllString(m.View(), "")
+	var pod, local string
+	for _, line := range strings.Split(v, "\n") {
+		switch {
+		case strings.Contains(line, "pod-box"):
+			pod = line
+		case strings.Contains(line, "local-box"):
+			local = line
+		}
+	}
+	if !strings.Contains(pod, "worker-7") || strings.Contains(pod, "broker-a") || !strings.Contains(local, "broker-a:7070") {
+		t.Errorf("NODE column:\n%s\n%s", pod, local)
+	}
+}
+
 // With a tag filter, the org's events pane shows only the listed sandboxes' events; the selected
 // sandbox's pane shows only its own.
 func TestWatchEventsFollowTheFilter(t *testing.T) {

@@ -13,6 +13,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -205,7 +207,15 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 			}
 		}
 	}
-	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, req.Reuse)
+	got, outcome, err := m.createOrReuse(ctx, rec, req.Reuse)
+	if errors.Is(err, errUnknownOutcome) {
+		// The record may exist: keep what it holds (the uid, the index entry that lets Recover
+		// settle it at the next start) rather than hand them to another sandbox.
+		m.cfg.Log.Error("Redis lost every answer to a create: whether the record exists is unknown", "sandbox_id", rec.ID, "org", rec.Org, "err", err)
+		return store.Record{}, "", protocol.Errorf(protocol.CodeUnavailable,
+			"Redis did not answer the create of sandbox %q, so whether it was made is unknown: once Redis is back, `sbctl get %s` tells; one left provisioning is marked failed at this broker's next start (or delete it)",
+			clip(req.Name), clip(req.Name))
+	}
 	if err != nil || got.ID != rec.ID {
 		if pd != nil {
 			m.pool.unclaim(ctx, c.Org, pd, err)
@@ -240,6 +250,31 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 		if err == nil {
 			m.emit(c, got, protocol.EventReused, nil)
 		}
+	}
+	return got, outcome, err
+}
+
+// errUnknownOutcome marks a create whose every answer Redis lost: it may or may not have happened.
+var errUnknownOutcome = errors.New("the create's outcome is unknown")
+
+// createOrReuse is Store.CreateOrReuse, sent again (up to about 3 s) when Redis' answer was lost:
+// the store recognises its own create (and its own resume) by rec.ID, so a resent call answers as
+// the first one would have, and the outcome is known before anything is released. Guessing instead
+// would either free the name and uid of a record that exists (left provisioning with nobody to start
+// it) or keep those of one that does not.
+func (m *Manager) createOrReuse(ctx context.Context, rec store.Record, reuse bool) (store.Record, store.Outcome, error) {
+	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, reuse)
+	for wait := 100 * time.Millisecond; err != nil && store.Unavailable(err) && wait <= 1600*time.Millisecond; wait *= 4 {
+		select {
+		case <-ctx.Done():
+			return got, outcome, fmt.Errorf("%w: %w", errUnknownOutcome, err)
+		case <-time.After(wait):
+		}
+		m.cfg.Log.Warn("Redis' answer to a create was lost; asking again", "sandbox_id", rec.ID, "org", rec.Org, "err", err)
+		got, outcome, err = m.cfg.Store.CreateOrReuse(context.WithoutCancel(ctx), rec, reuse)
+	}
+	if err != nil && store.Unavailable(err) {
+		return got, outcome, fmt.Errorf("%w: %w", errUnknownOutcome, err)
 	}
 	return got, outcome, err
 }
@@ -501,7 +536,7 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 // Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.
 func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
 	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
-		From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
+		From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
 		Fields: map[string]string{store.FieldStopReason: ""}})
 	var se *store.StateError
 	if errors.As(err, &se) && (se.Status == protocol.StatusRunning || se.Status == protocol.StatusProvisioning) {

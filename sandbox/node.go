@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
@@ -156,7 +158,7 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 			return
 		}
 		got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
-			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning,
+			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
 			Fields: map[string]string{store.FieldLost: strconv.FormatInt(m.now().UnixMilli(), 10)}})
 		if err != nil {
 			return

@@ -192,14 +192,18 @@ var createScript = redis.NewScript(luaClaim + `
 local name, newid, now, reuse, prefix, template = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local id = redis.call('HGET', KEYS[1], name)
 if id then
+  -- This very call, sent again by the client after Redis' answer was lost: answer as the first time.
+  if id == newid then return {'created', newid, redis.call('HGETALL', KEYS[2])} end
   if reuse ~= '1' then return {'err', 'conflict', id} end
   local key = prefix .. id
-  local cur = redis.call('HMGET', key, 'status', 'template')
+  local cur = redis.call('HMGET', key, 'status', 'template', 'claim')
   if cur[2] ~= template then return {'err', 'mismatch', cur[2]} end
+  if cur[1] == 'provisioning' and cur[3] == newid then return {'resumed', id, redis.call('HGETALL', key)} end
   if cur[1] == 'stopped' then
     local over = claim(KEYS[5], KEYS[6], ARGV[7], id)
     if over then return {'err', 'quota', over} end
-    redis.call('HSET', key, 'status', 'provisioning', 'stop_reason', '', 'stopped', 0, 'heartbeat', now)
+    -- The resume is this call's: its new id marks it (claim), should the call come again.
+    redis.call('HSET', key, 'status', 'provisioning', 'stop_reason', '', 'stopped', 0, 'heartbeat', now, 'claim', newid)
     redis.call('ZREM', KEYS[4], id)
     return {'resumed', id, redis.call('HGETALL', key)}
   end
@@ -282,7 +286,8 @@ func (s *Store) Get(ctx context.Context, org, ref string) (Record, error) {
 // deadline first wins), 7 with 6, the warning (ms; 0 = none) whose window must have passed since the
 // expiring warning for this deadline was claimed, 8 only-if-stopped-by (ms; 0 = unconditional:
 // retention passes its cutoff, so a resume that lands first wins), 9 the broker's default
-// max_running, 10.. extra field/value pairs.
+// max_running, 10 the caller's claim on a move into provisioning (Transition.Claim; "" = none),
+// 11.. extra field/value pairs.
 // Answers {"ok", HGETALL...} or {"err", code, detail}.
 // Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped; in
 // active iff provisioning or running, and entering active (a resume) is refused at max_running. A
@@ -296,7 +301,15 @@ local key = prefix .. id
 local status = redis.call('HGET', key, 'status')
 local allowed = false
 for s in string.gmatch(ARGV[3], '[^,]+') do if s == status then allowed = true end end
-if not allowed then return {'err', 'state', status} end
+if not allowed then
+  -- This caller's own move into provisioning, sent again after Redis' answer was lost (ARGV[10]).
+  if status == ARGV[4] and status == 'provisioning' and ARGV[10] ~= '' and redis.call('HGET', key, 'claim') == ARGV[10] then
+    local out = {'ok'}
+    for _, v in ipairs(redis.call('HGETALL', key)) do out[#out + 1] = v end
+    return out
+  end
+  return {'err', 'state', status}
+end
 local now, to, ifexp, warning, ifstop = clock(ARGV[5]), ARGV[4], ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8])
 if ifexp then
   local h = redis.call('HMGET', key, 'expires', 'ttl')
@@ -323,7 +336,8 @@ else
   redis.call('SREM', KEYS[5], id)
 end
 redis.call('HSET', key, 'status', to)
-for i = 10, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+for i = 11, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+if to == 'provisioning' then redis.call('HSET', key, 'claim', ARGV[10]) end
 if to == 'running' then
   lease(key, id, now, tonumber(redis.call('HGET', key, 'ttl')) or 0, KEYS[2], KEYS[4])
   if (tonumber(redis.call('HGET', key, 'started')) or 0) == 0 then redis.call('HSET', key, 'started', now) end
@@ -365,6 +379,10 @@ type Transition struct {
 	// IfStoppedBy makes the change conditional on the sandbox being stopped since this time or
 	// earlier: retention's re-check, so that a resume that lands first wins.
 	IfStoppedBy time.Time
+	// Claim names this caller's move into provisioning (a resume): the record keeps it, and the same
+	// call seen again (the client resent it after losing Redis' answer) succeeds instead of finding
+	// the sandbox "already being started" by someone else and waiting for itself.
+	Claim string
 }
 
 // Field names callers may set through Transition.Fields.
@@ -382,7 +400,7 @@ const (
 // name and bumps the token generation, which revokes every delegation token of the sandbox.
 func (s *Store) Transition(ctx context.Context, org, ref string, t Transition) (Record, error) {
 	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, s.nowArg(), boolArg(t.IfExpired),
-		t.Warning.Milliseconds(), ms(t.IfStoppedBy), s.DefaultLimits().MaxRunning}
+		t.Warning.Milliseconds(), ms(t.IfStoppedBy), s.DefaultLimits().MaxRunning, t.Claim}
 	for k, v := range t.Fields {
 		args = append(args, k, v)
 	}

@@ -97,6 +97,9 @@ type Options struct {
 	AuthFailureWindow time.Duration
 	// Dataplane bounds dataplane connections (zero values: the broker's defaults).
 	Dataplane server.DataplaneLimits
+	// RedisDialer, when set, opens the broker's connections to Redis (a test's faulty network in
+	// front of the real server).
+	RedisDialer func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
 // DefaultSandboxUIDs is cmd/broker's default --sandbox-uids, without its shared --sandbox-uid.
@@ -158,7 +161,7 @@ func New(t testing.TB, opts Options) *Broker {
 		}
 	}
 	// The client is bounded as cmd/broker's is.
-	ropts := &redis.UniversalOptions{Addrs: []string{opts.Redis.Addr}}
+	ropts := &redis.UniversalOptions{Addrs: []string{opts.Redis.Addr}, Dialer: opts.RedisDialer}
 	store.BoundOptions(ropts, opts.RedisTimeout)
 	rdb := redis.NewUniversalClient(ropts)
 	t.Cleanup(func() { rdb.Close() })

@@ -208,21 +208,23 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 		}
 	}
 	got, outcome, err := m.createOrReuse(ctx, rec, req.Reuse)
-	if errors.Is(err, errUnknownOutcome) {
-		// The record may exist: keep what it holds (the uid, the index entry that lets Recover
-		// settle it at the next start) rather than hand them to another sandbox.
+	unknown := errors.Is(err, errUnknownOutcome)
+	if err != nil || got.ID != rec.ID {
+		switch {
+		case pd != nil:
+			m.pool.unclaim(ctx, c.Org, pd, err) // an unknown outcome discards it
+		case !unknown:
+			m.unindex(rec.ID)
+			m.releaseUID(context.WithoutCancel(ctx), rec)
+		}
+	}
+	if unknown {
+		// The record may exist: its uid and the index entry that lets Recover settle it at the
+		// next start stay, rather than go to another sandbox.
 		m.cfg.Log.Error("Redis lost every answer to a create: whether the record exists is unknown", "sandbox_id", rec.ID, "org", rec.Org, "err", err)
 		return store.Record{}, "", protocol.Errorf(protocol.CodeUnavailable,
 			"Redis did not answer the create of sandbox %q, so whether it was made is unknown: once Redis is back, `sbctl get %s` tells; one left provisioning is marked failed at this broker's next start (or delete it)",
 			clip(req.Name), clip(req.Name))
-	}
-	if err != nil || got.ID != rec.ID {
-		if pd != nil {
-			m.pool.unclaim(ctx, c.Org, pd, err)
-		} else {
-			m.unindex(rec.ID)
-			m.releaseUID(context.WithoutCancel(ctx), rec)
-		}
 	}
 	if err != nil {
 		return store.Record{}, "", m.mapStoreErr(err, req.Name)

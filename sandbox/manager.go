@@ -445,13 +445,17 @@ func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
 	if provider.EndReason(inst) == provider.ReasonMemoryLimit {
 		reason = protocol.StopMemoryLimit
 	}
+	fields := map[string]string{store.FieldStopReason: reason}
+	why := provider.EndMessage(inst)
+	if why != "" {
+		fields[store.FieldFailure] = why // the owner sees what happened, not only its code
+	}
 	rec, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
-		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
-		Fields: map[string]string{store.FieldStopReason: reason}})
+		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped, Fields: fields})
 	if err != nil {
 		return
 	}
-	m.cfg.Log.Warn("sandbox processes ended on their own; sandbox stopped", "sandbox_id", id, "org", org, "reason", reason)
+	m.cfg.Log.Warn("sandbox processes ended on their own; sandbox stopped", "sandbox_id", id, "org", org, "reason", reason, "why", why)
 	m.emit(Caller{Org: org, Actor: "broker"}, rec, protocol.EventStopped, func(e *protocol.Event) { e.Reason = reason })
 }
 
@@ -539,7 +543,7 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
 	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
 		From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
-		Fields: map[string]string{store.FieldStopReason: ""}})
+		Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}})
 	var se *store.StateError
 	if errors.As(err, &se) && (se.Status == protocol.StatusRunning || se.Status == protocol.StatusProvisioning) {
 		rec, err = m.Get(ctx, c.Org, ref)

@@ -219,3 +219,13 @@ func EndReason(inst Instance) string {
 	}
 	return ""
 }
+
+// EndMessage says in a person's words why an instance ended without a Stop (for a pod: deleted,
+// evicted, its container's exit, with the cluster's own reason), once its Done is closed; "" when
+// the provider cannot tell more than the stop reason does.
+func EndMessage(inst Instance) string {
+	if r, ok := inst.(interface{ EndMessage() string }); ok {
+		return r.EndMessage()
+	}
+	return ""
+}

@@ -17,6 +17,7 @@ import (
 	"github.com/sbxbroker/broker/sandbox/provider/kube"
 	"github.com/sbxbroker/broker/sandbox/provider/kube/kubetest"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // TestBrokerOnKubernetes runs the broker with the kubernetes provider on the real test cluster and
@@ -170,10 +171,31 @@ func TestBrokerOnKubernetes(t *testing.T) {
 	}
 	w.Stop()
 
-	// Delete: pod and claim.
+	// A pod deleted behind the broker's back: the sandbox says stopped, runtime_lost, and why in
+	// its failure; a resume makes a new pod on the same claim and the failure goes.
 	if _, err := b.Client.ResumeSandbox(ctx, "pod-box"); err != nil {
 		t.Fatal(err)
 	}
+	if err := pods.Delete(ctx, podName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var lost protocol.Sandbox
+	wait.Eventually(t, time.Minute, func() bool {
+		lost, err = b.Client.GetSandbox(ctx, "pod-box")
+		return err == nil && lost.Status == protocol.StatusStopped
+	}, "the sandbox whose pod was deleted is still %+v (%v)", lost, err)
+	if lost.StopReason != protocol.StopRuntimeLost || !strings.Contains(lost.Failure, "pod was deleted") {
+		t.Errorf("a pod deleted behind the broker's back: reason %q failure %q", lost.StopReason, lost.Failure)
+	}
+	back, err := b.Client.ResumeSandbox(ctx, "pod-box")
+	if err != nil || back.Status != protocol.StatusRunning || back.Failure != "" || back.StopReason != "" {
+		t.Fatalf("resume after the pod was lost: %v %+v", err, back)
+	}
+	if got, err := dial().Read(ctx, protocol.ReadArgs{Path: "/workspace/keep/me.txt"}); err != nil || got.Content != "survives a stop" {
+		t.Fatalf("read after the lost pod's resume: %v %+v", err, got)
+	}
+
+	// Delete: pod and claim.
 	if _, err := b.Client.DeleteSandbox(ctx, "pod-box"); err != nil {
 		t.Fatal(err)
 	}

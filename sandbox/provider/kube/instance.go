@@ -211,6 +211,16 @@ func (in *instance) EndReason() string {
 	return ""
 }
 
+// EndMessage says why the pod ended, with the cluster's reason (provider.EndMessage).
+func (in *instance) EndMessage() string {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.end == provider.ReasonMemoryLimit {
+		return "the sandbox's container was OOM-killed at its memory limit"
+	}
+	return in.end
+}
+
 // Node and Pod say where the sandbox runs.
 func (in *instance) Node() string { return in.node }
 func (in *instance) Pod() string  { return in.p.cfg.Namespace + "/" + in.name }

@@ -150,3 +150,15 @@ func TestSandboxUIDsNotAHostUser(t *testing.T) {
 		t.Fatalf("firstIDIn found %q outside the range", name)
 	}
 }
+
+// --kube-agent-from is checked at start: an entry that is neither an address nor a pod label is
+// named with its flag and variable, never turned into a policy that admits nothing or everything.
+func TestKubeAgentFromIsChecked(t *testing.T) {
+	cmd := rootCmd()
+	t.Setenv("SBX_KUBE_AGENT_FROM", "10.0.0.0/8,the-brokers")
+	cmd.SetArgs([]string{"--provider", "kubernetes", "--kube-image", "sbx.local/sandbox:1", "--data-dir", t.TempDir()})
+	err := cmd.Execute()
+	if err == nil || !strings.Contains(err.Error(), "--kube-agent-from (SBX_KUBE_AGENT_FROM)") || !strings.Contains(err.Error(), `"the-brokers"`) {
+		t.Fatalf("want the bad entry named: %v", err)
+	}
+}

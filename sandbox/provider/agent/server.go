@@ -33,10 +33,22 @@ type Config struct {
 	Env []string
 }
 
+// MaxPendingHandshakes bounds the connections that have not yet proved the secret. Past it the
+// oldest is dropped: the broker answers within a round trip, so only a connection that sits silent
+// (a flood from another pod, where the cluster's CNI does not enforce the NetworkPolicy) is ever
+// the oldest, and the agent's memory and fds stay bounded whatever reaches its port.
+const MaxPendingHandshakes = 64
+
+// handshakeTimeout bounds one handshake; the broker needs a round trip.
+const handshakeTimeout = 5 * time.Second
+
 // Server serves one sandbox's commands and files.
 type Server struct {
 	cfg Config
 	ws  *workspace.Workspace
+
+	mu      sync.Mutex
+	pending []net.Conn // oldest first; each removed when its handshake ends
 }
 
 // NewServer opens the workspace.
@@ -62,7 +74,32 @@ func (s *Server) Serve(ln net.Listener) error {
 			}
 			return err
 		}
+		s.admit(conn)
 		go s.handle(conn)
+	}
+}
+
+// admit records conn as pending its handshake, dropping the oldest pending one past the bound.
+func (s *Server) admit(conn net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.pending) >= MaxPendingHandshakes {
+		// Closing it ends its handle's read, which then calls settled.
+		s.pending[0].Close()
+		s.pending = s.pending[1:]
+	}
+	s.pending = append(s.pending, conn)
+}
+
+// settled removes conn from the pending handshakes (proved, failed or dropped).
+func (s *Server) settled(conn net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, c := range s.pending {
+		if c == conn {
+			s.pending = append(s.pending[:i], s.pending[i+1:]...)
+			return
+		}
 	}
 }
 
@@ -143,28 +180,9 @@ func (c *conn) result(v any, err error) error {
 
 func (s *Server) handle(nc net.Conn) {
 	defer nc.Close()
-	if tc, ok := nc.(*net.TCPConn); ok {
-		tc.SetNoDelay(true)
-	}
-	challenge := make([]byte, ChallengeSize)
-	rand.Read(challenge)
-	nc.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := nc.Write(challenge); err != nil {
+	if !s.handshake(nc) {
 		return
 	}
-	// The broker's answer, then its own challenge, which this agent answers once the broker's
-	// answer holds (wire.go, Proof).
-	hs := make([]byte, 2*ChallengeSize)
-	if _, err := io.ReadFull(nc, hs); err != nil {
-		return
-	}
-	if !hmac.Equal(hs[:ChallengeSize], Answer(s.cfg.Secret, challenge)) {
-		return
-	}
-	if _, err := nc.Write(Proof(s.cfg.Secret, hs[ChallengeSize:])); err != nil {
-		return
-	}
-	nc.SetDeadline(time.Time{})
 	c := &conn{Conn: nc, r: bufio.NewReaderSize(nc, 64<<10)}
 	for {
 		typ, p, err := c.read()
@@ -182,6 +200,33 @@ func (s *Server) handle(nc net.Conn) {
 			return
 		}
 	}
+}
+
+// handshake runs the challenges both ways (wire.go); true once the peer proved the secret.
+func (s *Server) handshake(nc net.Conn) bool {
+	defer s.settled(nc)
+	if tc, ok := nc.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	challenge := make([]byte, ChallengeSize)
+	rand.Read(challenge)
+	nc.SetDeadline(time.Now().Add(handshakeTimeout))
+	if _, err := nc.Write(challenge); err != nil {
+		return false
+	}
+	// The broker's answer, then its own challenge, which this agent answers once the broker's
+	// answer holds (wire.go, Proof).
+	hs := make([]byte, 2*ChallengeSize)
+	if _, err := io.ReadFull(nc, hs); err != nil {
+		return false
+	}
+	if !hmac.Equal(hs[:ChallengeSize], Answer(s.cfg.Secret, challenge)) {
+		return false
+	}
+	if _, err := nc.Write(Proof(s.cfg.Secret, hs[ChallengeSize:])); err != nil {
+		return false
+	}
+	return nc.SetDeadline(time.Time{}) == nil
 }
 
 // serve runs one request; false ends the connection (streamed operations, errors on the wire).

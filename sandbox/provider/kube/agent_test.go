@@ -230,3 +230,48 @@ func TestAgentClientRefusesAnImpostor(t *testing.T) {
 		t.Fatal("the broker never reached the impostor")
 	}
 }
+
+// TestAgentHandshakeFloodLeavesTheBrokerIn: anything on the pod network that can reach the agent's
+// port (a NetworkPolicy is only as good as the cluster's CNI) may open connections and never answer
+// the challenge. The agent must hold only a bounded number of them, dropping the oldest, so such a
+// flood neither grows the agent's memory and fds nor keeps the broker out.
+func TestAgentHandshakeFloodLeavesTheBrokerIn(t *testing.T) {
+	in, _ := agentInstance(t, "the-pods-secret-0123456789")
+	const flood = 1000
+	closed := make(chan struct{}, flood)
+	var conns []net.Conn
+	t.Cleanup(func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	for range flood {
+		c, err := net.Dial("tcp", in.client.addr)
+		if err != nil {
+			t.Fatalf("dial %d: %v", len(conns), err)
+		}
+		conns = append(conns, c)
+		go func() {
+			// Read the challenge, answer nothing, and report when the agent lets go.
+			io.Copy(io.Discard, c)
+			closed <- struct{}{}
+		}()
+	}
+	// The agent keeps at most agent.MaxPendingHandshakes of them: the rest are closed at once,
+	// long before the handshake's own deadline.
+	deadline := time.After(5 * time.Second)
+	for n := 0; n < flood-agent.MaxPendingHandshakes; n++ {
+		select {
+		case <-closed:
+		case <-deadline:
+			t.Fatalf("the agent still holds %d of %d silent connections after 5 s (want at most %d)", flood-n, flood, agent.MaxPendingHandshakes)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var out bytes.Buffer
+	res, err := in.Exec(ctx, provider.ExecRequest{Command: "echo through", Stdout: &out})
+	if err != nil || res.ExitCode != 0 || out.String() != "through\n" {
+		t.Fatalf("the broker during a handshake flood: %v %+v %q", err, res, out.String())
+	}
+}

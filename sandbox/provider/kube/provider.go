@@ -76,6 +76,10 @@ type Config struct {
 	StorageClass string
 	// NetworkPolicies makes a NetworkPolicy per sandbox (effective only where the CNI enforces them).
 	NetworkPolicies bool
+	// AgentFrom are the peers the NetworkPolicy admits to the agent's port: the brokers (ParseAgentFrom).
+	// Empty admits any source; the agent still authenticates every connection and bounds the
+	// connections that have not (agent.MaxPendingHandshakes).
+	AgentFrom []networkingv1.NetworkPolicyPeer
 	// StartTimeout bounds a start (scheduling, image, the agent's greeting); 0 means 2 minutes.
 	StartTimeout time.Duration
 	Log          *slog.Logger
@@ -234,8 +238,9 @@ func (p *Provider) Create(ctx context.Context, spec provider.Spec) error {
 	return nil
 }
 
-// networkPolicy admits only the agent's port and denies egress unless the template turns the
-// network on (an allowlist becomes its CIDRs; names cannot be expressed and are refused).
+// networkPolicy admits only the agent's port, from the brokers (Config.AgentFrom), and denies egress
+// unless the template turns the network on (an allowlist becomes its CIDRs; names cannot be
+// expressed and are refused).
 func (p *Provider) networkPolicy(spec provider.Spec) (*networkingv1.NetworkPolicy, error) {
 	port := intstr.FromInt32(agent.Port)
 	tcp := corev1.ProtocolTCP
@@ -244,7 +249,10 @@ func (p *Provider) networkPolicy(spec provider.Spec) (*networkingv1.NetworkPolic
 		Spec: networkingv1.NetworkPolicySpec{
 			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{LabelID: p.labels(spec)[LabelID]}},
 			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress, networkingv1.PolicyTypeEgress},
-			Ingress:     []networkingv1.NetworkPolicyIngressRule{{Ports: []networkingv1.NetworkPolicyPort{{Protocol: &tcp, Port: &port}}}},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{{
+				Ports: []networkingv1.NetworkPolicyPort{{Protocol: &tcp, Port: &port}},
+				From:  p.cfg.AgentFrom,
+			}},
 		},
 	}
 	if spec.Template.Network.Enabled {

@@ -16,15 +16,22 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/sandbox/provider/agent"
 	"github.com/sbxbroker/broker/sandbox/provider/kube/kubetest"
 )
 
 func newProvider(t *testing.T) (*Provider, *kubetest.Cluster) {
 	t.Helper()
 	c := cluster(t)
+	// The test broker reaches pods from the node through the CNI bridge (whose CNI does not
+	// enforce policies: only the policy's shape is checked here).
+	from, err := ParseAgentFrom([]string{"10.244.0.1", BrokerPodLabel})
+	if err != nil {
+		t.Fatal(err)
+	}
 	p, err := New(context.Background(), Config{
 		Client: c.Client, Namespace: "default", Broker: "test-broker", Image: kubetest.SandboxImage,
-		PullPolicy: corev1.PullNever, StorageClass: kubetest.StorageClass, NetworkPolicies: true,
+		PullPolicy: corev1.PullNever, StorageClass: kubetest.StorageClass, NetworkPolicies: true, AgentFrom: from,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -223,6 +230,10 @@ func TestTemplateToPod(t *testing.T) {
 	}
 	if len(np.Spec.Egress) != 1 || len(np.Spec.Egress[0].To) != 2 || np.Spec.Egress[0].To[1].IPBlock.CIDR != "192.0.2.7/32" {
 		t.Errorf("egress of an allowlist: %+v", np.Spec.Egress)
+	}
+	if in := np.Spec.Ingress; len(in) != 1 || len(in[0].Ports) != 1 || in[0].Ports[0].Port.IntValue() != agent.Port ||
+		len(in[0].From) != 2 || in[0].From[0].IPBlock.CIDR != "10.244.0.1/32" || in[0].From[1].PodSelector == nil {
+		t.Errorf("ingress: %+v, want the agent's port from the brokers only", in)
 	}
 
 	closed := provider.Spec{ID: protocol.NewSandboxID(), Template: provider.Template{Name: "closed"}}

@@ -84,38 +84,45 @@ func poolRows(ctx context.Context) ([]row, error) {
 		br.stop()
 	}
 
-	// Warm pool: each create waits until the pool is full again, so it measures a claim, not a
-	// start that the pool had no time to make.
-	dir, err := os.MkdirTemp("", "sbx-bench-tmpl-")
-	if err != nil {
-		return rows, err
-	}
-	defer os.RemoveAll(dir)
-	tmpl := filepath.Join(dir, "templates.yaml")
-	if err := os.WriteFile(tmpl, []byte(poolTemplates), 0o644); err != nil {
-		return rows, err
-	}
-	br, err := startBroker("--templates", tmpl)
-	if err != nil {
-		return rows, err
-	}
-	defer br.stop()
-	c, err := client.New(br.url, br.key)
-	if err != nil {
-		return rows, err
-	}
-	full := func() error { return waitPoolFull(br.url, "default", 4) }
-	if err := full(); err != nil {
-		return rows, err
-	}
-	s := createSamples(ctx, c, n, full)
-	floor, err := restFloor(ctx, c, n)
+	s, floor, err := warmPoolSamples(ctx, poolTemplates, 4, n)
 	if err != nil {
 		return rows, err
 	}
 	rows = append(rows, row{"create to ready, warm pool (namespace)", s.ms99(), "p50 < 5 ms", "", "", "pool of 4 per template, refilled between creates; REST get of a sandbox (any REST call's floor) " + floor.ms99()})
 
 	return rows, nil
+}
+
+// warmPoolSamples times n creates from the warm pool of a broker started with the templates file
+// body templates, whose default template keeps size sandboxes ready. Each create waits until the
+// pool is full again, so it measures a claim, not a start that the pool had no time to make. floor
+// is the same broker's REST get of a sandbox (any REST call's floor).
+func warmPoolSamples(ctx context.Context, templates string, size, n int) (s, floor samples, err error) {
+	dir, err := os.MkdirTemp("", "sbx-bench-tmpl-")
+	if err != nil {
+		return s, floor, err
+	}
+	defer os.RemoveAll(dir)
+	tmpl := filepath.Join(dir, "templates.yaml")
+	if err := os.WriteFile(tmpl, []byte(templates), 0o644); err != nil {
+		return s, floor, err
+	}
+	br, err := startBroker("--templates", tmpl)
+	if err != nil {
+		return s, floor, err
+	}
+	defer br.stop()
+	c, err := client.New(br.url, br.key)
+	if err != nil {
+		return s, floor, err
+	}
+	full := func() error { return waitPoolFull(br.url, "default", size) }
+	if err := full(); err != nil {
+		return s, floor, err
+	}
+	s = createSamples(ctx, c, n, full)
+	floor, err = restFloor(ctx, c, n)
+	return s, floor, err
 }
 
 // createSamples creates and deletes n sandboxes, timing only each create (the REST call until the

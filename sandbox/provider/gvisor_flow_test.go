@@ -196,4 +196,35 @@ func TestGvisorFlowControl(t *testing.T) {
 		othersStillRun(t, in, "a terminal program that never reads its input")
 		endStalled(t, cancel, nil, done)
 	})
+	t.Run("past the channel bound a command is refused, not queued", func(t *testing.T) {
+		max := relayMaxChannels
+		// Exactly the stalled command's: a kill (no channel) must still pass at the bound.
+		relayMaxChannels = 3
+		defer func() { relayMaxChannels = max }()
+		in, _ := startSandbox(t, n, gvisorTemplate)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		pr, pw := io.Pipe()
+		defer pw.Close()
+		out := &syncBuffer{}
+		done := make(chan error, 1)
+		go func() {
+			// Three channels: stdin, stdout, stderr.
+			_, err := in.Exec(ctx, ExecRequest{Command: "echo ready; exec sleep 600", Stdin: pr, Stdout: out, Stderr: io.Discard})
+			done <- err
+		}()
+		out.waitFor(t, "ready")
+		_, err := in.Exec(context.Background(), ExecRequest{Command: "true", Stdout: io.Discard})
+		if err == nil || !strings.Contains(err.Error(), "command streams open") {
+			t.Fatalf("a command past the bound: %v", err)
+		}
+		endStalled(t, cancel, nil, done)
+		// Its channels end with it: commands run again.
+		if err := wait.For(20*time.Second, func() error {
+			_, err := in.Exec(context.Background(), ExecRequest{Command: "true", Stdout: io.Discard})
+			return err
+		}); err != nil {
+			t.Fatalf("after the command holding the channels ended: %v", err)
+		}
+	})
 }

@@ -2,6 +2,8 @@ package provider
 
 import (
 	"encoding/binary"
+	"encoding/json"
+	"fmt"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -31,6 +33,12 @@ type relay struct {
 	mu   sync.Mutex
 	next uint32
 }
+
+// relayMaxChannels bounds the channels open at once on one sandbox's relay. Each holds at most
+// sbxinit.Window queued while the broker does not take its data, so a sandbox's relay holds at most
+// relayMaxChannels x Window (64 MiB) however many of its commands stall; a request past it is
+// refused (the exec fails, saying so), never queued. A variable for its test only.
+var relayMaxChannels = 512
 
 // relayDiscards counts frames discarded, on either side of any sandbox's bridge, for a channel not
 // open there. It stays 0 unless the relay or the bridge has a defect (each is logged too).
@@ -91,6 +99,10 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			return
 		}
 		fds, _ := parseRights(oob[:oobn])
+		// One more for the terminal a request without fds may open; only then is it read.
+		if open := r.mux.Open(); open+len(fds)+1 > relayMaxChannels && r.refuse(buf[:n], fds, open) {
+			continue
+		}
 		head := []byte{byte(len(fds))}
 		// A command's stdin is copied only once its request is on the way: the bridge opens the
 		// channel when the request comes, and anything before it would be discarded there.
@@ -138,6 +150,35 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			}()
 		}
 	}
+}
+
+// refuse answers a command that would open channels past relayMaxChannels with an error, as the
+// init answers a command it cannot start, and lets its pipes go. Anything else (a kill, a command
+// with no stdio and no terminal) goes on: it answers false.
+func (r *relay) refuse(msg []byte, fds []int, open int) bool {
+	var req struct {
+		Op  string `json:"op"`
+		ID  uint64 `json:"id"`
+		TTY bool   `json:"tty"`
+	}
+	if json.Unmarshal(msg, &req) != nil || req.Op != opExec {
+		return false
+	}
+	channels := len(fds)
+	if req.TTY {
+		channels++
+	}
+	if channels == 0 || open+channels <= relayMaxChannels {
+		return false
+	}
+	closeFDs(fds)
+	r.log.Warn("gvisor relay: a command refused, too many channels open", "open", open, "max", relayMaxChannels)
+	b, _ := json.Marshal(&reply{Op: opError, ID: req.ID, Kind: sbxinit.ErrKindStart,
+		Err: fmt.Sprintf("too many command streams open in the sandbox (%d, this command's %d more would pass the %d it may have): wait for some of its commands to end",
+			open, channels, relayMaxChannels)})
+	for unix.Sendmsg(r.ctl, b, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
+	}
+	return true
 }
 
 // fromBridge forwards the init's replies to the instance and the commands' output to their

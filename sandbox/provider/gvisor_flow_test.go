@@ -3,6 +3,7 @@ package provider
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -215,7 +216,7 @@ func TestGvisorFlowControl(t *testing.T) {
 		}()
 		out.waitFor(t, "ready")
 		_, err := in.Exec(context.Background(), ExecRequest{Command: "true", Stdout: io.Discard})
-		if err == nil || !strings.Contains(err.Error(), "command streams open") {
+		if !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "command streams open") {
 			t.Fatalf("a command past the bound: %v", err)
 		}
 		endStalled(t, cancel, nil, done)

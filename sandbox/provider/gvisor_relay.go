@@ -37,7 +37,7 @@ type relay struct {
 // relayMaxChannels bounds the channels open at once on one sandbox's relay. Each holds at most
 // sbxinit.Window queued while the broker does not take its data, so a sandbox's relay holds at most
 // relayMaxChannels x Window (64 MiB) however many of its commands stall; a request past it is
-// refused (the exec fails, saying so), never queued. A variable for its test only.
+// refused (the exec fails with ErrBusy, saying so), never queued. A variable for its test only.
 var relayMaxChannels = 512
 
 // relayDiscards counts frames discarded, on either side of any sandbox's bridge, for a channel not
@@ -173,7 +173,7 @@ func (r *relay) refuse(msg []byte, fds []int, open int) bool {
 	}
 	closeFDs(fds)
 	r.log.Warn("gvisor relay: a command refused, too many channels open", "open", open, "max", relayMaxChannels)
-	b, _ := json.Marshal(&reply{Op: opError, ID: req.ID, Kind: sbxinit.ErrKindStart,
+	b, _ := json.Marshal(&reply{Op: opError, ID: req.ID, Kind: sbxinit.ErrKindBusy,
 		Err: fmt.Sprintf("too many command streams open in the sandbox (%d, this command's %d more would pass the %d it may have): wait for some of its commands to end",
 			open, channels, relayMaxChannels)})
 	for unix.Sendmsg(r.ctl, b, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {

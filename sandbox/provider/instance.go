@@ -550,6 +550,8 @@ func (c *call) complete(r reply) {
 				msg = strings.ReplaceAll(msg, c.hostWS, WorkspacePath)
 			}
 			c.err = invalidRequest("%s", msg)
+		} else if r.Kind == sbxinit.ErrKindBusy {
+			c.err = &BusyError{Reason: r.Err}
 		} else {
 			c.err = fmt.Errorf("exec: %s", r.Err)
 		}

@@ -101,6 +101,7 @@ func (r *Runtime) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 // reaches the caller without the provider's prefix; anything else stays an internal cause.
 func execError(err error) error {
 	var ire *provider.InvalidRequestError
+	var busy *provider.BusyError
 	switch {
 	case errors.As(err, &ire):
 		return protocol.Errorf(protocol.CodeInvalidArgument, "%s", ire.Reason)
@@ -108,6 +109,8 @@ func execError(err error) error {
 		return protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped: it reached its memory limit (memory_limit); resume it, and keep /tmp, /dev/shm and processes within the template's memory")
 	case errors.Is(err, provider.ErrStopped):
 		return protocol.Errorf(protocol.CodeNotRunning, "the sandbox stopped")
+	case errors.As(err, &busy):
+		return protocol.Errorf(protocol.CodeTooManyRequests, "%s", busy.Reason)
 	}
 	return err
 }

@@ -23,6 +23,8 @@ func TestExecErrors(t *testing.T) {
 		{"invalid request", fmt.Errorf("exec: %w", &provider.InvalidRequestError{Reason: "cwd /workspace/nope does not exist"}),
 			protocol.CodeInvalidArgument, "cwd /workspace/nope does not exist"},
 		{"stopped", fmt.Errorf("exec: %w", provider.ErrStopped), protocol.CodeNotRunning, "the sandbox stopped"},
+		{"busy", fmt.Errorf("exec: %w", &provider.BusyError{Reason: "too many command streams open"}),
+			protocol.CodeTooManyRequests, "too many command streams open"},
 		{"anything else", disk, "", ""},
 	}
 	for _, tc := range cases {

@@ -1,6 +1,7 @@
 package provider
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"os"
@@ -84,8 +85,10 @@ func BenchmarkExecBwrapPerCommand(b *testing.B) {
 	p.report(b)
 }
 
-func benchExec(b *testing.B, prov Provider) {
-	in, _ := startSandbox(b, prov, Template{})
+func benchExec(b *testing.B, prov Provider) { benchExecIn(b, prov, Template{}) }
+
+func benchExecIn(b *testing.B, prov Provider, tmpl Template) {
+	in, _ := startSandbox(b, prov, tmpl)
 	req := ExecRequest{Argv: []string{"true"}, Stdout: io.Discard}
 	ctx := context.Background()
 	for range 20 { // warm up: page cache, the init's threads
@@ -106,6 +109,37 @@ func benchExec(b *testing.B, prov Provider) {
 func BenchmarkExecNamespace(b *testing.B) { benchExec(b, newNamespace(b, Config{})) }
 
 func BenchmarkExecDir(b *testing.B) { benchExec(b, newDir(b)) }
+
+// BenchmarkExecGvisor is the same exec at the gvisor level: its request, its output's channel and
+// its reply ride the bridge's one stream (gvisor_relay.go).
+func BenchmarkExecGvisor(b *testing.B) { benchExecIn(b, newGvisor(b), gvisorTemplate) }
+
+// BenchmarkGvisorStdio is 8 MiB into a command's stdin and back out of its stdout at the gvisor
+// level: every byte crosses the bridge's stream twice, each way within its channel's window.
+func BenchmarkGvisorStdio(b *testing.B) {
+	in, _ := startSandbox(b, newGvisor(b), gvisorTemplate)
+	data := bytes.Repeat([]byte("x"), 8<<20)
+	ctx := context.Background()
+	b.SetBytes(int64(len(data)))
+	var p percentiles
+	for b.Loop() {
+		p.time(func() {
+			var n countingWriter
+			res, err := in.Exec(ctx, ExecRequest{Command: "cat", Stdin: bytes.NewReader(data), Stdout: &n})
+			if err != nil || res.ExitCode != 0 || int(n) != len(data) {
+				b.Fatal(res, err, n)
+			}
+		})
+	}
+	p.report(b)
+}
+
+type countingWriter int
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	*c += countingWriter(len(p))
+	return len(p), nil
+}
 
 // BenchmarkCreateToReady is Create + Start (bwrap up, init ready, cgroups attached, environment
 // snapshot taken) and then Stop; the budget is p50 < 20 ms.

@@ -90,6 +90,8 @@ var (
 	ErrInvalidRequest = errors.New("invalid exec request")
 	// ErrUnavailable is returned when a provider cannot run on this host; the message says how to fix it.
 	ErrUnavailable = errors.New("provider unavailable")
+	// ErrBusy is what every *BusyError is (errors.Is).
+	ErrBusy = errors.New("sandbox busy")
 )
 
 // InvalidRequestError is the error Exec returns for a request that cannot run as given. Reason says
@@ -103,6 +105,18 @@ func (e *InvalidRequestError) Error() string { return ErrInvalidRequest.Error() 
 
 // Is makes every InvalidRequestError match ErrInvalidRequest.
 func (e *InvalidRequestError) Is(target error) bool { return target == ErrInvalidRequest }
+
+// BusyError is the error Exec returns for a command refused, never started, because the sandbox
+// has as many commands' streams open as it may (the gvisor level's relay bounds them); it may run
+// once some end. Reason says so in words fit for the caller; it is errors.Is(err, ErrBusy).
+type BusyError struct {
+	Reason string
+}
+
+func (e *BusyError) Error() string { return ErrBusy.Error() + ": " + e.Reason }
+
+// Is makes every BusyError match ErrBusy.
+func (e *BusyError) Is(target error) bool { return target == ErrBusy }
 
 // invalidRequest makes an *InvalidRequestError with a formatted reason.
 func invalidRequest(format string, args ...any) error {

@@ -377,6 +377,7 @@ func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) 
 		config: request{Op: opConfig, Env: env, UID: uid, GID: gid},
 		limits: limits,
 		relay:  true,
+		id:     spec.ID,
 		release: func() {
 			n.removeGvisorState(spec.ID)
 			release()

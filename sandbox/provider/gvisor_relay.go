@@ -2,9 +2,13 @@ package provider
 
 import (
 	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"sync"
+	"sync/atomic"
 
 	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
 	"golang.org/x/sys/unix"
@@ -14,24 +18,36 @@ import (
 // it as to any init: SEQPACKET messages with the commands' pipes as SCM_RIGHTS. The relay turns
 // each message into a frame on the bridge's stdin and each passed pipe into a channel, and back:
 // the sentry imports the runtime's stdio from the host but cannot carry fds across, so every byte of
-// a command's stdio rides the one stream (docs/ARCHITECTURE.md, "Isolation levels").
+// a command's stdio rides the one stream (docs/ARCHITECTURE.md, "Isolation levels"). Each channel
+// has its own window (sbxinit.Mux): the stream's reader never waits for a command's reader, so a
+// command whose output the broker does not take holds up that command only.
 type relay struct {
 	// ctl is our end of the instance's control socket (blocking: each direction has its own
 	// goroutine). closed once both have returned.
 	ctl int
 	out *sbxinit.FrameWriter
 	in  *os.File // the bridge's stdout, read here
+	mux *sbxinit.Mux
+	log *slog.Logger
 
 	mu   sync.Mutex
 	next uint32
-	ins  map[uint32]*os.File    // command stdin: we read the broker's pipe and send it
-	outs map[uint32]chan []byte // command output: queued for the broker's pipe, closed at EOF
 }
+
+// relayMaxChannels bounds the channels open at once on one sandbox's relay. Each holds at most
+// sbxinit.Window queued while the broker does not take its data, so a sandbox's relay holds at most
+// relayMaxChannels x Window (64 MiB) however many of its commands stall; a request past it is
+// refused (the exec fails with ErrBusy, saying so), never queued. A variable for its test only.
+var relayMaxChannels = 512
+
+// relayDiscards counts frames discarded, on either side of any sandbox's bridge, for a channel not
+// open there. It stays 0 unless the relay or the bridge has a defect (each is logged too).
+var relayDiscards atomic.Int64
 
 // startRelay wires cmd (runsc run) so that its container's stdin and stdout are the bridge's stream,
 // and serves ctl (the init's end of the instance's control socket, which it takes). after closes
-// the child's ends once cmd has started.
-func startRelay(ctl *os.File, cmd *exec.Cmd) (after func(), err error) {
+// the child's ends once cmd has started. log carries the sandbox's id.
+func startRelay(ctl *os.File, cmd *exec.Cmd, log *slog.Logger) (after func(), err error) {
 	fd, err := unix.Dup(int(ctl.Fd()))
 	if err != nil {
 		return nil, err
@@ -50,13 +66,8 @@ func startRelay(ctl *os.File, cmd *exec.Cmd) (after func(), err error) {
 		return nil, err
 	}
 	cmd.Stdin, cmd.Stdout = toR, fromW
-	r := &relay{
-		ctl:  fd,
-		out:  sbxinit.NewFrameWriter(toW),
-		in:   fromR,
-		ins:  make(map[uint32]*os.File),
-		outs: make(map[uint32]chan []byte),
-	}
+	r := &relay{ctl: fd, out: sbxinit.NewFrameWriter(toW), in: fromR, log: log}
+	r.mux = sbxinit.NewMux(r.out, func(kind byte, ch uint32, n int) { r.discarded("relay", kind, ch, n) })
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { r.fromBroker(toW); wg.Done() }()
@@ -88,10 +99,18 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			return
 		}
 		fds, _ := parseRights(oob[:oobn])
+		// One more for the terminal a request without fds may open; only then is it read.
+		if open := r.mux.Open(); open+len(fds)+1 > relayMaxChannels && r.refuse(buf[:n], fds, open) {
+			continue
+		}
 		head := []byte{byte(len(fds))}
-		// A command's stdin is copied only once its request is on the way: data or an EOF for a
-		// channel the bridge has not heard of yet is dropped there, and the command waits forever.
-		var senders []func()
+		// A command's stdin is copied only once its request is on the way: the bridge opens the
+		// channel when the request comes, and anything before it would be discarded there.
+		type stdin struct {
+			s *sbxinit.Sender
+			f *os.File
+		}
+		var stdins []stdin
 		for _, fd := range fds {
 			r.mu.Lock()
 			r.next++
@@ -103,133 +122,110 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			}
 			head = binary.BigEndian.AppendUint32(head, ch)
 			head = append(head, dir)
-			unix.SetNonblock(fd, true) // through the poller, so closeAll ends a blocked copy
+			unix.SetNonblock(fd, true) // through the poller, so a FrameClose or the end ends a blocked copy
 			f := os.NewFile(uintptr(fd), "exec-stdio")
 			if dir == sbxinit.FrameIn {
-				r.mu.Lock()
-				r.ins[ch] = f
-				r.mu.Unlock()
-				senders = append(senders, func() { go r.send(ch, f) })
+				stdins = append(stdins, stdin{r.mux.NewSender(ch, f), f})
 			} else {
-				q := make(chan []byte, 64)
-				r.mu.Lock()
-				r.outs[ch] = q
-				r.mu.Unlock()
-				go r.deliver(ch, f, q)
+				out := r.mux.NewReceiver(ch)
+				go func() {
+					// Once the broker has closed its end (the exec returned), the bridge is told
+					// to stop, and the rest is discarded.
+					out.Deliver(f)
+					f.Close()
+				}()
 			}
 		}
 		if r.out.Write(sbxinit.FrameRequest, 0, append(head, buf[:n]...)) != nil {
+			for _, in := range stdins {
+				in.s.Abandon()
+				in.f.Close()
+			}
 			return // the bridge is gone; fromBridge ends the channels
 		}
-		for _, start := range senders {
-			start()
+		for _, in := range stdins {
+			go func() {
+				in.s.Pump(in.f)
+				in.f.Close()
+			}()
 		}
 	}
 }
 
-// send copies a command's stdin from the broker's pipe to the bridge, then says EOF.
-func (r *relay) send(ch uint32, f *os.File) {
-	b := make([]byte, 32<<10)
-	for {
-		n, err := f.Read(b)
-		if n > 0 && r.out.Write(sbxinit.FrameData, ch, b[:n]) != nil {
-			break
-		}
-		if err != nil {
-			break
-		}
+// refuse answers a command that would open channels past relayMaxChannels with an error, as the
+// init answers a command it cannot start, and lets its pipes go. Anything else (a kill, a command
+// with no stdio and no terminal) goes on: it answers false.
+func (r *relay) refuse(msg []byte, fds []int, open int) bool {
+	var req struct {
+		Op  string `json:"op"`
+		ID  uint64 `json:"id"`
+		TTY bool   `json:"tty"`
 	}
-	r.mu.Lock()
-	if r.ins[ch] == f {
-		delete(r.ins, ch)
+	if json.Unmarshal(msg, &req) != nil || req.Op != opExec {
+		return false
 	}
-	r.mu.Unlock()
-	f.Close()
-	r.out.Write(sbxinit.FrameEOF, ch, nil)
+	channels := len(fds)
+	if req.TTY {
+		channels++
+	}
+	if channels == 0 || open+channels <= relayMaxChannels {
+		return false
+	}
+	closeFDs(fds)
+	r.log.Warn("gvisor relay: a command refused, too many channels open", "open", open, "max", relayMaxChannels)
+	b, _ := json.Marshal(&reply{Op: opError, ID: req.ID, Kind: sbxinit.ErrKindBusy,
+		Err: fmt.Sprintf("too many command streams open in the sandbox (%d, this command's %d more would pass the %d it may have): wait for some of its commands to end",
+			open, channels, relayMaxChannels)})
+	for unix.Sendmsg(r.ctl, b, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
+	}
+	return true
 }
 
-// deliver writes a command's output into the broker's pipe. Once the broker has closed its end
-// (the exec returned), the bridge is told to stop and the rest is dropped.
-func (r *relay) deliver(ch uint32, f *os.File, q chan []byte) {
-	failed := false
-	for p := range q {
-		if failed {
-			continue
-		}
-		if _, err := f.Write(p); err != nil {
-			failed = true
-			f.Close()
-			r.out.Write(sbxinit.FrameClose, ch, nil)
-		}
-	}
-	if !failed {
-		f.Close()
-	}
-}
-
-// fromBridge forwards the init's replies to the instance and the commands' output to their pipes.
-// It ends when the bridge's stdout closes: the sandbox ended.
+// fromBridge forwards the init's replies to the instance and the commands' output to their
+// channels. It never waits for a command's reader (a channel's data is queued within its window).
+// It ends when the bridge's stdout closes (the sandbox ended) or the bridge breaks the protocol.
 func (r *relay) fromBridge() {
 	buf := make([]byte, sbxinit.MaxFrame)
 	for {
 		kind, ch, p, err := sbxinit.ReadFrame(r.in, buf)
+		if err == nil {
+			switch kind {
+			case sbxinit.FrameReply:
+				// An error means the instance is gone; keep draining so the bridge never blocks.
+				for unix.Sendmsg(r.ctl, p, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
+				}
+			case sbxinit.FrameTerminal:
+				if len(p) >= 4 {
+					r.terminal(binary.BigEndian.Uint32(p), p[4:])
+				}
+			case sbxinit.FrameUnknown:
+				if len(p) == 5 {
+					r.discarded("bridge", p[0], ch, int(binary.BigEndian.Uint32(p[1:])))
+				}
+			default:
+				if _, err = r.mux.Handle(kind, ch, p); err != nil {
+					// Past its window: the bridge is broken or not ours. Nothing more of it is
+					// trusted; the sandbox ends.
+					r.log.Error("gvisor relay: the bridge broke its flow control; ending the sandbox", "err", err)
+				}
+			}
+		}
 		if err != nil {
 			r.in.Close()
-			r.closeAll()
+			r.mux.End()
 			// The instance reads the end of its control socket and fails what is in flight;
 			// fromBroker's read ends too.
 			unix.Shutdown(r.ctl, unix.SHUT_RDWR)
 			return
 		}
-		switch kind {
-		case sbxinit.FrameReply:
-			// An error means the instance is gone; keep draining so the bridge never blocks.
-			for unix.Sendmsg(r.ctl, p, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
-			}
-		case sbxinit.FrameTerminal:
-			if len(p) < 4 {
-				continue
-			}
-			r.terminal(binary.BigEndian.Uint32(p), p[4:])
-		case sbxinit.FrameData:
-			r.mu.Lock()
-			q := r.outs[ch]
-			r.mu.Unlock()
-			if q != nil {
-				q <- append([]byte(nil), p...)
-			}
-		case sbxinit.FrameEOF:
-			r.mu.Lock()
-			q := r.outs[ch]
-			delete(r.outs, ch)
-			r.mu.Unlock()
-			if q != nil {
-				close(q)
-			}
-		case sbxinit.FrameClose:
-			r.mu.Lock()
-			f := r.ins[ch]
-			delete(r.ins, ch)
-			r.mu.Unlock()
-			if f != nil {
-				f.Close()
-			}
-		}
 	}
 }
 
-// closeAll ends every channel; only fromBridge calls it (it alone sends on the queues).
-func (r *relay) closeAll() {
-	r.mu.Lock()
-	ins, outs := r.ins, r.outs
-	r.ins, r.outs = map[uint32]*os.File{}, map[uint32]chan []byte{}
-	r.mu.Unlock()
-	for _, f := range ins {
-		f.Close()
-	}
-	for _, q := range outs {
-		close(q)
-	}
+// discarded reports a frame dropped for a channel not open on side ("relay" or "bridge").
+func (r *relay) discarded(side string, kind byte, ch uint32, n int) {
+	relayDiscards.Add(1)
+	r.log.Warn("gvisor bridge: a frame for a channel that is not open was discarded",
+		"side", side, "frame", kind, "channel", ch, "bytes", n)
 }
 
 // Messages on a bridged terminal's socket, from the instance to the relay: a type byte, then its
@@ -246,35 +242,47 @@ const ttyMsgMax = 16 << 10
 // terminal hands the instance a bridged terminal: the reply, with one end of a fresh socket pair
 // where the init would have passed the master. The master stays in the sandbox, with the bridge;
 // the socket's messages become the channel's frames (terminalInput) and the channel's data the
-// socket's messages (deliver). The instance cannot tell a socket from a master by what it reads,
-// so it writes (tty.go, bridgedTerminal) in messages that say what they are.
+// socket's messages. The instance cannot tell a socket from a master by what it reads, so it writes
+// (tty.go, bridgedTerminal) in messages that say what they are.
 func (r *relay) terminal(ch uint32, reply []byte) {
+	shows := r.mux.NewReceiver(ch)
 	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		// No terminal: the reply alone, and the instance ends the call; the bridge closes the
-		// master when its writes here fail.
-		r.out.Write(sbxinit.FrameClose, ch, nil)
+		// No terminal: the bridge closes the master, the reply goes alone, and the instance
+		// ends the call. The output on its way is discarded until the bridge's end of file.
+		shows.Close()
 		for unix.Sendmsg(r.ctl, reply, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
 		}
 		return
 	}
-	unix.SetNonblock(sp[0], true) // through the poller, so closeAll ends a blocked read
+	unix.SetNonblock(sp[0], true) // through the poller, so the end of the stream ends a blocked read
 	f := os.NewFile(uintptr(sp[0]), "tty-bridge")
-	q := make(chan []byte, 64)
-	r.mu.Lock()
-	r.ins[ch] = f
-	r.outs[ch] = q
-	r.mu.Unlock()
-	go r.deliver(ch, f, q)
-	go r.terminalInput(ch, f)
+	// When the bridge cannot type (FrameClose) or the stream ends, only the reading half goes:
+	// the terminal's output still has the socket until the bridge's end of file.
+	keys := r.mux.NewSender(ch, shutRead{f})
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		shows.Deliver(f)
+		wg.Done()
+	}()
+	go func() {
+		r.terminalInput(ch, f, keys, shows)
+		wg.Done()
+	}()
+	go func() {
+		wg.Wait()
+		f.Close()
+	}()
 	for unix.Sendmsg(r.ctl, reply, unix.UnixRights(sp[1]), nil, unix.MSG_NOSIGNAL) == unix.EINTR {
 	}
 	unix.Close(sp[1])
 }
 
-// terminalInput turns the instance's messages on a terminal's socket into the channel's frames.
-// When the instance closes its end (the call returned), the bridge is told to close the master.
-func (r *relay) terminalInput(ch uint32, f *os.File) {
+// terminalInput turns the instance's messages on a terminal's socket into the channel's frames,
+// keystrokes within the channel's credit. When the instance closes its end (the call returned), the
+// bridge is told to close the master: the host's last frame on the channel.
+func (r *relay) terminalInput(ch uint32, f *os.File, keys *sbxinit.Sender, shows *sbxinit.Receiver) {
 	b := make([]byte, 1+ttyMsgMax)
 	for {
 		n, err := f.Read(b)
@@ -283,21 +291,31 @@ func (r *relay) terminalInput(ch uint32, f *os.File) {
 		}
 		switch b[0] {
 		case ttyMsgData:
-			err = r.out.Write(sbxinit.FrameData, ch, b[1:n])
+			_, err = keys.Write(b[1:n])
 		case ttyMsgResize:
 			err = r.out.Write(sbxinit.FrameResize, ch, b[1:n])
 		case ttyMsgEOF:
-			err = r.out.Write(sbxinit.FrameEOF, ch, nil)
+			keys.Finish()
 		}
 		if err != nil {
 			break
 		}
 	}
-	r.mu.Lock()
-	if r.ins[ch] == f {
-		delete(r.ins, ch)
+	keys.Abandon()
+	if !shows.Close() {
+		// The output had ended (or failed) already; the bridge must still let the master go.
+		r.out.Write(sbxinit.FrameClose, ch, nil)
 	}
-	r.mu.Unlock()
-	f.Close()
-	r.out.Write(sbxinit.FrameClose, ch, nil)
+}
+
+// shutRead ends the reading half of a socket, so that a Read blocked on it returns, and leaves the
+// writing half to the terminal's output.
+type shutRead struct{ f *os.File }
+
+func (s shutRead) Close() error {
+	rc, err := s.f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	return rc.Control(func(fd uintptr) { unix.Shutdown(int(fd), unix.SHUT_RD) })
 }

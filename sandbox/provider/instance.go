@@ -121,6 +121,8 @@ type launchSpec struct {
 	// relay: the init runs where no fd passes in from the host (gvisor); cmd's stdin and stdout
 	// are the stream to its bridge, and startRelay carries the control socket over it.
 	relay bool
+	// id is the sandbox's, for the relay's logs.
+	id string
 	// lostWhy, when set, says why the init's process ended when nobody stopped it ("" if it does
 	// not know), before anything is torn down: gvisor reads its sentry's cgroup.
 	lostWhy func() string
@@ -176,7 +178,7 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 	}
 	var afterSpawn func()
 	if ls.relay {
-		if afterSpawn, err = startRelay(initEnd, in.cmd); err != nil {
+		if afterSpawn, err = startRelay(initEnd, in.cmd, slog.With("sandbox_id", ls.id)); err != nil {
 			initEnd.Close()
 			ctl.close()
 			return fail(fmt.Errorf("control relay: %w", err))
@@ -548,6 +550,8 @@ func (c *call) complete(r reply) {
 				msg = strings.ReplaceAll(msg, c.hostWS, WorkspacePath)
 			}
 			c.err = invalidRequest("%s", msg)
+		} else if r.Kind == sbxinit.ErrKindBusy {
+			c.err = &BusyError{Reason: r.Err}
 		} else {
 			c.err = fmt.Errorf("exec: %s", r.Err)
 		}

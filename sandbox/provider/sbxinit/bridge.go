@@ -29,22 +29,34 @@ const (
 	FrameRequest = 1
 	// FrameReply (bridge → host): a reply of the init, its JSON.
 	FrameReply = 2
-	// FrameData: bytes on a channel, from the side that writes it.
+	// FrameData: bytes on a channel, from the side that writes it, within its credit (FrameCredit).
 	FrameData = 3
-	// FrameEOF: the writing side of a channel has finished.
+	// FrameEOF: the writing side of a channel has finished. It is the last frame of every channel
+	// a side writes (but the keystrokes of a terminal the host lets go: see FrameTerminal), and
+	// the reading side forgets the channel when it comes.
 	FrameEOF = 4
-	// FrameClose: the reading side of a channel is gone; the writer stops.
+	// FrameClose: the reading side of a channel is gone; the writer stops, and ends the channel
+	// with its FrameEOF. Data already on its way is discarded.
 	FrameClose = 5
 	// FrameTerminal (bridge → host): a reply of the init that passed a terminal's master (the
 	// forked reply of a command on a terminal). Payload: the channel (uint32) the bridge opens
 	// for the terminal, then the reply's JSON. The master stays here, in the sandbox; the
-	// channel carries its bytes both ways: FrameData from the host is typed on it, FrameData to
-	// the host is what it shows, FrameEOF from the host types its end-of-file character, and
-	// FrameClose from the host closes it.
+	// channel carries its bytes both ways, each way with its own credit: FrameData from the host
+	// is typed on it, FrameData to the host is what it shows, FrameEOF from the host types its
+	// end-of-file character, and FrameClose from the host closes it (the host's last frame on
+	// it: it types nothing more, and the bridge ends the output with FrameEOF).
 	FrameTerminal = 6
 	// FrameResize (host → bridge): a terminal's new window. Payload: rows, then columns, each a
 	// big-endian uint16.
 	FrameResize = 7
+	// FrameCredit: the reading side of a channel consumed bytes of it, and its writer may send
+	// that many more (flow.go). Payload: the count, a big-endian uint32. A writer starts with
+	// Window and never has more than Window sent and not given back.
+	FrameCredit = 8
+	// FrameUnknown (bridge → host): the bridge discarded a frame for a channel it does not have.
+	// Payload: the frame's kind, then its payload's length (a big-endian uint32). Never expected:
+	// the host logs it, since a silently dropped end of file once hid a hang.
+	FrameUnknown = 9
 )
 
 // TerminalChannel marks the channels the bridge numbers (terminals); the host numbers the others
@@ -122,13 +134,14 @@ func RunBridge() {
 	os.Exit(0)
 }
 
-// bridge is the bridge's state: its channels by id.
+// bridge is the bridge's state: its channels, and the terminals' masters it holds by channel.
 type bridge struct {
-	out  *FrameWriter
-	ctl  *ctlConn
-	mu   sync.Mutex
-	ins  map[uint32]chan []byte // host → command: queued data, closed at EOF
-	outs map[uint32]*os.File    // command → host: our read ends (a terminal's master)
+	out *FrameWriter
+	ctl *ctlConn
+	mux *Mux
+	mu  sync.Mutex
+	// ttys are the terminals' masters, for their windows (FrameResize).
+	ttys map[uint32]*os.File
 	// nextTTY numbers the terminals' channels (with TerminalChannel); only replies uses it.
 	nextTTY uint32
 }
@@ -155,12 +168,17 @@ func runBridge() error {
 		}
 		unix.Close(pair[1])
 	}
+	out := NewFrameWriter(os.Stdout)
 	b := &bridge{
-		out:  NewFrameWriter(os.Stdout),
+		out:  out,
 		ctl:  newBlockingCtlConn(pair[0]),
-		ins:  make(map[uint32]chan []byte),
-		outs: make(map[uint32]*os.File),
+		ttys: make(map[uint32]*os.File),
 	}
+	// A frame for a channel the bridge does not have is discarded, and the host told, which logs
+	// it: never silently (a dropped end of file once left a command waiting forever).
+	b.mux = NewMux(out, func(kind byte, ch uint32, n int) {
+		out.Write(FrameUnknown, ch, binary.BigEndian.AppendUint32([]byte{kind}, uint32(n)))
+	})
 	go b.replies()
 	go func() {
 		if err := b.requests(); err != nil {
@@ -200,7 +218,9 @@ func (b *bridge) replies() {
 	}
 }
 
-// requests reads the host's frames until the host closes the stream.
+// requests reads the host's frames until the host closes the stream. It never waits for a
+// command: a channel's data is queued within its window (flow.go), so a command that does not read
+// its stdin holds up no other.
 func (b *bridge) requests() error {
 	buf := make([]byte, MaxFrame)
 	for {
@@ -216,43 +236,11 @@ func (b *bridge) requests() error {
 			if err := b.request(p); err != nil {
 				return err
 			}
-		case FrameData:
-			b.mu.Lock()
-			q := b.ins[ch]
-			b.mu.Unlock()
-			if q != nil {
-				q <- append([]byte(nil), p...)
-			}
-		case FrameEOF:
-			b.mu.Lock()
-			q := b.ins[ch]
-			delete(b.ins, ch)
-			b.mu.Unlock()
-			if q != nil {
-				close(q)
-			}
-		case FrameClose:
-			b.mu.Lock()
-			f := b.outs[ch]
-			delete(b.outs, ch)
-			var q chan []byte
-			if ch&TerminalChannel != 0 {
-				// The broker let the terminal go: nothing more is typed on it either.
-				q = b.ins[ch]
-				delete(b.ins, ch)
-			}
-			b.mu.Unlock()
-			if f != nil {
-				f.Close() // the command's next write fails with EPIPE, as on the host
-			}
-			if q != nil {
-				close(q)
-			}
 		case FrameResize:
 			b.mu.Lock()
-			f := b.outs[ch]
+			f := b.ttys[ch]
 			b.mu.Unlock()
-			if f != nil && ch&TerminalChannel != 0 && len(p) == 4 {
+			if f != nil && len(p) == 4 {
 				ws := unix.Winsize{Row: binary.BigEndian.Uint16(p), Col: binary.BigEndian.Uint16(p[2:])}
 				if ws.Row > 0 && ws.Col > 0 {
 					// The sentry's line discipline sends SIGWINCH to the foreground job.
@@ -260,6 +248,15 @@ func (b *bridge) requests() error {
 						rc.Control(func(fd uintptr) { unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &ws) })
 					}
 				}
+			}
+		default:
+			if kind == FrameClose && ch&TerminalChannel != 0 {
+				// The broker let the terminal go: nothing more is typed on it either, and its
+				// master closes (the Mux stops the output's sender, whose closer it is).
+				b.mux.Drop(ch)
+			}
+			if _, err := b.mux.Handle(kind, ch, p); err != nil {
+				return err
 			}
 		}
 	}
@@ -292,67 +289,28 @@ func (b *bridge) request(p []byte) error {
 			return err
 		}
 		if dir == FrameIn {
+			// The command's stdin: the host's data as the command takes it. A failed write
+			// (the command closed it, or exited) tells the host to stop sending.
 			w := os.NewFile(uintptr(fds[1]), "stdin")
-			q := make(chan []byte, 64)
-			b.mu.Lock()
-			b.ins[ch] = q
-			b.mu.Unlock()
-			go b.feed(ch, w, q)
+			in := b.mux.NewReceiver(ch)
+			go func() {
+				in.Deliver(w)
+				w.Close()
+			}()
 			send = append(send, fds[0])
 		} else {
 			r := os.NewFile(uintptr(fds[0]), "output")
-			b.mu.Lock()
-			b.outs[ch] = r
-			b.mu.Unlock()
-			go b.pump(ch, r)
+			out := b.mux.NewSender(ch, r)
+			go func() {
+				out.Pump(r)
+				r.Close()
+			}()
 			send = append(send, fds[1])
 		}
 	}
 	err := b.ctl.send(p[1+5*n:], send)
 	CloseFDs(send)
 	return err
-}
-
-// feed writes a channel's data into the command's stdin; after a write error it drops the rest and
-// tells the host to stop sending.
-func (b *bridge) feed(ch uint32, w *os.File, q chan []byte) {
-	failed := false
-	for p := range q {
-		if failed {
-			continue
-		}
-		if _, err := w.Write(p); err != nil {
-			failed = true
-			w.Close()
-			b.out.Write(FrameClose, ch, nil)
-		}
-	}
-	if !failed {
-		w.Close()
-	}
-}
-
-// pump sends a command's output to the host until every writer has closed it.
-func (b *bridge) pump(ch uint32, r *os.File) {
-	buf := make([]byte, chunk)
-	for {
-		n, err := r.Read(buf)
-		if n > 0 {
-			if b.out.Write(FrameData, ch, buf[:n]) != nil {
-				break
-			}
-		}
-		if err != nil {
-			break
-		}
-	}
-	b.mu.Lock()
-	if b.outs[ch] == r {
-		delete(b.outs, ch)
-	}
-	b.mu.Unlock()
-	r.Close()
-	b.out.Write(FrameEOF, ch, nil)
 }
 
 // isTerminalMaster reports whether fd is a pseudo-terminal's master (it has a terminal number).
@@ -372,38 +330,39 @@ func (b *bridge) terminal(master int, reply []byte) error {
 		return b.out.Write(FrameReply, 0, reply) // the broker sees no master and ends the call
 	}
 	f := os.NewFile(uintptr(master), "tty-master")
-	q := make(chan []byte, 64)
+	keys := b.mux.NewReceiver(ch)
+	shows := b.mux.NewSender(ch, f)
 	b.mu.Lock()
-	b.ins[ch] = q
-	b.outs[ch] = f
+	b.ttys[ch] = f
 	b.mu.Unlock()
 	p := binary.BigEndian.AppendUint32(make([]byte, 0, 4+len(reply)), ch)
 	if err := b.out.Write(FrameTerminal, ch, append(p, reply...)); err != nil {
 		return err
 	}
-	go b.typeKeys(ch, f, q)
-	go b.pump(ch, f)
+	go b.typeKeys(ch, f, keys)
+	go func() {
+		shows.Pump(f)
+		b.mu.Lock()
+		if b.ttys[ch] == f {
+			delete(b.ttys, ch)
+		}
+		b.mu.Unlock()
+		f.Close()
+	}()
 	return nil
 }
 
 // typeKeys types a terminal's keystrokes from the host. The end of the host's input is typed as the
 // terminal's end-of-file character, which is how a terminal says it (as the broker does at the
 // namespace level, tty.go). A failed write tells the host to stop sending.
-func (b *bridge) typeKeys(ch uint32, f *os.File, q chan []byte) {
-	failed := false
-	for p := range q {
-		if failed {
-			continue
-		}
-		if _, err := f.Write(p); err != nil {
-			failed = true
-			b.out.Write(FrameClose, ch, nil)
-		}
+func (b *bridge) typeKeys(ch uint32, f *os.File, keys *Receiver) {
+	if !keys.Deliver(f) {
+		return
 	}
 	b.mu.Lock()
-	eof := b.outs[ch] == f // still open: the host ended its input (FrameEOF), not the terminal
+	open := b.ttys[ch] == f // the host ended its input (FrameEOF), and the terminal is still there
 	b.mu.Unlock()
-	if eof && !failed {
+	if open {
 		typeEOF(f)
 	}
 }

@@ -9,4 +9,7 @@
 //
 // The control protocol: one SOCK_SEQPACKET message is one JSON object; the kernel keeps message
 // boundaries, so there is no framing. File descriptors travel as SCM_RIGHTS on exec requests only.
+// Where no fd can pass in from the host (gVisor), the bridge (bridge.go) carries the same messages
+// and every command's stdio as frames on one byte stream, each command's channel within its own
+// window (flow.go), so that no command's stalled reader holds up another's.
 package sbxinit

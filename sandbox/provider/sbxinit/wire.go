@@ -25,6 +25,9 @@ const (
 	// ErrKindProgram: a terminal command's program is not found or not executable (a command
 	// without a terminal exits 127 or 126 instead, its message on its stderr).
 	ErrKindProgram = "program"
+	// ErrKindBusy: the command was refused, never started, because the sandbox has as many
+	// commands' streams open as it may (the gvisor relay answers it, not the init).
+	ErrKindBusy = "busy"
 )
 
 // MaxMessage bounds one request. A SEQPACKET message must fit the socket's send buffer (default

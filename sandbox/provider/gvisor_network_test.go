@@ -1,0 +1,205 @@
+package provider
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/nftables"
+	"github.com/sbxbroker/broker/tests/wait"
+	"golang.org/x/sys/unix"
+)
+
+var gvisorNetTemplate = Template{Name: "gvnet", Isolation: IsolationGvisor, Network: NetworkOn}
+
+// A gvisor network sandbox reaches nothing of the host's: not its loopback (by 127.0.0.1, ::1,
+// 0.0.0.0 or an IPv4-mapped address, all of which pasta would connect to on the host), not its
+// address on the outbound interface, not its address on a second interface (a veth here). The
+// last is what only the firewall stands in front of: with the firewall deleted, the same connect
+// reaches the host, so the check is not passing for another reason.
+func TestGvisorNetworkCannotReachHost(t *testing.T) {
+	n := newGvisor(t)
+	peerNetns(t) // the host gets 10.213.N.1 on a second interface
+	in, spec := startSandbox(t, n, gvisorNetTemplate)
+	type target struct{ listen, dial string }
+	var targets []target
+	for _, host := range append([]string{"127.0.0.1"}, hostAddrs(t)...) {
+		targets = append(targets, target{host, host})
+	}
+	targets = append(targets, target{"0.0.0.0", "0.0.0.0"}, target{"0.0.0.0", "::ffff:127.0.0.1"}, target{"::1", "::1"})
+	for _, tg := range targets {
+		addr, accepted := listenOn(t, net.JoinHostPort(tg.listen, "0"))
+		_, port, _ := net.SplitHostPort(addr)
+		res, out := sh(t, in, bashConnect(net.JoinHostPort(tg.dial, port)))
+		t.Logf("%s -> host %s: exit %d %q", tg.dial, addr, res.ExitCode, out)
+		if res.ExitCode == 0 || accepted() {
+			t.Errorf("a gvisor network sandbox reached the host's listener on %s by %s: %+v %q", addr, tg.dial, res, out)
+		}
+	}
+	// Without the firewall, pasta connects the sandbox to the host's second interface.
+	peerHost := ""
+	for _, a := range hostAddrs(t) {
+		if strings.HasPrefix(a, "10.213.") {
+			peerHost = a
+		}
+	}
+	if peerHost == "" {
+		t.Fatal("the host has no address on the veth")
+	}
+	ns, err := os.Open(filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	c, err := nftables.New(nftables.WithNetNSFd(int(ns.Fd())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.DelTable(&nftables.Table{Name: egressTable, Family: nftables.TableFamilyNetdev})
+	if err := c.Flush(); err != nil {
+		t.Fatalf("delete the firewall: %v", err)
+	}
+	addr, accepted := listenOn(t, net.JoinHostPort(peerHost, "0"))
+	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode != 0 || !accepted() {
+		t.Errorf("with the firewall deleted the host's %s was still out of reach, so the check above tests nothing: %+v %q", addr, res, out)
+	}
+}
+
+// A gvisor network sandbox reaches the outside (a namespace behind a veth pair, standing for the
+// internet) through pasta; a gvisor sandbox without the network does not.
+func TestGvisorNetworkEgress(t *testing.T) {
+	n := newGvisor(t)
+	_, listenPeer := peerNetns(t)
+	addr, accepted := listenPeer()
+	start := time.Now()
+	in, _ := startSandbox(t, n, gvisorNetTemplate)
+	t.Logf("create to ready with the network: %v", time.Since(start))
+	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode != 0 || !accepted() {
+		t.Fatalf("a gvisor network sandbox could not reach %s: %+v %q", addr, res, out)
+	}
+	if _, out := sh(t, in, "cat /sys/class/net/eth0/address >/dev/null 2>&1; ip -o addr 2>/dev/null || cat /proc/net/dev"); !strings.Contains(out, "eth0") {
+		t.Errorf("no eth0 inside: %q", out)
+	}
+	off, _ := startSandbox(t, n, gvisorTemplate)
+	if res, out := sh(t, off, bashConnect(addr)); res.ExitCode == 0 || accepted() {
+		t.Errorf("a gvisor sandbox without network reached %s: %+v %q", addr, res, out)
+	}
+}
+
+// An egress allowlist at the gvisor level lets through only what it lists.
+func TestGvisorNetworkAllowlist(t *testing.T) {
+	n := newGvisor(t)
+	peer, listenPeer := peerNetns(t)
+	allowed, allowedAccepted := listenPeer()
+	other, otherAccepted := listenPeer()
+	_, port, _ := net.SplitHostPort(allowed)
+	tmpl := gvisorNetTemplate
+	tmpl.Network = Network{Enabled: true, Allow: []string{peer + ":" + port}}
+	in, _ := startSandbox(t, n, tmpl)
+	if res, out := sh(t, in, bashConnect(allowed)); res.ExitCode != 0 || !allowedAccepted() {
+		t.Errorf("an allowed destination %s was refused: %+v %q", allowed, res, out)
+	}
+	if res, out := sh(t, in, bashConnect(other)); res.ExitCode == 0 || otherAccepted() {
+		t.Errorf("a destination %s off the allowlist was reached: %+v %q", other, res, out)
+	}
+}
+
+// netnsHeld says whether anything on the host still holds the network namespace with inode ino: a
+// mount, or a process in it.
+func netnsHeld(ino uint64) bool {
+	ref := fmt.Sprintf("net:[%d]", ino)
+	if b, err := os.ReadFile("/proc/self/mountinfo"); err == nil && strings.Contains(string(b), ref) {
+		return true
+	}
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/" + e.Name() + "/ns/net"); err == nil && l == ref {
+			return true
+		}
+	}
+	return false
+}
+
+// Stopping a gvisor network sandbox leaves nothing: no runsc, no pasta, no namespace (and so no
+// firewall table, which lives in it), no mount, no cgroup.
+func TestGvisorNetworkTeardown(t *testing.T) {
+	n := newGvisor(t)
+	in, spec := startSandbox(t, n, gvisorNetTemplate)
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile), &st); err != nil {
+		t.Fatal(err)
+	}
+	if !netnsHeld(st.Ino) {
+		t.Fatal("cannot see the sandbox's network namespace: the check below tests nothing")
+	}
+	if pids := pastaPids(t, spec.ID); len(pids) != 1 {
+		t.Fatalf("want one pasta for the sandbox, found %v", pids)
+	}
+	if err := in.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	assertNoLeftovers(t, n, spec.ID)
+	if pids := pastaPids(t, spec.ID); len(pids) != 0 {
+		t.Errorf("pasta outlived its sandbox: %v", pids)
+	}
+	if netnsHeld(st.Ino) {
+		t.Error("the sandbox's network namespace outlived it")
+	}
+}
+
+// If the network cannot be set up, a gvisor network sandbox does not start, and nothing is left;
+// a host without pasta refuses such templates at create.
+func TestGvisorNetworkFailure(t *testing.T) {
+	requireRunsc(t)
+	n := newNamespace(t, Config{PastaPath: "/nonexistent/pasta"})
+	if err := CheckIsolation(n, gvisorNetTemplate); !errors.Is(err, ErrIsolationUnavailable) || !strings.Contains(err.Error(), "pasta") {
+		t.Errorf("no pasta: %v", err)
+	}
+	n = newNamespace(t, Config{PastaPath: "/bin/false"})
+	spec := Spec{ID: NewID(), Template: gvisorNetTemplate}
+	ctx := context.Background()
+	if err := n.Create(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Destroy(context.Background(), spec) })
+	if in, err := n.Start(ctx, spec); err == nil {
+		in.Stop(ctx)
+		t.Fatal("a gvisor network sandbox started with a failing pasta")
+	} else {
+		t.Log(err)
+	}
+	assertNoLeftovers(t, n, spec.ID)
+	if err := n.Destroy(ctx, spec); errors.Is(err, ErrRunning) {
+		t.Fatalf("a failed start left the sandbox running: %v", err)
+	}
+}
+
+// A broker killed with -9 takes its gvisor network sandbox's pasta with it (Pdeathsig), and the
+// next broker on the data dir removes the namespace's mount with the rest of the runsc state, so
+// the namespace and its firewall are gone.
+func TestGvisorNetworkBrokerCrash(t *testing.T) {
+	before := netnsMounts()
+	id := gvisorBrokerCrash(t, crashGvisorNetwork)
+	wait.Eventually(t, 10*time.Second, func() bool { return len(pastaPids(t, id)) == 0 }, "the crashed broker's pasta to end")
+	if after := netnsMounts(); len(after) > len(before) {
+		t.Errorf("network namespace mounts left: %v (before: %v)", after, before)
+	}
+}
+
+// netnsMounts are the host's mounts of network namespaces.
+func netnsMounts() []string {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[3], "net:[") {
+			out = append(out, f[3]+" "+f[4])
+		}
+	}
+	return out
+}

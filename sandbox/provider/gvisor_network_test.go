@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -202,4 +203,74 @@ func netnsMounts() []string {
 		}
 	}
 	return out
+}
+
+// peerNetns6 is peerNetns over IPv6: a namespace behind a veth pair, the host's end fd13:N::1/64
+// and the peer's fd13:N::2/64 (no duplicate address detection, so both are usable at once). It
+// returns the host's address and a function that opens a listener inside the peer namespace.
+func peerNetns6(t *testing.T) (string, func() (string, func() bool)) {
+	t.Helper()
+	name := fmt.Sprintf("sbxt6%d", os.Getpid()%100000)
+	hostIf, peerIf := name+"h", name+"p"
+	prefix := fmt.Sprintf("fd13:%x::", os.Getpid()%0xffff)
+	hostIP, peerIP := prefix+"1", prefix+"2"
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+	run("netns", "add", name)
+	t.Cleanup(func() {
+		exec.Command("ip", "link", "del", hostIf).Run()
+		exec.Command("ip", "netns", "del", name).Run()
+	})
+	run("link", "add", hostIf, "type", "veth", "peer", "name", peerIf)
+	run("link", "set", peerIf, "netns", name)
+	run("addr", "add", hostIP+"/64", "dev", hostIf, "nodad")
+	run("link", "set", hostIf, "up")
+	run("-n", name, "addr", "add", peerIP+"/64", "dev", peerIf, "nodad")
+	run("-n", name, "link", "set", peerIf, "up")
+	run("-n", name, "link", "set", "lo", "up")
+	return hostIP, func() (string, func() bool) {
+		t.Helper()
+		var addr string
+		var accepted func() bool
+		inNetns(t, "/run/netns/"+name, func() {
+			l, err := net.Listen("tcp", net.JoinHostPort(peerIP, "0"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			addr, accepted = serve(t, l)
+		})
+		return addr, accepted
+	}
+}
+
+// The same over IPv6: the gvisor sandbox reaches an outside IPv6 listener (so neighbour discovery
+// with pasta works through the firewall), listed or not per the allowlist, and not the host's
+// IPv6 address on its second interface.
+func TestGvisorNetworkIPv6(t *testing.T) {
+	n := newGvisor(t)
+	hostIP, listenPeer := peerNetns6(t)
+	allowed, allowedAccepted := listenPeer()
+	other, otherAccepted := listenPeer()
+	hostAddr, hostAccepted := listenOn(t, net.JoinHostPort(hostIP, "0"))
+	broad, _ := startSandbox(t, n, gvisorNetTemplate)
+	if res, out := sh(t, broad, bashConnect(other)); res.ExitCode != 0 || !otherAccepted() {
+		t.Errorf("a gvisor network sandbox could not reach %s: %+v %q", other, res, out)
+	}
+	if res, out := sh(t, broad, bashConnect(hostAddr)); res.ExitCode == 0 || hostAccepted() {
+		t.Errorf("a gvisor network sandbox reached the host's %s: %+v %q", hostAddr, res, out)
+	}
+	host, port, _ := net.SplitHostPort(allowed)
+	tmpl := gvisorNetTemplate
+	tmpl.Network = Network{Enabled: true, Allow: []string{"[" + host + "]:" + port}}
+	listed, _ := startSandbox(t, n, tmpl)
+	if res, out := sh(t, listed, bashConnect(allowed)); res.ExitCode != 0 || !allowedAccepted() {
+		t.Errorf("an allowed IPv6 destination %s was refused: %+v %q", allowed, res, out)
+	}
+	if res, out := sh(t, listed, bashConnect(other)); res.ExitCode == 0 || otherAccepted() {
+		t.Errorf("an IPv6 destination %s off the allowlist was reached: %+v %q", other, res, out)
+	}
 }

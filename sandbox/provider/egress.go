@@ -140,31 +140,38 @@ func localAddrs() ([]netip.Addr, error) {
 	return out, nil
 }
 
-// The egress firewall of a gvisor network sandbox. gVisor's netstack (runsc --network=sandbox)
-// sends the sandbox's frames on the namespace's interface, pasta's tap, through an AF_PACKET socket:
-// they never pass the namespace's IP layer, so the output hook above would not see them. What every
-// frame bound for pasta does pass is the tap's transmit path, and there the netdev family's egress
-// hook (Linux 5.16+): a chain on it sees the frames of an AF_PACKET socket whether it goes through
-// the qdisc or bypasses it (PACKET_QDISC_BYPASS, which runsc does not set and the sentry's seccomp
-// filter would not let it set: the bypass path runs the same hook since Linux 5.17), and whatever
-// the namespace's own kernel sends there too. TestNetdevEgressSeesPacketSockets checks both paths
-// on this kernel. The rules, under a policy of drop:
+// The egress firewall of a gvisor network sandbox (gvisor_network.go shows where each part sits).
+// gVisor's netstack (runsc --network=sandbox) sends the sandbox's frames through an AF_PACKET
+// socket on an interface of the namespace: they never pass the namespace's IP layer, so the
+// output hook above would not see them. The rules sit on the netdev family's hooks instead, twice:
+//
+//   - on the egress hook of pasta's tap (applyNetdevEgress), which every frame bound for pasta
+//     passes, whoever sent it and however: an AF_PACKET socket's frames go through it whether they
+//     take the qdisc or bypass it (PACKET_QDISC_BYPASS, which runsc does not set and the sentry's
+//     seccomp filter would not let it set; the bypass path runs the same hook since Linux 5.17).
+//     TestNetdevEgressSeesPacketSockets checks both paths on this kernel. This is the wall; it
+//     can only drop (Linux refuses reject on the egress hook);
+//   - on the ingress hook of the veth end facing the sentry's interface (applyNetdevIngress), the
+//     same rules with answers: a refused TCP connect gets a reset at once, as at the namespace
+//     level, and what passes is handed on to the tap, where the wall checks it again.
+//
+// The rules, under a policy of drop:
 //
 //  1. ARP passes (pasta answers it itself), and so does IPv6 neighbour discovery (ICMPv6 133-136,
 //     which pasta answers itself too);
 //  2. the sandbox's loopback, unspecified, IPv4-mapped, multicast and broadcast destinations, and the
-//     host's local addresses as they are when the sandbox starts, are dropped: pasta would connect
+//     host's local addresses as they are when the sandbox starts, are refused: pasta would connect
 //     to any of them on the host (0.0.0.0 and 127.0.0.1 are the host's loopback there);
-//  3. with an allowlist, TCP and UDP to a listed destination pass; without one, IPv4 and IPv6 pass.
+//  3. with an allowlist, TCP and UDP to a listed destination pass and the rest is refused; without
+//     one, IPv4 and IPv6 pass.
 //
 // The frame is read as pasta will read it: the ethertype and the destination are taken from the
 // frame's own bytes (the link-layer header and the fixed offsets behind it), not from what the
-// sender declared (skb->protocol), and a pass also needs the declared protocol to agree with the
-// frame, so that a frame declared one thing and carrying another can only be dropped. Nothing is
-// answered: the netdev egress hook cannot reject (Linux refuses reject there), so a refused connect
-// times out instead of failing at once as at the namespace level.
+// sender declared (skb->protocol, which on the egress hook an AF_PACKET sender chooses), and a
+// pass also needs the declared protocol to agree with the frame, so that a frame declared one
+// thing and carrying another can only be dropped.
 
-// gvisorIfname is the name of pasta's tap in a gvisor sandbox's namespace, and so of the sandbox's
+// gvisorIfname is the sentry's interface in a gvisor sandbox's namespace, and so the sandbox's
 // interface inside gVisor (runsc copies it).
 const gvisorIfname = "eth0"
 
@@ -185,8 +192,9 @@ var gvisorRefused = []netip.Prefix{
 	netip.MustParsePrefix("ff00::/8"),
 }
 
-// applyNetdevEgress installs the gvisor sandbox's rules on the interface dev of the network
-// namespace netnsFD refers to. hostAddrs and allow are as for applyEgress.
+// applyNetdevEgress installs the gvisor sandbox's rules, dropping what they refuse, on the egress
+// hook of the interface dev of the network namespace netnsFD refers to. hostAddrs and allow are as
+// for applyEgress.
 func applyNetdevEgress(netnsFD int, dev string, hostAddrs []netip.Addr, allow []egressRule) error {
 	c, err := nftables.New(nftables.WithNetNSFd(netnsFD))
 	if err != nil {
@@ -204,20 +212,40 @@ func applyNetdevEgress(netnsFD int, dev string, hostAddrs []netip.Addr, allow []
 		Device:   dev,
 		Policy:   &policy,
 	})
-	add := func(exprs ...expr.Any) {
-		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
+	accept := []expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}}
+	drop := []expr.Any{&expr.Verdict{Kind: expr.VerdictDrop}}
+	for _, r := range frameRules(hostAddrs, allow, accept, drop, drop) {
+		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: r})
 	}
-	accept := &expr.Verdict{Kind: expr.VerdictAccept}
-	drop := &expr.Verdict{Kind: expr.VerdictDrop}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("egress firewall on %s: %w", dev, err)
+	}
+	return nil
+}
+
+// frameRules are the gvisor level's rules (see applyNetdevEgress), each ending in pass, refuseTCP
+// (for TCP) or refuse (for the rest).
+func frameRules(hostAddrs []netip.Addr, allow []egressRule, pass, refuseTCP, refuse []expr.Any) [][]expr.Any {
+	var rules [][]expr.Any
+	add := func(match []expr.Any, verdict []expr.Any) {
+		rules = append(rules, append(append([]expr.Any(nil), match...), verdict...))
+	}
+	isTCP := []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.IPPROTO_TCP}},
+	}
+	refuseMatch := func(match []expr.Any) {
+		add(append(append([]expr.Any(nil), match...), isTCP...), refuseTCP)
+		add(match, refuse)
+	}
 	// 1. ARP and neighbour discovery.
-	add(append(frameType(unix.ETH_P_ARP), accept)...)
+	add(frameType(unix.ETH_P_ARP), pass)
 	for _, typ := range []byte{133, 134, 135, 136} {
-		e := append(declared(unix.ETH_P_IPV6),
+		add(append(declared(unix.ETH_P_IPV6),
 			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.IPPROTO_ICMPV6}},
 			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 1},
-			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{typ}})
-		add(append(e, accept)...)
+			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{typ}}), pass)
 	}
 	// 2. What leads to the host.
 	refused := append([]netip.Prefix(nil), gvisorRefused...)
@@ -225,12 +253,13 @@ func applyNetdevEgress(netnsFD int, dev string, hostAddrs []netip.Addr, allow []
 		refused = append(refused, netip.PrefixFrom(a, a.BitLen()))
 	}
 	for _, p := range refused {
-		add(append(frameDaddr(p), drop)...)
+		refuseMatch(frameDaddr(p))
 	}
 	// 3. The allowlist, or every IPv4 and IPv6 destination left.
 	if allow == nil {
-		add(append(declared(unix.ETH_P_IP), accept)...)
-		add(append(declared(unix.ETH_P_IPV6), accept)...)
+		add(declared(unix.ETH_P_IP), pass)
+		add(declared(unix.ETH_P_IPV6), pass)
+		return rules
 	}
 	for _, rule := range allow {
 		for _, proto := range []byte{unix.IPPROTO_TCP, unix.IPPROTO_UDP} {
@@ -244,11 +273,55 @@ func applyNetdevEgress(netnsFD int, dev string, hostAddrs []netip.Addr, allow []
 					&expr.Cmp{Op: expr.CmpOpGte, Register: 1, Data: binaryutil.BigEndian.PutUint16(rule.from)},
 					&expr.Cmp{Op: expr.CmpOpLte, Register: 1, Data: binaryutil.BigEndian.PutUint16(rule.to)})
 			}
-			add(append(e, accept)...)
+			add(e, pass)
 		}
 	}
+	refuseMatch(frameType(unix.ETH_P_IP))
+	refuseMatch(frameType(unix.ETH_P_IPV6))
+	return rules
+}
+
+// applyNetdevIngress installs, on the ingress hook of fw (the peer of the veth the sentry sends on),
+// the same rules as applyNetdevEgress with answers: a frame that passes is handed to the tap whose
+// ifindex is tapIndex (a copy sent there, through the tap's egress hook and so through its rules,
+// and the original dropped), a refused TCP segment is answered with a reset and anything else
+// refused with an ICMP administratively-prohibited, both sent back out of fw to the sentry. On the
+// tap's own ingress hook, what pasta sends is handed to fw (ifindex fwIndex), for the sentry.
+func applyNetdevIngress(netnsFD int, fw, tap string, fwIndex, tapIndex int, hostAddrs []netip.Addr, allow []egressRule) error {
+	c, err := nftables.New(nftables.WithNetNSFd(netnsFD))
+	if err != nil {
+		return fmt.Errorf("egress firewall: %w", err)
+	}
+	defer c.CloseLasting()
+	table := c.AddTable(&nftables.Table{Name: egressTable, Family: nftables.TableFamilyNetdev})
+	policy := nftables.ChainPolicyDrop
+	chain := func(name, dev string) *nftables.Chain {
+		return c.AddChain(&nftables.Chain{
+			Name:     name,
+			Table:    table,
+			Type:     nftables.ChainTypeFilter,
+			Hooknum:  nftables.ChainHookIngress,
+			Priority: nftables.ChainPriorityFilter,
+			Device:   dev,
+			Policy:   &policy,
+		})
+	}
+	to := func(index int) []expr.Any {
+		return []expr.Any{
+			&expr.Immediate{Register: 1, Data: binaryutil.NativeEndian.PutUint32(uint32(index))},
+			&expr.Dup{RegDev: 1, IsRegDevSet: true},
+			&expr.Verdict{Kind: expr.VerdictDrop},
+		}
+	}
+	fromSandbox := chain("from-sandbox", fw)
+	rst := []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_TCP_RST}}
+	prohibited := []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_ADMIN_PROHIBITED}}
+	for _, r := range frameRules(hostAddrs, allow, to(tapIndex), rst, prohibited) {
+		c.AddRule(&nftables.Rule{Table: table, Chain: fromSandbox, Exprs: r})
+	}
+	c.AddRule(&nftables.Rule{Table: table, Chain: chain("to-sandbox", tap), Exprs: to(fwIndex)})
 	if err := c.Flush(); err != nil {
-		return fmt.Errorf("egress firewall on %s: %w", dev, err)
+		return fmt.Errorf("egress firewall on %s: %w", fw, err)
 	}
 	return nil
 }

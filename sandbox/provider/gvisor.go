@@ -121,7 +121,9 @@ type gvisorHost struct {
 	skel  string // the read-only skeleton root: mount points and the host's top-level links
 
 	unshare string // unshare(1), which makes a network sandbox's namespaces (gvisor_network.go)
-	netErr  error  // why there is none: gvisor templates with the network are then refused
+	nsenter string // nsenter(1) and ip(8), which set up its interfaces
+	ip      string
+	netErr  error // why any is missing: gvisor templates with the network are then refused
 
 	usrMu    sync.Mutex
 	usrBound bool // the host's /usr is bound into skel (bindUsr), at the first gvisor start
@@ -194,8 +196,14 @@ func (n *Namespace) initGvisor() {
 		return
 	}
 	n.gv.runsc, n.gv.skel = runsc, skel
-	if n.gv.unshare, err = exec.LookPath("unshare"); err != nil {
-		n.gv.netErr = errors.New("the gvisor level's network needs unshare(1) (util-linux): apt-get install -y util-linux")
+	n.gv.unshare, err = exec.LookPath("unshare")
+	if err == nil {
+		n.gv.nsenter, err = exec.LookPath("nsenter")
+	}
+	if err != nil {
+		n.gv.netErr = errors.New("the gvisor level's network needs unshare(1) and nsenter(1) (util-linux): apt-get install -y util-linux")
+	} else if n.gv.ip, err = exec.LookPath("ip"); err != nil {
+		n.gv.netErr = errors.New("the gvisor level's network needs ip(8) (iproute2): apt-get install -y iproute2")
 	}
 	n.reapGvisor()
 }

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/binaryutil"
+	"github.com/google/nftables/expr"
 	"github.com/sbxbroker/broker/tests/wait"
 	"golang.org/x/sys/unix"
 )
@@ -21,9 +23,11 @@ var gvisorNetTemplate = Template{Name: "gvnet", Isolation: IsolationGvisor, Netw
 
 // A gvisor network sandbox reaches nothing of the host's: not its loopback (by 127.0.0.1, ::1,
 // 0.0.0.0 or an IPv4-mapped address, all of which pasta would connect to on the host), not its
-// address on the outbound interface, not its address on a second interface (a veth here). The
-// last is what only the firewall stands in front of: with the firewall deleted, the same connect
-// reaches the host, so the check is not passing for another reason.
+// address on the outbound interface, not its address on a second interface (a veth here), and a
+// refused connect fails at once. The last address is what only the firewall stands in front of,
+// so it also shows that each of its two layers holds alone: with the answering rules on the veth
+// opened, the tap's drop rules still keep it out; with those gone too, the same connect reaches
+// the host, so the checks are not passing for another reason.
 func TestGvisorNetworkCannotReachHost(t *testing.T) {
 	n := newGvisor(t)
 	peerNetns(t) // the host gets 10.213.N.1 on a second interface
@@ -41,6 +45,8 @@ func TestGvisorNetworkCannotReachHost(t *testing.T) {
 		t.Logf("%s -> host %s: exit %d %q", tg.dial, addr, res.ExitCode, out)
 		if res.ExitCode == 0 || accepted() {
 			t.Errorf("a gvisor network sandbox reached the host's listener on %s by %s: %+v %q", addr, tg.dial, res, out)
+		} else if !strings.Contains(out, "refused") {
+			t.Errorf("a refused connect to %s should fail at once with connection refused: %q", tg.dial, out)
 		}
 	}
 	// Without the firewall, pasta connects the sandbox to the host's second interface.
@@ -53,22 +59,45 @@ func TestGvisorNetworkCannotReachHost(t *testing.T) {
 	if peerHost == "" {
 		t.Fatal("the host has no address on the veth")
 	}
-	ns, err := os.Open(filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile))
+	path := filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile)
+	ns, err := os.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ns.Close()
+	var tapIndex int
+	inNetns(t, path, func() {
+		tap, err := net.InterfaceByName(gvisorTapIf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tapIndex = tap.Index
+	})
 	c, err := nftables.New(nftables.WithNetNSFd(int(ns.Fd())))
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.DelTable(&nftables.Table{Name: egressTable, Family: nftables.TableFamilyNetdev})
+	table := &nftables.Table{Name: egressTable, Family: nftables.TableFamilyNetdev}
+	fromSandbox := &nftables.Chain{Name: "from-sandbox", Table: table}
+	c.FlushChain(fromSandbox)
+	c.AddRule(&nftables.Rule{Table: table, Chain: fromSandbox, Exprs: []expr.Any{
+		&expr.Immediate{Register: 1, Data: binaryutil.NativeEndian.PutUint32(uint32(tapIndex))},
+		&expr.Dup{RegDev: 1, IsRegDevSet: true},
+		&expr.Verdict{Kind: expr.VerdictDrop},
+	}})
 	if err := c.Flush(); err != nil {
-		t.Fatalf("delete the firewall: %v", err)
+		t.Fatalf("open the veth's rules: %v", err)
 	}
 	addr, accepted := listenOn(t, net.JoinHostPort(peerHost, "0"))
+	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode == 0 || accepted() {
+		t.Errorf("with only the tap's rules left, the host's %s was reached: %+v %q", addr, res, out)
+	}
+	c.DelChain(&nftables.Chain{Name: "egress", Table: table})
+	if err := c.Flush(); err != nil {
+		t.Fatalf("delete the tap's rules: %v", err)
+	}
 	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode != 0 || !accepted() {
-		t.Errorf("with the firewall deleted the host's %s was still out of reach, so the check above tests nothing: %+v %q", addr, res, out)
+		t.Errorf("with the firewall opened the host's %s was still out of reach, so the checks above test nothing: %+v %q", addr, res, out)
 	}
 }
 
@@ -84,8 +113,10 @@ func TestGvisorNetworkEgress(t *testing.T) {
 	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode != 0 || !accepted() {
 		t.Fatalf("a gvisor network sandbox could not reach %s: %+v %q", addr, res, out)
 	}
-	if _, out := sh(t, in, "cat /sys/class/net/eth0/address >/dev/null 2>&1; ip -o addr 2>/dev/null || cat /proc/net/dev"); !strings.Contains(out, "eth0") {
-		t.Errorf("no eth0 inside: %q", out)
+	// Only eth0 is the sandbox's: the firewall's veth end and pasta's tap have no address, so runsc
+	// passes over them.
+	if _, out := sh(t, in, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort | tr '\\n' ' '"); out != "eth0 lo " {
+		t.Errorf("interfaces inside: %q, want eth0 and lo", out)
 	}
 	off, _ := startSandbox(t, n, gvisorTemplate)
 	if res, out := sh(t, off, bashConnect(addr)); res.ExitCode == 0 || accepted() {
@@ -108,6 +139,8 @@ func TestGvisorNetworkAllowlist(t *testing.T) {
 	}
 	if res, out := sh(t, in, bashConnect(other)); res.ExitCode == 0 || otherAccepted() {
 		t.Errorf("a destination %s off the allowlist was reached: %+v %q", other, res, out)
+	} else if !strings.Contains(out, "refused") {
+		t.Errorf("a refused connect should fail at once with connection refused: %q", out)
 	}
 }
 
@@ -262,6 +295,8 @@ func TestGvisorNetworkIPv6(t *testing.T) {
 	}
 	if res, out := sh(t, broad, bashConnect(hostAddr)); res.ExitCode == 0 || hostAccepted() {
 		t.Errorf("a gvisor network sandbox reached the host's %s: %+v %q", hostAddr, res, out)
+	} else if !strings.Contains(out, "refused") {
+		t.Errorf("a refused IPv6 connect should fail at once with connection refused: %q", out)
 	}
 	host, port, _ := net.SplitHostPort(allowed)
 	tmpl := gvisorNetTemplate
@@ -272,5 +307,7 @@ func TestGvisorNetworkIPv6(t *testing.T) {
 	}
 	if res, out := sh(t, listed, bashConnect(other)); res.ExitCode == 0 || otherAccepted() {
 		t.Errorf("an IPv6 destination %s off the allowlist was reached: %+v %q", other, res, out)
+	} else if !strings.Contains(out, "refused") {
+		t.Errorf("a refused IPv6 connect should fail at once with connection refused: %q", out)
 	}
 }

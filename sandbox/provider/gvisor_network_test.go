@@ -118,7 +118,9 @@ func TestGvisorNetworkEgress(t *testing.T) {
 	if _, out := sh(t, in, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort | tr '\\n' ' '"); out != "eth0 lo " {
 		t.Errorf("interfaces inside: %q, want eth0 and lo", out)
 	}
+	start = time.Now()
 	off, _ := startSandbox(t, n, gvisorTemplate)
+	t.Logf("create to ready without: %v", time.Since(start))
 	if res, out := sh(t, off, bashConnect(addr)); res.ExitCode == 0 || accepted() {
 		t.Errorf("a gvisor sandbox without network reached %s: %+v %q", addr, res, out)
 	}
@@ -184,6 +186,21 @@ func TestGvisorNetworkTeardown(t *testing.T) {
 	}
 	if netnsHeld(st.Ino) {
 		t.Error("the sandbox's network namespace outlived it")
+	}
+	// A resume gets a namespace of its own again, and its stop leaves nothing either.
+	again, err := n.Start(context.Background(), spec)
+	if err != nil {
+		t.Fatalf("resume: %v", err)
+	}
+	if _, out := sh(t, again, "grep -c eth0 /proc/net/dev"); out != "1\n" {
+		t.Errorf("after a resume, eth0 inside: %q", out)
+	}
+	if err := again.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	assertNoLeftovers(t, n, spec.ID)
+	if pids := pastaPids(t, spec.ID); len(pids) != 0 {
+		t.Errorf("pasta outlived the resumed sandbox: %v", pids)
 	}
 }
 

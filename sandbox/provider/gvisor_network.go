@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -127,10 +128,11 @@ type ipLink struct {
 
 // ipRoute is a route in `ip -j route` output.
 type ipRoute struct {
-	Dst      string `json:"dst"`
-	Gateway  string `json:"gateway"`
-	Protocol string `json:"protocol"`
-	Metric   int    `json:"metric"`
+	Dst      string   `json:"dst"`
+	Gateway  string   `json:"gateway"`
+	Protocol string   `json:"protocol"`
+	Metric   int      `json:"metric"`
+	Flags    []string `json:"flags"`
 
 	isDefault bool
 }
@@ -235,6 +237,9 @@ func (n *Namespace) plumbGvisorNetwork(ctx context.Context, path string, netnsFD
 			line += " dev " + gvisorIfname
 			if r.Metric > 0 {
 				line += " metric " + strconv.Itoa(r.Metric)
+			}
+			if slices.Contains(r.Flags, "onlink") { // a gateway outside the address's prefix
+				line += " onlink"
 			}
 			batch = append(batch, line)
 		}

@@ -85,7 +85,12 @@ func CheckIsolation(p Provider, t Template) error {
 			return fmt.Errorf("%w: %v", ErrIsolationUnavailable, n.gv.err)
 		}
 		if t.Network.Enabled {
-			return fmt.Errorf("%w: template %q asks for isolation gvisor with the network on; gvisor sandboxes run without a network in this version: set network: false, or use isolation namespace for egress", ErrIsolationUnavailable, t.Name)
+			if n.pastaErr != nil {
+				return fmt.Errorf("%w: template %q asks for isolation gvisor with the network on: %v", ErrIsolationUnavailable, t.Name, n.pastaErr)
+			}
+			if n.gv.netErr != nil {
+				return fmt.Errorf("%w: template %q asks for isolation gvisor with the network on: %v", ErrIsolationUnavailable, t.Name, n.gv.netErr)
+			}
 		}
 		return nil
 	}
@@ -114,6 +119,11 @@ type gvisorHost struct {
 	runsc string
 	err   error
 	skel  string // the read-only skeleton root: mount points and the host's top-level links
+
+	unshare string // unshare(1), which makes a network sandbox's namespaces (gvisor_network.go)
+	nsenter string // nsenter(1) and ip(8), which set up its interfaces
+	ip      string
+	netErr  error // why any is missing: gvisor templates with the network are then refused
 
 	usrMu    sync.Mutex
 	usrBound bool // the host's /usr is bound into skel (bindUsr), at the first gvisor start
@@ -186,6 +196,15 @@ func (n *Namespace) initGvisor() {
 		return
 	}
 	n.gv.runsc, n.gv.skel = runsc, skel
+	n.gv.unshare, err = exec.LookPath("unshare")
+	if err == nil {
+		n.gv.nsenter, err = exec.LookPath("nsenter")
+	}
+	if err != nil {
+		n.gv.netErr = errors.New("the gvisor level's network needs unshare(1) and nsenter(1) (util-linux): apt-get install -y util-linux")
+	} else if n.gv.ip, err = exec.LookPath("ip"); err != nil {
+		n.gv.netErr = errors.New("the gvisor level's network needs ip(8) (iproute2): apt-get install -y iproute2")
+	}
 	n.reapGvisor()
 }
 
@@ -295,7 +314,8 @@ func (n *Namespace) gvisorDir(id string) string {
 
 // startGvisor runs the sandbox under runsc: the same layout as a namespace sandbox (the host's /usr
 // or the template's rootfs read-only, /workspace the host directory, shared both ways), limits in
-// the OCI spec's cgroups, no network, and the same resident init behind sbxinit's bridge.
+// the OCI spec's cgroups, no network (or, with network on, gVisor's netstack in the namespace
+// gvisor_network.go prepares), and the same resident init behind sbxinit's bridge.
 func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) (Instance, error) {
 	if spec.Template.Rootfs == "" {
 		n.gv.usrMu.Lock()
@@ -339,7 +359,11 @@ func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) 
 	}
 	limits := resolveLimits(n.cfg.Defaults, spec.Template.Limits)
 	env := sandboxEnv(HomePath, sandboxUser, shell, map[string]string{"HOSTNAME": "sandbox"}, spec.Template.Env)
-	oci, err := n.gvisorSpec(spec, dir, uid, gid, limits, env)
+	var netns string
+	if spec.Template.Network.Enabled {
+		netns = filepath.Join(dir, gvisorNetnsFile)
+	}
+	oci, err := n.gvisorSpec(spec, dir, uid, gid, limits, env, netns)
 	if err != nil {
 		release()
 		return nil, err
@@ -363,6 +387,19 @@ func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) 
 	release = func(release func()) func() {
 		return func() { cg.remove(); release() }
 	}(release)
+	if netns != "" {
+		h, err := n.startGvisorNetwork(ctx, spec, netns, uid, gid)
+		if err != nil {
+			n.removeGvisorState(spec.ID)
+			release()
+			return nil, err
+		}
+		// After runsc and its state (the namespace's mount) are gone: the namespace, its tap and
+		// its rules end with the last of them.
+		release = func(release func()) func() {
+			return func() { h.stop(); release() }
+		}(release)
+	}
 	cmd := &exec.Cmd{
 		Path: n.gv.runsc,
 		Args: append([]string{"runsc"}, append(n.runscFlags(spec.ID, spec.Template), "run", "--bundle", dir, spec.ID)...),
@@ -394,8 +431,9 @@ func (n *Namespace) startGvisor(ctx context.Context, spec Spec, release func()) 
 }
 
 // runscFlags are runsc's global flags for one sandbox: its own state root, the systrap platform (no
-// KVM here), no network, no host UDS, and the workspace bind shared with the host (a write on
-// either side is seen at once by the other). The host-/usr root is a skeleton with every mount
+// KVM here), no network (with the network on, the namespace the broker prepared:
+// gvisor_network.go), no host UDS, and the workspace bind shared with the host (a write on either
+// side is seen at once by the other). The host-/usr root is a skeleton with every mount
 // point in place and needs no overlay; a template's rootfs gets one in memory (counted in the
 // sandbox's), so that the mount points it lacks can be made without writing to it.
 func (n *Namespace) runscFlags(id string, t Template) []string {
@@ -403,10 +441,14 @@ func (n *Namespace) runscFlags(id string, t Template) []string {
 	if t.Rootfs != "" {
 		overlay = "root:memory"
 	}
+	network := "none"
+	if t.Network.Enabled {
+		network = "sandbox"
+	}
 	return []string{
 		"--root", filepath.Join(n.gvisorDir(id), "root"),
 		"--platform", "systrap",
-		"--network", "none",
+		"--network", network,
 		"--file-access-mounts", "shared",
 		"--overlay2", overlay,
 		"--host-uds", "none",
@@ -414,8 +456,9 @@ func (n *Namespace) runscFlags(id string, t Template) []string {
 	}
 }
 
-// gvisorSpec is the sandbox's OCI runtime spec.
-func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limits, env []string) (*specs.Spec, error) {
+// gvisorSpec is the sandbox's OCI runtime spec. netns is the network namespace runsc joins, "" for
+// a new one of runsc's with a loopback only.
+func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limits, env []string, netns string) (*specs.Spec, error) {
 	t := spec.Template
 	root := n.gv.skel
 	if t.Rootfs != "" {
@@ -504,7 +547,7 @@ func (n *Namespace) gvisorSpec(spec Spec, dir string, uid, gid int, limits Limit
 			},
 			Namespaces: []specs.LinuxNamespace{
 				{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
-				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace},
+				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace, Path: netns},
 			},
 		},
 	}, nil
@@ -516,8 +559,8 @@ var initCaps = []string{"CAP_SETUID", "CAP_SETGID", "CAP_KILL"}
 // gvisorPidsBase is the host tasks a gvisor sandbox needs beside its processes'.
 const gvisorPidsBase = 128
 
-// removeGvisorState ends whatever runsc still runs for the sandbox, unmounts what runsc left in its
-// state (the null-netns bind of --network=none) and removes the state.
+// removeGvisorState ends whatever runsc still runs for the sandbox, unmounts what is left in its
+// state (runsc's null-netns bind, a network sandbox's namespace) and removes the state.
 func (n *Namespace) removeGvisorState(id string) {
 	dir := n.gvisorDir(id)
 	if _, err := os.Stat(dir); err != nil {
@@ -534,8 +577,10 @@ func (n *Namespace) removeGvisorState(id string) {
 }
 
 // reapGvisor ends what an earlier broker on this data dir left of its gvisor sandboxes (a kill -9:
-// runsc run dies with it, its sandbox and gofer with that, but the state, and the null-netns mount,
-// stay): every sandbox's runsc state is deleted, its processes killed, its mounts detached.
+// runsc run dies with it, its sandbox and gofer with that, pasta too, but the state, the
+// null-netns mount and a network sandbox's namespace bind stay): every sandbox's runsc state is
+// deleted, its processes killed, its mounts detached (which frees a network namespace and its
+// firewall).
 func (n *Namespace) reapGvisor() {
 	dirs, _ := filepath.Glob(filepath.Join(n.layout.root(), "*", "state", "gvisor"))
 	for _, d := range dirs {

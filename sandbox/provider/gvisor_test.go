@@ -275,7 +275,7 @@ func TestGvisorRuntimeLost(t *testing.T) {
 }
 
 // TestGvisorRefusals: never fail open. A host without runsc refuses gvisor templates (saying what to
-// install) and microvm everywhere; a network template is refused at the gvisor level.
+// install) and microvm everywhere. (A network template runs at the gvisor level: gvisor_network_test.go.)
 func TestGvisorRefusals(t *testing.T) {
 	requireBwrap(t)
 	bwrap, _ := exec.LookPath("bwrap")
@@ -337,12 +337,19 @@ func mountsUnder(dir string) []string {
 // it (Pdeathsig, runsc run attached), and the next broker on the data dir removes what runsc left:
 // its state and the null-netns mount.
 func TestGvisorBrokerCrash(t *testing.T) {
+	gvisorBrokerCrash(t, kindGvisor)
+}
+
+// gvisorBrokerCrash kills a broker running one gvisor sandbox (helper mode: kindGvisor, or
+// crashGvisorNetwork for one with the network) and checks that the next broker on its data dir
+// leaves nothing of it. It returns the sandbox's id.
+func gvisorBrokerCrash(t *testing.T, mode string) string {
 	requireRunsc(t)
 	requireBwrap(t)
 	data := testDataDir(t)
-	parent := testCgroupParent + "/crash-gvisor"
+	parent := testCgroupParent + "/crash-" + mode
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), helperEnv+"="+kindGvisor, "SBX_HELPER_DATA="+data, "SBX_HELPER_CMD=sleep 600", "SBX_HELPER_CGROUP="+parent)
+	cmd.Env = append(os.Environ(), helperEnv+"="+mode, "SBX_HELPER_DATA="+data, "SBX_HELPER_CMD=sleep 600", "SBX_HELPER_CGROUP="+parent)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -374,6 +381,7 @@ func TestGvisorBrokerCrash(t *testing.T) {
 	// (here: at once), as at the namespace level.
 	restarted.cg.sweepStale(0)
 	assertNoLeftovers(t, restarted, id)
+	return id
 }
 
 // A template's rootfs runs at the gvisor level too: read-only, its mount points made in a memory

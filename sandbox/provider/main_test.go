@@ -74,6 +74,9 @@ const helperEnv = "SBX_PROVIDER_TEST_HELPER"
 // crashNetwork is the helper mode that starts a namespace sandbox with the network (and pasta).
 const crashNetwork = "network"
 
+// crashGvisorNetwork is the helper mode that starts a gvisor sandbox with the network.
+const crashGvisorNetwork = "gvisor-network"
+
 // crashHelper starts a sandbox with a background process, prints the sandbox id, and waits to be
 // killed. Its arguments come in the environment: the provider, the data dir and a marker command.
 func crashHelper(mode string) {
@@ -83,7 +86,7 @@ func crashHelper(mode string) {
 	}
 	var p Provider
 	var err error
-	if mode == kindNamespace || mode == crashNetwork || mode == kindGvisor {
+	if mode == kindNamespace || mode == crashNetwork || mode == kindGvisor || mode == crashGvisorNetwork {
 		p, err = NewNamespace(cfg)
 	} else {
 		p, err = NewDir(cfg)
@@ -97,8 +100,11 @@ func crashHelper(mode string) {
 		// pasta's command line names the sandbox's state dir, so the test sees it die too.
 		spec.Template.Network = NetworkOn
 	}
-	if mode == kindGvisor {
+	if mode == kindGvisor || mode == crashGvisorNetwork {
 		spec.Template.Isolation = IsolationGvisor
+	}
+	if mode == crashGvisorNetwork {
+		spec.Template.Network = NetworkOn
 	}
 	ctx := context.Background()
 	if err := p.Create(ctx, spec); err != nil {

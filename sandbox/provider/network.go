@@ -89,7 +89,6 @@ func pastaArgs(pidFile string) []string {
 // startNetwork attaches pasta to the network namespace of the sandbox whose init is host pid pid,
 // and returns once the namespace is configured. On error nothing is left running.
 func (n *Namespace) startNetwork(ctx context.Context, spec Spec, pid int, net Network) (*netHelper, error) {
-	id := spec.ID
 	if n.pastaErr != nil {
 		return nil, n.pastaErr
 	}
@@ -130,6 +129,15 @@ func (n *Namespace) startNetwork(ctx context.Context, spec Spec, pid int, net Ne
 	} else {
 		return nil, errNetworkNeedsRoot(spec.Template.Name)
 	}
+	return n.startPasta(ctx, spec, nsFiles[0], netns)
+}
+
+// startPasta attaches pasta, as the sandbox's uid, to the network namespace netns owned by the user
+// namespace userns, and returns once pasta has configured it. extra are more pasta arguments. The
+// caller keeps its files. On error nothing is left running.
+func (n *Namespace) startPasta(ctx context.Context, spec Spec, userns, netns *os.File, extra ...string) (*netHelper, error) {
+	id := spec.ID
+	nsFiles := []*os.File{userns, netns}
 	// pasta writes its pid into this file when the namespace is ready. It runs as the sandbox uid,
 	// so the file is made for it; the state dir is not visible inside the sandbox.
 	pidFile := filepath.Join(n.layout.stateDir(id), "pasta.pid")
@@ -151,11 +159,12 @@ func (n *Namespace) startNetwork(ctx context.Context, spec Spec, pid int, net Ne
 	defer os.Remove(pidFile)
 	// pasta reaches the pid file through an fd it inherits (fd 5, after the namespaces): the state
 	// dir is closed to the sandbox uid, and a path would put the sandbox's id in ps.
+	defer pf.Close()
 	nsFiles = append(nsFiles, pf) // pastaPidFD
 	stderr := &headBuffer{max: 4 << 10}
 	cmd := &exec.Cmd{
 		Path:        n.pasta,
-		Args:        append([]string{"pasta"}, pastaArgs("/proc/self/fd/"+strconv.Itoa(pastaPidFD))...),
+		Args:        append(append([]string{"pasta"}, pastaArgs("/proc/self/fd/"+strconv.Itoa(pastaPidFD))...), extra...),
 		Dir:         "/",
 		Env:         []string{},
 		Stderr:      stderr,

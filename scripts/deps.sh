@@ -11,6 +11,9 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v pasta >/dev/null 2>&1 || missing+=(passt)
+# ip (iproute2) moves pasta's addresses onto a gvisor network sandbox's veth (gvisor_network.go);
+# nsenter and unshare come with util-linux, which every Debian has.
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || missing+=(iproute2)
 # mkfs.ext4 makes each namespace sandbox's workspace filesystem (its disk quota; volume.go).
 command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] || missing+=(e2fsprogs)
 # pasta runs as the sandbox's uid and opens /dev/net/tun inside the sandbox's namespaces; the kernel

@@ -169,6 +169,26 @@ export interface ExecArgs {
   background?: boolean;
 }
 
+/** A shell: an interactive program on a terminal (docs/dataplane.md, "shell"). This backend does not start one; the codec knows it so that every golden frame checks. */
+export interface ShellArgs {
+  argv?: string[];
+  cwd?: string;
+  env?: Record<string, string>;
+  term?: string;
+  rows?: number;
+  cols?: number;
+}
+/** A shell's new window; sent with the shell's own id and never answered. */
+export interface ResizeArgs {
+  rows: number;
+  cols: number;
+}
+/** What differs in a pushed tree from its baseline (sbctl push / diff / pull). */
+export interface ChangesArgs {
+  path?: string;
+  paths?: string[];
+}
+
 export interface LsResult {
   entries: FileInfo[] | null;
   /** The directory has more entries than the broker's cap (10,000); narrow with glob. */
@@ -239,6 +259,21 @@ export interface TreeResult {
   bytes: number;
   skipped?: number;
 }
+export interface Change {
+  path: string;
+  status: "added" | "modified" | "deleted" | string;
+  mode?: string;
+  oid?: string;
+  size?: number;
+}
+export interface ChangesResult {
+  path: string;
+  commit: string;
+  changes: Change[] | null;
+  scanned: number;
+  hashed: number;
+  skipped?: string[];
+}
 export type Empty = Record<string, never>;
 
 /** Each operation's arguments and result. */
@@ -260,6 +295,10 @@ export interface Ops {
   untar: { args: PathArgs; result: TreeResult };
   tar: { args: PathArgs; result: TreeResult };
   exec: { args: ExecArgs; result: ExecResult };
+  changes: { args: ChangesArgs; result: ChangesResult };
+  shell: { args: ShellArgs; result: ExecResult };
+  /** Never answered: it changes the window of the shell whose id it carries. */
+  resize: { args: ResizeArgs; result: Empty };
 }
 export type Op = keyof Ops;
 export type ArgsOf<O extends Op> = Ops[O]["args"];
@@ -348,6 +387,9 @@ export const argSchemas: Record<Exclude<Op, "ping" | "env">, Schema> = {
     max_output: o("int"),
     background: o("bool"),
   },
+  changes: { path: o("string"), paths: o("string[]") },
+  shell: { argv: o("string[]"), cwd: o("string"), env: o("string-map"), term: o("string"), rows: o("int"), cols: o("int") },
+  resize: { rows: r("int"), cols: r("int") },
 };
 
 const pathResult: Schema = { path: r("string") };
@@ -388,11 +430,22 @@ export const resultSchemas = {
   },
   download: { path: r("string"), size: r("int") },
   tree: { path: r("string"), files: r("int"), dirs: r("int"), symlinks: r("int"), bytes: r("int"), skipped: o("int") },
+  changes: {
+    path: r("string"),
+    commit: r("string"),
+    changes: r({
+      array: { path: r("string"), status: r("string"), mode: o("string"), oid: o("string"), size: o("int") },
+      nullable: true,
+    }),
+    scanned: r("int"),
+    hashed: r("int"),
+    skipped: o("string[]"),
+  },
 } satisfies Record<string, Schema>;
 export type ResultKind = keyof typeof resultSchemas;
 
 /** The result kind an op answers with (delete, mkdir and move answer {path}; upload like write;
- * untar and tar a tree). */
+ * untar and tar a tree; a shell like an exec; resize is never answered). */
 export function resultKindOf(op: Op): ResultKind {
   switch (op) {
     case "delete":
@@ -404,6 +457,10 @@ export function resultKindOf(op: Op): ResultKind {
     case "untar":
     case "tar":
       return "tree";
+    case "shell":
+      return "exec";
+    case "resize":
+      return "ping";
     default:
       return op;
   }

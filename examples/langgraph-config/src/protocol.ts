@@ -152,6 +152,11 @@ export interface GrepArgs {
   ignore_case?: boolean;
   max_count?: number;
 }
+/** A tree (path alone), or a batch of files in the directory path (paths, relative to it): see docs/dataplane.md. */
+export interface TarArgs {
+  path: string;
+  paths?: string[];
+}
 export interface UploadArgs {
   path: string;
   mode?: "overwrite" | "create";
@@ -258,6 +263,14 @@ export interface TreeResult {
   symlinks: number;
   bytes: number;
   skipped?: number;
+  /** A tar with paths: the paths left out, each with what a download of it would have answered. */
+  errors?: PathError[];
+}
+/** One path of a batch that failed on its own (path as asked). */
+export interface PathError {
+  path: string;
+  code: string;
+  message: string;
 }
 export interface Change {
   path: string;
@@ -293,7 +306,7 @@ export interface Ops {
   upload: { args: UploadArgs; result: WriteResult };
   download: { args: PathArgs; result: DownloadResult };
   untar: { args: PathArgs; result: TreeResult };
-  tar: { args: PathArgs; result: TreeResult };
+  tar: { args: TarArgs; result: TreeResult };
   exec: { args: ExecArgs; result: ExecResult };
   changes: { args: ChangesArgs; result: ChangesResult };
   shell: { args: ShellArgs; result: ExecResult };
@@ -357,7 +370,7 @@ export const argSchemas: Record<Exclude<Op, "ping" | "env">, Schema> = {
   ls: { path: r("string") },
   download: { path: r("string") },
   untar: { path: r("string") },
-  tar: { path: r("string") },
+  tar: { path: r("string"), paths: o("string[]") },
   read: { path: r("string"), offset: o("int"), length: o("int"), line_offset: o("int"), line_limit: o("int") },
   // On the wire a write's content is its frame's body (WriteHead); WriteArgs' content leaves there.
   write: { path: r("string"), mode: o("string") },
@@ -429,7 +442,15 @@ export const resultSchemas = {
     stderr: o("string"),
   },
   download: { path: r("string"), size: r("int") },
-  tree: { path: r("string"), files: r("int"), dirs: r("int"), symlinks: r("int"), bytes: r("int"), skipped: o("int") },
+  tree: {
+    path: r("string"),
+    files: r("int"),
+    dirs: r("int"),
+    symlinks: r("int"),
+    bytes: r("int"),
+    skipped: o("int"),
+    errors: o({ array: { path: r("string"), code: r("string"), message: r("string") } }),
+  },
   changes: {
     path: r("string"),
     commit: r("string"),

@@ -983,6 +983,30 @@ func (r *Remote) Tar(ctx context.Context, p string, w io.Writer) (protocol.TreeR
 	return out, json.Unmarshal(cl.result, &out)
 }
 
+// TarFiles streams the regular files names (relative to the directory dir) into w as one
+// uncompressed tar archive, in one round trip: a batch of downloads. Each entry is named exactly as
+// asked and holds what Download would give; a name Download would refuse (missing, a directory,
+// not readable, leading out of the workspace) has no entry and is listed in the result's Errors
+// with that error instead. It needs the fs:read scope, and a broker that knows TarArgs.Paths.
+func (r *Remote) TarFiles(ctx context.Context, dir string, names []string, w io.Writer) (protocol.TreeResult, error) {
+	var out protocol.TreeResult
+	if len(names) == 0 {
+		return out, protocol.Errorf(protocol.CodeInvalidArgument, "no files named")
+	}
+	if err := validPaths(append([]string{dir}, names...)...); err != nil {
+		return out, err
+	}
+	c, err := r.connection(ctx)
+	if err != nil {
+		return out, err
+	}
+	cl := &call{data: w}
+	if err := c.roundTrip(ctx, protocol.OpTar, protocol.TarArgs{Path: dir, Paths: names}, cl, nil); err != nil {
+		return out, err
+	}
+	return out, json.Unmarshal(cl.result, &out)
+}
+
 type countingWriter struct {
 	w io.Writer
 	n int64

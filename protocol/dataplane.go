@@ -157,19 +157,37 @@ type UntarArgs struct {
 
 // TarArgs asks for a file, symlink or directory tree as a tar stream: it comes as binary frames of
 // kind FrameData, then the result (TreeResult). Entries are named from Path's base name down.
+//
+// With Paths, Path is a directory and the stream is a batch of downloads instead: one regular-file
+// entry per path (relative to Path, named exactly as given) holding what a download of it would
+// give, and a path a download would refuse listed in TreeResult.Errors instead (docs/dataplane.md).
 type TarArgs struct {
-	Path string `json:"path"`
+	Path  string   `json:"path"`
+	Paths []string `json:"paths,omitempty"`
 }
 
+// MaxTarPaths bounds TarArgs.Paths.
+const MaxTarPaths = 10_000
+
 // TreeResult ends an untar or a tar: the directory extracted into (or the path archived) and what
-// moved. Bytes counts file content; Skipped the FIFOs, sockets and devices a tar left out.
+// moved. Bytes counts file content; Skipped the FIFOs, sockets and devices a tar left out; Errors
+// the paths a tar with Paths left out, each with what a download of it would have answered.
 type TreeResult struct {
-	Path     string `json:"path"`
-	Files    int    `json:"files"`
-	Dirs     int    `json:"dirs"`
-	Symlinks int    `json:"symlinks"`
-	Bytes    int64  `json:"bytes"`
-	Skipped  int    `json:"skipped,omitempty"`
+	Path     string      `json:"path"`
+	Files    int         `json:"files"`
+	Dirs     int         `json:"dirs"`
+	Symlinks int         `json:"symlinks"`
+	Bytes    int64       `json:"bytes"`
+	Skipped  int         `json:"skipped,omitempty"`
+	Errors   []PathError `json:"errors,omitempty"`
+}
+
+// PathError is one path of a batch that failed on its own: Path as the request named it, and the
+// error a request for that path alone would have answered.
+type PathError struct {
+	Path    string `json:"path"`
+	Code    string `json:"code"`
+	Message string `json:"message"`
 }
 
 // ChangesArgs asks what changed in a tree since its push baseline (sbctl push): Path is the tree

@@ -35,6 +35,19 @@ var argTypes = map[string]func() any{
 	"exec": func() any { return &protocol.ExecArgs{} }, "upload": func() any { return &protocol.UploadArgs{} },
 	"download": func() any { return &protocol.DownloadArgs{} },
 	"untar":    func() any { return &protocol.UntarArgs{} }, "tar": func() any { return &protocol.TarArgs{} },
+	"changes": func() any { return &protocol.ChangesArgs{} }, "shell": func() any { return &protocol.ShellArgs{} },
+	"resize": func() any { return &protocol.ResizeArgs{} },
+}
+
+// argless are the ops that take no args.
+var argless = map[string]bool{protocol.OpPing: true, protocol.OpCancel: true, protocol.OpEnv: true}
+
+// allOps is every operation of the protocol: each has at least one golden client frame.
+var allOps = []string{
+	protocol.OpPing, protocol.OpCancel, protocol.OpEnv, protocol.OpStat, protocol.OpLs, protocol.OpRead,
+	protocol.OpWrite, protocol.OpEdit, protocol.OpDelete, protocol.OpMkdir, protocol.OpMove, protocol.OpGlob,
+	protocol.OpGrep, protocol.OpUpload, protocol.OpDownload, protocol.OpUntar, protocol.OpTar,
+	protocol.OpChanges, protocol.OpExec, protocol.OpShell, protocol.OpResize,
 }
 
 var resultTypes = map[string]func() any{
@@ -45,6 +58,7 @@ var resultTypes = map[string]func() any{
 	"env": func() any { return &protocol.EnvResult{} }, "exec": func() any { return &protocol.ExecResult{} },
 	"download": func() any { return &protocol.DownloadResult{} },
 	"tree":     func() any { return &protocol.TreeResult{} },
+	"changes":  func() any { return &protocol.ChangesResult{} },
 }
 
 // strict decodes raw into v refusing unknown fields, then encodes v back: the golden frame must
@@ -74,7 +88,15 @@ func TestGoldenFrames(t *testing.T) {
 	if err := json.Unmarshal(raw, &file); err != nil {
 		t.Fatal(err)
 	}
+	seen, ops := map[string]bool{}, map[string]bool{}
 	for _, f := range file.Frames {
+		if seen[f.Name] {
+			t.Errorf("two frames are named %q", f.Name)
+		}
+		seen[f.Name] = true
+		if f.Result != "" && resultTypes[f.Result] == nil {
+			t.Errorf("%s: result kind %q has no Go type here", f.Name, f.Result)
+		}
 		switch {
 		case f.Kind == protocol.FrameRequestBody || f.Kind == protocol.FrameAnswerBody:
 			b, _ := hex.DecodeString(f.Binary)
@@ -105,6 +127,7 @@ func TestGoldenFrames(t *testing.T) {
 				if env.ID != id || argTypes[env.Op] == nil {
 					t.Fatalf("%s: id %d op %q", f.Name, env.ID, env.Op)
 				}
+				ops[env.Op] = true
 				roundTrip(t, f.Name+" args", env.Args, argTypes[env.Op]())
 			} else {
 				var env struct {
@@ -136,8 +159,14 @@ func TestGoldenFrames(t *testing.T) {
 				Args json.RawMessage `json:"args,omitempty"`
 			}
 			roundTrip(t, f.Name, f.Text, &env)
+			if f.Op != "" && f.Op != env.Op {
+				t.Errorf("%s: op %q, labelled %q", f.Name, env.Op, f.Op)
+			}
+			ops[env.Op] = true
 			if mk := argTypes[env.Op]; mk != nil {
 				roundTrip(t, f.Name+" args", env.Args, mk())
+			} else if !argless[env.Op] {
+				t.Errorf("%s: op %q has no argument type here", f.Name, env.Op)
 			} else if len(env.Args) > 0 {
 				t.Errorf("%s: args for %q, which takes none", f.Name, env.Op)
 			}
@@ -153,6 +182,11 @@ func TestGoldenFrames(t *testing.T) {
 			if mk := resultTypes[f.Result]; mk != nil {
 				roundTrip(t, f.Name+" result", env.Result, mk())
 			}
+		}
+	}
+	for _, op := range allOps {
+		if !ops[op] {
+			t.Errorf("no golden client frame for op %q", op)
 		}
 	}
 }

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"encoding/json"
 	"maps"
 	"os"
 	"regexp"
@@ -60,6 +61,41 @@ func TestOpTableMatchesSpec(t *testing.T) {
 	for _, op := range []string{protocol.OpPing, protocol.OpCancel} {
 		if dpOps[op].class != opInline {
 			t.Errorf("%s must be answered by the reader (opInline)", op)
+		}
+	}
+}
+
+// Every op of the table has a golden client frame in protocol/testdata/frames.json, the frames the
+// Go and the TypeScript implementations both test against: an op added here without one fails.
+func TestOpTableHasGoldenFrames(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile("../protocol/testdata/frames.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var file struct {
+		Frames []struct {
+			From string `json:"from"`
+			Text struct {
+				Op string `json:"op"`
+			} `json:"text"`
+			JSON struct {
+				Op string `json:"op"`
+			} `json:"json"`
+		} `json:"frames"`
+	}
+	if err := json.Unmarshal(raw, &file); err != nil {
+		t.Fatal(err)
+	}
+	golden := map[string]bool{}
+	for _, f := range file.Frames {
+		if f.From == "client" {
+			golden[f.Text.Op], golden[f.JSON.Op] = true, true
+		}
+	}
+	for _, op := range slices.Sorted(maps.Keys(dpOps)) {
+		if !golden[op] {
+			t.Errorf("op %q has no golden client frame in protocol/testdata/frames.json", op)
 		}
 	}
 }

@@ -1,9 +1,13 @@
 package server
 
 import (
+	"archive/tar"
 	"context"
 	"errors"
 	"io"
+	"path"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/gorilla/websocket"
 
@@ -125,6 +129,9 @@ func opUntarOpen(ctx context.Context, c *dpConn, r *request, a protocol.UntarArg
 
 // opTar streams the archive of a path in data frames, each counted against the connection's queue.
 func opTar(ctx context.Context, c *dpConn, r *request, a protocol.TarArgs) (any, error) {
+	if a.Paths != nil {
+		return opTarFiles(ctx, c, r, a)
+	}
 	fw := &frameWriter{c: c, id: r.id}
 	res, err := c.files.Archive(ctx, a.Path, fw)
 	if err == nil {
@@ -205,4 +212,128 @@ func (w *frameWriter) drop() {
 		chunkPool.Put(w.bp)
 		w.bp = nil
 	}
+}
+
+// maxTarName bounds a name of a tar with paths, as untar bounds the names it accepts.
+const maxTarName = 4096
+
+// checkTarPaths refuses a batch whose names are not each a clean relative path, named once: a
+// name is the entry's name in the archive, so it must be one the client can match to what it
+// asked, and nothing that could climb out of the directory.
+func checkTarPaths(paths []string) error {
+	if len(paths) == 0 {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "paths is empty: name the files, or leave paths out to archive the whole path")
+	}
+	if len(paths) > protocol.MaxTarPaths {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "%d paths: at most %d in one tar", len(paths), protocol.MaxTarPaths)
+	}
+	seen := make(map[string]struct{}, len(paths))
+	for _, p := range paths {
+		switch {
+		case p == "" || len(p) > maxTarName || !utf8.ValidString(p) || strings.ContainsRune(p, 0):
+			return protocol.Errorf(protocol.CodeInvalidArgument, "paths: %.100q is not a name of 1 to %d bytes of UTF-8 without NUL", p, maxTarName)
+		case strings.HasPrefix(p, "/") || path.Clean(p) != p || p == "." || p == ".." || strings.HasPrefix(p, "../"):
+			return protocol.Errorf(protocol.CodeInvalidArgument, "paths: %.100q is not a clean path relative to path (no leading /, no . or .. components, no empty ones)", p)
+		}
+		if _, dup := seen[p]; dup {
+			return protocol.Errorf(protocol.CodeInvalidArgument, "paths: %.100q is named twice", p)
+		}
+		seen[p] = struct{}{}
+	}
+	return nil
+}
+
+// ownError says whether err is a path's own refusal, which a batch reports for that path and goes
+// on: what a download of the path alone answers for the path itself. Anything else (the sandbox
+// stopping, a cancel, an internal fault) ends the batch.
+func ownError(err error) (*protocol.Error, bool) {
+	var pe *protocol.Error
+	if !errors.As(err, &pe) {
+		return nil, false
+	}
+	switch pe.Code {
+	case protocol.CodeFileNotFound, protocol.CodeIsDirectory, protocol.CodeNotDirectory, protocol.CodePermissionDenied,
+		protocol.CodeInvalidPath, protocol.CodeInvalidArgument:
+		return pe, true
+	}
+	return nil, false
+}
+
+// opTarFiles is a tar with paths: a batch of downloads in one stream. Each file is opened as a
+// download opens it (a symlink inside the workspace is followed) and written as one regular-file
+// entry named as asked, its size the open file's; a path a download refuses is listed in the
+// result's errors instead. A file that changes size while it is read ends the request, since its
+// entry's header is already sent.
+func opTarFiles(ctx context.Context, c *dpConn, r *request, a protocol.TarArgs) (any, error) {
+	if err := checkTarPaths(a.Paths); err != nil {
+		return nil, err
+	}
+	dir, err := c.files.Stat(a.Path)
+	if err != nil {
+		return nil, err
+	}
+	if dir.Type != "dir" {
+		return nil, protocol.Errorf(protocol.CodeNotDirectory, "%s is not a directory: a tar with paths names files inside a directory", dir.Path)
+	}
+	fw := &frameWriter{c: c, id: r.id}
+	defer fw.drop()
+	tw := tar.NewWriter(fw)
+	res := protocol.TreeResult{Path: dir.Path}
+	for _, p := range a.Paths {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		n, err := tarFile(tw, c, path.Join(dir.Path, p), p)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			if pe, own := ownError(err); own && n < 0 {
+				res.Errors = append(res.Errors, protocol.PathError{Path: p, Code: pe.Code, Message: pe.Message})
+				continue
+			}
+			return nil, err
+		}
+		res.Files++
+		res.Bytes += n
+	}
+	err = tw.Close()
+	if err == nil {
+		err = fw.flush()
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, err
+	}
+	c.emitSynced(res, "out")
+	return res, nil
+}
+
+// tarFile writes the file at sandbox path sp as the entry name; n is -1 when nothing was written
+// (the open failed), so that the batch can go on.
+func tarFile(tw *tar.Writer, c *dpConn, sp, name string) (int64, error) {
+	f, info, err := c.files.OpenRead(sp)
+	if err != nil {
+		return -1, err
+	}
+	defer f.Close()
+	hdr := &tar.Header{Typeflag: tar.TypeReg, Name: name, Size: info.Size, Mode: int64(info.Mode & 0o7777), ModTime: info.ModTime, Format: tar.FormatPAX}
+	if err := tw.WriteHeader(hdr); err != nil {
+		return 0, err
+	}
+	n, err := io.CopyN(tw, f, info.Size)
+	if errors.Is(err, io.EOF) {
+		return n, protocol.Errorf(protocol.CodeInvalidArgument, "%s shrank while it was read; download it alone", info.Path)
+	}
+	if err != nil {
+		return n, err
+	}
+	// A file that grew is as much a change: its entry holds the size it had when it was opened.
+	var one [1]byte
+	if k, _ := f.Read(one[:]); k > 0 {
+		return n, protocol.Errorf(protocol.CodeInvalidArgument, "%s grew while it was read; download it alone", info.Path)
+	}
+	return n, nil
 }

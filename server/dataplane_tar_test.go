@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"crypto/rand"
+	"encoding/json"
 	"fmt"
 	"io"
 	"io/fs"
@@ -372,5 +373,125 @@ func TestUntarCountsAgainstDiskQuota(t *testing.T) {
 	}
 	if res, err := r.Untar(ctx, "in", bytes.NewReader(small)); err != nil || res.Files != 1 {
 		t.Fatalf("after the quota refused a copy: %v %+v", err, res)
+	}
+}
+
+// TestTarFiles: a tar with paths is a batch of downloads in one round trip. Each file asked for is
+// one regular-file entry named as asked, with what a download gives (a symlink inside the
+// workspace is followed, as a download follows it); every path a download refuses has no entry and
+// its own error in the result, and the rest of the batch goes on.
+func TestTarFiles(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	r, _ := dialToken(t, b, "batch", protocol.MintRequest{Scopes: []string{"fs:read", "fs:write", "exec"}})
+	big := make([]byte, 2<<20+777)
+	rand.Read(big)
+	if _, err := r.Upload(ctx, "w/sub/big.bin", bytes.NewReader(big)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Write(ctx, protocol.WriteArgs{Path: "w/a.txt", Content: "alpha\n"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Write(ctx, protocol.WriteArgs{Path: "w/empty", Content: ""}); err != nil {
+		t.Fatal(err)
+	}
+	if er, err := r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "cd w && ln -s a.txt link && ln -s /etc/passwd out && ln -s sub lsub && mkdir d && mkfifo p"}}); err != nil || er.ExitCode != 0 {
+		t.Fatalf("setup: %v %+v", err, er)
+	}
+	names := []string{"a.txt", "sub/big.bin", "nope", "link", "d", "out", "p", "lsub/big.bin", "empty", "sub/nope/x"}
+	var buf bytes.Buffer
+	res, err := r.TarFiles(ctx, "w", names, &buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][]byte{"a.txt": []byte("alpha\n"), "sub/big.bin": big, "link": []byte("alpha\n"), "lsub/big.bin": big, "empty": {}}
+	var got []string
+	tr := tar.NewReader(&buf)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		must(t, err)
+		body, err := io.ReadAll(tr)
+		must(t, err)
+		if h.Typeflag != tar.TypeReg || !bytes.Equal(body, want[h.Name]) {
+			t.Errorf("entry %q: type %c, %d bytes; want a file of %d", h.Name, h.Typeflag, len(body), len(want[h.Name]))
+		}
+		got = append(got, h.Name)
+	}
+	if wantNames := []string{"a.txt", "sub/big.bin", "link", "lsub/big.bin", "empty"}; !slices.Equal(got, wantNames) {
+		t.Errorf("entries %q, want %q in the order asked", got, wantNames)
+	}
+	var codes []string
+	for _, e := range res.Errors {
+		codes = append(codes, e.Path+" "+e.Code)
+		if e.Message == "" {
+			t.Errorf("%s: no message", e.Path)
+		}
+	}
+	wantCodes := []string{"nope file_not_found", "d is_directory", "out invalid_path", "p invalid_argument", "sub/nope/x file_not_found"}
+	if !slices.Equal(codes, wantCodes) {
+		t.Errorf("errors %q, want %q", codes, wantCodes)
+	}
+	if res.Path != "/workspace/w" || res.Files != 5 || res.Bytes != int64(2*len(big)+12) || res.Dirs != 0 || res.Symlinks != 0 {
+		t.Errorf("result %+v", res)
+	}
+	// Each error is what a download of that path alone answers.
+	for _, e := range res.Errors {
+		if _, err := r.Download(ctx, "w/"+e.Path, io.Discard); code(err) != e.Code {
+			t.Errorf("%s: download answers %v, the batch %s", e.Path, err, e.Code)
+		}
+	}
+}
+
+// TestTarFilesRefusesBadPaths: the names of a batch are checked before anything is read, and a
+// bad one refuses the whole request: each must be a clean relative path inside the directory.
+func TestTarFilesRefusesBadPaths(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	r, _ := dialToken(t, b, "batchbad", protocol.MintRequest{Scopes: []string{"fs:read", "fs:write"}})
+	if _, err := r.Write(ctx, protocol.WriteArgs{Path: "w/a", Content: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	many := make([]string, protocol.MaxTarPaths+1)
+	for i := range many {
+		many[i] = fmt.Sprintf("f%d", i)
+	}
+	for _, c := range []struct {
+		dir   string
+		names []string
+		code  string
+	}{
+		{"w", []string{"../a"}, protocol.CodeInvalidArgument},
+		{"w", []string{"a", "x/../../a"}, protocol.CodeInvalidArgument},
+		{"w", []string{"/workspace/w/a"}, protocol.CodeInvalidArgument},
+		{"w", []string{""}, protocol.CodeInvalidArgument},
+		{"w", []string{"."}, protocol.CodeInvalidArgument},
+		{"w", []string{"./a"}, protocol.CodeInvalidArgument},
+		{"w", []string{"x//a"}, protocol.CodeInvalidArgument},
+		{"w", []string{"x/"}, protocol.CodeInvalidArgument},
+		{"w", []string{"a\x00b"}, protocol.CodeInvalidArgument},
+		{"w", []string{"a", "a"}, protocol.CodeInvalidArgument},
+		{"w", []string{strings.Repeat("n", 4097)}, protocol.CodeInvalidArgument},
+		{"w", many, protocol.CodeInvalidArgument},
+		{"w/a", []string{"x"}, protocol.CodeNotDirectory},
+		{"nowhere", []string{"x"}, protocol.CodeFileNotFound},
+		{"/etc", []string{"passwd"}, protocol.CodeInvalidPath},
+	} {
+		var buf bytes.Buffer
+		if _, err := r.TarFiles(ctx, c.dir, c.names, &buf); code(err) != c.code || buf.Len() != 0 {
+			t.Errorf("%s %.40q (%d names): %v, %d bytes; want %s and nothing sent", c.dir, c.names[0], len(c.names), err, buf.Len(), c.code)
+		}
+	}
+	// An empty list is refused on the wire too (the SDK refuses it before sending), as is a list
+	// that is not one of strings.
+	c := dialRaw(t, dataplaneURL(b, "batchbad"), b.Client.APIKey())
+	for i, args := range []string{`{"path":"w","paths":[]}`, `{"path":"w","paths":"a"}`, `{"path":"w","paths":[1]}`, `{"path":"w","paths":null,"x":1}`} {
+		if got := c.call(uint32(i+1), protocol.OpTar, json.RawMessage(args)); got.code() != protocol.CodeInvalidArgument {
+			t.Errorf("tar %s: %s", args, got)
+		}
 	}
 }

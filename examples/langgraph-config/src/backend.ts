@@ -25,7 +25,7 @@ import { DataplaneClient, type CallOptions, type DataplaneOptions } from "./data
 import { DataplaneError, asDataplaneError, describeForModel, isCredentialRefusal } from "./errors.js";
 import { ErrorCode, type FileInfo as WireFileInfo, type WriteResult as WireWriteResult } from "./protocol.js";
 import type { SandboxBlock } from "./runconfig.js";
-import { tarFiles, workspaceName } from "./trees.js";
+import { downloadBatch, tarFiles, workspaceName, type BatchItem } from "./trees.js";
 
 /** The sandbox's workspace: file tools work inside it, and commands start in it. */
 export const WORKSPACE = "/workspace";
@@ -499,9 +499,32 @@ export class BrokerSandbox implements SandboxBackendProtocolV2 {
     );
   }
 
+  /**
+   * Reads files from the workspace: every file under /workspace in one tar stream (one round trip,
+   * the dataplane's tar with paths), each with its own answer (its bytes, or the error a download of
+   * it would give); anything else, or all of them again one by one when the batch fails (a broker
+   * without tar paths, a stream refused), through downloads.
+   */
   async downloadFiles(paths: string[]): Promise<FileDownloadResponse[]> {
+    const names = paths.map((p) => workspaceName(toSandboxPath(p)));
+    const unique = [...new Set(names.filter((n): n is string => n !== null))];
+    let batch: Map<string, BatchItem> | undefined;
+    if (unique.length > 1) {
+      try {
+        batch = await downloadBatch(this.client, WORKSPACE, unique, this.call());
+      } catch {
+        // One by one below: each file's own answer.
+      }
+    }
     return Promise.all(
-      paths.map(async (path): Promise<FileDownloadResponse> => {
+      paths.map(async (path, i): Promise<FileDownloadResponse> => {
+        const name = names[i];
+        const got = name === null || name === undefined ? undefined : batch?.get(name);
+        if (got) {
+          // A copy for each path, as a download gives: a path asked twice gets two.
+          if ("content" in got) return { path, content: new Uint8Array(got.content), error: null };
+          return { path, content: null, error: fileOperationError(got.error) };
+        }
         try {
           return { path, content: new Uint8Array(await this.client.download(toSandboxPath(path), this.call())), error: null };
         } catch (e) {

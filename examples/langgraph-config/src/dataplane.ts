@@ -733,6 +733,16 @@ export class DataplaneClient {
     return this.call("untar", { path: dir }, { signal: o.signal, retry: false }, { upload: archive });
   }
 
+  /**
+   * A tar stream from the broker, its chunks given to sink as they come: a tree ({path}), or a
+   * batch of files in the directory path ({path, paths}). Retried once like a read: reset is
+   * called first, and the sink starts over.
+   */
+  tar(args: ArgsOf<"tar">, sink: (chunk: Buffer) => void, reset: () => void, o: CallOptions = {}) {
+    validPaths(args.path, ...(args.paths ?? []));
+    return this.call("tar", args, { ...o, retry: true }, { onData: sink, reset });
+  }
+
   /** A file's bytes, from data frames. Retried once like a read (the buffer starts over). */
   async download(path: string, o: CallOptions = {}): Promise<Buffer> {
     validPaths(path);

@@ -152,6 +152,11 @@ export interface GrepArgs {
   ignore_case?: boolean;
   max_count?: number;
 }
+/** A tree (path alone), or a batch of files in the directory path (paths, relative to it): see docs/dataplane.md. */
+export interface TarArgs {
+  path: string;
+  paths?: string[];
+}
 export interface UploadArgs {
   path: string;
   mode?: "overwrite" | "create";
@@ -167,6 +172,26 @@ export interface ExecArgs {
   combined?: boolean;
   max_output?: number;
   background?: boolean;
+}
+
+/** A shell: an interactive program on a terminal (docs/dataplane.md, "shell"). This backend does not start one; the codec knows it so that every golden frame checks. */
+export interface ShellArgs {
+  argv?: string[];
+  cwd?: string;
+  env?: Record<string, string>;
+  term?: string;
+  rows?: number;
+  cols?: number;
+}
+/** A shell's new window; sent with the shell's own id and never answered. */
+export interface ResizeArgs {
+  rows: number;
+  cols: number;
+}
+/** What differs in a pushed tree from its baseline (sbctl push / diff / pull). */
+export interface ChangesArgs {
+  path?: string;
+  paths?: string[];
 }
 
 export interface LsResult {
@@ -238,6 +263,29 @@ export interface TreeResult {
   symlinks: number;
   bytes: number;
   skipped?: number;
+  /** A tar with paths: the paths left out, each with what a download of it would have answered. */
+  errors?: PathError[];
+}
+/** One path of a batch that failed on its own (path as asked). */
+export interface PathError {
+  path: string;
+  code: string;
+  message: string;
+}
+export interface Change {
+  path: string;
+  status: "added" | "modified" | "deleted" | string;
+  mode?: string;
+  oid?: string;
+  size?: number;
+}
+export interface ChangesResult {
+  path: string;
+  commit: string;
+  changes: Change[] | null;
+  scanned: number;
+  hashed: number;
+  skipped?: string[];
 }
 export type Empty = Record<string, never>;
 
@@ -258,8 +306,12 @@ export interface Ops {
   upload: { args: UploadArgs; result: WriteResult };
   download: { args: PathArgs; result: DownloadResult };
   untar: { args: PathArgs; result: TreeResult };
-  tar: { args: PathArgs; result: TreeResult };
+  tar: { args: TarArgs; result: TreeResult };
   exec: { args: ExecArgs; result: ExecResult };
+  changes: { args: ChangesArgs; result: ChangesResult };
+  shell: { args: ShellArgs; result: ExecResult };
+  /** Never answered: it changes the window of the shell whose id it carries. */
+  resize: { args: ResizeArgs; result: Empty };
 }
 export type Op = keyof Ops;
 export type ArgsOf<O extends Op> = Ops[O]["args"];
@@ -318,7 +370,7 @@ export const argSchemas: Record<Exclude<Op, "ping" | "env">, Schema> = {
   ls: { path: r("string") },
   download: { path: r("string") },
   untar: { path: r("string") },
-  tar: { path: r("string") },
+  tar: { path: r("string"), paths: o("string[]") },
   read: { path: r("string"), offset: o("int"), length: o("int"), line_offset: o("int"), line_limit: o("int") },
   // On the wire a write's content is its frame's body (WriteHead); WriteArgs' content leaves there.
   write: { path: r("string"), mode: o("string") },
@@ -348,6 +400,9 @@ export const argSchemas: Record<Exclude<Op, "ping" | "env">, Schema> = {
     max_output: o("int"),
     background: o("bool"),
   },
+  changes: { path: o("string"), paths: o("string[]") },
+  shell: { argv: o("string[]"), cwd: o("string"), env: o("string-map"), term: o("string"), rows: o("int"), cols: o("int") },
+  resize: { rows: r("int"), cols: r("int") },
 };
 
 const pathResult: Schema = { path: r("string") };
@@ -387,12 +442,31 @@ export const resultSchemas = {
     stderr: o("string"),
   },
   download: { path: r("string"), size: r("int") },
-  tree: { path: r("string"), files: r("int"), dirs: r("int"), symlinks: r("int"), bytes: r("int"), skipped: o("int") },
+  tree: {
+    path: r("string"),
+    files: r("int"),
+    dirs: r("int"),
+    symlinks: r("int"),
+    bytes: r("int"),
+    skipped: o("int"),
+    errors: o({ array: { path: r("string"), code: r("string"), message: r("string") } }),
+  },
+  changes: {
+    path: r("string"),
+    commit: r("string"),
+    changes: r({
+      array: { path: r("string"), status: r("string"), mode: o("string"), oid: o("string"), size: o("int") },
+      nullable: true,
+    }),
+    scanned: r("int"),
+    hashed: r("int"),
+    skipped: o("string[]"),
+  },
 } satisfies Record<string, Schema>;
 export type ResultKind = keyof typeof resultSchemas;
 
 /** The result kind an op answers with (delete, mkdir and move answer {path}; upload like write;
- * untar and tar a tree). */
+ * untar and tar a tree; a shell like an exec; resize is never answered). */
 export function resultKindOf(op: Op): ResultKind {
   switch (op) {
     case "delete":
@@ -404,6 +478,10 @@ export function resultKindOf(op: Op): ResultKind {
     case "untar":
     case "tar":
       return "tree";
+    case "shell":
+      return "exec";
+    case "resize":
+      return "ping";
     default:
       return op;
   }

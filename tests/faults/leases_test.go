@@ -160,7 +160,17 @@ func TestRedisOutageStopsNothing(t *testing.T) {
 		}
 	}
 
-	evs := r.orgEvents("acme")
+	// A stop's event is written after its record changes: wait for them before reading the order.
+	var evs []protocol.Event
+	eventually(t, 10*time.Second, "the silent sandboxes' stopped events never reached the log", func() bool {
+		evs = r.orgEvents("acme")
+		for _, id := range silent {
+			if len(of(evs, id, protocol.EventStopped)) == 0 {
+				return false
+			}
+		}
+		return true
+	})
 	for _, id := range silent {
 		seq := of(evs, id, protocol.EventExpiring, protocol.EventStopped)
 		if len(seq) != 2 || seq[0].Type != protocol.EventExpiring || seq[1].Type != protocol.EventStopped {

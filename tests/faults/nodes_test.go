@@ -77,7 +77,12 @@ func TestBrokerKilledAmongTwo(t *testing.T) {
 	if out := a.ok(key, "exec", "on-b", "--", "cat", "/workspace/f"); out != "hello\n" {
 		t.Fatalf("B's sandbox's file after its return: %q", out)
 	}
-	evs := r.orgEvents("acme")
+	// node_returned is written after the mark is cleared: wait for it before counting.
+	var evs []protocol.Event
+	eventually(t, 10*time.Second, "B's node_returned event never reached the log", func() bool {
+		evs = r.orgEvents("acme")
+		return len(of(evs, onB.ID, protocol.EventNodeReturned)) > 0
+	})
 	if l, ret := of(evs, onB.ID, protocol.EventNodeLost), of(evs, onB.ID, protocol.EventNodeReturned); len(l) != 1 || len(ret) != 1 {
 		t.Fatalf("node_lost %d, node_returned %d events; want one each", len(l), len(ret))
 	}

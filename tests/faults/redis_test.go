@@ -100,7 +100,12 @@ func TestRestartDoesNotRenewExpiredLeases(t *testing.T) {
 	if s := get(t, c, longer.ID); s.Status != protocol.StatusRunning {
 		t.Fatalf("the sandbox whose lease runs is %s after the restart", s.Status)
 	}
-	seq := of(r.orgEvents("acme"), short.ID, protocol.EventExpiring, protocol.EventStopped, protocol.EventResumed)
+	// The stop's event is written after its record changes: wait for it before reading the order.
+	var seq []protocol.Event
+	eventually(t, 10*time.Second, "the expired sandbox's stopped event never reached the log", func() bool {
+		seq = of(r.orgEvents("acme"), short.ID, protocol.EventExpiring, protocol.EventStopped, protocol.EventResumed)
+		return len(of(seq, "", protocol.EventStopped)) > 0
+	})
 	if len(seq) != 2 || seq[0].Type != protocol.EventExpiring || seq[1].Type != protocol.EventStopped {
 		t.Fatalf("events of the expired sandbox: %+v; want expiring then stopped", seq)
 	}

@@ -138,6 +138,7 @@ func (r *Remote) Call(ctx context.Context, op string, args any) (json.RawMessage
 // Ping measures a round trip.
 func (r *Remote) Ping(ctx context.Context) error { return r.call(ctx, protocol.OpPing, nil, nil, true) }
 
+// Stat describes the file at p (the stat operation); retried once when the connection broke.
 func (r *Remote) Stat(ctx context.Context, p string) (protocol.FileInfo, error) {
 	var out protocol.FileInfo
 	if err := validPaths(p); err != nil {
@@ -146,6 +147,7 @@ func (r *Remote) Stat(ctx context.Context, p string) (protocol.FileInfo, error) 
 	return out, r.call(ctx, protocol.OpStat, protocol.StatArgs{Path: p}, &out, true)
 }
 
+// Ls lists the directory p; retried once when the connection broke.
 func (r *Remote) Ls(ctx context.Context, p string) ([]protocol.FileInfo, error) {
 	var out protocol.LsResult
 	if err := validPaths(p); err != nil {
@@ -155,6 +157,8 @@ func (r *Remote) Ls(ctx context.Context, p string) ([]protocol.FileInfo, error) 
 	return out.Entries, err
 }
 
+// Read reads a file, its content carried raw as the answer's body; retried once when the
+// connection broke.
 func (r *Remote) Read(ctx context.Context, a protocol.ReadArgs) (protocol.ReadResult, error) {
 	if err := validPaths(a.Path); err != nil {
 		return protocol.ReadResult{}, err
@@ -162,6 +166,8 @@ func (r *Remote) Read(ctx context.Context, a protocol.ReadArgs) (protocol.ReadRe
 	return r.read(ctx, a)
 }
 
+// Write writes a file, its content carried raw as the request's body. An overwrite is retried once
+// when the connection broke; a create-only write (protocol.WriteCreate) is not.
 func (r *Remote) Write(ctx context.Context, a protocol.WriteArgs) (protocol.WriteResult, error) {
 	if err := validPaths(a.Path); err != nil {
 		return protocol.WriteResult{}, err
@@ -169,6 +175,7 @@ func (r *Remote) Write(ctx context.Context, a protocol.WriteArgs) (protocol.Writ
 	return r.write(ctx, a)
 }
 
+// Edit replaces a.Old with a.New in a file; never retried (the first attempt may have applied).
 func (r *Remote) Edit(ctx context.Context, a protocol.EditArgs) (protocol.EditResult, error) {
 	var out protocol.EditResult
 	if err := validPaths(a.Path); err != nil {
@@ -177,6 +184,7 @@ func (r *Remote) Edit(ctx context.Context, a protocol.EditArgs) (protocol.EditRe
 	return out, r.call(ctx, protocol.OpEdit, a, &out, false)
 }
 
+// Delete removes a path; never retried (the first attempt may have applied).
 func (r *Remote) Delete(ctx context.Context, a protocol.DeleteArgs) error {
 	if err := validPaths(a.Path); err != nil {
 		return err
@@ -184,6 +192,8 @@ func (r *Remote) Delete(ctx context.Context, a protocol.DeleteArgs) error {
 	return r.call(ctx, protocol.OpDelete, a, nil, false)
 }
 
+// Mkdir makes a directory; retried once when the connection broke only with a.Parents set, which
+// makes a second attempt harmless.
 func (r *Remote) Mkdir(ctx context.Context, a protocol.MkdirArgs) error {
 	if err := validPaths(a.Path); err != nil {
 		return err
@@ -191,6 +201,7 @@ func (r *Remote) Mkdir(ctx context.Context, a protocol.MkdirArgs) error {
 	return r.call(ctx, protocol.OpMkdir, a, nil, a.Parents)
 }
 
+// Move renames a path; never retried (the first attempt may have applied).
 func (r *Remote) Move(ctx context.Context, a protocol.MoveArgs) error {
 	if err := validPaths(a.From, a.To); err != nil {
 		return err
@@ -198,6 +209,7 @@ func (r *Remote) Move(ctx context.Context, a protocol.MoveArgs) error {
 	return r.call(ctx, protocol.OpMove, a, nil, false)
 }
 
+// Glob finds the paths that match a pattern; retried once when the connection broke.
 func (r *Remote) Glob(ctx context.Context, a protocol.GlobArgs) (protocol.GlobResult, error) {
 	var out protocol.GlobResult
 	if err := validPaths(a.Path, a.Pattern); err != nil {
@@ -206,6 +218,7 @@ func (r *Remote) Glob(ctx context.Context, a protocol.GlobArgs) (protocol.GlobRe
 	return out, r.call(ctx, protocol.OpGlob, a, &out, true)
 }
 
+// Grep searches files for a pattern; retried once when the connection broke.
 func (r *Remote) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.GrepResult, error) {
 	var out protocol.GrepResult
 	if err := validPaths(a.Path); err != nil {
@@ -214,6 +227,7 @@ func (r *Remote) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.GrepRe
 	return out, r.call(ctx, protocol.OpGrep, a, &out, true)
 }
 
+// Env is the environment commands in the sandbox see; retried once when the connection broke.
 func (r *Remote) Env(ctx context.Context) (map[string]string, error) {
 	var out protocol.EnvResult
 	return out.Env, r.call(ctx, protocol.OpEnv, nil, &out, true)

@@ -37,6 +37,21 @@ func (r *Remote) call(ctx context.Context, op string, args, out any, retry bool)
 // callBody is call for a request that may carry a body (in) and an answer that may carry one (the
 // []byte returned).
 func (r *Remote) callBody(ctx context.Context, op string, args, out any, retry bool, in *string) ([]byte, error) {
+	cl, err := r.callRaw(ctx, op, args, retry, in)
+	if err != nil {
+		return nil, err
+	}
+	if out != nil && len(cl.result) > 0 && !protocol.DecodeFlat(cl.result, out) {
+		if err := json.Unmarshal(cl.result, out); err != nil {
+			return nil, fmt.Errorf("dataplane answered %s with an unexpected result: %w", op, err)
+		}
+	}
+	return cl.body, nil
+}
+
+// callRaw runs op and returns its answer as it came, undecoded. With retry (the request is safe to
+// repeat) it is sent once more on a new connection when the old one broke under it.
+func (r *Remote) callRaw(ctx context.Context, op string, args any, retry bool, in *string) (*call, error) {
 	for attempt := 0; ; attempt++ {
 		c, err := r.connection(ctx)
 		if err != nil {
@@ -54,12 +69,7 @@ func (r *Remote) callBody(ctx context.Context, op string, args, out any, retry b
 		if err != nil {
 			return nil, err
 		}
-		if out != nil && len(cl.result) > 0 && !protocol.DecodeFlat(cl.result, out) {
-			if err := json.Unmarshal(cl.result, out); err != nil {
-				return nil, fmt.Errorf("dataplane answered %s with an unexpected result: %w", op, err)
-			}
-		}
-		return cl.body, nil
+		return cl, nil
 	}
 }
 
@@ -117,22 +127,11 @@ func (r *Remote) Call(ctx context.Context, op string, args any) (json.RawMessage
 		}
 		return json.Marshal(res)
 	}
-	for attempt := 0; ; attempt++ {
-		c, err := r.connection(ctx)
-		if err != nil {
-			return nil, err
-		}
-		cl := &call{}
-		err = c.roundTrip(ctx, op, args, cl, nil)
-		var pe *protocol.Error
-		if err != nil && retry && attempt == 0 && errors.As(err, &pe) && pe.Code == protocol.CodeUnreachable {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		return cl.result, nil
+	cl, err := r.callRaw(ctx, op, args, retry, nil)
+	if err != nil {
+		return nil, err
 	}
+	return cl.result, nil
 }
 
 // Ping measures a round trip.

@@ -365,10 +365,16 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	}
 	// The record names the provider that runs the sandbox now: after a data dir moved providers, the
 	// one it was created with would claim an isolation it no longer has.
+	return m.markRunning(ctx, rec, h, inst, fields)
+}
+
+// markRunning records a sandbox that is provisioning as running, with fields, and watches its
+// runtime. When the record moved meanwhile (deleted, or the store failed), the other action wins:
+// the runtime stops and the record's own path cleans up. The caller holds h.mu.
+func (m *Manager) markRunning(ctx context.Context, rec store.Record, h *hosted, inst provider.Instance, fields map[string]string) (store.Record, error) {
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning, Fields: fields})
 	if err != nil {
-		// Deleted (or otherwise moved) while we provisioned: the other action wins.
 		inst.Stop(ctx)
 		h.inst = nil
 		h.closeWorkspace()

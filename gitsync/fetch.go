@@ -14,6 +14,8 @@ import (
 	"strings"
 	"sync"
 
+	"golang.org/x/sync/errgroup"
+
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/baseline"
 	"github.com/sbxbroker/broker/protocol"
@@ -182,17 +184,12 @@ func fetchBlobs(ctx context.Context, dp *backend.Remote, repo *Repo, want []prot
 			return nil, err
 		}
 	} else {
-		var (
-			wg    sync.WaitGroup
-			first error
-			emu   sync.Mutex
-		)
-		sem := make(chan struct{}, 8)
+		// Not errgroup.WithContext: a failed file does not stop the others, as before; the first
+		// error is the one returned.
+		var g errgroup.Group
+		g.SetLimit(8)
 		for _, c := range want {
-			sem <- struct{}{}
-			wg.Add(1)
-			go func() {
-				defer func() { <-sem; wg.Done() }()
+			g.Go(func() error {
 				err := tarEach(ctx, dp, Workspace+"/"+c.Path, func(name string, hdr *tar.Header, r io.Reader) error {
 					if name != path.Base(c.Path) {
 						return nil
@@ -201,17 +198,13 @@ func fetchBlobs(ctx context.Context, dp *backend.Remote, repo *Repo, want []prot
 				})
 				var pe *protocol.Error
 				if err != nil && !(errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound) {
-					emu.Lock()
-					if first == nil {
-						first = fmt.Errorf("fetching %s: %w", c.Path, err)
-					}
-					emu.Unlock()
+					return fmt.Errorf("fetching %s: %w", c.Path, err)
 				}
-			}()
+				return nil
+			})
 		}
-		wg.Wait()
-		if first != nil {
-			return nil, first
+		if err := g.Wait(); err != nil {
+			return nil, err
 		}
 	}
 	// Hash what arrived into the object store; what vanished meanwhile counts as deleted.

@@ -11,8 +11,9 @@ import (
 	"path"
 	"slices"
 	"strings"
-	"sync"
 	"time"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/baseline"
@@ -415,31 +416,22 @@ func emptied(del []string, entries []TreeEntry) []string {
 // deleteAll deletes the sandbox paths (relative to the workspace), a few at a time; one already
 // gone is fine.
 func deleteAll(ctx context.Context, dp *backend.Remote, paths []string) error {
-	var (
-		mu    sync.Mutex
-		first error
-		wg    sync.WaitGroup
-	)
-	sem := make(chan struct{}, 8)
+	// Not errgroup.WithContext: a failed delete does not stop the others; the first error is the
+	// one returned.
+	var g errgroup.Group
+	g.SetLimit(8)
 	for _, p := range paths {
-		sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer func() { <-sem; wg.Done() }()
+		g.Go(func() error {
 			err := dp.Delete(ctx, protocol.DeleteArgs{Path: Workspace + "/" + p})
 			var pe *protocol.Error
 			// Gone already, or a file took a parent's place: nothing at that path either way.
 			if err != nil && !(errors.As(err, &pe) && (pe.Code == protocol.CodeFileNotFound || pe.Code == protocol.CodeNotDirectory)) {
-				mu.Lock()
-				if first == nil {
-					first = fmt.Errorf("deleting %s: %w", p, err)
-				}
-				mu.Unlock()
+				return fmt.Errorf("deleting %s: %w", p, err)
 			}
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
-	return first
+	return g.Wait()
 }
 
 // dirCache keeps the directory of the last file read open, so that the next file of the same

@@ -120,6 +120,14 @@ func (m *Manager) hostedFor(id, org string) *hosted {
 	return h
 }
 
+// hostedHere is rec's entry on this broker, or wrong_node when another broker hosts it.
+func (m *Manager) hostedHere(rec store.Record) (*hosted, error) {
+	if rec.Node != m.cfg.Node {
+		return nil, protocol.Errorf(protocol.CodeWrongNode, "sandbox %s is hosted by another broker (%s)", rec.Name, rec.Node)
+	}
+	return m.hostedFor(rec.ID, rec.Org), nil
+}
+
 func (m *Manager) emit(c Caller, rec store.Record, typ string, mut func(*protocol.Event)) {
 	e := protocol.Event{Type: typ, SandboxID: rec.ID, Name: rec.Name, Time: m.now(), Actor: c.Actor, Status: rec.Status}
 	if mut != nil {
@@ -365,10 +373,16 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	}
 	// The record names the provider that runs the sandbox now: after a data dir moved providers, the
 	// one it was created with would claim an isolation it no longer has.
+	return m.markRunning(ctx, rec, h, inst, fields)
+}
+
+// markRunning records a sandbox that is provisioning as running, with fields, and watches its
+// runtime. When the record moved meanwhile (deleted, or the store failed), the other action wins:
+// the runtime stops and the record's own path cleans up. The caller holds h.mu.
+func (m *Manager) markRunning(ctx context.Context, rec store.Record, h *hosted, inst provider.Instance, fields map[string]string) (store.Record, error) {
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning, Fields: fields})
 	if err != nil {
-		// Deleted (or otherwise moved) while we provisioned: the other action wins.
 		inst.Stop(ctx)
 		h.inst = nil
 		h.closeWorkspace()
@@ -721,10 +735,10 @@ func (m *Manager) SetTTL(ctx context.Context, org, ref string, ttl time.Duration
 
 // Instance returns the running runtime of a sandbox hosted here.
 func (m *Manager) Instance(rec store.Record) (provider.Instance, error) {
-	if rec.Node != m.cfg.Node {
-		return nil, protocol.Errorf(protocol.CodeWrongNode, "sandbox %s is hosted by another broker (%s)", rec.Name, rec.Node)
+	h, err := m.hostedHere(rec)
+	if err != nil {
+		return nil, err
 	}
-	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.inst == nil {
@@ -735,10 +749,10 @@ func (m *Manager) Instance(rec store.Record) (provider.Instance, error) {
 
 // Workspace returns the file operations of a sandbox hosted here (running or not).
 func (m *Manager) Workspace(rec store.Record) (*workspace.Workspace, error) {
-	if rec.Node != m.cfg.Node {
-		return nil, protocol.Errorf(protocol.CodeWrongNode, "sandbox %s is hosted by another broker (%s)", rec.Name, rec.Node)
+	h, err := m.hostedHere(rec)
+	if err != nil {
+		return nil, err
 	}
-	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return m.openWorkspace(context.Background(), h, rec, false)

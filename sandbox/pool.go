@@ -471,18 +471,8 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 	inst := h.inst
 	// Its index entry keeps the claim's mark ("~pool", template, org) rather than being written
 	// again on the create's path: Recover reads the mark, finds the record and rewrites it.
-	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
-		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning,
-		Fields: map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, m.cfg.Templates[rec.Template])}})
-	if err != nil {
-		// As in provision: deleted (or the store failed) meanwhile; the record's own path cleans up.
-		inst.Stop(ctx)
-		h.inst = nil
-		h.closeWorkspace()
-		return rec, m.mapStoreErr(err, rec.Name)
-	}
-	go m.watch(rec.Org, rec.ID, h, inst)
-	return got, nil
+	return m.markRunning(ctx, rec, h, inst,
+		map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, m.cfg.Templates[rec.Template])})
 }
 
 // indexPooled writes a pooled sandbox's index entry: the pool marker, its template and, while a

@@ -135,10 +135,10 @@ func CleanPath(p string) string {
 // Runtime returns the handle on a running sandbox hosted here: wrong_node when another broker
 // hosts it, not_running when it is not running here.
 func (m *Manager) Runtime(rec store.Record) (*Runtime, error) {
-	if rec.Node != m.cfg.Node {
-		return nil, protocol.Errorf(protocol.CodeWrongNode, "sandbox %s is hosted by another broker (%s)", rec.Name, rec.Node)
+	h, err := m.hostedHere(rec)
+	if err != nil {
+		return nil, err
 	}
-	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.inst == nil {

@@ -20,6 +20,8 @@ import (
 // Output reads the same from either; what the broker writes differs (bridgedTerminal), and that is
 // the only place the two levels part.
 
+// runsTTY is the mark SupportsTTY looks for: every instance launch starts can run a command on a
+// terminal.
 func (in *instance) runsTTY() {}
 
 // takeTerminal hands a terminal call its master, received with the forked reply. It answers false

@@ -50,7 +50,11 @@ func flag(name, usage string) *bool { return goflag.Bool(name, false, usage) }
 
 func main() {
 	goflag.Parse()
-	if err := run(); err != nil {
+	undoOnInterrupt()
+	err := run()
+	// An interrupt being undone holds the lock and exits once done; its run's error is no news.
+	undo.mu.Lock()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -377,6 +381,9 @@ type brokerProc struct {
 	cmd      *exec.Cmd
 	url, key string
 	dir      string
+	// forget drops the interrupt's copy of end, removeDir the directory and its copy (interrupt.go).
+	forget, removeDir func()
+	once              sync.Once
 }
 
 func startBroker(extra ...string) (*brokerProc, error) {
@@ -384,7 +391,7 @@ func startBroker(extra ...string) (*brokerProc, error) {
 	if err != nil {
 		return nil, err
 	}
-	dir, err := os.MkdirTemp("", "sbx-bench-")
+	dir, removeDir, err := tempDir("sbx-bench-")
 	if err != nil {
 		return nil, err
 	}
@@ -395,14 +402,15 @@ func startBroker(extra ...string) (*brokerProc, error) {
 		if name == "sbx-init" {
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0") // as scripts/broker.sh builds it: static
 		}
-		if err := cmd.Run(); err != nil {
+		if err := runGuarded(cmd); err != nil {
+			removeDir()
 			return nil, fmt.Errorf("build %s: %w", name, err)
 		}
 	}
 	l, _ := net.Listen("tcp", "127.0.0.1:0")
 	addr := l.Addr().String()
 	l.Close()
-	b := &brokerProc{url: "http://" + addr, dir: dir}
+	b := &brokerProc{url: "http://" + addr, dir: dir, removeDir: removeDir}
 	b.cmd = exec.Command(filepath.Join(dir, "broker"), "--listen", addr, "--data-dir", filepath.Join(dir, "data"), "--log-level", "warn",
 		// The bench measures the broker's capacity, not one org's or one credential's fair share of it.
 		"--org-max-running", "0", "--org-max-sandboxes", "0", "--org-rps", "0",
@@ -412,7 +420,8 @@ func startBroker(extra ...string) (*brokerProc, error) {
 	logf, _ := os.Create(filepath.Join(dir, "broker.log"))
 	b.cmd.Stdout, b.cmd.Stderr = logf, logf
 	b.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := b.cmd.Start(); err != nil {
+	if b.forget, err = guard(b.cmd.Start, b.end); err != nil {
+		removeDir()
 		return nil, err
 	}
 	for i := 0; ; i++ {
@@ -438,18 +447,29 @@ func startBroker(extra ...string) (*brokerProc, error) {
 	return b, nil
 }
 
+// stop ends the broker and removes its directory.
 func (b *brokerProc) stop() {
-	b.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { b.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(30 * time.Second):
-		syscall.Kill(-b.cmd.Process.Pid, syscall.SIGKILL)
-		<-done
-	}
-	provider.UnmountUnder(b.dir)
-	os.RemoveAll(b.dir)
+	b.forget()
+	b.end()
+	b.removeDir()
+}
+
+// end stops the broker (SIGTERM, its process group SIGKILLed 30 s later) and unmounts what its
+// sandboxes left mounted under its directory. The run and an interrupt may both call it: one ends
+// the broker, the other waits for that.
+func (b *brokerProc) end() {
+	b.once.Do(func() {
+		b.cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { b.cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			syscall.Kill(-b.cmd.Process.Pid, syscall.SIGKILL)
+			<-done
+		}
+		provider.UnmountUnder(b.dir)
+	})
 }
 
 // cpuTime is the CPU time the broker process has used (user + system).
@@ -594,11 +614,11 @@ func wrkHeartbeats(base, key, id string, d time.Duration) (float64, int64, error
 
 // wrkPost drives POSTs of body to url with wrk for d and returns successful requests per second.
 func wrkPost(url, key, body string, d time.Duration) (float64, int64, error) {
-	dir, err := os.MkdirTemp("", "sbx-wrk-")
+	dir, removeDir, err := tempDir("sbx-wrk-")
 	if err != nil {
 		return 0, 0, err
 	}
-	defer os.RemoveAll(dir)
+	defer removeDir()
 	script := filepath.Join(dir, "hb.lua")
 	lua := `wrk.method = "POST"
 wrk.headers["Authorization"] = "Bearer " .. os.getenv("SBX_BENCH_KEY")
@@ -665,11 +685,11 @@ func goHeartbeats(base, key, id string, d time.Duration) (float64, int64) {
 // sweep times one sweep that stops `expired` sandboxes among `total` tracked ones, in-process on a
 // redis-server of its own (records only: the sandboxes have no processes to stop).
 func sweep(expired, total int) (time.Duration, int, int, error) {
-	dir, err := os.MkdirTemp("", "sbx-sweep-")
+	dir, removeDir, err := tempDir("sbx-sweep-")
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	defer os.RemoveAll(dir)
+	defer removeDir()
 	os.Chmod(dir, 0o711) // the sandbox uid must reach the data dir
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctx := context.Background()

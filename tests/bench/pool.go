@@ -98,11 +98,11 @@ func poolRows(ctx context.Context) ([]row, error) {
 // pool is full again, so it measures a claim, not a start that the pool had no time to make. floor
 // is the same broker's REST get of a sandbox (any REST call's floor).
 func warmPoolSamples(ctx context.Context, templates string, size, n int) (s, floor samples, err error) {
-	dir, err := os.MkdirTemp("", "sbx-bench-tmpl-")
+	dir, removeDir, err := tempDir("sbx-bench-tmpl-")
 	if err != nil {
 		return s, floor, err
 	}
-	defer os.RemoveAll(dir)
+	defer removeDir()
 	tmpl := filepath.Join(dir, "templates.yaml")
 	if err := os.WriteFile(tmpl, []byte(templates), 0o644); err != nil {
 		return s, floor, err

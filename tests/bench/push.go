@@ -106,7 +106,7 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 	root, _ := moduleRoot()
 	build := exec.Command("go", "build", "-o", sbctl, "./cmd/sbctl")
 	build.Dir, build.Stderr = root, os.Stderr
-	if err := build.Run(); err != nil {
+	if err := runGuarded(build); err != nil {
 		return err
 	}
 	pc := exec.Command("sh", "-c", fmt.Sprintf("tar c -C %q . | %q exec push-bench -i -- tar x -C /tmp", repo, sbctl))

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
 	"golang.org/x/sys/unix"
@@ -32,7 +33,26 @@ type relay struct {
 
 	mu   sync.Mutex
 	next uint32
+	// terminals are the terminal commands forwarded whose terminal has not come (by request id):
+	// a FrameTerminal is taken only for one of them, once, and each counts against the bound
+	// until it comes or the command's exit or error does. The bridge names a terminal's channel,
+	// so unchecked it could open terminals nobody asked for, without bound, or name a channel
+	// open already and orphan it (never ended, its goroutine and pipe held past the sandbox).
+	terminals map[uint64]struct{}
+
+	// Discards are logged at most discardLogBurst times per discardLogEvery (the bridge is inside
+	// the sandbox: it could write the host's log as fast as it can write frames).
+	now            func() time.Time
+	discardMu      sync.Mutex
+	discardSince   time.Time
+	discardLogged  int
+	discardUnheard int
 }
+
+const (
+	discardLogBurst = 10
+	discardLogEvery = time.Minute
+)
 
 // relayMaxChannels bounds the channels open at once on one sandbox's relay. Each holds at most
 // sbxinit.Window queued while the broker does not take its data, so a sandbox's relay holds at most
@@ -48,32 +68,38 @@ var relayDiscards atomic.Int64
 // and serves ctl (the init's end of the instance's control socket, which it takes). after closes
 // the child's ends once cmd has started. log carries the sandbox's id.
 func startRelay(ctl *os.File, cmd *exec.Cmd, log *slog.Logger) (after func(), err error) {
+	_, after, err = startRelayOn(ctl, cmd, log)
+	return after, err
+}
+
+// startRelayOn is startRelay, answering the relay too (for its tests).
+func startRelayOn(ctl *os.File, cmd *exec.Cmd, log *slog.Logger) (_ *relay, after func(), err error) {
 	fd, err := unix.Dup(int(ctl.Fd()))
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	unix.CloseOnExec(fd)
 	toR, toW, err := os.Pipe()
 	if err != nil {
 		unix.Close(fd)
-		return nil, err
+		return nil, nil, err
 	}
 	fromR, fromW, err := os.Pipe()
 	if err != nil {
 		unix.Close(fd)
 		toR.Close()
 		toW.Close()
-		return nil, err
+		return nil, nil, err
 	}
 	cmd.Stdin, cmd.Stdout = toR, fromW
-	r := &relay{ctl: fd, out: sbxinit.NewFrameWriter(toW), in: fromR, log: log}
+	r := &relay{ctl: fd, out: sbxinit.NewFrameWriter(toW), in: fromR, log: log, now: time.Now, terminals: map[uint64]struct{}{}}
 	r.mux = sbxinit.NewMux(r.out, func(kind byte, ch uint32, n int) { r.discarded("relay", kind, ch, n) })
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { r.fromBroker(toW); wg.Done() }()
 	go func() { r.fromBridge(); wg.Done() }()
 	go func() { wg.Wait(); unix.Close(fd) }() // both use the fd until they return
-	return func() {
+	return r, func() {
 		toR.Close()
 		fromW.Close()
 	}, nil
@@ -99,9 +125,22 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			return
 		}
 		fds, _ := parseRights(oob[:oobn])
-		// One more for the terminal a request without fds may open; only then is it read.
-		if open := r.mux.Open(); open+len(fds)+1 > relayMaxChannels && r.refuse(buf[:n], fds, open) {
+		// A request without fds may open a terminal; only such a request is read (a terminal
+		// command passes none), so that its terminal is known to be asked for.
+		var tty *execHead
+		if len(fds) == 0 {
+			if h, ok := parseExecHead(buf[:n]); ok && h.TTY {
+				tty = &h
+			}
+		}
+		// One more for the terminal a request without fds may open.
+		if open := r.open(); open+len(fds)+1 > relayMaxChannels && r.refuse(buf[:n], fds, open) {
 			continue
+		}
+		if tty != nil {
+			r.mu.Lock()
+			r.terminals[tty.ID] = struct{}{}
+			r.mu.Unlock()
 		}
 		head := []byte{byte(len(fds))}
 		// A command's stdin is copied only once its request is on the way: the bridge opens the
@@ -156,12 +195,8 @@ func (r *relay) fromBroker(toBridge *os.File) {
 // init answers a command it cannot start, and lets its pipes go. Anything else (a kill, a command
 // with no stdio and no terminal) goes on: it answers false.
 func (r *relay) refuse(msg []byte, fds []int, open int) bool {
-	var req struct {
-		Op  string `json:"op"`
-		ID  uint64 `json:"id"`
-		TTY bool   `json:"tty"`
-	}
-	if json.Unmarshal(msg, &req) != nil || req.Op != opExec {
+	req, ok := parseExecHead(msg)
+	if !ok {
 		return false
 	}
 	channels := len(fds)
@@ -181,6 +216,69 @@ func (r *relay) refuse(msg []byte, fds []int, open int) bool {
 	return true
 }
 
+// execHead is what the relay reads of an exec request.
+type execHead struct {
+	Op  string `json:"op"`
+	ID  uint64 `json:"id"`
+	TTY bool   `json:"tty"`
+}
+
+func parseExecHead(msg []byte) (execHead, bool) {
+	var h execHead
+	if json.Unmarshal(msg, &h) != nil || h.Op != opExec {
+		return h, false
+	}
+	return h, true
+}
+
+// open counts the channels open and the terminals asked for and not yet come.
+func (r *relay) open() int {
+	r.mu.Lock()
+	n := len(r.terminals)
+	r.mu.Unlock()
+	return n + r.mux.Open()
+}
+
+// replied forgets a terminal asked for once its command's exit or error comes without it.
+func (r *relay) replied(msg []byte) {
+	r.mu.Lock()
+	waiting := len(r.terminals) > 0
+	r.mu.Unlock()
+	if !waiting {
+		return // the usual case: no reply is read
+	}
+	var rep struct {
+		Op string `json:"op"`
+		ID uint64 `json:"id"`
+	}
+	if json.Unmarshal(msg, &rep) == nil && (rep.Op == opExit || rep.Op == opError) {
+		r.mu.Lock()
+		delete(r.terminals, rep.ID)
+		r.mu.Unlock()
+	}
+}
+
+// askedTerminal checks a FrameTerminal: its channel is one the bridge numbers and not open, and
+// its reply is for a terminal command forwarded whose terminal has not come. Anything else is the
+// bridge breaking the protocol.
+func (r *relay) askedTerminal(ch uint32, reply []byte) error {
+	if ch&sbxinit.TerminalChannel == 0 || r.mux.Has(ch) {
+		return fmt.Errorf("a terminal on channel %d, which is not the bridge's to open", ch)
+	}
+	var rep struct {
+		ID uint64 `json:"id"`
+	}
+	json.Unmarshal(reply, &rep)
+	r.mu.Lock()
+	_, asked := r.terminals[rep.ID]
+	delete(r.terminals, rep.ID)
+	r.mu.Unlock()
+	if !asked {
+		return fmt.Errorf("a terminal for request %d, which asked for none", rep.ID)
+	}
+	return nil
+}
+
 // fromBridge forwards the init's replies to the instance and the commands' output to their
 // channels. It never waits for a command's reader (a channel's data is queued within its window).
 // It ends when the bridge's stdout closes (the sandbox ended) or the bridge breaks the protocol.
@@ -191,13 +289,19 @@ func (r *relay) fromBridge() {
 		if err == nil {
 			switch kind {
 			case sbxinit.FrameReply:
+				r.replied(p)
 				// An error means the instance is gone; keep draining so the bridge never blocks.
 				for unix.Sendmsg(r.ctl, p, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
 				}
 			case sbxinit.FrameTerminal:
-				if len(p) >= 4 {
-					r.terminal(binary.BigEndian.Uint32(p), p[4:])
+				if len(p) < 4 {
+					break
 				}
+				if err = r.askedTerminal(binary.BigEndian.Uint32(p), p[4:]); err != nil {
+					r.log.Error("gvisor relay: the bridge opened a terminal it may not; ending the sandbox", "err", err)
+					break
+				}
+				r.terminal(binary.BigEndian.Uint32(p), p[4:])
 			case sbxinit.FrameUnknown:
 				if len(p) == 5 {
 					r.discarded("bridge", p[0], ch, int(binary.BigEndian.Uint32(p[1:])))
@@ -221,11 +325,34 @@ func (r *relay) fromBridge() {
 	}
 }
 
-// discarded reports a frame dropped for a channel not open on side ("relay" or "bridge").
+// discarded reports a frame dropped for a channel not open on side ("relay" or "bridge"): counted
+// always, logged at most discardLogBurst times in discardLogEvery, the first line after a quiet
+// spell saying how many went unlogged before it.
 func (r *relay) discarded(side string, kind byte, ch uint32, n int) {
 	relayDiscards.Add(1)
-	r.log.Warn("gvisor bridge: a frame for a channel that is not open was discarded",
-		"side", side, "frame", kind, "channel", ch, "bytes", n)
+	r.discardMu.Lock()
+	now := r.now()
+	unheard := 0
+	if now.Sub(r.discardSince) >= discardLogEvery {
+		r.discardSince, r.discardLogged = now, 0
+		unheard, r.discardUnheard = r.discardUnheard, 0
+	}
+	if r.discardLogged >= discardLogBurst {
+		r.discardUnheard++
+		r.discardMu.Unlock()
+		return
+	}
+	r.discardLogged++
+	last := r.discardLogged == discardLogBurst
+	r.discardMu.Unlock()
+	attrs := []any{"side", side, "frame", kind, "channel", ch, "bytes", n}
+	if unheard > 0 {
+		attrs = append(attrs, "discards_not_logged", unheard)
+	}
+	if last {
+		attrs = append(attrs, "next_logged_after", discardLogEvery.String())
+	}
+	r.log.Warn("gvisor bridge: a frame for a channel that is not open was discarded", attrs...)
 }
 
 // Messages on a bridged terminal's socket, from the instance to the relay: a type byte, then its

@@ -55,15 +55,30 @@ func NewMux(out *FrameWriter, unknown func(kind byte, ch uint32, n int)) *Mux {
 	return &Mux{out: out, unknown: unknown, senders: make(map[uint32]*Sender), recvs: make(map[uint32]*Receiver)}
 }
 
-// Open counts the channels open on this side: those it writes, and those it reads, including one
-// whose consumer is gone but whose writer has not yet sent its FrameEOF. What its queues hold is at
-// most Open times Window. A closed channel holds no data but stays registered until that FrameEOF
-// (so that what was on its way is dropped quietly); counted, a peer that never sends it cannot
-// grow this side's table past the bound its user enforces with Open.
+// Open counts the channels open on this side (a terminal's, both ways, once): those it writes, and
+// those it reads, including one whose consumer is gone but whose writer has not yet sent its
+// FrameEOF. What its queues hold is at most Open times Window. A closed channel holds no data but
+// stays registered until that FrameEOF (so that what was on its way is dropped quietly); counted, a
+// peer that never sends it cannot grow this side's table past the bound its user enforces with
+// Open.
 func (m *Mux) Open() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return len(m.senders) + len(m.recvs)
+	n := len(m.recvs)
+	for ch := range m.senders {
+		if m.recvs[ch] == nil {
+			n++
+		}
+	}
+	return n
+}
+
+// Has reports whether ch is open on this side, either way: a channel the peer names for a new one
+// must not be (opening it again would orphan the one there, never ended).
+func (m *Mux) Has(ch uint32) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.senders[ch] != nil || m.recvs[ch] != nil
 }
 
 // Handle takes one of the peer's channel frames (FrameData, FrameEOF, FrameClose, FrameCredit) and

@@ -68,3 +68,18 @@ func TestMuxClosedReceiverCountsUntilItsEOF(t *testing.T) {
 		t.Fatalf("after its writer's EOF: Open %d, want 0", n)
 	}
 }
+
+// A terminal's channel is one channel, both ways; Has sees either way.
+func TestMuxOpenCountsATerminalOnce(t *testing.T) {
+	m := NewMux(NewFrameWriter(io.Discard), nil)
+	const ch = TerminalChannel | 1
+	m.NewReceiver(ch)
+	m.NewSender(ch, nil)
+	m.NewSender(2, nil)
+	if n := m.Open(); n != 2 {
+		t.Fatalf("a terminal's channel and a stdin's: Open %d, want 2", n)
+	}
+	if !m.Has(ch) || !m.Has(2) || m.Has(3) {
+		t.Fatal("Has is wrong")
+	}
+}

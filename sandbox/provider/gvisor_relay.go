@@ -173,6 +173,15 @@ func (r *relay) fromBroker(toBridge *os.File) {
 					out.Deliver(f)
 					f.Close()
 				}()
+				go func() {
+					// The broker's end may close while nothing comes (a process the command left
+					// behind holds its stdout and writes nothing): a failed write would never
+					// tell, and the channel would count against the bound until that process
+					// ended. Its close lets the channel go as a failed write does.
+					if readerGone(f) {
+						out.Close()
+					}
+				}()
 			}
 		}
 		if r.out.Write(sbxinit.FrameRequest, 0, append(head, buf[:n]...)) != nil {
@@ -189,6 +198,29 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			}()
 		}
 	}
+}
+
+// readerGone waits, parked in the runtime's poller (no thread), until the read end of the pipe
+// whose write end is f is closed, and answers true; false once f is closed. The poller reports a
+// pipe's write end readable only with an error (EPOLLERR: no reader left), and poll(2) says which.
+func readerGone(f *os.File) bool {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return false
+	}
+	gone := false
+	err = rc.Read(func(fd uintptr) bool {
+		p := []unix.PollFd{{Fd: int32(fd)}}
+		for {
+			_, err := unix.Poll(p, 0)
+			if err != unix.EINTR {
+				break
+			}
+		}
+		gone = p[0].Revents&unix.POLLERR != 0
+		return gone
+	})
+	return err == nil && gone
 }
 
 // refuse answers a command that would open channels past relayMaxChannels with an error, as the

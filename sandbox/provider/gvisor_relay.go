@@ -40,19 +40,50 @@ type relay struct {
 	// open already and orphan it (never ended, its goroutine and pipe held past the sandbox).
 	terminals map[uint64]struct{}
 
-	// Discards are logged at most discardLogBurst times per discardLogEvery (the bridge is inside
-	// the sandbox: it could write the host's log as fast as it can write frames).
-	now            func() time.Time
-	discardMu      sync.Mutex
-	discardSince   time.Time
-	discardLogged  int
-	discardUnheard int
+	// Discards and refusals are logged at most logBurst times per logEvery each: the bridge is
+	// inside the sandbox and could write the host's log as fast as it can write frames, and a
+	// delegate at the bound as fast as it can ask for commands.
+	now      func() time.Time
+	discards logLimit
+	refusals logLimit
 }
 
 const (
-	discardLogBurst = 10
-	discardLogEvery = time.Minute
+	logBurst = 10
+	logEvery = time.Minute
 )
+
+// logLimit lets a kind of log line through at most logBurst times per logEvery; what it holds back
+// is counted and said by the first line it lets through after.
+type logLimit struct {
+	mu      sync.Mutex
+	since   time.Time
+	logged  int
+	unheard int
+}
+
+// allow answers whether to log now, and attributes to add: how many were held back before, and
+// on the last line let through, when the next may come.
+func (l *logLimit) allow(now time.Time) (bool, []any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var attrs []any
+	if now.Sub(l.since) >= logEvery {
+		if l.unheard > 0 {
+			attrs = append(attrs, "not_logged", l.unheard)
+		}
+		l.since, l.logged, l.unheard = now, 0, 0
+	}
+	if l.logged >= logBurst {
+		l.unheard++
+		return false, nil
+	}
+	l.logged++
+	if l.logged == logBurst {
+		attrs = append(attrs, "next_logged_after", logEvery.String())
+	}
+	return true, attrs
+}
 
 // relayMaxChannels bounds the channels open at once on one sandbox's relay. Each holds at most
 // sbxinit.Window queued while the broker does not take its data, so a sandbox's relay holds at most
@@ -239,7 +270,10 @@ func (r *relay) refuse(msg []byte, fds []int, open int) bool {
 		return false
 	}
 	closeFDs(fds)
-	r.log.Warn("gvisor relay: a command refused, too many channels open", "open", open, "max", relayMaxChannels)
+	if ok, attrs := r.refusals.allow(r.now()); ok {
+		r.log.Warn("gvisor relay: a command refused, too many channels open",
+			append([]any{"open", open, "max", relayMaxChannels}, attrs...)...)
+	}
 	b, _ := json.Marshal(&reply{Op: opError, ID: req.ID, Kind: sbxinit.ErrKindBusy,
 		Err: fmt.Sprintf("too many command streams open in the sandbox (%d, this command's %d more would pass the %d it may have): wait for some of its commands to end",
 			open, channels, relayMaxChannels)})
@@ -358,33 +392,13 @@ func (r *relay) fromBridge() {
 }
 
 // discarded reports a frame dropped for a channel not open on side ("relay" or "bridge"): counted
-// always, logged at most discardLogBurst times in discardLogEvery, the first line after a quiet
-// spell saying how many went unlogged before it.
+// always, logged within r.discards.
 func (r *relay) discarded(side string, kind byte, ch uint32, n int) {
 	relayDiscards.Add(1)
-	r.discardMu.Lock()
-	now := r.now()
-	unheard := 0
-	if now.Sub(r.discardSince) >= discardLogEvery {
-		r.discardSince, r.discardLogged = now, 0
-		unheard, r.discardUnheard = r.discardUnheard, 0
+	if ok, attrs := r.discards.allow(r.now()); ok {
+		r.log.Warn("gvisor bridge: a frame for a channel that is not open was discarded",
+			append([]any{"side", side, "frame", kind, "channel", ch, "bytes", n}, attrs...)...)
 	}
-	if r.discardLogged >= discardLogBurst {
-		r.discardUnheard++
-		r.discardMu.Unlock()
-		return
-	}
-	r.discardLogged++
-	last := r.discardLogged == discardLogBurst
-	r.discardMu.Unlock()
-	attrs := []any{"side", side, "frame", kind, "channel", ch, "bytes", n}
-	if unheard > 0 {
-		attrs = append(attrs, "discards_not_logged", unheard)
-	}
-	if last {
-		attrs = append(attrs, "next_logged_after", discardLogEvery.String())
-	}
-	r.log.Warn("gvisor bridge: a frame for a channel that is not open was discarded", attrs...)
 }
 
 // Messages on a bridged terminal's socket, from the instance to the relay: a type byte, then its

@@ -140,12 +140,12 @@ func TestRelayDiscardLogsAreBounded(t *testing.T) {
 		t.Fatalf("%d discards counted, want %d", d, 2*flood)
 	}
 	logged := b.logs.count("discarded")
-	if logged == 0 || logged > discardLogBurst+1 {
-		t.Fatalf("%d discards logged %d times: want at least once, at most %d", 2*flood, logged, discardLogBurst+1)
+	if logged == 0 || logged > logBurst+1 {
+		t.Fatalf("%d discards logged %d times: want at least once, at most %d", 2*flood, logged, logBurst+1)
 	}
 	// Later, discards are logged again, and the first says how many went unlogged.
 	mu.Lock()
-	now = start.Add(discardLogEvery)
+	now = start.Add(logEvery)
 	mu.Unlock()
 	b.toHost.Write(sbxinit.FrameUnknown, 7, binary.BigEndian.AppendUint32([]byte{sbxinit.FrameEOF}, 0))
 	b.sync(t)
@@ -269,4 +269,31 @@ func eventually(f func() bool) bool {
 		}
 	}
 	return false
+}
+
+// A delegate asking for commands past the bound, in a loop, gets each refused but logged a few times
+// only: each refusal was a log line, as fast as the delegate could ask.
+func TestRelayRefusalLogsAreBounded(t *testing.T) {
+	was := relayMaxChannels
+	relayMaxChannels = 1
+	defer func() { relayMaxChannels = was }()
+	b := newHostileBridge(t)
+	const asks = 500
+	buf := make([]byte, 4096)
+	for i := range asks {
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			t.Fatal(err)
+		}
+		b.exec(t, fmt.Sprintf(`{"op":"exec","id":%d,"argv":["true"],"stdio":[0,1,1]}`, i+1), p[0], p[1])
+		unix.Close(p[0])
+		unix.Close(p[1])
+		n, err := unix.Read(b.instance, buf)
+		if err != nil || !strings.Contains(string(buf[:n]), sbxinit.ErrKindBusy) {
+			t.Fatalf("command %d past the bound: %q %v", i, buf[:max(n, 0)], err)
+		}
+	}
+	if n := b.logs.count("refused"); n == 0 || n > logBurst {
+		t.Fatalf("%d refusals logged %d times: want at least once, at most %d", asks, n, logBurst)
+	}
 }

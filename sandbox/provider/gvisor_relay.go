@@ -39,6 +39,9 @@ type relay struct {
 	// so unchecked it could open terminals nobody asked for, without bound, or name a channel
 	// open already and orphan it (never ended, its goroutine and pipe held past the sandbox).
 	terminals map[uint64]struct{}
+	// proc is the runtime's process (runsc run) once it started: a bridge that breaks the
+	// protocol is not trusted to end when its stream does, so the relay ends the sandbox itself.
+	proc *os.Process
 
 	// Discards and refusals are logged at most logBurst times per logEvery each: the bridge is
 	// inside the sandbox and could write the host's log as fast as it can write frames, and a
@@ -133,6 +136,9 @@ func startRelayOn(ctl *os.File, cmd *exec.Cmd, log *slog.Logger) (_ *relay, afte
 	return r, func() {
 		toR.Close()
 		fromW.Close()
+		r.mu.Lock()
+		r.proc = cmd.Process
+		r.mu.Unlock()
 	}, nil
 }
 
@@ -351,6 +357,7 @@ func (r *relay) askedTerminal(ch uint32, reply []byte) error {
 func (r *relay) fromBridge() {
 	buf := make([]byte, sbxinit.MaxFrame)
 	for {
+		broken := false // the bridge broke the protocol, rather than its stream ended
 		kind, ch, p, err := sbxinit.ReadFrame(r.in, buf)
 		if err == nil {
 			switch kind {
@@ -365,6 +372,7 @@ func (r *relay) fromBridge() {
 				}
 				if err = r.askedTerminal(binary.BigEndian.Uint32(p), p[4:]); err != nil {
 					r.log.Error("gvisor relay: the bridge opened a terminal it may not; ending the sandbox", "err", err)
+					broken = true
 					break
 				}
 				r.terminal(binary.BigEndian.Uint32(p), p[4:])
@@ -377,10 +385,20 @@ func (r *relay) fromBridge() {
 					// Past its window: the bridge is broken or not ours. Nothing more of it is
 					// trusted; the sandbox ends.
 					r.log.Error("gvisor relay: the bridge broke its flow control; ending the sandbox", "err", err)
+					broken = true
 				}
 			}
 		}
 		if err != nil {
+			if broken {
+				// As Stop does: its sandbox and gofer die with runsc run. The instance sees
+				// the runtime end, with everything in flight.
+				r.mu.Lock()
+				if r.proc != nil {
+					r.proc.Kill()
+				}
+				r.mu.Unlock()
+			}
 			r.in.Close()
 			r.mux.End()
 			// The instance reads the end of its control socket and fails what is in flight;

@@ -297,3 +297,46 @@ func TestRelayRefusalLogsAreBounded(t *testing.T) {
 		t.Fatalf("%d refusals logged %d times: want at least once, at most %d", asks, n, logBurst)
 	}
 }
+
+// A bridge that breaks the protocol is not trusted to end when the relay stops reading it: the
+// relay ends the runtime's process, as Stop does. Before, the stream ended and the instance failed
+// its calls, but a bridge that ignored the end of its input kept its sandbox running, taking its
+// memory and CPU, until a stop. The runtime here is a process that ignores its stdin, as such a
+// bridge would.
+func TestRelayProtocolBreakEndsTheRuntime(t *testing.T) {
+	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(sp[0])
+	initEnd := os.NewFile(uintptr(sp[1]), "init-end")
+	defer initEnd.Close()
+	cmd := exec.Command("sleep", "600")
+	_, after, err := startRelayOn(initEnd, cmd, slog.New(&countingHandler{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The test writes as the bridge too: its own copy of the stream's writing end.
+	fd, err := unix.Dup(int(cmd.Stdout.(*os.File).Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream := os.NewFile(uintptr(fd), "stream")
+	defer stream.Close()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	after()
+	exited := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		close(exited)
+	}()
+	defer cmd.Process.Kill()
+	sbxinit.NewFrameWriter(stream).Write(sbxinit.FrameCredit, 1, []byte{0, 0, 1}) // a credit is 4 bytes
+	select {
+	case <-exited:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the runtime of a bridge that broke the protocol still runs")
+	}
+}

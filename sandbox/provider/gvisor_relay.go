@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -39,6 +40,10 @@ type relay struct {
 	// so unchecked it could open terminals nobody asked for, without bound, or name a channel
 	// open already and orphan it (never ended, its goroutine and pipe held past the sandbox).
 	terminals map[uint64]struct{}
+	// stdins are the stdin channels still copied, by request id: a command's exit ends them.
+	// Otherwise a process the command left behind holding its stdin, never reading it, held the
+	// channel (the copy waiting for credit, deaf to the broker closing its end) until it ended.
+	stdins map[uint64][]*sbxinit.Sender
 	// proc is the runtime's process (runsc run) once it started: a bridge that breaks the
 	// protocol is not trusted to end when its stream does, so the relay ends the sandbox itself.
 	proc *os.Process
@@ -126,7 +131,8 @@ func startRelayOn(ctl *os.File, cmd *exec.Cmd, log *slog.Logger) (_ *relay, afte
 		return nil, nil, err
 	}
 	cmd.Stdin, cmd.Stdout = toR, fromW
-	r := &relay{ctl: fd, out: sbxinit.NewFrameWriter(toW), in: fromR, log: log, now: time.Now, terminals: map[uint64]struct{}{}}
+	r := &relay{ctl: fd, out: sbxinit.NewFrameWriter(toW), in: fromR, log: log, now: time.Now,
+		terminals: map[uint64]struct{}{}, stdins: map[uint64][]*sbxinit.Sender{}}
 	r.mux = sbxinit.NewMux(r.out, func(kind byte, ch uint32, n int) { r.discarded("relay", kind, ch, n) })
 	var wg sync.WaitGroup
 	wg.Add(2)
@@ -221,6 +227,18 @@ func (r *relay) fromBroker(toBridge *os.File) {
 				}()
 			}
 		}
+		var id uint64
+		if len(stdins) > 0 {
+			// Only a request with a stdin is read here, for its id.
+			if h, ok := parseExecHead(buf[:n]); ok {
+				id = h.ID
+				r.mu.Lock()
+				for _, in := range stdins {
+					r.stdins[id] = append(r.stdins[id], in.s)
+				}
+				r.mu.Unlock()
+			}
+		}
 		if r.out.Write(sbxinit.FrameRequest, 0, append(head, buf[:n]...)) != nil {
 			for _, in := range stdins {
 				in.s.Abandon()
@@ -232,6 +250,7 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			go func() {
 				in.s.Pump(in.f)
 				in.f.Close()
+				r.copied(id, in.s)
 			}()
 		}
 	}
@@ -311,10 +330,24 @@ func (r *relay) open() int {
 	return n + r.mux.Open()
 }
 
-// replied forgets a terminal asked for once its command's exit or error comes without it.
+// copied forgets a stdin channel whose copy ended.
+func (r *relay) copied(id uint64, s *sbxinit.Sender) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	left := slices.DeleteFunc(r.stdins[id], func(x *sbxinit.Sender) bool { return x == s })
+	if len(left) == 0 {
+		delete(r.stdins, id)
+	} else {
+		r.stdins[id] = left
+	}
+}
+
+// replied acts on a command's exit or error: a terminal asked for and not come is no longer, and
+// its stdin channels still copied end (what the command did not read, nothing will: at the
+// namespace level the broker closes the pipe then).
 func (r *relay) replied(msg []byte) {
 	r.mu.Lock()
-	waiting := len(r.terminals) > 0
+	waiting := len(r.terminals) > 0 || len(r.stdins) > 0
 	r.mu.Unlock()
 	if !waiting {
 		return // the usual case: no reply is read
@@ -323,10 +356,16 @@ func (r *relay) replied(msg []byte) {
 		Op string `json:"op"`
 		ID uint64 `json:"id"`
 	}
-	if json.Unmarshal(msg, &rep) == nil && (rep.Op == opExit || rep.Op == opError) {
-		r.mu.Lock()
-		delete(r.terminals, rep.ID)
-		r.mu.Unlock()
+	if json.Unmarshal(msg, &rep) != nil || rep.Op != opExit && rep.Op != opError {
+		return
+	}
+	r.mu.Lock()
+	delete(r.terminals, rep.ID)
+	stdins := r.stdins[rep.ID]
+	delete(r.stdins, rep.ID)
+	r.mu.Unlock()
+	for _, s := range stdins {
+		s.Stop()
 	}
 }
 

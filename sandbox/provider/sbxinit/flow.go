@@ -264,6 +264,11 @@ func (s *Sender) grant(n int) error {
 	return nil
 }
 
+// Stop ends the writer as its reader's FrameClose does: a Write waiting for credit returns, the
+// source (closer) is closed, and Pump ends the channel with its FrameEOF after any frame it had on
+// its way. For a writer whose reader will never take the rest (its command has exited).
+func (s *Sender) Stop() { s.stop() }
+
 func (s *Sender) stop() {
 	s.mu.Lock()
 	s.stopped = true

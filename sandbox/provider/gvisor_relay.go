@@ -32,6 +32,8 @@ type relay struct {
 	mux *sbxinit.Mux
 	log *slog.Logger
 
+	max int // relayMaxChannels when it started
+
 	mu   sync.Mutex
 	next uint32
 	// terminals are the terminal commands forwarded whose terminal has not come (by request id):
@@ -96,7 +98,8 @@ func (l *logLimit) allow(now time.Time) (bool, []any) {
 // relayMaxChannels bounds the channels open at once on one sandbox's relay. Each holds at most
 // sbxinit.Window queued while the broker does not take its data, so a sandbox's relay holds at most
 // relayMaxChannels x Window (64 MiB) however many of its commands stall; a request past it is
-// refused (the exec fails with ErrBusy, saying so), never queued. A variable for its test only.
+// refused (the exec fails with ErrBusy, saying so), never queued. A variable for its tests only,
+// read when a relay starts (so a test may set it back while its sandbox still runs).
 var relayMaxChannels = 512
 
 // relayDiscards counts frames discarded, on either side of any sandbox's bridge, for a channel not
@@ -131,7 +134,7 @@ func startRelayOn(ctl *os.File, cmd *exec.Cmd, log *slog.Logger) (_ *relay, afte
 		return nil, nil, err
 	}
 	cmd.Stdin, cmd.Stdout = toR, fromW
-	r := &relay{ctl: fd, out: sbxinit.NewFrameWriter(toW), in: fromR, log: log, now: time.Now,
+	r := &relay{ctl: fd, out: sbxinit.NewFrameWriter(toW), in: fromR, log: log, max: relayMaxChannels, now: time.Now,
 		terminals: map[uint64]struct{}{}, stdins: map[uint64][]*sbxinit.Sender{}}
 	r.mux = sbxinit.NewMux(r.out, func(kind byte, ch uint32, n int) { r.discarded("relay", kind, ch, n) })
 	var wg sync.WaitGroup
@@ -177,7 +180,7 @@ func (r *relay) fromBroker(toBridge *os.File) {
 			}
 		}
 		// One more for the terminal a request without fds may open.
-		if open := r.open(); open+len(fds)+1 > relayMaxChannels && r.refuse(buf[:n], fds, open) {
+		if open := r.open(); open+len(fds)+1 > r.max && r.refuse(buf[:n], fds, open) {
 			continue
 		}
 		if tty != nil {
@@ -279,7 +282,7 @@ func readerGone(f *os.File) bool {
 	return err == nil && gone
 }
 
-// refuse answers a command that would open channels past relayMaxChannels with an error, as the
+// refuse answers a command that would open channels past the relay's bound with an error, as the
 // init answers a command it cannot start, and lets its pipes go. Anything else (a kill, a command
 // with no stdio and no terminal) goes on: it answers false.
 func (r *relay) refuse(msg []byte, fds []int, open int) bool {
@@ -291,17 +294,17 @@ func (r *relay) refuse(msg []byte, fds []int, open int) bool {
 	if req.TTY {
 		channels++
 	}
-	if channels == 0 || open+channels <= relayMaxChannels {
+	if channels == 0 || open+channels <= r.max {
 		return false
 	}
 	closeFDs(fds)
 	if ok, attrs := r.refusals.allow(r.now()); ok {
 		r.log.Warn("gvisor relay: a command refused, too many channels open",
-			append([]any{"open", open, "max", relayMaxChannels}, attrs...)...)
+			append([]any{"open", open, "max", r.max}, attrs...)...)
 	}
 	b, _ := json.Marshal(&reply{Op: opError, ID: req.ID, Kind: sbxinit.ErrKindBusy,
 		Err: fmt.Sprintf("too many command streams open in the sandbox (%d, this command's %d more would pass the %d it may have): wait for some of its commands to end",
-			open, channels, relayMaxChannels)})
+			open, channels, r.max)})
 	for unix.Sendmsg(r.ctl, b, nil, nil, unix.MSG_NOSIGNAL) == unix.EINTR {
 	}
 	return true

@@ -197,10 +197,7 @@ func (r *relay) fromBroker(toBridge *os.File) {
 		}
 		var stdins []stdin
 		for _, fd := range fds {
-			r.mu.Lock()
-			r.next++
-			ch := r.next
-			r.mu.Unlock()
+			ch := r.channel()
 			dir := byte(sbxinit.FrameOut)
 			if fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0); err == nil && fl&unix.O_ACCMODE == unix.O_RDONLY {
 				dir = sbxinit.FrameIn
@@ -255,6 +252,22 @@ func (r *relay) fromBroker(toBridge *os.File) {
 				in.f.Close()
 				r.copied(id, in.s)
 			}()
+		}
+	}
+}
+
+// channel numbers a new channel of the relay's: from 1 up, below TerminalChannel (the bridge's
+// numbers), and, once the numbers wrapped (a long-lived sandbox's billions), none still open.
+func (r *relay) channel() uint32 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for {
+		r.next++
+		if r.next&sbxinit.TerminalChannel != 0 {
+			r.next = 1
+		}
+		if !r.mux.Has(r.next) {
+			return r.next
 		}
 	}
 }

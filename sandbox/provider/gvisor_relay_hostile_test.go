@@ -29,6 +29,7 @@ type hostileBridge struct {
 	toHost   *sbxinit.FrameWriter // frames as the bridge would write them
 	stream   *os.File             // the bridge's stdout, the relay's input
 	logs     *countingHandler
+	requests chan []byte // the FrameRequests' payloads, as the bridge reads them
 }
 
 func newHostileBridge(t *testing.T) *hostileBridge {
@@ -47,13 +48,29 @@ func newHostileBridge(t *testing.T) *hostileBridge {
 	}
 	fromHost := cmd.Stdin.(*os.File)
 	stream := cmd.Stdout.(*os.File)
-	go io.Copy(io.Discard, fromHost) // the relay's frames to the bridge: taken, never answered
+	requests := make(chan []byte, 16)
+	go func() {
+		// The relay's frames to the bridge: taken, never answered; the requests' heads kept.
+		buf := make([]byte, sbxinit.MaxFrame)
+		for {
+			kind, _, p, err := sbxinit.ReadFrame(fromHost, buf)
+			if err != nil {
+				return
+			}
+			if kind == sbxinit.FrameRequest {
+				select {
+				case requests <- append([]byte(nil), p...):
+				default:
+				}
+			}
+		}
+	}()
 	t.Cleanup(func() {
 		stream.Close()
 		unix.Close(sp[0])
 		fromHost.Close()
 	})
-	return &hostileBridge{r: r, instance: sp[0], toHost: sbxinit.NewFrameWriter(stream), stream: stream, logs: logs}
+	return &hostileBridge{r: r, instance: sp[0], toHost: sbxinit.NewFrameWriter(stream), stream: stream, logs: logs, requests: requests}
 }
 
 // sync sends a reply and waits for it at the instance: every frame sent before it was handled.
@@ -338,5 +355,41 @@ func TestRelayProtocolBreakEndsTheRuntime(t *testing.T) {
 	case <-exited:
 	case <-time.After(20 * time.Second):
 		t.Fatal("the runtime of a bridge that broke the protocol still runs")
+	}
+}
+
+// The relay numbers the channels it opens from 1 up and the bridge numbers the terminals' with
+// TerminalChannel set: the relay's numbers must never reach that bit, nor a number still open,
+// however many commands a long-lived sandbox runs (past 2^31 channels they did).
+func TestRelayChannelNumbersStayTheRelays(t *testing.T) {
+	b := newHostileBridge(t)
+	b.r.mu.Lock()
+	b.r.next = sbxinit.TerminalChannel - 2
+	b.r.mu.Unlock()
+	var chans []uint32
+	for i := range 3 {
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(p[0])
+		b.exec(t, fmt.Sprintf(`{"op":"exec","id":%d,"argv":["true"],"stdio":[-1,0,0]}`, i+1), p[1])
+		unix.Close(p[1])
+		select {
+		case req := <-b.requests:
+			if len(req) < 6 || req[0] != 1 {
+				t.Fatalf("request %d: head %v", i, req[:min(len(req), 6)])
+			}
+			chans = append(chans, binary.BigEndian.Uint32(req[1:]))
+		case <-time.After(20 * time.Second):
+			t.Fatalf("request %d did not reach the bridge", i)
+		}
+	}
+	seen := map[uint32]bool{}
+	for _, ch := range chans {
+		if ch == 0 || ch&sbxinit.TerminalChannel != 0 || seen[ch] {
+			t.Fatalf("channels %v: each must be nonzero, below TerminalChannel and distinct", chans)
+		}
+		seen[ch] = true
 	}
 }

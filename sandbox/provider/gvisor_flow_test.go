@@ -197,6 +197,45 @@ func TestGvisorFlowControl(t *testing.T) {
 		othersStillRun(t, in, "a terminal program that never reads its input")
 		endStalled(t, cancel, nil, done)
 	})
+	t.Run("a process left behind holds no channel once its command returned", func(t *testing.T) {
+		max := relayMaxChannels
+		relayMaxChannels = 4
+		defer func() { relayMaxChannels = max }()
+		in, _ := startSandbox(t, n, gvisorTemplate)
+		// Each command leaves a process holding its stdout, which writes nothing: at the
+		// namespace level the broker's end of the pipe is simply closed when the command
+		// returns. Here its channel was freed only once the process wrote again, so a few
+		// `server &` filled the bound and the sandbox refused every command until they ended.
+		for i := range 3 * relayMaxChannels {
+			var out bytes.Buffer
+			if err := wait.For(20*time.Second, func() error {
+				out.Reset()
+				_, err := in.Exec(context.Background(), ExecRequest{Command: "sleep 600 & echo started", Stdout: &out})
+				return err
+			}); err != nil || out.String() != "started\n" {
+				t.Fatalf("command %d beside %d processes left behind: %v %q", i, i, err, out.String())
+			}
+		}
+	})
+	t.Run("a process left behind holds no stdin channel once its command returned", func(t *testing.T) {
+		max := relayMaxChannels
+		relayMaxChannels = 4
+		defer func() { relayMaxChannels = max }()
+		in, _ := startSandbox(t, n, gvisorTemplate)
+		// Each command leaves a process holding its stdin, which it never reads, and the stdin
+		// never ends: once the windows are full the relay's copy waits for credit that never
+		// comes, and the broker's end of the pipe closing when the command returns told it
+		// nothing. Its channel stayed until that process ended.
+		for i := range 3 * relayMaxChannels {
+			if err := wait.For(20*time.Second, func() error {
+				_, err := in.Exec(context.Background(), ExecRequest{Command: "exec 3<&0; sleep 600 0<&3 3<&- & sleep 0.2",
+					Stdin: &endlessInput{}, Stdout: io.Discard})
+				return err
+			}); err != nil {
+				t.Fatalf("command %d beside %d processes left behind: %v", i, i, err)
+			}
+		}
+	})
 	t.Run("past the channel bound a command is refused, not queued", func(t *testing.T) {
 		max := relayMaxChannels
 		// Exactly the stalled command's: a kill (no channel) must still pass at the bound.

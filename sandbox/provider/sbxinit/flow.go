@@ -55,20 +55,30 @@ func NewMux(out *FrameWriter, unknown func(kind byte, ch uint32, n int)) *Mux {
 	return &Mux{out: out, unknown: unknown, senders: make(map[uint32]*Sender), recvs: make(map[uint32]*Receiver)}
 }
 
-// Open counts the channels open on this side: those it writes, and those it reads whose consumer
-// is still there. What its queues hold is at most Open times Window.
+// Open counts the channels open on this side (a terminal's, both ways, once): those it writes, and
+// those it reads, including one whose consumer is gone but whose writer has not yet sent its
+// FrameEOF. What its queues hold is at most Open times Window. A closed channel holds no data but
+// stays registered until that FrameEOF (so that what was on its way is dropped quietly); counted, a
+// peer that never sends it cannot grow this side's table past the bound its user enforces with
+// Open.
 func (m *Mux) Open() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	n := len(m.senders)
-	for _, r := range m.recvs {
-		r.mu.Lock()
-		if !r.closed {
+	n := len(m.recvs)
+	for ch := range m.senders {
+		if m.recvs[ch] == nil {
 			n++
 		}
-		r.mu.Unlock()
 	}
 	return n
+}
+
+// Has reports whether ch is open on this side, either way: a channel the peer names for a new one
+// must not be (opening it again would orphan the one there, never ended).
+func (m *Mux) Has(ch uint32) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.senders[ch] != nil || m.recvs[ch] != nil
 }
 
 // Handle takes one of the peer's channel frames (FrameData, FrameEOF, FrameClose, FrameCredit) and
@@ -254,6 +264,11 @@ func (s *Sender) grant(n int) error {
 	return nil
 }
 
+// Stop ends the writer as its reader's FrameClose does: a Write waiting for credit returns, the
+// source (closer) is closed, and Pump ends the channel with its FrameEOF after any frame it had on
+// its way. For a writer whose reader will never take the rest (its command has exited).
+func (s *Sender) Stop() { s.stop() }
+
 func (s *Sender) stop() {
 	s.mu.Lock()
 	s.stopped = true
@@ -271,7 +286,9 @@ type Receiver struct {
 	ch uint32
 
 	mu sync.Mutex
-	q  [][]byte
+	// q is the data queued, in one buffer: the window counts payload bytes, so a slice per frame
+	// would let a peer that sends one-byte frames make a window cost some 32 times its size.
+	q []byte
 	// queued is what q holds and Deliver has taken but not yet written; ungranted is what was
 	// written and not yet given back. Their sum is what the writer may not exceed (Window).
 	queued, ungranted int
@@ -297,13 +314,18 @@ func (m *Mux) NewReceiver(ch uint32) *Receiver {
 func (r *Receiver) push(p []byte) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if len(p) == 0 {
+		// No writer sends one (Write sends what it has); taken, it would cost a queue slot
+		// and count for nothing against the window.
+		return fmt.Errorf("channel %d: an empty data frame", r.ch)
+	}
 	if r.closed {
 		return nil // the writer was told to stop (FrameClose); this was on its way
 	}
 	if r.queued+r.ungranted+len(p) > Window {
 		return fmt.Errorf("channel %d: %d bytes beyond its window of %d", r.ch, r.queued+r.ungranted+len(p)-Window, Window)
 	}
-	r.q = append(r.q, append([]byte(nil), p...))
+	r.q = append(r.q, p...)
 	r.queued += len(p)
 	r.notify()
 	return nil
@@ -351,15 +373,11 @@ func (r *Receiver) Deliver(w io.Writer) (eof bool) {
 			<-r.wake
 			continue
 		}
-		n := 0
-		for _, p := range q {
-			if _, err := w.Write(p); err != nil {
-				r.Close()
-				return false
-			}
-			n += len(p)
+		if _, err := w.Write(q); err != nil {
+			r.Close()
+			return false
 		}
-		r.consumed(n)
+		r.consumed(len(q))
 	}
 }
 

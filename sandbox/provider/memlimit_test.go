@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"os"
 	"strconv"
 	"testing"
@@ -57,16 +58,47 @@ func TestMemoryLimitEndsTheSandbox(t *testing.T) {
 		// The init is never the OOM killer's first choice from inside (TestInitWithstandsTenant);
 		// made its likeliest victim from the host, it is taken when /dev/shm and /tmp fill the
 		// limit: the writer is small, and what fills memory is no process's.
+		// The command's processes must not share the init's score: they inherit it at fork, and
+		// one of them taken first (a loaded run saw it) would spare the init. So the shell starts,
+		// says so, and only once the init's score is raised is it told to fill the memory.
 		inst := in.(*instance)
+		stdinR, stdinW := io.Pipe()
+		ready := make(chan struct{})
+		out := writerFunc(func(p []byte) (int, error) {
+			if bytes.Contains(p, []byte("ready")) {
+				select {
+				case <-ready:
+				default:
+					close(ready)
+				}
+			}
+			return len(p), nil
+		})
+		done := make(chan error, 1)
+		go func() {
+			_, err := in.Exec(context.Background(), ExecRequest{
+				Command: "echo ready; read go; head -c 40M /dev/zero > /dev/shm/a; head -c 40M /dev/zero > /tmp/b; sleep 30",
+				Stdin:   stdinR, Stdout: out, Timeout: 30 * time.Second})
+			done <- err
+		}()
+		select {
+		case <-ready:
+		case err := <-done:
+			t.Fatalf("the exec ended before it was told to fill the memory: %v", err)
+		}
 		if err := os.WriteFile("/proc/"+strconv.Itoa(inst.initPid)+"/oom_score_adj", []byte("1000"), 0); err != nil {
 			t.Fatal(err)
 		}
-		_, err := in.Exec(context.Background(), ExecRequest{
-			Command: "head -c 40M /dev/zero > /dev/shm/a; head -c 40M /dev/zero > /tmp/b; sleep 30",
-			Timeout: 30 * time.Second})
-		if !errors.Is(err, ErrStopped) {
+		stdinW.Write([]byte("go\n"))
+		if err := <-done; !errors.Is(err, ErrStopped) {
 			t.Errorf("the exec in flight: %v, want the sandbox stopped", err)
 		}
+		stdinW.Close()
 		ended(t, in)
 	})
 }
+
+// writerFunc is a Writer made of a function.
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -31,7 +32,7 @@ var gvisorNetTemplate = Template{Name: "gvnet", Isolation: IsolationGvisor, Netw
 // the host, so the checks are not passing for another reason.
 func TestGvisorNetworkCannotReachHost(t *testing.T) {
 	n := newGvisor(t)
-	peerNetns(t) // the host gets 10.213.N.1 on a second interface
+	peer, _ := peerNetns(t) // the host gets 10.213.N.1 on a second interface, the peer N.2
 	in, spec := startSandbox(t, n, gvisorNetTemplate)
 	type target struct{ listen, dial string }
 	var targets []target
@@ -50,15 +51,11 @@ func TestGvisorNetworkCannotReachHost(t *testing.T) {
 			t.Errorf("a refused connect to %s should fail at once with connection refused: %q", tg.dial, out)
 		}
 	}
-	// Without the firewall, pasta connects the sandbox to the host's second interface.
-	peerHost := ""
-	for _, a := range hostAddrs(t) {
-		if strings.HasPrefix(a, "10.213.") {
-			peerHost = a
-		}
-	}
-	if peerHost == "" {
-		t.Fatal("the host has no address on the veth")
+	// Without the firewall, pasta connects the sandbox to the host's second interface: this
+	// test's own (another run's or test's veth may be on the host too, and go at any moment).
+	peerHost := strings.TrimSuffix(peer, ".2") + ".1"
+	if !slices.Contains(hostAddrs(t), peerHost) {
+		t.Fatalf("the host has no address %s on the test's veth", peerHost)
 	}
 	path := filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile)
 	ns, err := os.Open(path)

@@ -26,6 +26,8 @@ type Service struct {
 	now      func() time.Time
 	// dataplaneURL builds the dataplane URL of a sandbox from the node that hosts it.
 	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
+	// recent remembers verified tokens (recent.go): VerifyRecent, CheckRecent.
+	recent *recent
 }
 
 // ServiceConfig wires a Service.
@@ -50,6 +52,7 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 		return nil, err
 	}
 	s.now = s.issuer.cfg.Now
+	s.recent = newRecent(s.now)
 	if s.events == nil {
 		s.events = func(string, protocol.Event) {}
 	}
@@ -221,6 +224,9 @@ type Revocation struct {
 }
 
 func (s *Service) announce(ctx context.Context, r Revocation) {
+	// This broker forgets the token first, so that its next upgrade refuses it whatever becomes of
+	// the announcement.
+	s.Forget(r)
 	msg, _ := json.Marshal(r)
 	if err := s.store.Publish(ctx, store.RevocationsChannel, string(msg)); err != nil {
 		s.log.Warn("could not announce a revocation; open connections learn it at their next re-check", "sandbox_id", r.SandboxID, "err", err)
@@ -230,14 +236,14 @@ func (s *Service) announce(ctx context.Context, r Revocation) {
 // CheckRevocation implements State: one round trip reads the deny-list entry, the sandbox's current
 // generation and status, and the state of the API key that minted the token.
 //
-// Why the minting key is read here rather than recorded per token or cached: the token already
-// names its key (sub = "key:<id>"), and the key's record is the one place its revocation is written
+// Why the minting key is read here rather than recorded per token: the token already names its key
+// (sub = "key:<id>"), and the key's record is the one place its revocation is written
 // (store.RevokeAPIKey, also by `broker keys revoke`). Reading it in the pipeline this check already
-// sends costs no extra round trip and cannot be stale, so a revoked key's tokens are refused at once
-// by every broker, with nothing to fan out to each token at revocation time (a key may have minted
-// thousands) and no cache to evict. Verification happens at dataplane upgrade, at its periodic
-// re-check and on introspection, never per dataplane operation, so the extra read is not on a hot
-// path. Open connections learn it from the key revocation announcement (hub.keyRevoked).
+// sends costs no extra round trip, with nothing to fan out to each token at revocation time (a key
+// may have minted thousands). This read is exact; the dataplane's upgrade reads it through
+// VerifyRecent (at most once per RecentTTL per token, evicted by the key revocation announcement:
+// ForgetKey), while the periodic re-check of open connections and introspection read it every time.
+// Open connections learn it from the key revocation announcement (hub.keyRevoked).
 func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
 	st, err := s.store.TokenState(ctx, c.Org, c.Sbx, c.ID, c.KeyID())
 	if err != nil {
@@ -247,7 +253,7 @@ func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "the token was revoked")
 	}
 	if st.SandboxGone || st.Status == protocol.StatusDeleting {
-		return protocol.Errorf(protocol.CodeTokenRevoked, "the token's sandbox was deleted")
+		return SandboxDeleted()
 	}
 	if c.Gen < st.Gen {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "every token of the sandbox was revoked")
@@ -257,6 +263,12 @@ func (s *Service) CheckRevocation(ctx context.Context, c *Claims) error {
 		return protocol.Errorf(protocol.CodeTokenRevoked, "the API key that minted the token was revoked")
 	}
 	return nil
+}
+
+// SandboxDeleted is the refusal of a token whose sandbox is deleted or being deleted, wherever that
+// is found out (this read, or the dataplane's read of the sandbox's record).
+func SandboxDeleted() *protocol.Error {
+	return protocol.Errorf(protocol.CodeTokenRevoked, "the token's sandbox was deleted")
 }
 
 // Introspect says whether a token is usable now, for an agent server of org checking a block it was

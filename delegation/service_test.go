@@ -2,6 +2,7 @@ package delegation_test
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"sync"
@@ -85,5 +86,41 @@ func TestRevokeUsesTheBrokerClock(t *testing.T) {
 	}
 	if denied, _, err := st.TokensRevoked(ctx, rec.Org, []string{m.JTI}, nil); err != nil || denied[m.JTI] {
 		t.Fatal("an expired token was put on the deny-list")
+	}
+}
+
+// The broker that revokes forgets the token before it announces anything: its next VerifyRecent
+// refuses the token though no announcement was followed here and no time passed.
+func TestRevokeForgetsAtOnce(t *testing.T) {
+	t.Parallel()
+	clk := &fakeClock{t: time.Now()}
+	svc, st, rec := newService(t, clk)
+	ctx := t.Context()
+	_, key, err := st.CreateAPIKey(ctx, rec.Org, "owner", clk.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	actor := delegation.KeySubjectPrefix + key.ID
+	for name, revoke := range map[string]func(jti string) error{
+		"one": func(jti string) error { return svc.Revoke(ctx, rec, actor, jti) },
+		"all": func(string) error { return svc.RevokeAll(ctx, rec, actor) },
+	} {
+		if rec, err = st.Get(ctx, rec.Org, rec.ID); err != nil { // the current generation to mint at
+			t.Fatal(err)
+		}
+		m, err := svc.Mint(ctx, rec, actor, protocol.MintRequest{Scopes: []string{"exec"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := svc.VerifyRecent(ctx, m.Token); err != nil {
+			t.Fatalf("revoke %s: live token: %v", name, err)
+		}
+		if err := revoke(m.JTI); err != nil {
+			t.Fatal(err)
+		}
+		var pe *protocol.Error
+		if _, err := svc.VerifyRecent(ctx, m.Token); !errors.As(err, &pe) || pe.Code != protocol.CodeTokenRevoked {
+			t.Errorf("revoke %s: VerifyRecent right after: %v, want token_revoked", name, err)
+		}
 	}
 }

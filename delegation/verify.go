@@ -75,7 +75,12 @@ func NewVerifier(keys *Keyring, cfg Config, state State) (*Verifier, error) {
 // State.CheckRevocation says (see State) — or an error wrapping ErrRevocationState. No error
 // message contains the token.
 func (v *Verifier) Verify(ctx context.Context, token string) (*Claims, error) {
-	return v.verify(ctx, token, "", "", false)
+	return v.verify(ctx, token, "", "", false, v.state)
+}
+
+// verifyWith is Verify consulting state for revocation instead of the verifier's own.
+func (v *Verifier) verifyWith(ctx context.Context, token string, state State) (*Claims, error) {
+	return v.verify(ctx, token, "", "", false, state)
 }
 
 // Check does every check of Verify that needs no revocation state (signature, expiry, claims), and
@@ -94,10 +99,10 @@ func (v *Verifier) Check(token string) (*Claims, error) {
 // sandboxes: a token of any other org or sandbox is refused with token_wrong_sandbox before the
 // revocation state is consulted, so that state never leaks across orgs.
 func (v *Verifier) VerifyBound(ctx context.Context, token, org, sandboxID string) (*Claims, error) {
-	return v.verify(ctx, token, org, sandboxID, true)
+	return v.verify(ctx, token, org, sandboxID, true, v.state)
 }
 
-func (v *Verifier) verify(ctx context.Context, token, org, sandboxID string, bound bool) (*Claims, error) {
+func (v *Verifier) verify(ctx context.Context, token, org, sandboxID string, bound bool, state State) (*Claims, error) {
 	c, perr := v.check(token)
 	if perr != nil {
 		return nil, perr
@@ -105,10 +110,10 @@ func (v *Verifier) verify(ctx context.Context, token, org, sandboxID string, bou
 	if bound && (c.Org != org || (sandboxID != "" && c.Sbx != sandboxID)) {
 		return nil, protocol.Errorf(protocol.CodeTokenSandbox, "the token was issued for another sandbox")
 	}
-	if v.state == nil {
+	if state == nil {
 		return c, nil
 	}
-	if err := v.state.CheckRevocation(ctx, c); err != nil {
+	if err := state.CheckRevocation(ctx, c); err != nil {
 		var pe *protocol.Error
 		if errors.As(err, &pe) {
 			return nil, pe

@@ -11,6 +11,7 @@ import (
 	"github.com/gorilla/websocket"
 	"github.com/labstack/echo/v4"
 
+	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/store"
@@ -150,7 +151,10 @@ func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.H
 		conn.org, conn.keyID, conn.actor = p.Org, p.KeyID, p.Actor()
 		conn.scopes = map[string]bool{protocol.ScopeFSRead: true, protocol.ScopeFSWrite: true, protocol.ScopeExec: true}
 	} else {
-		claims, err := s.delegation.Verifier().Verify(ctx, cred)
+		// Its revocation state comes from Redis at most once per delegation.RecentTTL on this broker
+		// (evicted at once by announced revocations); its signature and expiry are checked here
+		// every time.
+		claims, err := s.delegation.VerifyRecent(ctx, cred)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -261,13 +265,19 @@ func clipHeader(s string) string {
 // dataplaneSandbox resolves the URL's ref for a connection. A token only ever looks up its own
 // sandbox, and a ref that is not that sandbox's id or name gets the very answer of a missing one:
 // answering "another sandbox" (403) for a sandbox that exists would tell a delegate which names
-// its owner's org uses.
+// its owner's org uses. This read is made on every upgrade: it is what refuses a token at once,
+// on every broker, when its sandbox is stopped or deleted, whatever the token's cached state says.
 func (s *Server) dataplaneSandbox(ctx context.Context, conn *dpConn, ref string) (store.Record, error) {
 	if conn.claims == nil {
 		return s.sandboxes.Get(ctx, conn.org, ref)
 	}
 	rec, err := s.sandboxes.Get(ctx, conn.org, conn.claims.Sbx)
 	var pe *protocol.Error
+	// The token's own sandbox gone or going ends the token: the answer its revocation read gives,
+	// whether that read was made for this upgrade or remembered.
+	if err == nil && rec.Status == protocol.StatusDeleting || errors.As(err, &pe) && pe.Code == protocol.CodeNotFound {
+		return store.Record{}, delegation.SandboxDeleted()
+	}
 	if err == nil && ref != rec.ID && ref != rec.Name || errors.As(err, &pe) && pe.Code == protocol.CodeNotFound {
 		return store.Record{}, sandbox.NotFound(ref)
 	}

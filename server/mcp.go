@@ -1,12 +1,9 @@
 package server
 
 import (
-	"crypto/sha256"
 	"encoding/json"
 	"io"
 	"net/http"
-	"sync"
-	"time"
 
 	"github.com/labstack/echo/v4"
 
@@ -23,9 +20,6 @@ import (
 // revocation and events apply exactly as for any delegate, without a loopback WebSocket.
 type mcpFront struct {
 	http *mcp.HTTP
-	// checked are tokens whose signature and claims were checked, so that a session's requests
-	// after the first cost a hash, not an Ed25519 verification.
-	checked checkedTokens
 }
 
 func (s *Server) newMCP() {
@@ -41,8 +35,10 @@ var errMCPOwnerKey = protocol.Errorf(protocol.CodeForbidden,
 
 // mcpEndpoint authenticates GET, POST and DELETE /v1/sandboxes/{id}/mcp with a delegation token
 // of that sandbox and hands the request to the MCP front end. A request that opens a session is
-// checked against revocations too; a session's later requests are checked by signature and expiry
-// alone (no Redis round trip), because the session's dataplane connection ends it on revocation.
+// checked against revocations too, as an upgrade is (delegation.Service.VerifyRecent); a session's
+// later requests are checked by signature and expiry alone, a hash once the token passed
+// (CheckRecent: no Redis round trip), because the session's dataplane connection ends it on
+// revocation. Both share the broker's one cache of tokens, which revocations evict.
 func (s *Server) mcpEndpoint(c echo.Context) error {
 	if err := s.mcpServe(c); err != nil {
 		s.mcpError(c, err)
@@ -125,18 +121,12 @@ func (s *Server) mcpServe(c echo.Context) error {
 		return errMCPOwnerKey
 	}
 	ctx := r.Context()
-	v := s.delegation.Verifier()
 	var claims *delegation.Claims
 	var err error
 	if r.Header.Get("Mcp-Session-Id") == "" {
-		claims, err = v.Verify(ctx, cred)
-		if err == nil {
-			s.mcp.checked.put(cred, claims)
-		}
-	} else if claims = s.mcp.checked.get(cred, s.now()); claims == nil {
-		if claims, err = v.Check(cred); err == nil {
-			s.mcp.checked.put(cred, claims)
-		}
+		claims, err = s.delegation.VerifyRecent(ctx, cred)
+	} else {
+		claims, err = s.delegation.CheckRecent(cred)
 	}
 	if err != nil {
 		return err
@@ -151,36 +141,4 @@ func (s *Server) mcpServe(c echo.Context) error {
 	id := mcp.Identity{Token: cred, JTI: claims.ID, SandboxID: claims.Sbx, Scopes: claims.Scopes(), AllowCmd: claims.Cmd,
 		ExpiresAt: claims.ExpiresAt.Time}
 	return s.mcp.http.Serve(c.Response(), r.WithContext(mcp.WithIdentity(ctx, id)))
-}
-
-// checkedTokens remembers tokens that passed the verifier, by their SHA-256, until they expire. It
-// holds what Check would answer again (signature, issuer, audience, expiry) for a token it
-// answered once; revocation is not its business (see mcpEndpoint).
-type checkedTokens struct {
-	mu sync.Mutex
-	m  map[[32]byte]*delegation.Claims
-}
-
-// maxCheckedTokens bounds the cache; when full it starts over.
-const maxCheckedTokens = 4096
-
-func (c *checkedTokens) get(token string, now time.Time) *delegation.Claims {
-	k := sha256.Sum256([]byte(token))
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	cl, ok := c.m[k]
-	if !ok || cl.ExpiresAt == nil || !now.Before(cl.ExpiresAt.Time) {
-		return nil
-	}
-	return cl
-}
-
-func (c *checkedTokens) put(token string, cl *delegation.Claims) {
-	k := sha256.Sum256([]byte(token))
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.m == nil || len(c.m) >= maxCheckedTokens {
-		c.m = map[[32]byte]*delegation.Claims{}
-	}
-	c.m[k] = cl
 }

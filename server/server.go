@@ -274,11 +274,18 @@ func (s *Server) Handler() http.Handler { return s.e }
 func (s *Server) Serve(l net.Listener) error {
 	// Subscribed before the first request is served, so no revocation can slip past a cache or an
 	// open connection.
-	if err := delegation.Subscribe(s.bgCtx, s.store, s.hub.revoked); err != nil {
+	// Caches first, then connections: by the time a connection closes on a revocation, a new
+	// upgrade with its credential is refused too.
+	err := delegation.Subscribe(s.bgCtx, s.store, func(r delegation.Revocation) {
+		s.delegation.Forget(r)
+		s.hub.revoked(r)
+	})
+	if err != nil {
 		return err
 	}
-	err := delegation.FollowKeyRevocations(s.bgCtx, s.store, func(id string) {
+	err = delegation.FollowKeyRevocations(s.bgCtx, s.store, func(id string) {
 		s.apiKeys.evict(id)
+		s.delegation.ForgetKey(id)
 		s.hub.keyRevoked(id)
 		s.streams.keyRevoked(id)
 	})

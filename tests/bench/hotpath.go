@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"text/tabwriter"
@@ -19,6 +20,38 @@ import (
 )
 
 var hotpathOnly = flag("hotpath", "only the hot-path rows of issue 17 (1 MiB read/write, 4 KiB, ping, exec, bulk, 1,000 clients)")
+
+var clientsOnly = flag("clients-only", "only the 1,000-client row of issue 17 (1,000 connections dialled at once with one token, each doing rounds of write/read/exec), with the load average")
+
+// clientsRows runs the 1,000-client row alone and prints it with the machine's load average before
+// and after, since on a shared machine the figure means little without it.
+func clientsRows(ctx context.Context, blk protocol.SandboxBlock) error {
+	load0 := loadAvg()
+	cd, cw, cr, ce, errs, took := concurrentClients(ctx, blk, 1000, 3)
+	load1 := loadAvg()
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "1,000 CLIENTS (issue 17)\tBROKER (p50 / p99)\tTARGET")
+	fmt.Fprintf(tw, "1,000 clients: dial (upgrade)\t%s\t0 errors\n", p50p99(cd))
+	fmt.Fprintf(tw, "1,000 clients: 4 KiB write\t%s\t0 errors\n", p50p99(cw))
+	fmt.Fprintf(tw, "1,000 clients: 4 KiB read\t%s\t0 errors\n", p50p99(cr))
+	fmt.Fprintf(tw, "1,000 clients: exec `true`\t%s\t0 errors\n", p50p99(ce))
+	tw.Flush()
+	fmt.Printf("%d errors, %.1f s in all; load average before %s, after %s\n", errs, took.Seconds(), load0, load1)
+	return nil
+}
+
+// loadAvg is the 1, 5 and 15 minute load averages.
+func loadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "?"
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return "?"
+	}
+	return strings.Join(f[:3], " ")
+}
 
 // hotpath measures the dataplane's hot path (issue 17) and prints each figure beside its floor in
 // this run and the peers' figures from the issue (E2B envd and the Daytona daemon built from their
@@ -123,7 +156,8 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 		fmt.Sprintf("file out over raw TCP %.0f MiB/s (%.0f%%)", fromFile, 100*down/fromFile)})
 
 	fmt.Fprintln(os.Stderr, "  1000 concurrent clients...")
-	cw, cr, ce, errs, took := concurrentClients(ctx, blk, 1000, 3)
+	cd, cw, cr, ce, errs, took := concurrentClients(ctx, blk, 1000, 3)
+	add(row{"1,000 clients: dial (upgrade)", p50p99(cd), "0 errors", "", "", ""})
 	add(row{"1,000 clients: 4 KiB write", p50p99(cw), "0 errors", "", "", fmt.Sprintf("%d errors, %.1f s in all", errs, took.Seconds())})
 	add(row{"1,000 clients: 4 KiB read", p50p99(cr), "0 errors", "", "", ""})
 	add(row{"1,000 clients: exec `true`", p50p99(ce), "0 errors", "", "", ""})
@@ -172,10 +206,11 @@ func ratio(ours, floor samples) string {
 }
 
 // concurrentClients opens n connections at once; each does rounds of a 4 KiB write, its read and an
-// exec of `true`. It returns the latencies of each op over all clients and the errors.
-func concurrentClients(ctx context.Context, blk protocol.SandboxBlock, n, rounds int) (w, r, e samples, errs int64, took time.Duration) {
+// exec of `true`. It returns the latencies of the dials (each a WebSocket upgrade with the one
+// token) and of each op over all clients, and the errors.
+func concurrentClients(ctx context.Context, blk protocol.SandboxBlock, n, rounds int) (d, w, r, e samples, errs int64, took time.Duration) {
 	var mu sync.Mutex
-	var ws, rs, es []time.Duration
+	var ds, ws, rs, es []time.Duration
 	var nerr atomic.Int64
 	fail := func(err error) {
 		if nerr.Add(1) <= 3 {
@@ -190,16 +225,18 @@ func concurrentClients(ctx context.Context, blk protocol.SandboxBlock, n, rounds
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			t := time.Now()
 			rem, err := backend.Dial(ctx, backend.Config{URL: blk.DataplaneURL, Credential: blk.Credential, Reconnects: 3})
 			if err != nil {
 				fail(err)
 				return
 			}
+			dial := time.Since(t)
 			remotes[i] = rem
 			p := fmt.Sprintf("clients/%d.txt", i)
 			var lw, lr, le []time.Duration
 			for range rounds {
-				t := time.Now()
+				t = time.Now()
 				if _, err := rem.Write(ctx, protocol.WriteArgs{Path: p, Content: content}); err != nil {
 					fail(err)
 					continue
@@ -219,7 +256,7 @@ func concurrentClients(ctx context.Context, blk protocol.SandboxBlock, n, rounds
 				le = append(le, time.Since(t))
 			}
 			mu.Lock()
-			ws, rs, es = append(ws, lw...), append(rs, lr...), append(es, le...)
+			ds, ws, rs, es = append(ds, dial), append(ws, lw...), append(rs, lr...), append(es, le...)
 			mu.Unlock()
 		}()
 	}
@@ -234,5 +271,5 @@ func concurrentClients(ctx context.Context, blk protocol.SandboxBlock, n, rounds
 		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
 		return samples{d: d}
 	}
-	return sorted(ws), sorted(rs), sorted(es), nerr.Load(), took
+	return sorted(ds), sorted(ws), sorted(rs), sorted(es), nerr.Load(), took
 }

@@ -136,6 +136,9 @@ func run() error {
 	if *mcpOnly {
 		return mcpOnlyRun(ctx, m, n, br)
 	}
+	if *clientsOnly {
+		return clientsRows(ctx, m.Sandbox)
+	}
 	if err := hotpath(ctx, r, br, m.Sandbox, tcp, bare, n); *hotpathOnly || err != nil {
 		return err
 	}

@@ -157,8 +157,9 @@ func localAddrs() ([]netip.Addr, error) {
 //
 // The rules, under a policy of drop:
 //
-//  1. ARP passes (pasta answers it itself), and so does IPv6 neighbour discovery (ICMPv6 133-136,
-//     which pasta answers itself too);
+//  1. ARP passes (pasta answers it itself), and so does IPv6 neighbour discovery (ICMPv6 133-136
+//     right behind the IPv6 header, which pasta answers itself too); IPv6 with extension headers
+//     is refused (pasta walks them differently from the kernel);
 //  2. the sandbox's loopback, unspecified, IPv4-mapped, multicast and broadcast destinations, and the
 //     host's local addresses as they are when the sandbox starts, are refused: pasta would connect
 //     to any of them on the host (0.0.0.0 and 127.0.0.1 are the host's loopback there);
@@ -176,8 +177,10 @@ func localAddrs() ([]netip.Addr, error) {
 const gvisorIfname = "eth0"
 
 const (
-	etherTypeOff = 12 // the ethertype in an Ethernet header
-	etherLen     = 14 // an Ethernet header without a VLAN tag
+	etherTypeOff      = 12 // the ethertype in an Ethernet header
+	etherLen          = 14 // an Ethernet header without a VLAN tag
+	ipv6NextHeaderOff = 6  // the next header in an IPv6 header
+	ipv6HeaderLen     = 40 // an IPv6 header without extension headers
 )
 
 // gvisorRefused are destinations that lead to the host through pasta whatever the host's addresses.
@@ -238,15 +241,28 @@ func frameRules(hostAddrs []netip.Addr, allow []egressRule, pass, refuseTCP, ref
 		add(append(append([]expr.Any(nil), match...), isTCP...), refuseTCP)
 		add(match, refuse)
 	}
-	// 1. ARP and neighbour discovery.
+	// 1. ARP and neighbour discovery. Neighbour discovery is read at fixed offsets (ICMPv6 right
+	// behind the IPv6 header), as pasta reads it: the kernel's walk of extension headers (l4proto,
+	// the transport header) is not pasta's, and this rule looks at no destination.
 	add(frameType(unix.ETH_P_ARP), pass)
 	for _, typ := range []byte{133, 134, 135, 136} {
 		add(append(declared(unix.ETH_P_IPV6),
-			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: etherLen + ipv6NextHeaderOff, Len: 1},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.IPPROTO_ICMPV6}},
-			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 1},
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: etherLen + ipv6HeaderLen, Len: 1},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{typ}}), pass)
 	}
+	// IPv6 with extension headers is refused: pasta walks them differently from the kernel (every
+	// header's length as (hdrlen+1)*8, AH's and a fragment header's included; next headers 135,
+	// 139, 140, 253 and 254 skipped; the transport header taken to start at the last extension
+	// header), so the protocol, ports and type the rules below read could differ from what pasta
+	// acts on. Without them both read the same bytes. gVisor sends them only for IPv6 fragments,
+	// which pasta does not reassemble, and for multicast listener reports, which rule 2 refuses.
+	add(append(frameType(unix.ETH_P_IPV6),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: etherLen + ipv6NextHeaderOff, Len: 1},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{unix.IPPROTO_TCP}},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{unix.IPPROTO_UDP}},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{unix.IPPROTO_ICMPV6}}), refuse)
 	// 2. What leads to the host.
 	refused := append([]netip.Prefix(nil), gvisorRefused...)
 	for _, a := range hostAddrs {

@@ -199,3 +199,162 @@ func hostAddrs6(t *testing.T) []netip.Addr {
 	}
 	return out
 }
+
+// synFrame4 is an Ethernet frame from src to the broadcast MAC carrying an IPv4 TCP SYN from saddr
+// to daddr:dport, with no checksums (pasta checks none).
+func synFrame4(src net.HardwareAddr, saddr, daddr netip.Addr, dport uint16) []byte {
+	f := []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
+	f = append(f, src...)
+	f = append(f, 0x08, 0x00)
+	ip := make([]byte, 40)
+	ip[0] = 0x45
+	binary.BigEndian.PutUint16(ip[2:], 40)
+	ip[8] = 64
+	ip[9] = unix.IPPROTO_TCP
+	s, d := saddr.As4(), daddr.As4()
+	copy(ip[12:16], s[:])
+	copy(ip[16:20], d[:])
+	synAt(ip[20:], 40002, dport, false)
+	return append(f, ip...)
+}
+
+// vnetHdr is the virtio_net_hdr a PACKET_VNET_HDR socket takes before each frame: with csum, the
+// frame's checksum is left to the kernel (VIRTIO_NET_HDR_F_NEEDS_CSUM), summed from byte start
+// and written at start+off.
+func vnetHdr(csum bool, start, off uint16) []byte {
+	h := make([]byte, 10)
+	if csum {
+		h[0] = 1
+		binary.LittleEndian.PutUint16(h[6:], start)
+		binary.LittleEndian.PutUint16(h[8:], off)
+	}
+	return h
+}
+
+// steerChecksum sets the 16-bit word of f at free (an even distance from start) so that the
+// checksum the kernel computes from start to the end of f, and writes at start, is want.
+func steerChecksum(f []byte, start, free int, want uint16) bool {
+	for w := 0; w <= 0xffff; w++ {
+		binary.BigEndian.PutUint16(f[free:], uint16(w))
+		var sum uint32
+		for i := start; i < len(f); i += 2 {
+			v := uint32(f[i]) << 8
+			if i+1 < len(f) {
+				v |= uint32(f[i+1])
+			}
+			sum += v
+		}
+		for sum > 0xffff {
+			sum = sum&0xffff + sum>>16
+		}
+		got := ^uint16(sum)
+		if got == 0 {
+			got = 0xffff
+		}
+		if got == want {
+			return true
+		}
+	}
+	return false
+}
+
+// The sentry's packet socket on eth0 takes a virtio_net_hdr before each frame (runsc sets
+// PACKET_VNET_HDR for GSO), and with it the sender says where the kernel is to write the frame's
+// checksum. A kernel that writes it after the firewall has read the frame lets a compromised
+// sentry rewrite any two bytes of a frame the firewall passed: the destination address, to the
+// host's loopback or its addresses, or the destination port, to one off the allowlist.
+func TestGvisorNetworkChecksumRewrite(t *testing.T) {
+	n := newGvisor(t)
+	_, listenPeer := peerNetns(t) // the host gets 10.213.N.1 on a second interface
+	allowed, allowedAccepted := listenPeer()
+	other, otherAccepted := listenPeer()
+	ah, ap, _ := net.SplitHostPort(allowed)
+	listed := gvisorNetTemplate
+	listed.Network = Network{Enabled: true, Allow: []string{ah + ":" + ap}}
+	port := func(addr string) uint16 {
+		_, p, _ := net.SplitHostPort(addr)
+		v, _ := strconv.Atoi(p)
+		return uint16(v)
+	}
+	for _, tc := range []struct {
+		name string
+		tmpl Template
+	}{{"broad", gvisorNetTemplate}, {"allowlist", listed}} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, spec := startSandbox(t, n, tc.tmpl)
+			path := filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile)
+			var send func(f []byte)
+			var src net.HardwareAddr
+			inNetns(t, path, func() {
+				eth0, err := net.InterfaceByName(gvisorIfname)
+				if err != nil {
+					t.Fatal(err)
+				}
+				src = eth0.HardwareAddr
+				fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { unix.Close(fd) })
+				if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_VNET_HDR, 1); err != nil {
+					t.Fatal(err)
+				}
+				if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: eth0.Index}); err != nil {
+					t.Fatal(err)
+				}
+				send = func(f []byte) {
+					if _, err := unix.Write(fd, f); err != nil && err != unix.ENOBUFS {
+						t.Fatalf("send: %v", err)
+					}
+				}
+			})
+			saddr := netip.MustParseAddr(hostAddrs(t)[0])
+			const daddrOff, dportOff, windowOff = etherLen + 16, etherLen + 20 + 2, etherLen + 20 + 14
+			type target struct {
+				name     string
+				addr     string
+				accepted func() bool
+			}
+			var targets []target
+			if tc.tmpl.Network.Allow == nil {
+				for _, h := range append([]string{"127.0.0.1"}, hostAddrs(t)...) {
+					addr, accepted := listenOn(t, net.JoinHostPort(h, "0"))
+					targets = append(targets, target{"host " + h, addr, accepted})
+				}
+			} else {
+				targets = append(targets, target{"off the allowlist", other, otherAccepted})
+			}
+			for _, tg := range targets {
+				dst := netip.MustParseAddrPort(tg.addr)
+				var f []byte
+				var start int
+				if tc.tmpl.Network.Allow == nil {
+					// Sent to 198.51.x.y (passed), written as the target's first two bytes.
+					d := dst.Addr().As4()
+					f = synFrame4(src, saddr, netip.AddrFrom4([4]byte{198, 51, d[2], d[3]}), dst.Port())
+					start = daddrOff
+				} else {
+					// Sent to the allowed port (passed), written as the other's.
+					f = synFrame4(src, saddr, netip.MustParseAddrPort(allowed).Addr(), port(allowed))
+					start = dportOff
+				}
+				want := binary.BigEndian.Uint16(append(dst.Addr().AsSlice(), 0, 0)[0:2])
+				if tc.tmpl.Network.Allow != nil {
+					want = dst.Port()
+				}
+				if !steerChecksum(f, start, windowOff, want) {
+					t.Fatal("no window word gives the checksum wanted")
+				}
+				send(append(vnetHdr(true, uint16(start), 0), f...))
+				if tg.accepted() {
+					t.Errorf("%s: a frame whose checksum the kernel wrote over its destination reached the %s listener %s", tc.name, tg.name, tg.addr)
+				}
+			}
+			// The control: the same socket reaches the allowed peer.
+			send(append(vnetHdr(false, 0, 0), synFrame4(src, saddr, netip.MustParseAddrPort(allowed).Addr(), port(allowed))...))
+			if !allowedAccepted() {
+				t.Errorf("%s: a plain SYN frame to the allowed %s never arrived: the checks above test nothing", tc.name, allowed)
+			}
+		})
+	}
+}

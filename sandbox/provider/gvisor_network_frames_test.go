@@ -4,8 +4,10 @@ import (
 	"encoding/binary"
 	"net"
 	"net/netip"
+	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -359,5 +361,125 @@ func TestGvisorNetworkChecksumRewrite(t *testing.T) {
 				t.Errorf("%s: a plain SYN frame to the allowed %s never arrived: the checks above test nothing", tc.name, allowed)
 			}
 		})
+	}
+}
+
+// tagged wraps an Ethernet frame's payload in VLAN tags (802.1ad outer, 802.1Q inner for two).
+func tagged(f []byte, tags int) []byte {
+	out := append([]byte(nil), f[:12]...)
+	for i := 0; i < tags; i++ {
+		tpid := []byte{0x81, 0x00}
+		if tags > 1 && i == 0 {
+			tpid = []byte{0x88, 0xa8}
+		}
+		out = append(out, tpid[0], tpid[1], 0, 7)
+	}
+	return append(out, f[12:]...)
+}
+
+// withOption gives an IPv4 frame's header a 4-byte option (NOPs), moving the TCP header behind it.
+func withOption(f []byte) []byte {
+	out := append([]byte(nil), f[:etherLen+20]...)
+	out = append(out, 1, 1, 1, 1)
+	out = append(out, f[etherLen+20:]...)
+	out[etherLen] = 0x46
+	binary.BigEndian.PutUint16(out[etherLen+2:], uint16(len(out)-etherLen))
+	return out
+}
+
+// Frames a compromised sentry could write on eth0, plain or dressed (VLAN tags, stacked tags, IP
+// options), to the host by every address pasta could turn into the host: its loopback, its
+// addresses (IPv6 link-local ones included), and the gateways pasta offers, which pasta maps to the
+// host's loopback unless told not to (--no-map-gw). None may reach a listener on all of the host's
+// addresses; a plain SYN written the same way reaches the outside peer.
+func TestGvisorNetworkFramesToHost(t *testing.T) {
+	n := newGvisor(t)
+	_, listenPeer := peerNetns(t)
+	peer, peerAccepted := listenPeer()
+	_, spec := startSandbox(t, n, gvisorNetTemplate)
+	path := filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile)
+	var send func(f []byte)
+	var src net.HardwareAddr
+	var gateways []netip.Addr
+	inNetns(t, path, func() {
+		eth0, err := net.InterfaceByName(gvisorIfname)
+		if err != nil {
+			t.Fatal(err)
+		}
+		src = eth0.HardwareAddr
+		fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Close(fd) })
+		if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: eth0.Index}); err != nil {
+			t.Fatal(err)
+		}
+		send = func(f []byte) {
+			if _, err := unix.Write(fd, f); err != nil && err != unix.ENOBUFS {
+				t.Fatalf("send: %v", err)
+			}
+		}
+	})
+	// The gateways pasta gave the namespace are the host's.
+	for _, family := range []string{"-4", "-6"} {
+		out, err := exec.Command("ip", family, "route", "show", "default").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := strings.Fields(string(out))
+		for i := range f {
+			if f[i] == "via" && i+1 < len(f) {
+				gateways = append(gateways, netip.MustParseAddr(f[i+1]))
+			}
+		}
+	}
+	addr, accepted := listenOn(t, "[::]:0") // every address of the host, IPv4 and IPv6
+	port := netip.MustParseAddrPort(addr).Port()
+	saddr4 := netip.MustParseAddr(hostAddrs(t)[0])
+	var saddr6 netip.Addr
+	if a := hostAddrs6(t); len(a) > 0 {
+		saddr6 = a[0]
+	}
+	dsts := append([]netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("::1")}, gateways...)
+	all, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range all {
+		if ipn, ok := a.(*net.IPNet); ok && !ipn.IP.IsLoopback() {
+			ip, _ := netip.AddrFromSlice(ipn.IP)
+			dsts = append(dsts, ip.Unmap())
+		}
+	}
+	for _, d := range dsts {
+		type dressed struct {
+			name  string
+			frame []byte
+		}
+		var frames []dressed
+		if d.Is4() {
+			f := synFrame4(src, saddr4, d, port)
+			frames = []dressed{{"plain", f}, {"vlan", tagged(f, 1)}, {"qinq", tagged(f, 2)}, {"ip-option", withOption(f)}}
+		} else if saddr6.IsValid() {
+			b := make([]byte, 20)
+			synAt(b, 40003, port, false)
+			s := saddr6
+			if d.IsLinkLocalUnicast() {
+				s = netip.MustParseAddr("fe80::2")
+			}
+			f := frame6(src, s, d, unix.IPPROTO_TCP, b)
+			frames = []dressed{{"plain", f}, {"vlan", tagged(f, 1)}}
+		}
+		for _, fr := range frames {
+			send(fr.frame)
+			if accepted() {
+				t.Errorf("a %s SYN frame to %s reached the host's listener %s", fr.name, d, addr)
+			}
+		}
+	}
+	send(synFrame4(src, saddr4, netip.MustParseAddrPort(peer).Addr(), netip.MustParseAddrPort(peer).Port()))
+	if !peerAccepted() {
+		t.Errorf("a plain SYN frame to the outside %s never arrived: the checks above test nothing", peer)
 	}
 }

@@ -382,3 +382,59 @@ func frameDaddr(p netip.Prefix) []expr.Any {
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: n, Mask: net.CIDRMask(p.Bits(), int(n*8)), Xor: make([]byte, n)},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: p.Addr().AsSlice()})
 }
+
+// The host's wall for pasta. The namespace's rules refuse the host's addresses as they are when the
+// sandbox starts; an address the host gets later (a bridge of a container runtime or of Kubernetes
+// started after the sandbox, a VPN) would be reached through pasta like any other destination, and
+// with it whatever listens on all addresses. So the host's own output hook refuses pasta, whose
+// sockets carry the sandbox's uid, anything routed to the host itself (it leaves by lo, whatever
+// address it is sent to, now or later). pasta needs no local address: it forwards no port.
+
+// pastaWallTable is the name of the host table holding the wall for the sandbox id.
+func pastaWallTable(id string) string { return "sbxpasta-" + id }
+
+// applyPastaHostWall installs, in the host's network namespace, the wall for the pasta of sandbox
+// id running as uid, and returns what removes it. A table left by a broker that died is replaced.
+// uid must not be one the host's own services run as: it is the sandbox's own.
+func applyPastaHostWall(id string, uid int) (func(), error) {
+	c, err := nftables.New()
+	if err != nil {
+		return nil, fmt.Errorf("host wall: %w", err)
+	}
+	defer c.CloseLasting()
+	table := &nftables.Table{Name: pastaWallTable(id), Family: nftables.TableFamilyINet}
+	c.DelTable(table)
+	_ = c.Flush() // none there: nothing to replace
+	c.AddTable(table)
+	policy := nftables.ChainPolicyAccept
+	chain := c.AddChain(&nftables.Chain{
+		Name:     "pasta",
+		Table:    table,
+		Type:     nftables.ChainTypeFilter,
+		Hooknum:  nftables.ChainHookOutput,
+		Priority: nftables.ChainPriorityFilter,
+		Policy:   &policy,
+	})
+	match := []expr.Any{
+		&expr.Meta{Key: expr.MetaKeySKUID, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(uint32(uid))},
+		// lo is ifindex 1 in every network namespace.
+		&expr.Meta{Key: expr.MetaKeyOIF, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(1)},
+	}
+	for _, r := range refuse() {
+		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: append(append([]expr.Any(nil), match...), r...)})
+	}
+	if err := c.Flush(); err != nil {
+		return nil, fmt.Errorf("host wall: %w", err)
+	}
+	return func() {
+		c, err := nftables.New()
+		if err != nil {
+			return
+		}
+		defer c.CloseLasting()
+		c.DelTable(table)
+		_ = c.Flush()
+	}, nil
+}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -386,26 +387,38 @@ func frameDaddr(p netip.Prefix) []expr.Any {
 // The host's wall for pasta. The namespace's rules refuse the host's addresses as they are when the
 // sandbox starts; an address the host gets later (a bridge of a container runtime or of Kubernetes
 // started after the sandbox, a VPN) would be reached through pasta like any other destination, and
-// with it whatever listens on all addresses. So the host's own output hook refuses pasta, whose
-// sockets carry the sandbox's uid, anything routed to the host itself (it leaves by lo, whatever
-// address it is sent to, now or later). pasta needs no local address: it forwards no port.
+// with it whatever listens on all addresses. So the host's own output hook refuses every sandbox
+// uid (pasta's sockets carry it) anything routed to the host itself: that leaves by lo, whatever
+// address it is sent to, now or later. pasta needs no local address: it forwards no port.
+//
+// One table for the host, a set of the uids: a uid is added when a pasta of it starts and stays
+// (the --sandbox-uids range is the sandboxes', whoever holds a uid next wants the same), so a
+// broker that dies leaves nothing that needs removing, and the cost per packet is one lookup.
 
-// pastaWallTable is the name of the host table holding the wall for the sandbox id.
-func pastaWallTable(id string) string { return "sbxpasta-" + id }
+// Names of the host's wall for pasta.
+const (
+	pastaWallTable = "sbxpasta"
+	pastaWallSet   = "uids"
+)
 
-// applyPastaHostWall installs, in the host's network namespace, the wall for the pasta of sandbox
-// id running as uid, and returns what removes it. A table left by a broker that died is replaced.
-// uid must not be one the host's own services run as: it is the sandbox's own.
-func applyPastaHostWall(id string, uid int) (func(), error) {
+var pastaWallMu sync.Mutex
+
+// applyPastaHostWall adds uid to the host's wall for pasta, making the wall first if the host has
+// none. uid must be a sandbox's own, never one a host service runs as.
+func applyPastaHostWall(uid int) error {
+	// Two sandboxes starting at once must not both find no rules and both add them.
+	pastaWallMu.Lock()
+	defer pastaWallMu.Unlock()
 	c, err := nftables.New()
 	if err != nil {
-		return nil, fmt.Errorf("host wall: %w", err)
+		return fmt.Errorf("host wall: %w", err)
 	}
 	defer c.CloseLasting()
-	table := &nftables.Table{Name: pastaWallTable(id), Family: nftables.TableFamilyINet}
-	c.DelTable(table)
-	_ = c.Flush() // none there: nothing to replace
-	c.AddTable(table)
+	table := c.AddTable(&nftables.Table{Name: pastaWallTable, Family: nftables.TableFamilyINet})
+	set := &nftables.Set{Table: table, Name: pastaWallSet, KeyType: nftables.TypeUID, KeyByteOrder: binaryutil.NativeEndian}
+	if err := c.AddSet(set, nil); err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
 	policy := nftables.ChainPolicyAccept
 	chain := c.AddChain(&nftables.Chain{
 		Name:     "pasta",
@@ -415,9 +428,23 @@ func applyPastaHostWall(id string, uid int) (func(), error) {
 		Priority: nftables.ChainPriorityFilter,
 		Policy:   &policy,
 	})
+	if err := c.SetAddElements(set, []nftables.SetElement{{Key: binaryutil.NativeEndian.PutUint32(uint32(uid))}}); err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	// The rules, once: a broker that finds them there (its own from before, another's) adds none.
+	rules, err := c.GetRules(table, chain)
+	if err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	if len(rules) > 0 {
+		return nil
+	}
 	match := []expr.Any{
 		&expr.Meta{Key: expr.MetaKeySKUID, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(uint32(uid))},
+		&expr.Lookup{SourceRegister: 1, SetName: set.Name, SetID: set.ID},
 		// lo is ifindex 1 in every network namespace.
 		&expr.Meta{Key: expr.MetaKeyOIF, Register: 1},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(1)},
@@ -426,15 +453,7 @@ func applyPastaHostWall(id string, uid int) (func(), error) {
 		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: append(append([]expr.Any(nil), match...), r...)})
 	}
 	if err := c.Flush(); err != nil {
-		return nil, fmt.Errorf("host wall: %w", err)
+		return fmt.Errorf("host wall: %w", err)
 	}
-	return func() {
-		c, err := nftables.New()
-		if err != nil {
-			return
-		}
-		defer c.CloseLasting()
-		c.DelTable(table)
-		_ = c.Flush()
-	}, nil
+	return nil
 }

@@ -176,21 +176,18 @@ func (n *Namespace) startPasta(ctx context.Context, spec Spec, userns, netns *os
 	}
 	// The host's own wall before pasta runs: whatever the namespace's rules let through, pasta
 	// reaches no address of the host's, including one added after the sandbox started.
-	removeWall := func() {}
 	if uid > 0 {
-		if removeWall, err = applyPastaHostWall(id, uid); err != nil {
+		if err := applyPastaHostWall(uid); err != nil {
 			pf.Close()
 			return nil, fmt.Errorf("sandbox network: %w", err)
 		}
 	}
 	if err := spawn(cmd, nil); err != nil {
-		removeWall()
 		return nil, fmt.Errorf("sandbox network: start %s: %w: install pasta: apt-get install -y passt", n.pasta, err)
 	}
 	h := &netHelper{cmd: cmd, done: make(chan struct{})}
 	go func() {
 		_ = cmd.Wait()
-		removeWall()
 		close(h.done)
 	}()
 	fail := func(err error) (*netHelper, error) {

@@ -267,7 +267,9 @@ func steerChecksum(f []byte, start, free int, want uint16) bool {
 // PACKET_VNET_HDR for GSO), and with it the sender says where the kernel is to write the frame's
 // checksum. A kernel that writes it after the firewall has read the frame lets a compromised
 // sentry rewrite any two bytes of a frame the firewall passed: the destination address, to the
-// host's loopback or its addresses, or the destination port, to one off the allowlist.
+// host's loopback or its addresses, or the destination port, to one off the allowlist. Frames go
+// through the qdisc and around it. (Since the host's wall for pasta, the host's addresses are
+// refused there too; the allowlist row shows the rewrite with no other wall behind it.)
 func TestGvisorNetworkChecksumRewrite(t *testing.T) {
 	n := newGvisor(t)
 	_, listenPeer := peerNetns(t) // the host gets 10.213.N.1 on a second interface
@@ -288,7 +290,8 @@ func TestGvisorNetworkChecksumRewrite(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			_, spec := startSandbox(t, n, tc.tmpl)
 			path := filepath.Join(n.gvisorDir(spec.ID), gvisorNetnsFile)
-			var send func(f []byte)
+			// send writes the frame build makes, with a source port of its own, on each socket.
+			var send func(build func(sport uint16) []byte)
 			var src net.HardwareAddr
 			inNetns(t, path, func() {
 				eth0, err := net.InterfaceByName(gvisorIfname)
@@ -296,20 +299,34 @@ func TestGvisorNetworkChecksumRewrite(t *testing.T) {
 					t.Fatal(err)
 				}
 				src = eth0.HardwareAddr
-				fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
-				if err != nil {
-					t.Fatal(err)
+				// Each frame goes through the qdisc and around it (PACKET_QDISC_BYPASS).
+				var fds []int
+				for _, bypass := range []bool{false, true} {
+					fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { unix.Close(fd) })
+					if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_VNET_HDR, 1); err != nil {
+						t.Fatal(err)
+					}
+					if bypass {
+						if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_QDISC_BYPASS, 1); err != nil {
+							t.Fatal(err)
+						}
+					}
+					if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: eth0.Index}); err != nil {
+						t.Fatal(err)
+					}
+					fds = append(fds, fd)
 				}
-				t.Cleanup(func() { unix.Close(fd) })
-				if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_VNET_HDR, 1); err != nil {
-					t.Fatal(err)
-				}
-				if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: eth0.Index}); err != nil {
-					t.Fatal(err)
-				}
-				send = func(f []byte) {
-					if _, err := unix.Write(fd, f); err != nil && err != unix.ENOBUFS {
-						t.Fatalf("send: %v", err)
+				sport := uint16(41000)
+				send = func(build func(sport uint16) []byte) {
+					for _, fd := range fds {
+						sport++
+						if _, err := unix.Write(fd, build(sport)); err != nil && err != unix.ENOBUFS {
+							t.Fatalf("send: %v", err)
+						}
 					}
 				}
 			})
@@ -331,32 +348,39 @@ func TestGvisorNetworkChecksumRewrite(t *testing.T) {
 			}
 			for _, tg := range targets {
 				dst := netip.MustParseAddrPort(tg.addr)
-				var f []byte
-				var start int
-				if tc.tmpl.Network.Allow == nil {
-					// Sent to 198.51.x.y (passed), written as the target's first two bytes.
-					d := dst.Addr().As4()
-					f = synFrame4(src, saddr, netip.AddrFrom4([4]byte{198, 51, d[2], d[3]}), dst.Port())
-					start = daddrOff
-				} else {
-					// Sent to the allowed port (passed), written as the other's.
-					f = synFrame4(src, saddr, netip.MustParseAddrPort(allowed).Addr(), port(allowed))
-					start = dportOff
-				}
-				want := binary.BigEndian.Uint16(append(dst.Addr().AsSlice(), 0, 0)[0:2])
-				if tc.tmpl.Network.Allow != nil {
-					want = dst.Port()
-				}
-				if !steerChecksum(f, start, windowOff, want) {
-					t.Fatal("no window word gives the checksum wanted")
-				}
-				send(append(vnetHdr(true, uint16(start), 0), f...))
+				send(func(sport uint16) []byte {
+					var f []byte
+					var start int
+					if tc.tmpl.Network.Allow == nil {
+						// Sent to 198.51.x.y (passed), written as the target's first two bytes.
+						d := dst.Addr().As4()
+						f = synFrame4(src, saddr, netip.AddrFrom4([4]byte{198, 51, d[2], d[3]}), dst.Port())
+						start = daddrOff
+					} else {
+						// Sent to the allowed port (passed), written as the other's.
+						f = synFrame4(src, saddr, netip.MustParseAddrPort(allowed).Addr(), port(allowed))
+						start = dportOff
+					}
+					binary.BigEndian.PutUint16(f[etherLen+20:], sport)
+					want := binary.BigEndian.Uint16(append(dst.Addr().AsSlice(), 0, 0)[0:2])
+					if tc.tmpl.Network.Allow != nil {
+						want = dst.Port()
+					}
+					if !steerChecksum(f, start, windowOff, want) {
+						t.Fatal("no window word gives the checksum wanted")
+					}
+					return append(vnetHdr(true, uint16(start), 0), f...)
+				})
 				if tg.accepted() {
 					t.Errorf("%s: a frame whose checksum the kernel wrote over its destination reached the %s listener %s", tc.name, tg.name, tg.addr)
 				}
 			}
 			// The control: the same socket reaches the allowed peer.
-			send(append(vnetHdr(false, 0, 0), synFrame4(src, saddr, netip.MustParseAddrPort(allowed).Addr(), port(allowed))...))
+			send(func(sport uint16) []byte {
+				f := synFrame4(src, saddr, netip.MustParseAddrPort(allowed).Addr(), port(allowed))
+				binary.BigEndian.PutUint16(f[etherLen+20:], sport)
+				return append(vnetHdr(false, 0, 0), f...)
+			})
 			if !allowedAccepted() {
 				t.Errorf("%s: a plain SYN frame to the allowed %s never arrived: the checks above test nothing", tc.name, allowed)
 			}

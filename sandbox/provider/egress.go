@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -157,8 +158,9 @@ func localAddrs() ([]netip.Addr, error) {
 //
 // The rules, under a policy of drop:
 //
-//  1. ARP passes (pasta answers it itself), and so does IPv6 neighbour discovery (ICMPv6 133-136,
-//     which pasta answers itself too);
+//  1. ARP passes (pasta answers it itself), and so does IPv6 neighbour discovery (ICMPv6 133-136
+//     right behind the IPv6 header, which pasta answers itself too); IPv6 with extension headers
+//     is refused (pasta walks them differently from the kernel);
 //  2. the sandbox's loopback, unspecified, IPv4-mapped, multicast and broadcast destinations, and the
 //     host's local addresses as they are when the sandbox starts, are refused: pasta would connect
 //     to any of them on the host (0.0.0.0 and 127.0.0.1 are the host's loopback there);
@@ -176,8 +178,10 @@ func localAddrs() ([]netip.Addr, error) {
 const gvisorIfname = "eth0"
 
 const (
-	etherTypeOff = 12 // the ethertype in an Ethernet header
-	etherLen     = 14 // an Ethernet header without a VLAN tag
+	etherTypeOff      = 12 // the ethertype in an Ethernet header
+	etherLen          = 14 // an Ethernet header without a VLAN tag
+	ipv6NextHeaderOff = 6  // the next header in an IPv6 header
+	ipv6HeaderLen     = 40 // an IPv6 header without extension headers
 )
 
 // gvisorRefused are destinations that lead to the host through pasta whatever the host's addresses.
@@ -238,15 +242,28 @@ func frameRules(hostAddrs []netip.Addr, allow []egressRule, pass, refuseTCP, ref
 		add(append(append([]expr.Any(nil), match...), isTCP...), refuseTCP)
 		add(match, refuse)
 	}
-	// 1. ARP and neighbour discovery.
+	// 1. ARP and neighbour discovery. Neighbour discovery is read at fixed offsets (ICMPv6 right
+	// behind the IPv6 header), as pasta reads it: the kernel's walk of extension headers (l4proto,
+	// the transport header) is not pasta's, and this rule looks at no destination.
 	add(frameType(unix.ETH_P_ARP), pass)
 	for _, typ := range []byte{133, 134, 135, 136} {
 		add(append(declared(unix.ETH_P_IPV6),
-			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: etherLen + ipv6NextHeaderOff, Len: 1},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.IPPROTO_ICMPV6}},
-			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 1},
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: etherLen + ipv6HeaderLen, Len: 1},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{typ}}), pass)
 	}
+	// IPv6 with extension headers is refused: pasta walks them differently from the kernel (every
+	// header's length as (hdrlen+1)*8, AH's and a fragment header's included; next headers 135,
+	// 139, 140, 253 and 254 skipped; the transport header taken to start at the last extension
+	// header), so the protocol, ports and type the rules below read could differ from what pasta
+	// acts on. Without them both read the same bytes. gVisor sends them only for IPv6 fragments,
+	// which pasta does not reassemble, and for multicast listener reports, which rule 2 refuses.
+	add(append(frameType(unix.ETH_P_IPV6),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: etherLen + ipv6NextHeaderOff, Len: 1},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{unix.IPPROTO_TCP}},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{unix.IPPROTO_UDP}},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{unix.IPPROTO_ICMPV6}}), refuse)
 	// 2. What leads to the host.
 	refused := append([]netip.Prefix(nil), gvisorRefused...)
 	for _, a := range hostAddrs {
@@ -365,4 +382,78 @@ func frameDaddr(p netip.Prefix) []expr.Any {
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: off, Len: n},
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: n, Mask: net.CIDRMask(p.Bits(), int(n*8)), Xor: make([]byte, n)},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: p.Addr().AsSlice()})
+}
+
+// The host's wall for pasta. The namespace's rules refuse the host's addresses as they are when the
+// sandbox starts; an address the host gets later (a bridge of a container runtime or of Kubernetes
+// started after the sandbox, a VPN) would be reached through pasta like any other destination, and
+// with it whatever listens on all addresses. So the host's own output hook refuses every sandbox
+// uid (pasta's sockets carry it) anything routed to the host itself: that leaves by lo, whatever
+// address it is sent to, now or later. pasta needs no local address: it forwards no port.
+//
+// One table for the host, a set of the uids: a uid is added when a pasta of it starts and stays
+// (the --sandbox-uids range is the sandboxes', whoever holds a uid next wants the same), so a
+// broker that dies leaves nothing that needs removing, and the cost per packet is one lookup.
+
+// Names of the host's wall for pasta.
+const (
+	pastaWallTable = "sbxpasta"
+	pastaWallSet   = "uids"
+)
+
+var pastaWallMu sync.Mutex
+
+// applyPastaHostWall adds uid to the host's wall for pasta, making the wall first if the host has
+// none. uid must be a sandbox's own, never one a host service runs as.
+func applyPastaHostWall(uid int) error {
+	// Two sandboxes starting at once must not both find no rules and both add them.
+	pastaWallMu.Lock()
+	defer pastaWallMu.Unlock()
+	c, err := nftables.New()
+	if err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	defer c.CloseLasting()
+	table := c.AddTable(&nftables.Table{Name: pastaWallTable, Family: nftables.TableFamilyINet})
+	set := &nftables.Set{Table: table, Name: pastaWallSet, KeyType: nftables.TypeUID, KeyByteOrder: binaryutil.NativeEndian}
+	if err := c.AddSet(set, nil); err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	policy := nftables.ChainPolicyAccept
+	chain := c.AddChain(&nftables.Chain{
+		Name:     "pasta",
+		Table:    table,
+		Type:     nftables.ChainTypeFilter,
+		Hooknum:  nftables.ChainHookOutput,
+		Priority: nftables.ChainPriorityFilter,
+		Policy:   &policy,
+	})
+	if err := c.SetAddElements(set, []nftables.SetElement{{Key: binaryutil.NativeEndian.PutUint32(uint32(uid))}}); err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	// The rules, once: a broker that finds them there (its own from before, another's) adds none.
+	rules, err := c.GetRules(table, chain)
+	if err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	if len(rules) > 0 {
+		return nil
+	}
+	match := []expr.Any{
+		&expr.Meta{Key: expr.MetaKeySKUID, Register: 1},
+		&expr.Lookup{SourceRegister: 1, SetName: set.Name, SetID: set.ID},
+		// lo is ifindex 1 in every network namespace.
+		&expr.Meta{Key: expr.MetaKeyOIF, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(1)},
+	}
+	for _, r := range refuse() {
+		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: append(append([]expr.Any(nil), match...), r...)})
+	}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("host wall: %w", err)
+	}
+	return nil
 }

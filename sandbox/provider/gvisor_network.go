@@ -11,10 +11,12 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -30,7 +32,8 @@ import (
 //     addresses and routes;
 //  3. a veth pair, eth0 for the sentry and sbxfw its peer; pasta's addresses, routes, MTU and MAC
 //     move from the tap to eth0, so that the tap and sbxfw have no address left (runsc passes over
-//     an interface without one);
+//     an interface without one); eth0's transmit checksum offload is turned off (noTxOffload), so
+//     that no byte of a frame changes after the rules read it;
 //  4. the firewall (egress.go), twice: on the tap's netdev egress hook, the one place every frame
 //     bound for pasta passes, drop rules (applyNetdevEgress); on sbxfw's ingress hook, where every
 //     frame the sentry sends on eth0 arrives, the same rules with answers, a reset or an ICMP
@@ -247,6 +250,9 @@ func (n *Namespace) plumbGvisorNetwork(ctx context.Context, path string, netnsFD
 	if _, err := n.ip(ctx, path, strings.Join(batch, "\n")+"\n", "-batch", "-"); err != nil {
 		return err
 	}
+	if err := noTxOffload(netnsFD, gvisorIfname); err != nil {
+		return err
+	}
 	var links []ipLink
 	out, err = n.ip(ctx, path, "", "-j", "link", "show")
 	if err == nil {
@@ -322,5 +328,87 @@ func (n *Namespace) makeNetns(ctx context.Context, path string, uid, gid int) er
 		return fmt.Errorf("sandbox network: keep the network namespace: %w", err)
 	}
 	bound = true
+	return nil
+}
+
+// noTxOffload turns transmit checksum offload off on dev (eth0) in the network namespace netnsFD
+// refers to, and checks it is off. The sentry's packet socket takes a virtio_net_hdr with each
+// frame (runsc sets PACKET_VNET_HDR for GSO), in which the sender names where the kernel is to
+// write the frame's checksum and where its TCP header starts for segmentation. With offload on,
+// the kernel does both only where a device cannot, the tap, after both sets of rules read the
+// frame: the sender could rewrite any two bytes of a frame they passed (its destination address,
+// to the host's loopback; its port, to one off the allowlist). With offload off on eth0, the
+// kernel checksums and segments as eth0 transmits, before the frame reaches sbxfw, so the rules
+// read the frame pasta gets.
+func noTxOffload(netnsFD int, dev string) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// The thread goes back to its own namespace, or ends with this goroutine (still locked).
+		self, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		defer self.Close()
+		if err := unix.Setns(netnsFD, unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		err = setTxChecksum(dev, false)
+		if unix.Setns(int(self.Fd()), unix.CLONE_NEWNET) == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
+	}()
+	if err := <-errc; err != nil {
+		return fmt.Errorf("transmit checksum offload off on %s: %w", dev, err)
+	}
+	return nil
+}
+
+// ethtoolIfreq is struct ifreq with ifr_data, for SIOCETHTOOL.
+type ethtoolIfreq struct {
+	name [unix.IFNAMSIZ]byte
+	data unsafe.Pointer
+	_    [16]byte
+}
+
+// ethtoolValue is struct ethtool_value.
+type ethtoolValue struct{ cmd, data uint32 }
+
+// setTxChecksum sets transmit checksum offload on dev of the calling thread's network namespace
+// (ETHTOOL_STXCSUM, which takes TSO with it), and checks the device took it (ETHTOOL_GTXCSUM).
+func setTxChecksum(dev string, on bool) error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	ethtool := func(cmd, data uint32) (uint32, error) {
+		v := &ethtoolValue{cmd: cmd, data: data}
+		ifr := &ethtoolIfreq{data: unsafe.Pointer(v)}
+		copy(ifr.name[:unix.IFNAMSIZ-1], dev)
+		if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.SIOCETHTOOL, uintptr(unsafe.Pointer(ifr))); errno != 0 {
+			return 0, errno
+		}
+		return v.data, nil
+	}
+	want := uint32(0)
+	if on {
+		want = 1
+	}
+	if _, err := ethtool(unix.ETHTOOL_STXCSUM, want); err != nil {
+		return err
+	}
+	got, err := ethtool(unix.ETHTOOL_GTXCSUM, 0)
+	if err != nil {
+		return err
+	}
+	if got != want {
+		return fmt.Errorf("the device kept it %v", got != 0)
+	}
 	return nil
 }

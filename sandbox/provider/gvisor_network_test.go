@@ -27,13 +27,17 @@ var gvisorNetTemplate = Template{Name: "gvnet", Isolation: IsolationGvisor, Netw
 // 0.0.0.0 or an IPv4-mapped address, all of which pasta would connect to on the host), not its
 // address on the outbound interface, not its address on a second interface (a veth here), and a
 // refused connect fails at once. The last address is what only the firewall stands in front of,
-// so it also shows that each of its two layers holds alone: with the answering rules on the veth
-// opened, the tap's drop rules still keep it out; with those gone too, the same connect reaches
-// the host, so the checks are not passing for another reason.
+// so it also shows that each of its layers holds alone: with the answering rules on the veth
+// opened, the tap's drop rules still keep it out; with those gone too, the host's wall for pasta
+// does; with that gone as well, the same connect reaches the host, so the checks are not passing
+// for another reason.
 func TestGvisorNetworkCannotReachHost(t *testing.T) {
 	n := newGvisor(t)
 	peer, _ := peerNetns(t) // the host gets 10.213.N.1 on a second interface, the peer N.2
-	in, spec := startSandbox(t, n, gvisorNetTemplate)
+	// A uid of its own: the end takes it off the host's wall for pasta, which holds every
+	// sandbox's uid, and no other sandbox may lose that wall meanwhile.
+	uid := 250000 + os.Getpid()%10000
+	in, spec := startSandboxWith(t, n, gvisorNetTemplate, uid)
 	type target struct{ listen, dial string }
 	var targets []target
 	for _, host := range append([]string{"127.0.0.1"}, hostAddrs(t)...) {
@@ -93,6 +97,21 @@ func TestGvisorNetworkCannotReachHost(t *testing.T) {
 	c.DelChain(&nftables.Chain{Name: "egress", Table: table})
 	if err := c.Flush(); err != nil {
 		t.Fatalf("delete the tap's rules: %v", err)
+	}
+	// The host's wall for pasta holds alone too.
+	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode == 0 || accepted() {
+		t.Errorf("with only the host's wall for pasta left, the host's %s was reached: %+v %q", addr, res, out)
+	}
+	host, err := nftables.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wall := &nftables.Set{Table: &nftables.Table{Name: pastaWallTable, Family: nftables.TableFamilyINet}, Name: pastaWallSet, KeyType: nftables.TypeUID}
+	if err := host.SetDeleteElements(wall, []nftables.SetElement{{Key: binaryutil.NativeEndian.PutUint32(uint32(uid))}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := host.Flush(); err != nil {
+		t.Fatalf("take the sandbox's uid off the host's wall for pasta: %v", err)
 	}
 	if res, out := sh(t, in, bashConnect(addr)); res.ExitCode != 0 || !accepted() {
 		t.Errorf("with the firewall opened the host's %s was still out of reach, so the checks above test nothing: %+v %q", addr, res, out)

@@ -29,7 +29,8 @@ import (
 //     the sandbox's own too, and a connection to it stays inside;
 //   - pasta would reach the host's addresses on its other interfaces like any local process (no
 //     pasta option hides them), so the sandbox's egress firewall (egress.go) refuses them, and
-//     applies the template's allowlist if it has one;
+//     applies the template's allowlist if it has one; a rule on the host (applyPastaHostWall)
+//     refuses pasta, by its uid, whatever the host routes to itself, addresses it gains later too;
 //   - any other destination is reached as the host would reach it.
 //
 // pasta runs as the sandbox's host uid, never root, as a child of the broker that is killed with the
@@ -147,7 +148,8 @@ func (n *Namespace) startPasta(ctx context.Context, spec Spec, userns, netns *os
 		return nil, fmt.Errorf("sandbox network: %w", err)
 	}
 	attr := &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if uid, gid := n.ids(spec); uid >= 0 {
+	uid, gid := n.ids(spec)
+	if uid >= 0 {
 		if err := pf.Chown(uid, gid); err != nil {
 			pf.Close()
 			return nil, fmt.Errorf("sandbox network: %w", err)
@@ -171,6 +173,14 @@ func (n *Namespace) startPasta(ctx context.Context, spec Spec, userns, netns *os
 		ExtraFiles:  nsFiles,
 		SysProcAttr: attr,
 		WaitDelay:   time.Second,
+	}
+	// The host's own wall before pasta runs: whatever the namespace's rules let through, pasta
+	// reaches no address of the host's, including one added after the sandbox started.
+	if uid > 0 {
+		if err := applyPastaHostWall(uid); err != nil {
+			pf.Close()
+			return nil, fmt.Errorf("sandbox network: %w", err)
+		}
 	}
 	if err := spawn(cmd, nil); err != nil {
 		return nil, fmt.Errorf("sandbox network: start %s: %w: install pasta: apt-get install -y passt", n.pasta, err)

@@ -37,7 +37,7 @@ type Config struct {
 // oldest is dropped: the broker answers within a round trip, so only a connection that sits silent
 // (a flood from another pod, where the cluster's CNI does not enforce the NetworkPolicy) is ever
 // the oldest, and the agent's memory and fds stay bounded whatever reaches its port.
-const MaxPendingHandshakes = 64
+const MaxPendingHandshakes = 256
 
 // handshakeTimeout bounds one handshake; the broker needs a round trip.
 const handshakeTimeout = 5 * time.Second

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -273,5 +274,52 @@ func TestAgentHandshakeFloodLeavesTheBrokerIn(t *testing.T) {
 	res, err := in.Exec(ctx, provider.ExecRequest{Command: "echo through", Stdout: &out})
 	if err != nil || res.ExitCode != 0 || out.String() != "through\n" {
 		t.Fatalf("the broker during a handshake flood: %v %+v %q", err, res, out.String())
+	}
+}
+
+// cutFirst is a listener whose first connection is closed in the middle of its handshake, as the
+// agent drops the oldest pending handshake past its bound.
+type cutFirst struct {
+	net.Listener
+	once sync.Once
+}
+
+func (l *cutFirst) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		cut := false
+		l.once.Do(func() { cut = true })
+		if !cut {
+			return c, nil
+		}
+		c.Write(make([]byte, agent.ChallengeSize))
+		io.ReadFull(c, make([]byte, 2*agent.ChallengeSize))
+		c.Close()
+	}
+}
+
+// TestAgentClientRetriesACutHandshake: a connection the agent closes during the handshake (one of
+// the broker's own, dropped in a burst past the agent's bound) is dialled again, so the exec runs.
+func TestAgentClientRetriesACutHandshake(t *testing.T) {
+	srv, err := agent.NewServer(agent.Config{Secret: []byte("the-pods-secret-0123456789"), Workspace: t.TempDir(), Env: []string{"PATH=/usr/bin:/bin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go srv.Serve(&cutFirst{Listener: ln})
+	in := &instance{name: "test", done: make(chan struct{})}
+	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), gone: in.goneErr}
+	t.Cleanup(in.client.close)
+	var out bytes.Buffer
+	res, err := in.Exec(context.Background(), provider.ExecRequest{Command: "echo again", Stdout: &out})
+	if err != nil || res.ExitCode != 0 || out.String() != "again\n" {
+		t.Fatalf("exec after a cut handshake: %v %+v %q", err, res, out.String())
 	}
 }

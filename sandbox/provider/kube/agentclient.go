@@ -12,6 +12,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -63,8 +64,22 @@ func (c *agentConn) read() (byte, []byte, error) {
 	return typ, p, err
 }
 
-// dial opens and authenticates a connection.
+// dial opens and authenticates a connection. The agent drops the oldest connections still in their
+// handshake past agent.MaxPendingHandshakes (a flood from another pod), which may be one of ours in
+// a burst: a handshake cut short is tried again, a wrong proof never.
 func (a *agentClient) dial(ctx context.Context) (*agentConn, error) {
+	for attempt := 1; ; attempt++ {
+		c, err := a.dialOnce(ctx)
+		if !errors.Is(err, errHandshakeCut) || attempt == 3 || ctx.Err() != nil {
+			return c, err
+		}
+	}
+}
+
+// errHandshakeCut marks a connection the agent closed during the handshake.
+var errHandshakeCut = errors.New("the agent closed the connection during the handshake")
+
+func (a *agentClient) dialOnce(ctx context.Context) (*agentConn, error) {
 	d := net.Dialer{Timeout: 10 * time.Second}
 	nc, err := d.DialContext(ctx, "tcp", a.addr)
 	if err != nil {
@@ -87,7 +102,10 @@ func (a *agentClient) dial(ctx context.Context) (*agentConn, error) {
 		return nil, a.lost(err)
 	}
 	proof := make([]byte, agent.ChallengeSize)
-	if _, err := io.ReadFull(nc, proof); err != nil || !hmac.Equal(proof, agent.Proof(a.secret, ours)) {
+	if _, err := io.ReadFull(nc, proof); errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
+		nc.Close()
+		return nil, a.lost(fmt.Errorf("%w at %s", errHandshakeCut, a.addr))
+	} else if err != nil || !hmac.Equal(proof, agent.Proof(a.secret, ours)) {
 		nc.Close()
 		return nil, a.lost(fmt.Errorf("what answers at %s did not prove it holds the sandbox's agent secret (a wrong secret, or another pod at the address): nothing was sent to it", a.addr))
 	}

@@ -26,6 +26,7 @@ const ctlFD = 3
 // InitArg (see the package doc); it expects the control socket on fd 3.
 func RunInit() {
 	if len(os.Args) > 2 && os.Args[2] == BridgeArg {
+		bridged = true
 		RunBridge() // the same binary, started as the first process of a gVisor sandbox
 	}
 	if err := runInit(); err != nil {
@@ -34,6 +35,12 @@ func RunInit() {
 	}
 	os.Exit(0)
 }
+
+// bridged: the init runs behind the bridge, as a gVisor sandbox's first process. Every syscall it
+// makes is then a trap into the sentry, so its commands start with spawn (spawn_linux_amd64.go),
+// and it leaves oom_score_adj alone: gVisor has no OOM killer of its own, and the host's takes the
+// whole sandbox (its sentry), never one command.
+var bridged bool
 
 // initProc is the init's state.
 type initProc struct {
@@ -48,6 +55,8 @@ type initProc struct {
 	// to oomBase after the fork (see exec).
 	oomAdj  int
 	oomBase []byte
+	// spawn: commands without a terminal start with spawn, not syscall.ForkExec (see bridged).
+	spawn bool
 
 	// mu is held across fork+register and across every reap, so the reaper never reaps a child it
 	// does not know yet (and so a pid is never reused under a registered command).
@@ -99,13 +108,16 @@ func runInit() error {
 		byPid:   make(map[int]*initChild),
 		byID:    make(map[uint64]*initChild),
 		forked:  make(chan struct{}, 1),
+		spawn:   bridged && spawnSupported(),
 	}
 	if cfg.UID > 0 {
 		p.cred = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), Groups: []uint32{}}
 	}
 	if !cfg.Host {
 		// Opened before we turn non-dumpable: after that our /proc files belong to root.
-		if base, err := os.ReadFile("/proc/self/oom_score_adj"); err == nil {
+		if bridged {
+			// No OOM score to move (see bridged).
+		} else if base, err := os.ReadFile("/proc/self/oom_score_adj"); err == nil {
 			if fd, err := unix.Open("/proc/self/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0); err == nil {
 				p.oomAdj, p.oomBase = fd, []byte(strings.TrimSpace(string(base)))
 			}
@@ -314,7 +326,11 @@ func (p *initProc) exec(req *Request, fds []int) {
 		if p.oomAdj >= 0 {
 			unix.Pwrite(p.oomAdj, CommandOOMScoreAdj, 0)
 		}
-		pid, err = syscall.ForkExec(prog, req.Argv, attr)
+		if p.spawn && !req.TTY && spawnable(files) {
+			pid, err = spawn(prog, req.Argv, env, req.Dir, files, p.cred)
+		} else {
+			pid, err = syscall.ForkExec(prog, req.Argv, attr)
+		}
 		if p.oomAdj >= 0 {
 			unix.Pwrite(p.oomAdj, p.oomBase, 0)
 		}

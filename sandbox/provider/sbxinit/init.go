@@ -44,7 +44,9 @@ var bridged bool
 
 // initProc is the init's state.
 type initProc struct {
-	ctl     *ctlConn
+	// sendMsg delivers one reply, and the fds passed with it, as over the control socket: the
+	// receiver gets its own copies, and ours stay ours.
+	sendMsg func(msg []byte, fds []int) error
 	env     []string // the whole environment commands start from
 	devnull int
 	host    bool                // dir provider: shares the host's pid space
@@ -83,23 +85,50 @@ func runInit() error {
 	ctl := newBlockingCtlConn(ctlFD)
 	buf := make([]byte, MaxMessage+4096)
 	oob := make([]byte, unix.CmsgSpace(8*4)) // the broker sends at most 3 fds; room to spare
-	var cfg Request
 	n, _, _, err := ctl.recv(buf, oob)
 	if err != nil || n == 0 {
 		return fmt.Errorf("read config: %v", err)
 	}
-	if err := json.Unmarshal(buf[:n], &cfg); err != nil || cfg.Op != OpConfig {
-		return fmt.Errorf("bad config message")
+	p, err := startInit(buf[:n], ctl.send)
+	if err != nil {
+		return err
+	}
+	for {
+		n, oobn, flags, err := ctl.recv(buf, oob)
+		if err != nil || n == 0 {
+			// The broker is gone (or closed us): end everything. In a pid namespace our exit does
+			// that; on the host we must.
+			if p.host {
+				p.killAll()
+			}
+			return nil
+		}
+		fds, _ := ParseRights(oob[:oobn])
+		if flags&unix.MSG_TRUNC != 0 {
+			// Not a request we can answer (the broker never sends these); drop it.
+			CloseFDs(fds)
+			continue
+		}
+		p.handle(buf[:n], fds, flags&unix.MSG_CTRUNC != 0)
+	}
+}
+
+// startInit sets the init up from its config message, starts its reaper and sends ready; replies
+// go through send.
+func startInit(msg []byte, send func(msg []byte, fds []int) error) (*initProc, error) {
+	var cfg Request
+	if err := json.Unmarshal(msg, &cfg); err != nil || cfg.Op != OpConfig {
+		return nil, fmt.Errorf("bad config message")
 	}
 	// Orphans (a command's background children whose parent exited) come back to us, so they stay
 	// in the tree Stop and timeouts walk. In the namespace provider we are pid 1 and get them anyway.
 	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 	devnull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("open /dev/null: %w", err)
+		return nil, fmt.Errorf("open /dev/null: %w", err)
 	}
 	p := &initProc{
-		ctl:     ctl,
+		sendMsg: send,
 		env:     cfg.Env,
 		devnull: devnull,
 		host:    cfg.Host,
@@ -127,47 +156,40 @@ func runInit() error {
 		// CAP_SYS_PTRACE over its user namespace, which nothing inside has. Every command we
 		// exec is dumpable again (execve resets it).
 		if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
-			return fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
+			return nil, fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
 		}
 	}
 	warmThreads(4)
 	p.handleSignals()
 	go p.reap()
 	if err := p.reply(&Reply{Op: OpReady, Pid: p.self}); err != nil {
-		return fmt.Errorf("send ready: %w", err)
+		return nil, fmt.Errorf("send ready: %w", err)
 	}
+	return p, nil
+}
 
-	for {
-		n, oobn, flags, err := ctl.recv(buf, oob)
-		if err != nil || n == 0 {
-			// The broker is gone (or closed us): end everything. In a pid namespace our exit does
-			// that; on the host we must.
-			if p.host {
-				p.killAll()
-			}
-			return nil
-		}
-		fds, _ := ParseRights(oob[:oobn])
-		var req Request
-		if flags&unix.MSG_TRUNC != 0 || json.Unmarshal(buf[:n], &req) != nil {
-			// Not a request we can answer (the broker never sends these); drop it.
-			CloseFDs(fds)
-			continue
-		}
-		if flags&unix.MSG_CTRUNC != 0 {
-			CloseFDs(fds)
-			p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "too many file descriptors"})
-			continue
-		}
-		switch req.Op {
-		case OpExec:
-			p.exec(&req, fds)
-		case OpKill:
-			CloseFDs(fds)
-			p.kill(req.ID)
-		default:
-			CloseFDs(fds)
-		}
+// handle serves one request. fds came with it and are its own: handle closes them, or the command
+// it starts takes them. ctrunc: more fds were sent than arrived.
+func (p *initProc) handle(msg []byte, fds []int, ctrunc bool) {
+	var req Request
+	if json.Unmarshal(msg, &req) != nil {
+		// Not a request we can answer (the broker never sends these); drop it.
+		CloseFDs(fds)
+		return
+	}
+	if ctrunc {
+		CloseFDs(fds)
+		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "too many file descriptors"})
+		return
+	}
+	switch req.Op {
+	case OpExec:
+		p.exec(&req, fds)
+	case OpKill:
+		CloseFDs(fds)
+		p.kill(req.ID)
+	default:
+		CloseFDs(fds)
 	}
 }
 
@@ -256,7 +278,7 @@ func (p *initProc) send(r *Reply, fds []int) error {
 	if err != nil {
 		return err
 	}
-	return p.ctl.send(b, fds)
+	return p.sendMsg(b, fds)
 }
 
 // exec starts one command. fds are the passed stdio ends; they are closed here once the child has

@@ -406,6 +406,13 @@ func (p *initProc) exec(req *Request, fds []int) {
 	if req.TTY {
 		return // forked was sent with the master
 	}
+	if bridged {
+		// Behind the bridge the broker cannot end a command without us but by ending the whole
+		// sandbox (the sentry's processes are not the host's), so it has no use for the pid
+		// before the exit, which carries it too. Not sending it spares a frame each way of
+		// every exec, and its trap into the sentry.
+		return
+	}
 	// The broker enforces the command's timeout itself when we do not answer (we may be stopped,
 	// hung or starved): it needs the pid, which is the command's process group, to find what to
 	// end from outside.

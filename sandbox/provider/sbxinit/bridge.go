@@ -14,10 +14,10 @@ import (
 // BridgeArg, after InitArg (so that every main that dispatches InitArg to RunInit runs it), makes
 // the init run behind a bridge: in a sandbox whose runtime cannot pass file descriptors in from the
 // host (gVisor: a host socket imported into the sentry carries bytes, not SCM_RIGHTS). The bridge
-// gives the init an ordinary control socket, inside, and carries its messages and every command's
-// stdio over one byte stream, the process's stdin and stdout (pipes the runtime imports from the
-// host). The init is the same one, with the same protocol, in the same process; only the carriage
-// differs.
+// carries the init's messages and every command's stdio over one byte stream, the process's stdin
+// and stdout (pipes the runtime imports from the host), and hands the init its requests, with the
+// pipes it made for them, in the same process (serveInit). The init is the same one, with the same
+// messages; only the carriage differs.
 const BridgeArg = "sandbox-bridge"
 
 // Frame kinds of the bridge's stream. A frame is a 9-byte header (kind, channel as a big-endian
@@ -137,9 +137,10 @@ func RunBridge() {
 // bridge is the bridge's state: its channels, and the terminals' masters it holds by channel.
 type bridge struct {
 	out *FrameWriter
-	ctl *ctlConn
-	mux *Mux
-	mu  sync.Mutex
+	// reqs carries the host's requests to the init, which runs in this process (serveInit).
+	reqs chan bridgedRequest
+	mux  *Mux
+	mu   sync.Mutex
 	// ttys are the terminals' masters, for their windows (FrameResize).
 	ttys map[uint32]*os.File
 	// nextTTY numbers the terminals' channels (with TerminalChannel); only replies uses it.
@@ -147,31 +148,12 @@ type bridge struct {
 }
 
 func runBridge() error {
-	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("control socket: %w", err)
-	}
-	// The init's end goes where the init expects it; runInit closes what else was inherited
-	// (everything of ours is close-on-exec, so it stays). Ours must first leave that slot: with
-	// fd 3 free, the socketpair may have taken it.
-	if pair[0] == ctlFD {
-		fd, err := unix.FcntlInt(uintptr(pair[0]), unix.F_DUPFD_CLOEXEC, ctlFD+1)
-		if err != nil {
-			return fmt.Errorf("control socket: %w", err)
-		}
-		unix.Close(pair[0])
-		pair[0] = fd
-	}
-	if pair[1] != ctlFD {
-		if err := unix.Dup2(pair[1], ctlFD); err != nil {
-			return fmt.Errorf("control socket: %w", err)
-		}
-		unix.Close(pair[1])
-	}
+	// Nothing inherited may stay open in the sandbox: ours is the stdio the runtime gave us.
+	closeInherited(ctlFD)
 	out := NewFrameWriter(os.Stdout)
 	b := &bridge{
 		out:  out,
-		ctl:  newBlockingCtlConn(pair[0]),
+		reqs: make(chan bridgedRequest, 64),
 		ttys: make(map[uint32]*os.File),
 	}
 	// A frame for a channel the bridge does not have is discarded, and the host told, which logs
@@ -179,7 +161,6 @@ func runBridge() error {
 	b.mux = NewMux(out, func(kind byte, ch uint32, n int) {
 		out.Write(FrameUnknown, ch, binary.BigEndian.AppendUint32([]byte{kind}, uint32(n)))
 	})
-	go b.replies()
 	go func() {
 		if err := b.requests(); err != nil {
 			fmt.Fprintf(os.Stderr, "sandbox-bridge: %v\n", err)
@@ -189,33 +170,50 @@ func runBridge() error {
 	}()
 	// The init proper runs in this same process, the sandbox's pid 1, which nothing inside can
 	// kill or stop; a second process would be the tenant's to kill (it runs as the tenant's uid).
-	return runInit()
+	return b.serveInit()
 }
 
-// replies sends the init's replies to the host as they come.
-func (b *bridge) replies() {
-	buf := make([]byte, 64<<10)
-	oob := make([]byte, unix.CmsgSpace(16*4))
-	for {
-		n, oobn, _, err := b.ctl.recv(buf, oob)
-		var fds []int
-		if oobn > 0 {
-			fds, _ = ParseRights(oob[:oobn])
-		}
-		if err != nil || n == 0 {
-			os.Exit(1)
-		}
-		if len(fds) == 1 && n > 0 && isTerminalMaster(fds[0]) {
-			if b.terminal(fds[0], buf[:n]) != nil {
-				os.Exit(1)
-			}
-			continue
-		}
-		CloseFDs(fds)
-		if b.out.Write(FrameReply, 0, buf[:n]) != nil {
-			os.Exit(1)
-		}
+// bridgedRequest is one request for the init and the fds the bridge made for it, now the init's.
+type bridgedRequest struct {
+	msg []byte
+	fds []int
+}
+
+// serveInit runs the init on the host's requests: the first is its config. The init is the one of
+// every level, but here it takes requests from a channel and replies through send, not over a
+// control socket: under gVisor each sendmsg, recvmsg and wakeup of a thread blocked in one is a
+// trap into the sentry, and a socket between two goroutines of one process bought nothing.
+func (b *bridge) serveInit() error {
+	r := <-b.reqs
+	p, err := startInit(r.msg, b.send)
+	CloseFDs(r.fds)
+	if err != nil {
+		return err
 	}
+	for r := range b.reqs {
+		p.handle(r.msg, r.fds, false)
+	}
+	return nil
+}
+
+// send is the init's reply path: one frame to the host, or for a command on a terminal (its forked
+// reply with the master) a channel for the terminal, whose master stays here. As over a socket, the
+// master passed is copied, and the init closes its own.
+func (b *bridge) send(msg []byte, fds []int) error {
+	if len(fds) == 1 && isTerminalMaster(fds[0]) {
+		master, err := unix.FcntlInt(uintptr(fds[0]), unix.F_DUPFD_CLOEXEC, 0)
+		if err == nil {
+			if b.terminal(master, msg) != nil {
+				os.Exit(1) // the host is gone
+			}
+			return nil
+		}
+		// No terminal: the reply goes alone, and the broker, seeing no master, ends the call.
+	}
+	if b.out.Write(FrameReply, 0, msg) != nil {
+		os.Exit(1) // the host is gone
+	}
+	return nil
 }
 
 // requests reads the host's frames until the host closes the stream. It never waits for a
@@ -262,8 +260,8 @@ func (b *bridge) requests() error {
 	}
 }
 
-// request makes a pipe for each channel the request names and passes the command's ends to the
-// init with the request.
+// request makes a pipe for each channel the request names and hands the command's ends to the init
+// with the request.
 func (b *bridge) request(p []byte) error {
 	if len(p) < 1 || len(p) < 1+5*int(p[0]) {
 		return errors.New("short request frame")
@@ -308,9 +306,9 @@ func (b *bridge) request(p []byte) error {
 			send = append(send, fds[1])
 		}
 	}
-	err := b.ctl.send(p[1+5*n:], send)
-	CloseFDs(send)
-	return err
+	// The fds go to the init with the request; buf is the stream reader's, so the request is copied.
+	b.reqs <- bridgedRequest{msg: append([]byte(nil), p[1+5*n:]...), fds: send}
+	return nil
 }
 
 // isTerminalMaster reports whether fd is a pseudo-terminal's master (it has a terminal number).

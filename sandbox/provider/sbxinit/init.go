@@ -26,6 +26,7 @@ const ctlFD = 3
 // InitArg (see the package doc); it expects the control socket on fd 3.
 func RunInit() {
 	if len(os.Args) > 2 && os.Args[2] == BridgeArg {
+		bridged = true
 		RunBridge() // the same binary, started as the first process of a gVisor sandbox
 	}
 	if err := runInit(); err != nil {
@@ -35,9 +36,17 @@ func RunInit() {
 	os.Exit(0)
 }
 
+// bridged: the init runs behind the bridge, as a gVisor sandbox's first process. Every syscall it
+// makes is then a trap into the sentry, so its commands start with spawn (spawn_linux_amd64.go),
+// and it leaves oom_score_adj alone: gVisor has no OOM killer of its own, and the host's takes the
+// whole sandbox (its sentry), never one command.
+var bridged bool
+
 // initProc is the init's state.
 type initProc struct {
-	ctl     *ctlConn
+	// sendMsg delivers one reply, and the fds passed with it, as over the control socket: the
+	// receiver gets its own copies, and ours stay ours.
+	sendMsg func(msg []byte, fds []int) error
 	env     []string // the whole environment commands start from
 	devnull int
 	host    bool                // dir provider: shares the host's pid space
@@ -48,6 +57,8 @@ type initProc struct {
 	// to oomBase after the fork (see exec).
 	oomAdj  int
 	oomBase []byte
+	// spawn: commands without a terminal start with spawn, not syscall.ForkExec (see bridged).
+	spawn bool
 
 	// mu is held across fork+register and across every reap, so the reaper never reaps a child it
 	// does not know yet (and so a pid is never reused under a registered command).
@@ -74,57 +85,14 @@ func runInit() error {
 	ctl := newBlockingCtlConn(ctlFD)
 	buf := make([]byte, MaxMessage+4096)
 	oob := make([]byte, unix.CmsgSpace(8*4)) // the broker sends at most 3 fds; room to spare
-	var cfg Request
 	n, _, _, err := ctl.recv(buf, oob)
 	if err != nil || n == 0 {
 		return fmt.Errorf("read config: %v", err)
 	}
-	if err := json.Unmarshal(buf[:n], &cfg); err != nil || cfg.Op != OpConfig {
-		return fmt.Errorf("bad config message")
-	}
-	// Orphans (a command's background children whose parent exited) come back to us, so they stay
-	// in the tree Stop and timeouts walk. In the namespace provider we are pid 1 and get them anyway.
-	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-	devnull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	p, err := startInit(buf[:n], ctl.send)
 	if err != nil {
-		return fmt.Errorf("open /dev/null: %w", err)
+		return err
 	}
-	p := &initProc{
-		ctl:     ctl,
-		env:     cfg.Env,
-		devnull: devnull,
-		host:    cfg.Host,
-		self:    os.Getpid(),
-		oomAdj:  -1,
-		byPid:   make(map[int]*initChild),
-		byID:    make(map[uint64]*initChild),
-		forked:  make(chan struct{}, 1),
-	}
-	if cfg.UID > 0 {
-		p.cred = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), Groups: []uint32{}}
-	}
-	if !cfg.Host {
-		// Opened before we turn non-dumpable: after that our /proc files belong to root.
-		if base, err := os.ReadFile("/proc/self/oom_score_adj"); err == nil {
-			if fd, err := unix.Open("/proc/self/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0); err == nil {
-				p.oomAdj, p.oomBase = fd, []byte(strings.TrimSpace(string(base)))
-			}
-		}
-		// Commands run as our uid: without this any of them could ptrace us, or read our memory
-		// and environment through /proc/1. A non-dumpable process can only be traced with
-		// CAP_SYS_PTRACE over its user namespace, which nothing inside has. Every command we
-		// exec is dumpable again (execve resets it).
-		if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
-			return fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
-		}
-	}
-	warmThreads(4)
-	p.handleSignals()
-	go p.reap()
-	if err := p.reply(&Reply{Op: OpReady, Pid: p.self}); err != nil {
-		return fmt.Errorf("send ready: %w", err)
-	}
-
 	for {
 		n, oobn, flags, err := ctl.recv(buf, oob)
 		if err != nil || n == 0 {
@@ -136,26 +104,92 @@ func runInit() error {
 			return nil
 		}
 		fds, _ := ParseRights(oob[:oobn])
-		var req Request
-		if flags&unix.MSG_TRUNC != 0 || json.Unmarshal(buf[:n], &req) != nil {
+		if flags&unix.MSG_TRUNC != 0 {
 			// Not a request we can answer (the broker never sends these); drop it.
 			CloseFDs(fds)
 			continue
 		}
-		if flags&unix.MSG_CTRUNC != 0 {
-			CloseFDs(fds)
-			p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "too many file descriptors"})
-			continue
+		p.handle(buf[:n], fds, flags&unix.MSG_CTRUNC != 0)
+	}
+}
+
+// startInit sets the init up from its config message, starts its reaper and sends ready; replies
+// go through send.
+func startInit(msg []byte, send func(msg []byte, fds []int) error) (*initProc, error) {
+	var cfg Request
+	if err := json.Unmarshal(msg, &cfg); err != nil || cfg.Op != OpConfig {
+		return nil, fmt.Errorf("bad config message")
+	}
+	// Orphans (a command's background children whose parent exited) come back to us, so they stay
+	// in the tree Stop and timeouts walk. In the namespace provider we are pid 1 and get them anyway.
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+	devnull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open /dev/null: %w", err)
+	}
+	p := &initProc{
+		sendMsg: send,
+		env:     cfg.Env,
+		devnull: devnull,
+		host:    cfg.Host,
+		self:    os.Getpid(),
+		oomAdj:  -1,
+		byPid:   make(map[int]*initChild),
+		byID:    make(map[uint64]*initChild),
+		forked:  make(chan struct{}, 1),
+		spawn:   bridged && spawnSupported(),
+	}
+	if cfg.UID > 0 {
+		p.cred = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), Groups: []uint32{}}
+	}
+	if !cfg.Host {
+		// Opened before we turn non-dumpable: after that our /proc files belong to root.
+		if bridged {
+			// No OOM score to move (see bridged).
+		} else if base, err := os.ReadFile("/proc/self/oom_score_adj"); err == nil {
+			if fd, err := unix.Open("/proc/self/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0); err == nil {
+				p.oomAdj, p.oomBase = fd, []byte(strings.TrimSpace(string(base)))
+			}
 		}
-		switch req.Op {
-		case OpExec:
-			p.exec(&req, fds)
-		case OpKill:
-			CloseFDs(fds)
-			p.kill(req.ID)
-		default:
-			CloseFDs(fds)
+		// Commands run as our uid: without this any of them could ptrace us, or read our memory
+		// and environment through /proc/1. A non-dumpable process can only be traced with
+		// CAP_SYS_PTRACE over its user namespace, which nothing inside has. Every command we
+		// exec is dumpable again (execve resets it).
+		if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+			return nil, fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
 		}
+	}
+	warmThreads(4)
+	p.handleSignals()
+	go p.reap()
+	if err := p.reply(&Reply{Op: OpReady, Pid: p.self}); err != nil {
+		return nil, fmt.Errorf("send ready: %w", err)
+	}
+	return p, nil
+}
+
+// handle serves one request. fds came with it and are its own: handle closes them, or the command
+// it starts takes them. ctrunc: more fds were sent than arrived.
+func (p *initProc) handle(msg []byte, fds []int, ctrunc bool) {
+	var req Request
+	if json.Unmarshal(msg, &req) != nil {
+		// Not a request we can answer (the broker never sends these); drop it.
+		CloseFDs(fds)
+		return
+	}
+	if ctrunc {
+		CloseFDs(fds)
+		p.reply(&Reply{Op: OpError, ID: req.ID, Kind: ErrKindStart, Err: "too many file descriptors"})
+		return
+	}
+	switch req.Op {
+	case OpExec:
+		p.exec(&req, fds)
+	case OpKill:
+		CloseFDs(fds)
+		p.kill(req.ID)
+	default:
+		CloseFDs(fds)
 	}
 }
 
@@ -244,7 +278,7 @@ func (p *initProc) send(r *Reply, fds []int) error {
 	if err != nil {
 		return err
 	}
-	return p.ctl.send(b, fds)
+	return p.sendMsg(b, fds)
 }
 
 // exec starts one command. fds are the passed stdio ends; they are closed here once the child has
@@ -314,7 +348,11 @@ func (p *initProc) exec(req *Request, fds []int) {
 		if p.oomAdj >= 0 {
 			unix.Pwrite(p.oomAdj, CommandOOMScoreAdj, 0)
 		}
-		pid, err = syscall.ForkExec(prog, req.Argv, attr)
+		if p.spawn && !req.TTY && spawnable(files) {
+			pid, err = spawn(prog, req.Argv, env, req.Dir, files, p.cred)
+		} else {
+			pid, err = syscall.ForkExec(prog, req.Argv, attr)
+		}
 		if p.oomAdj >= 0 {
 			unix.Pwrite(p.oomAdj, p.oomBase, 0)
 		}
@@ -367,6 +405,13 @@ func (p *initProc) exec(req *Request, fds []int) {
 	}
 	if req.TTY {
 		return // forked was sent with the master
+	}
+	if bridged {
+		// Behind the bridge the broker cannot end a command without us but by ending the whole
+		// sandbox (the sentry's processes are not the host's), so it has no use for the pid
+		// before the exit, which carries it too. Not sending it spares a frame each way of
+		// every exec, and its trap into the sentry.
+		return
 	}
 	// The broker enforces the command's timeout itself when we do not answer (we may be stopped,
 	// hung or starved): it needs the pid, which is the command's process group, to find what to

@@ -90,3 +90,12 @@ type Reconciler interface {
 type RuntimeRef struct {
 	ID, Org string
 }
+
+// Claimer is a provider whose runtimes name their owner (the kubernetes provider labels a pod and
+// the objects made for it with the org and the sandbox's name, which its Reconciler matches to
+// records). A warm pool's sandbox is created and started with no owner (Spec.Org and Name empty);
+// when a create claims it, the manager calls Claimed with the full spec before the sandbox is
+// running, so that from then on it is found as the org's.
+type Claimer interface {
+	Claimed(ctx context.Context, spec Spec) error
+}

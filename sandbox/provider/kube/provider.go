@@ -181,6 +181,10 @@ func (p *Provider) meta(spec provider.Spec) metav1.ObjectMeta {
 // never ends it). The four patches run at once; an object not there (a pod not started yet, no
 // network policy) is skipped.
 func (p *Provider) Claimed(ctx context.Context, spec provider.Spec) error {
+	// A create waits on this: an API server that does not answer must not hold it for long (the
+	// labels are set again at the sandbox's next start).
+	ctx, cancel := context.WithTimeout(ctx, claimTimeout)
+	defer cancel()
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
 		"labels": p.labels(spec), "annotations": map[string]string{annotationOrg: spec.Org}}})
 	if err != nil {
@@ -225,6 +229,9 @@ func (p *Provider) Claimed(ctx context.Context, spec provider.Spec) error {
 	}
 	return nil
 }
+
+// claimTimeout bounds Claimed's patches.
+const claimTimeout = 10 * time.Second
 
 // Runtimes lists the sandboxes this broker has pods for (provider.Reconciler).
 func (p *Provider) Runtimes(ctx context.Context) ([]provider.RuntimeRef, error) {

@@ -98,4 +98,8 @@ type RuntimeRef struct {
 // running, so that from then on it is found as the org's.
 type Claimer interface {
 	Claimed(ctx context.Context, spec Spec) error
+	// Unclaimed lists the sandboxes this broker has a runtime for that name no owner: its warm
+	// pool's. At a broker's start, before its pool fills, any of them its index does not list was
+	// left by an earlier broker that lost its data dir.
+	Unclaimed(ctx context.Context) ([]string, error)
 }

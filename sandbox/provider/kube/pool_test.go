@@ -1,6 +1,7 @@
 package kube_test
 
 import (
+	"context"
 	"errors"
 	"slices"
 	"testing"
@@ -288,4 +289,44 @@ func TestBrokerPoolOnKubernetes(t *testing.T) {
 		l, err := c.Client.NetworkingV1().NetworkPolicies("default").List(ctx, mine)
 		return len(l.Items), err
 	})
+}
+
+// TestBrokerStartEndsPooledPodsLeftWithoutTrace: a pooled pod (no owner) of this broker's node that
+// its data dir knows nothing of (an earlier broker lost its data dir with the pool running) is
+// ended by the next start, before the pool fills; its secret and claim stay (files are never
+// deleted on a missing record's word).
+func TestBrokerStartEndsPooledPodsLeftWithoutTrace(t *testing.T) {
+	c := kube.SharedCluster(t)
+	ctx := t.Context()
+	const node = "node-kleft"
+	p, err := kube.New(ctx, kube.Config{
+		Client: c.Client, Namespace: "default", Broker: node, Image: kubetest.SandboxImage,
+		PullPolicy: corev1.PullNever, StorageClass: kubetest.StorageClass,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What a pool's fill makes: Create and Start with no org or name.
+	spec := provider.Spec{ID: protocol.NewSandboxID(), Template: provider.Template{Name: "default"}}
+	if err := p.Create(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Destroy(context.WithoutCancel(ctx), spec)
+	inst, err := p.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Stop(context.WithoutCancel(ctx))
+	name := kube.PodName(spec.ID)
+
+	servertest.New(t, servertest.Options{ProviderImpl: p, Node: node})
+	if _, err := c.Client.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the pooled pod left without a trace, after the broker started: %v (want it deleted)", err)
+	}
+	if _, err := c.Client.CoreV1().PersistentVolumeClaims("default").Get(ctx, name, metav1.GetOptions{}); err != nil {
+		t.Errorf("its claim: %v (want it kept)", err)
+	}
+	if _, err := c.Client.CoreV1().Secrets("default").Get(ctx, name, metav1.GetOptions{}); err != nil {
+		t.Errorf("its secret: %v (want it kept)", err)
+	}
 }

@@ -250,6 +250,24 @@ func (p *Provider) Runtimes(ctx context.Context) ([]provider.RuntimeRef, error) 
 	return out, nil
 }
 
+// Unclaimed lists the sandboxes this broker has pods for that name no org: its warm pool's
+// (provider.Claimer).
+func (p *Provider) Unclaimed(ctx context.Context) ([]string, error) {
+	pods, err := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).List(ctx, metav1.ListOptions{
+		LabelSelector: LabelManaged + "=" + managedBy + "," + LabelBroker + "=" + labelValue(p.cfg.Broker),
+	})
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, pod := range pods.Items {
+		if id := pod.Labels[LabelID]; id != "" && pod.Annotations[annotationOrg] == "" {
+			out = append(out, protocol.SandboxIDPrefix+id)
+		}
+	}
+	return out, nil
+}
+
 // EndRuntime deletes a sandbox's pod; its claim stays (provider.Reconciler).
 func (p *Provider) EndRuntime(ctx context.Context, id string) error {
 	return p.deletePod(ctx, PodName(id), 0)

@@ -113,7 +113,34 @@ func (m *Manager) Recover(ctx context.Context) error {
 		}
 		m.recoverOne(ctx, string(org), e.Name())
 	}
+	m.recoverUnclaimed(ctx)
 	return nil
+}
+
+// recoverUnclaimed ends the runtimes a provider holds for this broker with no owner (pooled pods)
+// that the index does not list: an earlier broker on this node lost its data dir with them. Their
+// files stay, as for any runtime with no record: a claim whose labelling failed looks the same, and
+// files are never deleted on a missing record's word. Run before the pool fills.
+func (m *Manager) recoverUnclaimed(ctx context.Context) {
+	cl, ok := m.cfg.Provider.(provider.Claimer)
+	r, rok := m.cfg.Provider.(provider.Reconciler)
+	if !ok || !rok {
+		return
+	}
+	ids, err := cl.Unclaimed(ctx)
+	if err != nil {
+		m.cfg.Log.Warn("listing the provider's pooled runtimes left by an earlier broker failed", "err", err)
+		return
+	}
+	for _, id := range ids {
+		if _, err := os.Stat(filepath.Join(m.cfg.IndexDir, id)); err == nil {
+			continue // recovered above
+		}
+		m.cfg.Log.Warn("ending a pooled runtime an earlier broker on this node left without a trace in its data dir; its files are kept (delete them by hand)", "sandbox_id", id)
+		if err := r.EndRuntime(ctx, id); err != nil {
+			m.cfg.Log.Error("ending a pooled runtime left by an earlier broker failed", "sandbox_id", id, "err", err)
+		}
+	}
 }
 
 func (m *Manager) recoverOne(ctx context.Context, org, id string) {

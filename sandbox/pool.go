@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -469,10 +470,24 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 	}
 	h.org = rec.Org
 	inst := h.inst
+	tmpl := m.cfg.Templates[rec.Template]
+	if cl, ok := m.cfg.Provider.(provider.Claimer); ok {
+		// The runtime was made for nobody: it names its owner from now on. A failure leaves a
+		// working sandbox that the provider's reconcile does not match to its record (a pod left
+		// unlabelled is ignored, never ended); its next start names the owner again.
+		spec := provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID, Org: rec.Org, Name: rec.Name}
+		if err := cl.Claimed(ctx, spec); err != nil {
+			m.cfg.Log.Warn("naming a claimed pooled sandbox's owner on its runtime failed; its next start does", "sandbox_id", rec.ID, "err", err)
+		}
+	}
+	fields := map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, tmpl)}
+	if pl, ok := inst.(placed); ok {
+		b, _ := json.Marshal(protocol.Placement{Node: pl.Node(), Pod: pl.Pod()})
+		fields[store.FieldPlacement] = string(b)
+	}
 	// Its index entry keeps the claim's mark ("~pool", template, org) rather than being written
 	// again on the create's path: Recover reads the mark, finds the record and rewrites it.
-	return m.markRunning(ctx, rec, h, inst,
-		map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, m.cfg.Templates[rec.Template])})
+	return m.markRunning(ctx, rec, h, inst, fields)
 }
 
 // indexPooled writes a pooled sandbox's index entry: the pool marker, its template and, while a

@@ -90,3 +90,16 @@ type Reconciler interface {
 type RuntimeRef struct {
 	ID, Org string
 }
+
+// Claimer is a provider whose runtimes name their owner (the kubernetes provider labels a pod and
+// the objects made for it with the org and the sandbox's name, which its Reconciler matches to
+// records). A warm pool's sandbox is created and started with no owner (Spec.Org and Name empty);
+// when a create claims it, the manager calls Claimed with the full spec before the sandbox is
+// running, so that from then on it is found as the org's.
+type Claimer interface {
+	Claimed(ctx context.Context, spec Spec) error
+	// Unclaimed lists the sandboxes this broker has a runtime for that name no owner: its warm
+	// pool's. At a broker's start, before its pool fills, any of them its index does not list was
+	// left by an earlier broker that lost its data dir.
+	Unclaimed(ctx context.Context) ([]string, error)
+}

@@ -25,11 +25,13 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -39,6 +41,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
@@ -93,6 +96,7 @@ type Provider struct {
 var (
 	_ provider.Remote     = (*Provider)(nil)
 	_ provider.Reconciler = (*Provider)(nil)
+	_ provider.Claimer    = (*Provider)(nil)
 )
 
 // New checks the configuration and that the namespace is reachable.
@@ -170,6 +174,65 @@ func (p *Provider) meta(spec provider.Spec) metav1.ObjectMeta {
 	return m
 }
 
+// Claimed names the owner of a sandbox made for the broker's warm pool, which a create has just
+// claimed: its pod, secret, claim and network policy get the org and name labels and the org
+// annotation (provider.Claimer), so that Runtimes lists its pod under the org and the reconcile
+// matches it to its record (a pooled pod has no org: Runtimes never lists it, so the reconcile
+// never ends it). The four patches run at once; an object not there (a pod not started yet, no
+// network policy) is skipped.
+func (p *Provider) Claimed(ctx context.Context, spec provider.Spec) error {
+	// A create waits on this: an API server that does not answer must not hold it for long (the
+	// labels are set again at the sandbox's next start).
+	ctx, cancel := context.WithTimeout(ctx, claimTimeout)
+	defer cancel()
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+		"labels": p.labels(spec), "annotations": map[string]string{annotationOrg: spec.Org}}})
+	if err != nil {
+		return err
+	}
+	c, ns, name := p.cfg.Client, p.cfg.Namespace, PodName(spec.ID)
+	opts := metav1.PatchOptions{}
+	patches := []func() error{
+		func() error {
+			_, err := c.CoreV1().Pods(ns).Patch(ctx, name, types.MergePatchType, patch, opts)
+			return err
+		},
+		func() error {
+			_, err := c.CoreV1().Secrets(ns).Patch(ctx, name, types.MergePatchType, patch, opts)
+			return err
+		},
+		func() error {
+			_, err := c.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, name, types.MergePatchType, patch, opts)
+			return err
+		},
+	}
+	if p.cfg.NetworkPolicies {
+		patches = append(patches, func() error {
+			_, err := c.NetworkingV1().NetworkPolicies(ns).Patch(ctx, name, types.MergePatchType, patch, opts)
+			return err
+		})
+	}
+	errs := make([]error, len(patches))
+	var wg sync.WaitGroup
+	for i, f := range patches {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f(); err != nil && !apierrors.IsNotFound(err) {
+				errs[i] = err
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("labelling sandbox %s's objects with its owner: %w", name, err)
+	}
+	return nil
+}
+
+// claimTimeout bounds Claimed's patches.
+const claimTimeout = 10 * time.Second
+
 // Runtimes lists the sandboxes this broker has pods for (provider.Reconciler).
 func (p *Provider) Runtimes(ctx context.Context) ([]provider.RuntimeRef, error) {
 	pods, err := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).List(ctx, metav1.ListOptions{
@@ -182,6 +245,24 @@ func (p *Provider) Runtimes(ctx context.Context) ([]provider.RuntimeRef, error) 
 	for _, pod := range pods.Items {
 		if id := pod.Labels[LabelID]; id != "" && pod.Annotations[annotationOrg] != "" {
 			out = append(out, provider.RuntimeRef{ID: protocol.SandboxIDPrefix + id, Org: pod.Annotations[annotationOrg]})
+		}
+	}
+	return out, nil
+}
+
+// Unclaimed lists the sandboxes this broker has pods for that name no org: its warm pool's
+// (provider.Claimer).
+func (p *Provider) Unclaimed(ctx context.Context) ([]string, error) {
+	pods, err := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).List(ctx, metav1.ListOptions{
+		LabelSelector: LabelManaged + "=" + managedBy + "," + LabelBroker + "=" + labelValue(p.cfg.Broker),
+	})
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, pod := range pods.Items {
+		if id := pod.Labels[LabelID]; id != "" && pod.Annotations[annotationOrg] == "" {
+			out = append(out, protocol.SandboxIDPrefix+id)
 		}
 	}
 	return out, nil
@@ -293,6 +374,13 @@ func (p *Provider) Start(ctx context.Context, spec provider.Spec) (provider.Inst
 	secret := sec.Data[secretKey]
 	if len(secret) < 16 {
 		return nil, fmt.Errorf("the sandbox's agent secret %s/%s holds no usable %q key", ns, name, secretKey)
+	}
+	if spec.Org != "" && sec.Annotations[annotationOrg] != spec.Org {
+		// A pooled sandbox whose claim could not name its owner (or a broker that crashed before
+		// it did): name it now, pod (when reused) included.
+		if err := p.Claimed(ctx, spec); err != nil {
+			return nil, err
+		}
 	}
 	pod, err := p.podSpec(spec)
 	if err != nil {

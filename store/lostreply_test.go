@@ -1,12 +1,6 @@
 package store_test
 
 import (
-	"bytes"
-	"context"
-	"io"
-	"net"
-	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/redis/go-redis/v9"
@@ -16,38 +10,6 @@ import (
 	"github.com/sbxbroker/broker/store/redistest"
 )
 
-// lossyConn loses the reply to the next script call once armed: the command reaches Redis and runs,
-// its answer is read off the socket and thrown away, and the client sees the connection cut (EOF),
-// as when a network blip or a failover lands between a script's run and its answer. go-redis then
-// sends the same call again on a new connection.
-type lossyConn struct {
-	net.Conn
-	arm  *atomic.Int32 // replies still to lose
-	mu   sync.Mutex
-	lose bool
-}
-
-func (c *lossyConn) Write(p []byte) (int, error) {
-	if bytes.Contains(bytes.ToLower(p), []byte("evalsha")) && c.arm.Add(-1) >= 0 {
-		c.mu.Lock()
-		c.lose = true
-		c.mu.Unlock()
-	}
-	return c.Conn.Write(p)
-}
-
-func (c *lossyConn) Read(p []byte) (int, error) {
-	c.mu.Lock()
-	lose := c.lose
-	c.mu.Unlock()
-	if lose {
-		c.Conn.Read(make([]byte, 64<<10)) // the script ran: this is its answer
-		c.Conn.Close()
-		return 0, io.EOF
-	}
-	return c.Conn.Read(p)
-}
-
 // TestLostRepliesAreNotReplayedAsSomeoneElses: a lost answer makes the client run the same script
 // again. A create or a resume seen a second time must be recognised as the caller's own, not
 // answered as a name conflict (a create that then gives back a uid its record holds, leaving the
@@ -55,15 +17,9 @@ func (c *lossyConn) Read(p []byte) (int, error) {
 // then waits for its own start, which never comes).
 func TestLostRepliesAreNotReplayedAsSomeoneElses(t *testing.T) {
 	srv := redistest.Start(t)
-	var arm atomic.Int32
-	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{srv.Addr},
-		Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			nc, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-			if err != nil {
-				return nil, err
-			}
-			return &lossyConn{Conn: nc, arm: &arm}, nil
-		}})
+	lossy := &redistest.LoseAnswers{}
+	arm := &lossy.Lose
+	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{srv.Addr}, Dialer: lossy.Dial})
 	t.Cleanup(func() { c.Close() })
 	s := store.New(c)
 	ctx := t.Context()

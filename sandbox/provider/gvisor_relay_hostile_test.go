@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/sandbox/provider/sbxinit"
+	"github.com/sbxbroker/broker/tests/wait"
 	"golang.org/x/sys/unix"
 )
 
@@ -229,7 +230,7 @@ func TestRelayTerminalOnAnOpenChannelEndsTheStream(t *testing.T) {
 	unix.Close(p[1])
 	b.exec(t, `{"op":"exec","id":2,"argv":["sh"],"tty":true}`)
 	// The relay numbers its channels from 1: the command's stdout is 1.
-	if !eventually(func() bool { return b.r.open() == 2 }) {
+	if !wait.Until(20*time.Second, func() bool { return b.r.open() == 2 }) {
 		t.Fatalf("the command's channel and the terminal asked for: open %d, want 2", b.r.open())
 	}
 	b.terminal(1, 2)
@@ -264,7 +265,7 @@ func TestRelayTerminalOnlyAsAskedFor(t *testing.T) {
 	b := newHostileBridge(t)
 	b.exec(t, `{"op":"exec","id":5,"argv":["sh"],"tty":true}`)
 	b.exec(t, `{"op":"exec","id":6,"argv":["nope"],"tty":true}`)
-	if !eventually(func() bool { return b.r.open() == 2 }) {
+	if !wait.Until(20*time.Second, func() bool { return b.r.open() == 2 }) {
 		t.Fatalf("two terminals asked for: open %d, want 2", b.r.open())
 	}
 	b.terminal(sbxinit.TerminalChannel|1, 5)
@@ -277,15 +278,6 @@ func TestRelayTerminalOnlyAsAskedFor(t *testing.T) {
 	}
 	b.terminal(sbxinit.TerminalChannel|2, 6) // its command ended with an error
 	b.ended(t)
-}
-
-func eventually(f func() bool) bool {
-	for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
-		if f() {
-			return true
-		}
-	}
-	return false
 }
 
 // A delegate asking for commands past the bound, in a loop, gets each refused but logged a few times

@@ -202,7 +202,8 @@ func TestEveryToolMatchesDataplane(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
 	var sawWrite, sawExec bool
-	f.b.Client.Events(ctx, client.EventOptions{Ref: f.sbx.ID, Backlog: 100}, func(ev protocol.Event) error {
+	// Followed, not read once: an event reaches the log after the call that caused it answers.
+	f.b.Client.Events(ctx, client.EventOptions{Ref: f.sbx.ID, Backlog: 100, Follow: true}, func(ev protocol.Event) error {
 		if ev.Actor == "token:"+m.JTI && ev.Type == protocol.EventFileWritten && ev.Path == "/workspace/src/a.txt" {
 			sawWrite = true
 		}

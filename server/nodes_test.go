@@ -96,10 +96,15 @@ func TestSilentBrokerIsDeclaredLost(t *testing.T) {
 	if _, err := viaA2.Heartbeat(ctx, "on-a"); err != nil {
 		t.Fatal(err)
 	}
+	// node_returned reaches the log after the mark it reports is cleared: wait for it.
 	counts := map[string]int{}
-	viaB.Events(ctx, client.EventOptions{Ref: "on-a", Backlog: 100}, func(e protocol.Event) error {
-		counts[e.Type]++
-		return nil
+	wait.Until(10*time.Second, func() bool {
+		counts = map[string]int{}
+		viaB.Events(ctx, client.EventOptions{Ref: "on-a", Backlog: 100}, func(e protocol.Event) error {
+			counts[e.Type]++
+			return nil
+		})
+		return counts[protocol.EventNodeReturned] > 0
 	})
 	if counts[protocol.EventNodeLost] != 1 || counts[protocol.EventNodeReturned] != 1 {
 		t.Fatalf("events of on-a: %v, want one node_lost and one node_returned", counts)

@@ -36,14 +36,6 @@ const StreamMaxLen = 10000
 // DefaultBuffer bounds the events a writer keeps while Redis is away (about 400 bytes each).
 const DefaultBuffer = 20000
 
-// DefaultLinger is how long a writer lets events gather after the first of a quiet spell. Events
-// that come one at a time (a dataplane client's writes, each sent after the last one's answer)
-// otherwise cost two Redis round trips each (the append and the wake-up), on the same cores as the
-// requests: on a loaded 2-core machine, dropping the event took up to a third off a 4 KiB
-// write+read (docs/ARCHITECTURE.md, hot path). An event reaches the log this much later at most,
-// which no pane can see.
-const DefaultLinger = 2 * time.Millisecond
-
 // Writer appends events to the org streams from one goroutine, in batches, in the order emitted.
 // While Redis is away it keeps up to a buffer of events and writes them, in order, when Redis is
 // back; past the buffer it counts what it loses, per sandbox, and writes one gap event each after
@@ -53,7 +45,6 @@ type Writer struct {
 	log     *slog.Logger
 	queue   chan queued
 	buffer  int
-	linger  time.Duration
 	dropped atomic.Int64
 	done    chan struct{}
 	// mu orders Emit's send against Close's close of queue: Emits hold it shared (they never block
@@ -65,9 +56,6 @@ type Writer struct {
 	// turns them into gap events like its own losses.
 	overMu   sync.Mutex
 	overflow map[lostKey]int64
-
-	// quiet counts the events that found the writer idle (tests wait on it).
-	quiet atomic.Int64
 }
 
 type queued struct {
@@ -79,9 +67,6 @@ type queued struct {
 type WriterOptions struct {
 	// Buffer is how many events it keeps while Redis is away (0: DefaultBuffer).
 	Buffer int
-	// Linger is how long the writer lets events gather after the first of a quiet spell before it
-	// writes them (0: DefaultLinger).
-	Linger time.Duration
 }
 
 // NewWriter starts a writer; Close flushes it.
@@ -94,10 +79,7 @@ func NewWriterWithOptions(st *store.Store, log *slog.Logger, o WriterOptions) *W
 	if o.Buffer <= 0 {
 		o.Buffer = DefaultBuffer
 	}
-	if o.Linger <= 0 {
-		o.Linger = DefaultLinger
-	}
-	w := &Writer{store: st, log: log, queue: make(chan queued, 8192), buffer: o.Buffer, linger: o.Linger, done: make(chan struct{}),
+	w := &Writer{store: st, log: log, queue: make(chan queued, 8192), buffer: o.Buffer, done: make(chan struct{}),
 		overflow: map[lostKey]int64{}}
 	go w.run()
 	return w
@@ -224,10 +206,6 @@ func (w *Writer) run() {
 				return
 			}
 			p.add(q)
-			w.quiet.Add(1)
-			// The events that follow within the linger go in the same pipeline and wake-up. (A
-			// Close meanwhile is seen by the drain below, after at most the linger.)
-			time.Sleep(w.linger)
 		}
 		// Take what else is queued, without waiting.
 	drain:

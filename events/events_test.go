@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -322,41 +320,5 @@ func TestWriterEmitAfterClose(t *testing.T) {
 	// What was queued before Close was written.
 	if n, err := rdb.XLen(t.Context(), store.EventsKey("acme")).Result(); err != nil || n < 1 {
 		t.Fatalf("events queued before Close were not written: %d %v", n, err)
-	}
-}
-
-// Events that come one at a time, as a dataplane client's writes do (each after the last one's
-// answer), are written together: the writer lets events gather for WriterOptions.Linger after the
-// first of a quiet spell, so a stream of writes costs the event log one pipeline and one wake-up
-// per linger, not two Redis round trips each. Before the linger, the second event here, emitted
-// once the writer had taken the first, went in a pipeline and a wake-up of its own.
-func TestWriterGathersEventsThatComeOneAtATime(t *testing.T) {
-	t.Parallel()
-	srv := redistest.Start(t)
-	rdb := srv.Client(t)
-	w := events.NewWriterWithOptions(storeOf(t, rdb), quiet, events.WriterOptions{Linger: time.Second})
-	defer w.Close()
-	publishes := func() int {
-		info, err := rdb.Info(t.Context(), "commandstats").Result()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, l := range strings.Split(info, "\n") {
-			if v, ok := strings.CutPrefix(strings.TrimSpace(l), "cmdstat_publish:calls="); ok {
-				n, _ := strconv.Atoi(v[:strings.IndexByte(v, ',')])
-				return n
-			}
-		}
-		return 0
-	}
-	before := publishes()
-	w.Emit("acme", protocol.Event{Type: protocol.EventFileWritten, SandboxID: "sb_1", Path: "/workspace/1"})
-	wait.Eventually(t, 10*time.Second, func() bool { return events.Quiet(w) == 1 }, "the writer taking the first event")
-	w.Emit("acme", protocol.Event{Type: protocol.EventFileWritten, SandboxID: "sb_1", Path: "/workspace/2"})
-	if got := len(streamEvents(t, rdb, "acme", 2)); got != 2 {
-		t.Fatalf("%d events written, want 2", got)
-	}
-	if n := publishes() - before; n != 1 {
-		t.Errorf("two events a moment apart took %d wake-ups (one per pipeline), want 1", n)
 	}
 }

@@ -7,6 +7,3 @@ func Live(s *Subscription) bool {
 	defer s.mu.Unlock()
 	return s.live
 }
-
-// Quiet is how many events found w's goroutine idle and were taken by it.
-func Quiet(w *Writer) int64 { return w.quiet.Load() }

@@ -226,6 +226,15 @@ func (s *Service) Forget(rv Revocation) {
 	})
 }
 
+// Evictions counts the revocations this broker has applied (Forget, ForgetKey): a connection notes
+// it before its credential's checks and looks again once it can be found by announcements, to learn
+// whether one may have passed it by in between.
+func (s *Service) Evictions() uint64 {
+	s.recent.mu.Lock()
+	defer s.recent.mu.Unlock()
+	return s.recent.epoch
+}
+
 // ForgetKey forgets every token the API key keyID minted, for its revocation.
 func (s *Service) ForgetKey(keyID string) {
 	s.recent.forget(func(c *Claims) bool { return c.KeyID() == keyID })

@@ -220,7 +220,7 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if err != nil || got.ID != rec.ID {
 		switch {
 		case pd != nil:
-			m.pool.unclaim(ctx, c.Org, pd, err) // an unknown outcome discards it
+			m.pool.unclaim(ctx, c.Org, pd, err) // an unknown outcome keeps its uid and index entry (pool.hold)
 		case !unknown:
 			m.unindex(rec.ID)
 			m.releaseUID(context.WithoutCancel(ctx), rec)

@@ -5,12 +5,17 @@ import (
 	"context"
 	"io"
 	"net"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // lossyNet loses Redis' answers to the broker's script calls that name a given sandbox, while
@@ -107,4 +112,65 @@ func TestCreateWhoseAnswerRedisLost(t *testing.T) {
 	if lossy.arm.Load() > 0 {
 		t.Fatal("resume: no answer was lost: the test did not test")
 	}
+}
+
+// A create from the warm pool whose every answer Redis lost may have made its record (provisioning,
+// naming the pooled sandbox's id and uid): as for any create of unknown outcome, the uid stays the
+// record's and the index entry stays for the next start to settle it. Before, the pooled sandbox
+// was discarded as though no record named it: its uid was freed for the next sandbox while the
+// record held it, and its index entry removed, so no start would ever settle the record, left
+// provisioning (its name stuck, its place in the org's running count taken) until deleted.
+func TestPooledCreateWhoseAnswersRedisLostKeepsItsUID(t *testing.T) {
+	needRoot(t)
+	lossy := &lossyNet{match: []byte("pool-lost")}
+	uids := store.UIDRange{First: 235000, Last: 235999}
+	b := pooledBroker(t, 1, "", servertest.Options{RedisDialer: lossy.dial, SandboxUIDs: &uids})
+	ctx := t.Context()
+	// The first create loads the script, so that every armed call below is one that runs.
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "warm"}); err != nil {
+		t.Fatal(err)
+	}
+	waitPool(t, b, 1)
+	lossy.arm.Store(1000)
+	_, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "pool-lost"})
+	lossy.arm.Store(0)
+	if code(err) != protocol.CodeUnavailable {
+		t.Fatalf("a pooled create whose every answer was lost: %v, want unavailable", err)
+	}
+	rec, err := b.Store.Get(ctx, b.Org, "pool-lost")
+	if err != nil {
+		t.Fatalf("the create ran in Redis, its record: %v", err)
+	}
+	if rec.UID == 0 {
+		t.Fatalf("the pooled sandbox's record names no uid: %+v", rec)
+	}
+	want := b.Org + "/" + rec.ID
+	// What the broker does with the claimed sandbox runs in the background: give it time.
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		owner, err := b.Store.UIDOwner(ctx, rec.UID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if owner != want {
+			t.Fatalf("uid %d, named by sandbox %s's record, is held by %q, want %q", rec.UID, rec.ID, owner, want)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if _, err := os.Stat(filepath.Join(b.DataDir, "hosted", rec.ID)); err != nil {
+		t.Fatalf("the index entry that lets the next start settle the record: %v", err)
+	}
+	// The next start settles it as any create cut short: failed, its delete frees the uid.
+	b.Stop()
+	b2 := pooledBroker(t, 1, "", servertest.Options{Redis: b.Redis, DataDir: b.DataDir, SandboxUIDs: &uids})
+	if got, err := b2.Store.Get(ctx, b.Org, rec.ID); err != nil || got.Status != protocol.StatusFailed {
+		t.Fatalf("after a restart: %v %s, want failed", err, got.Status)
+	}
+	if _, err := b2.Client.DeleteSandbox(ctx, rec.ID); err != nil {
+		t.Fatal(err)
+	}
+	wait.Eventually(t, 10*time.Second, func() bool {
+		owner, err := b2.Store.UIDOwner(ctx, rec.UID)
+		return err == nil && owner == ""
+	}, "the deleted sandbox's uid %d is freed", rec.UID)
 }

@@ -793,6 +793,8 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 		return nil
 	case errors.Is(err, store.ErrNotFound):
 		return NotFound(ref)
+	case errors.Is(err, store.ErrDeletedMeanwhile):
+		return protocol.Errorf(protocol.CodeInvalidState, "sandbox %q was deleted while it was being created: create it again", clip(ref))
 	case errors.Is(err, store.ErrNameConflict):
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
 	case errors.As(err, &tm):

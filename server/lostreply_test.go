@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -25,6 +26,8 @@ import (
 type lossyNet struct {
 	match []byte
 	arm   atomic.Int32 // answers still to lose
+	// lost, when set, runs with the answer thrown away, before the broker sees the cut.
+	lost func(answer []byte)
 }
 
 func (n *lossyNet) dial(ctx context.Context, network, addr string) (net.Conn, error) {
@@ -56,8 +59,12 @@ func (c *lossyConn) Read(p []byte) (int, error) {
 	lose := c.lose
 	c.mu.Unlock()
 	if lose {
-		c.Conn.Read(make([]byte, 64<<10)) // the script ran: this is its answer
+		answer := make([]byte, 64<<10)
+		n, _ := c.Conn.Read(answer) // the script ran: this is its answer
 		c.Conn.Close()
+		if c.n.lost != nil && n > 0 {
+			c.n.lost(answer[:n])
+		}
 		return 0, io.EOF
 	}
 	return c.Conn.Read(p)
@@ -173,4 +180,51 @@ func TestPooledCreateWhoseAnswersRedisLostKeepsItsUID(t *testing.T) {
 		owner, err := b2.Store.UIDOwner(ctx, rec.UID)
 		return err == nil && owner == ""
 	}, "the deleted sandbox's uid %d is freed", rec.UID)
+}
+
+// A create whose answer was lost, and whose sandbox was deleted before the call came again (a
+// delete by id from the listing, or by tag, in that window), is not made a second time by the
+// resend: the delete gave the sandbox's uid back, and a record made again would hold a uid the next
+// sandbox of any org can be given, both running as one host user. The create answers 409 saying the
+// sandbox was deleted meanwhile. Before, the resend made it again and started it, on a uid nobody
+// held.
+func TestCreateDeletedBeforeItsResendIsNotMadeAgain(t *testing.T) {
+	needRoot(t)
+	lossy := &lossyNet{match: []byte("deleted-between")}
+	uids := store.UIDRange{First: 236000, Last: 236999}
+	b := servertest.New(t, servertest.Options{Provider: "dir", RedisDialer: lossy.dial, SandboxUIDs: &uids})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "warm"}); err != nil {
+		t.Fatal(err)
+	}
+	var deleted atomic.Bool
+	lossy.lost = func(answer []byte) {
+		id := regexp.MustCompile(`sb_[0-9a-f-]{36}`).Find(answer)
+		if id == nil {
+			t.Errorf("no sandbox id in the lost answer %q", answer)
+			return
+		}
+		if _, err := b.Client.DeleteSandbox(context.Background(), string(id)); err != nil {
+			t.Errorf("delete in the window: %v", err)
+			return
+		}
+		deleted.Store(true)
+	}
+	lossy.arm.Store(1)
+	got, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "deleted-between"})
+	if !deleted.Load() {
+		t.Fatal("the sandbox was not deleted in the window: the test did not test")
+	}
+	if err == nil {
+		rec, _ := b.Store.Get(ctx, b.Org, got.Sandbox.ID)
+		owner, oerr := b.Store.UIDOwner(ctx, rec.UID)
+		t.Fatalf("a create deleted before its resend was made again: %s %s, uid %d held by %q (%v)",
+			got.Outcome, got.Sandbox.Status, rec.UID, owner, oerr)
+	}
+	if code(err) != protocol.CodeInvalidState {
+		t.Errorf("a create deleted before its resend: %v, want invalid_state", err)
+	}
+	if _, err := b.Store.Get(ctx, b.Org, "deleted-between"); err == nil {
+		t.Errorf("the deleted sandbox's record is back")
+	}
 }

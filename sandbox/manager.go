@@ -274,6 +274,13 @@ var errUnknownOutcome = errors.New("the create's outcome is unknown")
 // it) or keep those of one that does not.
 func (m *Manager) createOrReuse(ctx context.Context, rec store.Record, reuse bool) (store.Record, store.Outcome, error) {
 	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, reuse)
+	if errors.Is(err, context.Canceled) {
+		// The caller hung up, maybe after a try that ran (its answer lost, the client's resend cut
+		// by the hang-up): ask again on a context of the create's own, as a start that reached the
+		// store goes on without its caller (provision). Taking the hang-up for a refusal gave back
+		// the uid and index entry of a record that may exist.
+		got, outcome, err = m.cfg.Store.CreateOrReuse(context.WithoutCancel(ctx), rec, reuse)
+	}
 	for wait := 100 * time.Millisecond; err != nil && store.Unavailable(err) && wait <= 1600*time.Millisecond; wait *= 4 {
 		select {
 		case <-ctx.Done():

@@ -228,3 +228,43 @@ func TestCreateDeletedBeforeItsResendIsNotMadeAgain(t *testing.T) {
 		t.Errorf("the deleted sandbox's record is back")
 	}
 }
+
+// A create whose answer was lost, and whose caller hung up before the Redis client's resend (which
+// the hang-up then cut), may have made its record: it is asked again, not taken as refused. Before,
+// the hang-up counted as a refusal and the broker gave back the uid and index entry of the record
+// it had made, left provisioning for good (no start would settle it) on a uid the next sandbox of
+// any org could be given.
+func TestCreateWhoseCallerHungUpAfterALostAnswer(t *testing.T) {
+	needRoot(t)
+	lossy := &lossyNet{match: []byte("hung-up")}
+	uids := store.UIDRange{First: 237000, Last: 237999}
+	b := servertest.New(t, servertest.Options{Provider: "dir", RedisDialer: lossy.dial, SandboxUIDs: &uids})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "warm"}); err != nil {
+		t.Fatal(err)
+	}
+	hangUp, cancel := context.WithCancel(ctx)
+	defer cancel()
+	// The client hangs up while the answer is being lost; the pause lets the broker see it before
+	// the Redis client sends the call again.
+	lossy.lost = func([]byte) { cancel(); time.Sleep(200 * time.Millisecond) }
+	lossy.arm.Store(1)
+	if _, err := b.Client.CreateSandbox(hangUp, protocol.CreateSandboxRequest{Name: "hung-up"}); err == nil {
+		t.Fatal("the create answered its caller after it hung up: the test did not test")
+	}
+	var rec store.Record
+	wait.Eventually(t, 10*time.Second, func() bool {
+		var err error
+		rec, err = b.Store.Get(ctx, b.Org, "hung-up")
+		return err == nil && rec.Status != protocol.StatusProvisioning
+	}, "the created sandbox settles (%s)", rec.Status)
+	if rec.Status != protocol.StatusRunning {
+		t.Errorf("the sandbox whose caller hung up is %s, want running (a create that reached the store goes on)", rec.Status)
+	}
+	if owner, err := b.Store.UIDOwner(ctx, rec.UID); err != nil || owner != b.Org+"/"+rec.ID {
+		t.Errorf("uid %d of sandbox %s is held by %q (%v), want its own", rec.UID, rec.ID, owner, err)
+	}
+	if _, err := os.Stat(filepath.Join(b.DataDir, "hosted", rec.ID)); err != nil {
+		t.Errorf("its index entry: %v", err)
+	}
+}

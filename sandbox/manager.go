@@ -562,9 +562,17 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 
 // Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.
 func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
-	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
-		From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
-		Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}})
+	t := store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
+		Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, t)
+	// Sent again, as a create is (createOrReuse), while its answer may have been lost: the store
+	// recognises its own claim. Given up on, a claim that did land would leave the sandbox
+	// provisioning, its start waited for by every other caller, until this broker's next start.
+	for wait := 100 * time.Millisecond; err != nil && (store.Unavailable(err) || errors.Is(err, context.Canceled)) && wait <= 1600*time.Millisecond; wait *= 4 {
+		time.Sleep(wait)
+		m.cfg.Log.Warn("Redis' answer to a resume was lost; asking again", "ref", clip(ref), "org", c.Org, "err", err)
+		rec, err = m.cfg.Store.Transition(context.WithoutCancel(ctx), c.Org, ref, t)
+	}
 	var se *store.StateError
 	if errors.As(err, &se) && (se.Status == protocol.StatusRunning || se.Status == protocol.StatusProvisioning) {
 		rec, err = m.Get(ctx, c.Org, ref)

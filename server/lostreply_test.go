@@ -25,6 +25,7 @@ import (
 // sends the call again on a new connection (3 times by default).
 type lossyNet struct {
 	match []byte
+	also  []byte // when set, a call must name it too
 	arm   atomic.Int32 // answers still to lose
 	// lost, when set, runs with the answer thrown away, before the broker sees the cut.
 	lost func(answer []byte)
@@ -46,7 +47,7 @@ type lossyConn struct {
 }
 
 func (c *lossyConn) Write(p []byte) (int, error) {
-	if bytes.Contains(p, []byte("evalsha")) && bytes.Contains(p, c.n.match) && c.n.arm.Add(-1) >= 0 {
+	if bytes.Contains(p, []byte("evalsha")) && bytes.Contains(p, c.n.match) && (c.n.also == nil || bytes.Contains(p, c.n.also)) && c.n.arm.Add(-1) >= 0 {
 		c.mu.Lock()
 		c.lose = true
 		c.mu.Unlock()
@@ -266,5 +267,31 @@ func TestCreateWhoseCallerHungUpAfterALostAnswer(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(b.DataDir, "hosted", rec.ID)); err != nil {
 		t.Errorf("its index entry: %v", err)
+	}
+}
+
+// A resume whose every answer the Redis client lost (its own resends included) is sent again by the
+// broker, which finds its own claim: the sandbox starts. Before, the resume answered 503 while its
+// claim had landed, and the sandbox stayed provisioning, its start waited for by every other
+// caller, until the broker's next start.
+func TestResumeWhoseAnswersRedisLost(t *testing.T) {
+	// The resume's own call, from stopped to provisioning: the route's read of the sandbox names
+	// no status, and the stop before is armed for nothing.
+	lossy := &lossyNet{match: []byte("stopped"), also: []byte("provisioning")}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.dial})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "resume-lost"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.StopSandbox(ctx, "resume-lost"); err != nil {
+		t.Fatal(err)
+	}
+	lossy.arm.Store(4) // the first try and the Redis client's 3 resends
+	resumed, err := b.Client.ResumeSandbox(ctx, "resume-lost")
+	if err != nil || resumed.Status != protocol.StatusRunning {
+		t.Fatalf("resume, 4 answers lost: %v %+v", err, resumed)
+	}
+	if lossy.arm.Load() > 0 {
+		t.Fatal("resume: not every answer was lost: the test did not test")
 	}
 }

@@ -25,7 +25,7 @@ import (
 // sends the call again on a new connection (3 times by default).
 type lossyNet struct {
 	match []byte
-	also  []byte // when set, a call must name it too
+	also  []byte       // when set, a call must name it too
 	arm   atomic.Int32 // answers still to lose
 	// lost, when set, runs with the answer thrown away, before the broker sees the cut.
 	lost func(answer []byte)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -47,8 +48,9 @@ type recentEntry struct {
 
 type recentRead struct {
 	done    chan struct{}
-	epoch   uint64 // r.epoch when the read began
-	waiters int    // checks that joined it
+	epoch   uint64    // r.epoch when the read began
+	start   time.Time // when it began
+	waiters int       // checks that joined it
 	err     error
 }
 
@@ -70,8 +72,8 @@ func (r *recent) check(ctx context.Context, k [32]byte, c *Claims, read func(con
 		return nil
 	}
 	// A read that began before an eviction may predate the revocation it was for: join only one
-	// that began since.
-	if rd := r.reads[k]; rd != nil && rd.epoch == r.epoch {
+	// that began since, and less than RecentTTL ago (a slow read's answer may be that old).
+	if rd := r.reads[k]; rd != nil && rd.epoch == r.epoch && start.Sub(rd.start) < RecentTTL {
 		rd.waiters++
 		r.mu.Unlock()
 		select {
@@ -81,12 +83,24 @@ func (r *recent) check(ctx context.Context, k [32]byte, c *Claims, read func(con
 			return ctx.Err()
 		}
 	}
-	rd := &recentRead{done: make(chan struct{}), epoch: r.epoch}
+	rd := &recentRead{done: make(chan struct{}), epoch: r.epoch, start: start}
 	r.reads[k] = rd
 	r.mu.Unlock()
 
+	// Settled even if read panics (the HTTP server recovers the caller's goroutine): left in reads,
+	// the read would hold every later check of the token waiting on a done never closed.
+	defer r.settle(k, c, rd, start)
+	rd.err = errReadPanicked
 	rd.err = read(context.WithoutCancel(ctx), c)
+	return rd.err
+}
 
+// errReadPanicked is what the checks sharing a read hear when it panicked: never live.
+var errReadPanicked = fmt.Errorf("%w: the read panicked", ErrRevocationState)
+
+// settle ends the read rd of the token keyed k, begun at start: it remembers a live answer unless an
+// eviction came meanwhile, and releases the checks that joined it.
+func (r *recent) settle(k [32]byte, c *Claims, rd *recentRead, start time.Time) {
 	r.mu.Lock()
 	if r.reads[k] == rd {
 		delete(r.reads, k)
@@ -104,7 +118,6 @@ func (r *recent) check(ctx context.Context, k [32]byte, c *Claims, read func(con
 	}
 	r.mu.Unlock()
 	close(rd.done)
-	return rd.err
 }
 
 // claims answers the claims of the token keyed k if it passed Check before and has not expired.
@@ -211,6 +224,15 @@ func (s *Service) Forget(rv Revocation) {
 	s.recent.forget(func(c *Claims) bool {
 		return c.Org == rv.Org && (rv.JTI != "" && c.ID == rv.JTI || rv.Gen > 0 && c.Sbx == rv.SandboxID && c.Gen < rv.Gen)
 	})
+}
+
+// Evictions counts the revocations this broker has applied (Forget, ForgetKey): a connection notes
+// it before its credential's checks and looks again once it can be found by announcements, to learn
+// whether one may have passed it by in between.
+func (s *Service) Evictions() uint64 {
+	s.recent.mu.Lock()
+	defer s.recent.mu.Unlock()
+	return s.recent.epoch
 }
 
 // ForgetKey forgets every token the API key keyID minted, for its revocation.

@@ -177,3 +177,73 @@ func TestRecentIsBounded(t *testing.T) {
 		}
 	}
 }
+
+// A read that panics (the HTTP server recovers the upgrade's goroutine) must not leave its entry in
+// reads: every later check of the token would join it and wait on a done that never closes, until
+// its caller hangs up, and the token would never be read again on this broker until some eviction.
+func TestRecentReadPanicReleasesWaiters(t *testing.T) {
+	clk := newClock()
+	r := newRecent(clk.Now)
+	c := recentClaims(clk, "j1", time.Hour)
+	k := recentKey("t")
+	gate := make(chan struct{})
+	started := make(chan struct{})
+	panicked := make(chan any, 1)
+	go func() {
+		defer func() { panicked <- recover() }()
+		r.check(context.Background(), k, c, func(context.Context, *Claims) error {
+			close(started)
+			<-gate
+			panic("read blew up")
+		})
+	}()
+	<-started
+	joined := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		joined <- r.check(ctx, k, c, func(context.Context, *Claims) error { return nil })
+	}()
+	wait.Eventually(t, 10*time.Second, func() bool { return r.waitersFor(k) == 1 }, "a check joining the read in flight")
+	close(gate)
+	if p := <-panicked; p == nil {
+		t.Fatal("the read's panic was swallowed")
+	}
+	if err := <-joined; err == nil || errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("a check that joined a read that panicked: %v, want a prompt refusal", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	var rd countingRead
+	if err := r.check(ctx, k, c, rd.read); err != nil || rd.n.Load() != 1 {
+		t.Errorf("a check after a read panicked: %v after %d reads, want live after 1", err, rd.n.Load())
+	}
+}
+
+// A check never takes the answer of a read that began RecentTTL or more before it: a slow read
+// (Redis' answer delayed, go-redis resending) would otherwise stand in for a state older than the
+// bound, which an unannounced revocation relies on.
+func TestRecentJoinsNoReadOlderThanTTL(t *testing.T) {
+	clk := newClock()
+	r := newRecent(clk.Now)
+	c := recentClaims(clk, "j1", time.Hour)
+	k := recentKey("t")
+	slow := countingRead{gate: make(chan struct{}), started: make(chan struct{}, 1)}
+	leader := make(chan error, 1)
+	go func() { leader <- r.check(context.Background(), k, c, slow.read) }()
+	<-slow.started
+	clk.Advance(RecentTTL)
+	late := countingRead{err: protocol.Errorf(protocol.CodeTokenRevoked, "revoked")}
+	lateErr := make(chan error, 1)
+	go func() { lateErr <- r.check(context.Background(), k, c, late.read) }()
+	if !wait.Until(5*time.Second, func() bool { return late.n.Load() == 1 }) {
+		t.Errorf("a check %s after a read began joined it instead of reading", RecentTTL)
+	}
+	close(slow.gate)
+	if err := <-leader; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-lateErr; err == nil {
+		t.Errorf("a check %s after a slow read began was answered live by it", RecentTTL)
+	}
+}

@@ -220,7 +220,7 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	if err != nil || got.ID != rec.ID {
 		switch {
 		case pd != nil:
-			m.pool.unclaim(ctx, c.Org, pd, err) // an unknown outcome discards it
+			m.pool.unclaim(ctx, c.Org, pd, err) // an unknown outcome keeps its uid and index entry (pool.hold)
 		case !unknown:
 			m.unindex(rec.ID)
 			m.releaseUID(context.WithoutCancel(ctx), rec)
@@ -274,6 +274,13 @@ var errUnknownOutcome = errors.New("the create's outcome is unknown")
 // it) or keep those of one that does not.
 func (m *Manager) createOrReuse(ctx context.Context, rec store.Record, reuse bool) (store.Record, store.Outcome, error) {
 	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, reuse)
+	if errors.Is(err, context.Canceled) {
+		// The caller hung up, maybe after a try that ran (its answer lost, the client's resend cut
+		// by the hang-up): ask again on a context of the create's own, as a start that reached the
+		// store goes on without its caller (provision). Taking the hang-up for a refusal gave back
+		// the uid and index entry of a record that may exist.
+		got, outcome, err = m.cfg.Store.CreateOrReuse(context.WithoutCancel(ctx), rec, reuse)
+	}
 	for wait := 100 * time.Millisecond; err != nil && store.Unavailable(err) && wait <= 1600*time.Millisecond; wait *= 4 {
 		select {
 		case <-ctx.Done():
@@ -555,9 +562,17 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 
 // Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.
 func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
-	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
-		From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
-		Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}})
+	t := store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
+		Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}
+	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, t)
+	// Sent again, as a create is (createOrReuse), while its answer may have been lost: the store
+	// recognises its own claim. Given up on, a claim that did land would leave the sandbox
+	// provisioning, its start waited for by every other caller, until this broker's next start.
+	for wait := 100 * time.Millisecond; err != nil && (store.Unavailable(err) || errors.Is(err, context.Canceled)) && wait <= 1600*time.Millisecond; wait *= 4 {
+		time.Sleep(wait)
+		m.cfg.Log.Warn("Redis' answer to a resume was lost; asking again", "ref", clip(ref), "org", c.Org, "err", err)
+		rec, err = m.cfg.Store.Transition(context.WithoutCancel(ctx), c.Org, ref, t)
+	}
 	var se *store.StateError
 	if errors.As(err, &se) && (se.Status == protocol.StatusRunning || se.Status == protocol.StatusProvisioning) {
 		rec, err = m.Get(ctx, c.Org, ref)
@@ -793,6 +808,8 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 		return nil
 	case errors.Is(err, store.ErrNotFound):
 		return NotFound(ref)
+	case errors.Is(err, store.ErrDeletedMeanwhile):
+		return protocol.Errorf(protocol.CodeInvalidState, "sandbox %q was deleted while it was being created: create it again", clip(ref))
 	case errors.Is(err, store.ErrNameConflict):
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
 	case errors.As(err, &tm):

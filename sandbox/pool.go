@@ -420,6 +420,21 @@ func (p *pool) claim(ctx context.Context, org string, pd *pooled) error {
 	return nil
 }
 
+// hold ends a claimed sandbox whose create's outcome is unknown (Redis lost every answer): its
+// record may exist, naming its id and uid, so the uid (the org's since the claim) and the index
+// entry naming the org stay, as a create's of unknown outcome do, for the next start to settle
+// (recoverPooled: a record found fails as any create cut short, and its delete frees the uid; none
+// found, the rest is removed). Only its processes and files go: nothing of the org's is in them.
+func (p *pool) hold(ctx context.Context, pd *pooled) {
+	m := p.m
+	pd.h.mu.Lock()
+	pd.h.release(ctx)
+	pd.h.mu.Unlock()
+	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: pd.id, Template: m.cfg.Templates[pd.template], UID: pd.uid}); err != nil {
+		m.cfg.Log.Warn("removing a claimed pooled sandbox whose create's outcome is unknown failed; the next start removes it", "sandbox_id", pd.id, "err", err)
+	}
+}
+
 // unclaim undoes a claim whose create did not make the record: createErr is nil when the name was
 // taken (reused or resumed), or the store's error. A refusal the store answered (a limit, a name
 // conflict) changed nothing, and the sandbox goes back to the pool; an error whose outcome is
@@ -433,6 +448,10 @@ func (p *pool) unclaim(ctx context.Context, org string, pd *pooled, createErr er
 	answered := createErr == nil || errors.As(createErr, &qe) || errors.As(createErr, &tm) || errors.As(createErr, &se) ||
 		errors.Is(createErr, store.ErrNameConflict) || errors.Is(createErr, store.ErrNotFound)
 	if !answered {
+		if errors.Is(createErr, errUnknownOutcome) {
+			go p.hold(ctx, pd)
+			return
+		}
 		go p.discard(ctx, pd, org)
 		return
 	}

@@ -142,7 +142,8 @@ func (s *Server) dataplane(c echo.Context) error {
 // sessions, mcp_dataplane.go). release uncounts the connection; hdr gets Retry-After on a refusal
 // that says to retry. conn, when not nil, names the sandbox resolved, even on a refusal.
 func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.Header) (conn *dpConn, release func(), err error) {
-	conn = &dpConn{s: s}
+	// Noted before any check of the credential: open compares it once the connection is in the hub.
+	conn = &dpConn{s: s, evictions: s.delegation.Evictions()}
 	if store.LooksLikeAPIKey(cred) {
 		p, err := s.ownerKey(ctx, cred)
 		if err != nil {

@@ -35,6 +35,9 @@ type dpConn struct {
 	rec    store.Record
 	rt     *sandbox.Runtime
 	files  sandbox.Files
+	// evictions is the broker's count of revocations applied (delegation.Service.Evictions) before
+	// the credential's checks began (authorizeConn).
+	evictions uint64
 
 	conn *websocket.Conn
 	out  chan outFrame
@@ -144,6 +147,17 @@ func (c *dpConn) open(reqID string) (log *slog.Logger, unregister func()) {
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	log = c.s.log.With("request_id", reqID, "sandbox_id", c.rec.ID, "org", c.org, "actor", c.actor)
 	unregister = c.s.hub.add(c)
+	// A revocation announced since the credential's checks began may have been applied to the hub
+	// before this connection was in it, and its answer (read then, or remembered for up to
+	// delegation.RecentTTL) may predate the revocation: read the credential's state again now, as
+	// the periodic re-check would 30 s later. Revocations are applied to the token cache before the
+	// hub (Server.Serve), so one the hub missed always shows here.
+	if c.s.delegation.Evictions() != c.evictions {
+		if code := c.recheck(); code != "" {
+			log.Info("dataplane credential revoked while the connection was opened", "jti", c.jti(), "code", code)
+			c.shutdown(protocol.CloseCredentialEnded, code)
+		}
+	}
 	go c.watch()
 	return log, unregister
 }

@@ -1,5 +1,10 @@
 package server
 
+import (
+	"context"
+	"net/http"
+)
+
 // AppendLease exposes appendLease to the package's external tests.
 var AppendLease = appendLease
 
@@ -35,3 +40,22 @@ func OrgUsage(s *Server, org string) DataplaneUsage {
 
 // OpenLocal exposes the MCP front end's in-process dataplane connection (openLocal).
 var OpenLocal = (*Server).openLocal
+
+// AuthorizeThenOpen opens an in-process dataplane connection to the sandbox ref with cred as the
+// MCP front end does (openLocal), calling between after the credential's checks and before the
+// connection takes its place in the hub: the window a revocation can land in. It answers a channel
+// closed when the connection ends.
+func AuthorizeThenOpen(s *Server, cred, ref string, between func()) (<-chan struct{}, error) {
+	c, releaseShare, err := s.authorizeConn(context.Background(), cred, ref, http.Header{})
+	if err != nil {
+		return nil, err
+	}
+	between()
+	log, unregister := c.open("test")
+	go func() {
+		<-c.ctx.Done()
+		c.closed(log, unregister)
+		releaseShare()
+	}()
+	return c.ctx.Done(), nil
+}

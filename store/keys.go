@@ -13,6 +13,10 @@ func orgKey(org string, parts ...string) string {
 // SandboxKey is the hash holding one sandbox record.
 func SandboxKey(org, id string) string { return orgKey(org, "sb", id) }
 
+// CreatedKey marks, for a minute, that the create of sandbox id ran (createScript): a resend of
+// that create whose record is gone since (deleted in between) is then told so, not made again.
+func CreatedKey(org, id string) string { return orgKey(org, "created", id) }
+
 // NamesKey is the org's name index: a hash of name -> sandbox id.
 func NamesKey(org string) string { return orgKey(org, "names") }
 

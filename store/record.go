@@ -14,6 +14,9 @@ import (
 var (
 	ErrNotFound     = errors.New("store: not found")
 	ErrNameConflict = errors.New("store: name taken")
+	// ErrDeletedMeanwhile means a create sent again (its first answer lost) had made its sandbox,
+	// which was deleted before the call came again: it is not made twice.
+	ErrDeletedMeanwhile = errors.New("store: the sandbox was deleted while being created")
 	// ErrWrongState means a transition's precondition failed (e.g. stop of a deleting sandbox).
 	ErrWrongState = errors.New("store: wrong state")
 	// ErrTemplateMismatch means create-or-reuse found the name taken by a sandbox of another template.
@@ -162,6 +165,8 @@ func scriptErr(code, detail string) error {
 		return ErrNotFound
 	case "conflict":
 		return ErrNameConflict
+	case "gone":
+		return ErrDeletedMeanwhile
 	case "mismatch":
 		return &TemplateMismatchError{Template: detail}
 	case "state":

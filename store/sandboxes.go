@@ -176,8 +176,8 @@ end
 `
 
 // createScript is create-or-reuse by name, atomic so that racing creates of one name make one sandbox.
-// KEYS: 1 names, 2 new sandbox hash, 3 all, 4 stopped, 5 active, 6 limits, 7.. tag indexes of the
-// new sandbox.
+// KEYS: 1 names, 2 new sandbox hash, 3 all, 4 stopped, 5 active, 6 limits, 7 the new sandbox's
+// created mark (CreatedKey), 8.. tag indexes of the new sandbox.
 // ARGV: 1 name, 2 new id, 3 now (ms), 4 reuse ("1"/"0"), 5 sandbox key prefix, 6 template,
 // 7 the broker's default max_running, 8 the broker's default max_sandboxes, 9.. field/value pairs
 // of the new record.
@@ -187,13 +187,22 @@ end
 // Invariant: names[name] = id iff the record exists with that name and is not deleting; a create or
 // a resume claims a place in the org's active set (luaClaim) in the same step, so racing callers
 // never take the org past its max_running; a new record is refused when the org already has its
-// max_sandboxes records (all), in the same step.
+// max_sandboxes records (all), in the same step. A call sent again after its answer was lost is
+// answered as the first time (the name already names the new id; a resume already claimed by it),
+// and one whose sandbox was deleted in between is answered gone (the created mark outlives the
+// record), never made again: the delete gave back the uid the record held.
 var createScript = redis.NewScript(luaClaim + `
 local name, newid, now, reuse, prefix, template = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local id = redis.call('HGET', KEYS[1], name)
+-- This very call, sent again by the client after Redis' answer was lost: answer as the first time.
+if id and id == newid then return {'created', newid, redis.call('HGETALL', KEYS[2])} end
+-- The same, whose sandbox was deleted before it came again: it must not be made twice.
+if redis.call('EXISTS', KEYS[7]) == 1 then
+  local st = redis.call('HGET', KEYS[2], 'status')
+  if st and st ~= 'deleting' then return {'created', newid, redis.call('HGETALL', KEYS[2])} end
+  return {'err', 'gone', newid}
+end
 if id then
-  -- This very call, sent again by the client after Redis' answer was lost: answer as the first time.
-  if id == newid then return {'created', newid, redis.call('HGETALL', KEYS[2])} end
   if reuse ~= '1' then return {'err', 'conflict', id} end
   local key = prefix .. id
   local cur = redis.call('HMGET', key, 'status', 'template', 'claim')
@@ -219,7 +228,8 @@ local fields = {}
 for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('ZADD', KEYS[3], now, newid)
-for i = 7, #KEYS do redis.call('ZADD', KEYS[i], now, newid) end
+redis.call('SET', KEYS[7], '1', 'PX', 60000)
+for i = 8, #KEYS do redis.call('ZADD', KEYS[i], now, newid) end
 return {'created', newid, redis.call('HGETALL', KEYS[2])}
 `)
 
@@ -231,7 +241,7 @@ type Outcome string
 // this caller owns the resume (the record is now provisioning).
 func (s *Store) CreateOrReuse(ctx context.Context, rec Record, reuse bool) (Record, Outcome, error) {
 	keys := []string{NamesKey(rec.Org), SandboxKey(rec.Org, rec.ID), AllKey(rec.Org), StoppedKey(rec.Org),
-		ActiveKey(rec.Org), LimitsKey(rec.Org)}
+		ActiveKey(rec.Org), LimitsKey(rec.Org), CreatedKey(rec.Org, rec.ID)}
 	for k, v := range rec.Tags {
 		keys = append(keys, TagKey(rec.Org, k, v))
 	}

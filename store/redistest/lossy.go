@@ -17,7 +17,10 @@ import (
 // client's Dialer; Lose.Store(n) arms it for n answers.
 type LoseAnswers struct {
 	Match []byte
+	Also  []byte       // when set, a call must hold it too
 	Lose  atomic.Int32 // answers still to lose
+	// Lost, when set, runs with each answer thrown away, before the client sees the cut.
+	Lost func(answer []byte)
 }
 
 // Dial opens a connection whose answers may be lost.
@@ -37,7 +40,7 @@ type lossyConn struct {
 }
 
 func (c *lossyConn) Write(p []byte) (int, error) {
-	if bytes.Contains(bytes.ToLower(p), []byte("evalsha")) && (c.n.Match == nil || bytes.Contains(p, c.n.Match)) && c.n.Lose.Add(-1) >= 0 {
+	if bytes.Contains(bytes.ToLower(p), []byte("evalsha")) && (c.n.Match == nil || bytes.Contains(p, c.n.Match)) && (c.n.Also == nil || bytes.Contains(p, c.n.Also)) && c.n.Lose.Add(-1) >= 0 {
 		c.mu.Lock()
 		c.lose = true
 		c.mu.Unlock()
@@ -50,8 +53,12 @@ func (c *lossyConn) Read(p []byte) (int, error) {
 	lose := c.lose
 	c.mu.Unlock()
 	if lose {
-		c.Conn.Read(make([]byte, 64<<10)) // the script ran: this is its answer
+		answer := make([]byte, 64<<10)
+		n, _ := c.Conn.Read(answer) // the script ran: this is its answer
 		c.Conn.Close()
+		if c.n.Lost != nil && n > 0 {
+			c.n.Lost(answer[:n])
+		}
 		return 0, io.EOF
 	}
 	return c.Conn.Read(p)

@@ -1,0 +1,50 @@
+package server_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server"
+	"github.com/sbxbroker/broker/server/servertest"
+)
+
+// A revocation that lands between a connection's checks (its token's state read, or remembered
+// from the last delegation.RecentTTL) and its place in the hub, where announced revocations find
+// open connections, still ends it at once: the announcement passed it by, so the connection itself
+// sees that a revocation came while it was being opened and reads the token's state again.
+// Before, it stayed open until its periodic re-check, 30 s later, serving the revoked token.
+func TestRevocationWhileOpeningEndsTheConnection(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	ctx := t.Context()
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "window"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(ctx, res.Sandbox.ID, protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A connection open before the revocation: its closing says the announcement reached the hub.
+	before := dialRaw(t, m.Sandbox.DataplaneURL, m.Token)
+	closed := closeWatch(before)
+	ended, err := server.AuthorizeThenOpen(b.Server, m.Token, res.Sandbox.ID, func() {
+		if _, err := b.Client.Revoke(ctx, res.Sandbox.ID, m.JTI); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-closed:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the connection open before the revocation is still open 5 s after it")
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a connection whose token was revoked while it was being opened is still open 5 s after the revocation was announced")
+	}
+}

@@ -20,6 +20,9 @@ type keyCache struct {
 	now   func() time.Time
 	mu    sync.Mutex
 	byID  map[string]cachedKey
+	// epoch counts evictions: a lookup that read Redis before one is not kept, since the
+	// revocation it evicts for may have landed after the read.
+	epoch uint64
 }
 
 type cachedKey struct {
@@ -41,6 +44,7 @@ func (k *keyCache) authenticate(ctx context.Context, presented string) (store.AP
 	now := k.now()
 	k.mu.Lock()
 	c, ok := k.byID[id]
+	epoch := k.epoch
 	k.mu.Unlock()
 	if ok && now.Before(c.expires) {
 		if subtle.ConstantTimeCompare([]byte(store.HashKey(presented)), []byte(c.hash)) == 1 {
@@ -53,16 +57,20 @@ func (k *keyCache) authenticate(ctx context.Context, presented string) (store.AP
 		return key, err
 	}
 	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.epoch != epoch {
+		return key, nil // answered as read, but not kept: an eviction came meanwhile
+	}
 	if len(k.byID) > 100000 {
 		k.byID = map[string]cachedKey{} // bounded: many distinct keys only cost a few extra lookups
 	}
 	k.byID[id] = cachedKey{hash: store.HashKey(presented), key: key, expires: now.Add(keyCacheTTL)}
-	k.mu.Unlock()
 	return key, nil
 }
 
 func (k *keyCache) evict(id string) {
 	k.mu.Lock()
+	k.epoch++
 	delete(k.byID, id)
 	k.mu.Unlock()
 }

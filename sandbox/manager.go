@@ -264,38 +264,6 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	return got, outcome, err
 }
 
-// errUnknownOutcome marks a create whose every answer Redis lost: it may or may not have happened.
-var errUnknownOutcome = errors.New("the create's outcome is unknown")
-
-// createOrReuse is Store.CreateOrReuse, sent again (up to about 3 s) when Redis' answer was lost:
-// the store recognises its own create (and its own resume) by rec.ID, so a resent call answers as
-// the first one would have, and the outcome is known before anything is released. Guessing instead
-// would either free the name and uid of a record that exists (left provisioning with nobody to start
-// it) or keep those of one that does not.
-func (m *Manager) createOrReuse(ctx context.Context, rec store.Record, reuse bool) (store.Record, store.Outcome, error) {
-	got, outcome, err := m.cfg.Store.CreateOrReuse(ctx, rec, reuse)
-	if errors.Is(err, context.Canceled) {
-		// The caller hung up, maybe after a try that ran (its answer lost, the client's resend cut
-		// by the hang-up): ask again on a context of the create's own, as a start that reached the
-		// store goes on without its caller (provision). Taking the hang-up for a refusal gave back
-		// the uid and index entry of a record that may exist.
-		got, outcome, err = m.cfg.Store.CreateOrReuse(context.WithoutCancel(ctx), rec, reuse)
-	}
-	for wait := 100 * time.Millisecond; err != nil && store.Unavailable(err) && wait <= 1600*time.Millisecond; wait *= 4 {
-		select {
-		case <-ctx.Done():
-			return got, outcome, fmt.Errorf("%w: %w", errUnknownOutcome, err)
-		case <-time.After(wait):
-		}
-		m.cfg.Log.Warn("Redis' answer to a create was lost; asking again", "sandbox_id", rec.ID, "org", rec.Org, "err", err)
-		got, outcome, err = m.cfg.Store.CreateOrReuse(context.WithoutCancel(ctx), rec, reuse)
-	}
-	if err != nil && store.Unavailable(err) {
-		return got, outcome, fmt.Errorf("%w: %w", errUnknownOutcome, err)
-	}
-	return got, outcome, err
-}
-
 // provision starts a record that is provisioning on this node: the provider's Create (first time
 // only), Start, the template's setup command (first time only), then running. Failures leave the
 // sandbox failed (first time) or stopped (resume) with the reason recorded.
@@ -564,15 +532,12 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
 	t := store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
 		Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}
-	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, t)
-	// Sent again, as a create is (createOrReuse), while its answer may have been lost: the store
-	// recognises its own claim. Given up on, a claim that did land would leave the sandbox
-	// provisioning, its start waited for by every other caller, until this broker's next start.
-	for wait := 100 * time.Millisecond; err != nil && (store.Unavailable(err) || errors.Is(err, context.Canceled)) && wait <= 1600*time.Millisecond; wait *= 4 {
-		time.Sleep(wait)
-		m.cfg.Log.Warn("Redis' answer to a resume was lost; asking again", "ref", clip(ref), "org", c.Org, "err", err)
-		rec, err = m.cfg.Store.Transition(context.WithoutCancel(ctx), c.Org, ref, t)
-	}
+	// Sent again while its answer may have been lost (resend.go): the store recognises its own
+	// claim. Given up on, a claim that did land would leave the sandbox provisioning, its start
+	// waited for by every other caller, until this broker's next start.
+	rec, err := resend(ctx, m.cfg.Log.With("ref", clip(ref), "org", c.Org), "resume", func(ctx context.Context) (store.Record, error) {
+		return m.cfg.Store.Transition(ctx, c.Org, ref, t)
+	})
 	var se *store.StateError
 	if errors.As(err, &se) && (se.Status == protocol.StatusRunning || se.Status == protocol.StatusProvisioning) {
 		rec, err = m.Get(ctx, c.Org, ref)
@@ -780,62 +745,6 @@ func (m *Manager) Environment(rec store.Record) (map[string]string, error) {
 		return nil, err
 	}
 	return inst.Environment(), nil
-}
-
-// LimitError is a refusal by one of the org's limits: the protocol error the caller gets, and the
-// name of the limit (store.Limit*) that refused, for metrics.
-type LimitError struct {
-	Limit string
-	Err   *protocol.Error
-}
-
-func (e *LimitError) Error() string { return e.Err.Error() }
-func (e *LimitError) Unwrap() error { return e.Err }
-
-// mapStoreErr turns store sentinels into protocol errors a caller can act on.
-// NotFound is the one answer for a sandbox ref that a caller may not see, whether it is missing,
-// being deleted or not the caller's: the same code and message, so none of them can be told apart.
-func NotFound(ref string) error {
-	return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
-}
-
-func (m *Manager) mapStoreErr(err error, ref string) error {
-	var se *store.StateError
-	var tm *store.TemplateMismatchError
-	var qe *store.QuotaError
-	switch {
-	case err == nil:
-		return nil
-	case errors.Is(err, store.ErrNotFound):
-		return NotFound(ref)
-	case errors.Is(err, store.ErrDeletedMeanwhile):
-		return protocol.Errorf(protocol.CodeInvalidState, "sandbox %q was deleted while it was being created: create it again", clip(ref))
-	case errors.Is(err, store.ErrNameConflict):
-		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists: reuse it, or pick another name", clip(ref))
-	case errors.As(err, &tm):
-		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists with another template (%q): delete it or pick another name", clip(ref), clip(tm.Template))
-	case errors.As(err, &qe) && qe.Name == store.LimitMaxSandboxes:
-		return &LimitError{Limit: qe.Name, Err: protocol.Errorf(protocol.CodeQuotaExceeded,
-			"org %s already has %d sandboxes, its max_sandboxes limit (stopped ones count: they keep their files): delete one first (sbctl list --status stopped; sbctl delete REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-sandboxes N); sbctl limits shows the org's limits",
-			qe.Org, qe.Limit, qe.Org)}
-	case errors.As(err, &qe):
-		return &LimitError{Limit: qe.Name, Err: protocol.Errorf(protocol.CodeQuotaExceeded,
-			"org %s already has %d sandboxes running or starting, its max_running limit: stop or delete one first (sbctl list --status running; sbctl stop REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-running N); sbctl limits shows the org's limits",
-			qe.Org, qe.Limit, qe.Org)}
-	case errors.Is(err, store.ErrBadCursor):
-		return protocol.Errorf(protocol.CodeInvalidCursor, "the cursor is not one this broker gave out: start again without it")
-	case errors.As(err, &se):
-		switch se.Status {
-		case protocol.StatusFailed:
-			return protocol.Errorf(protocol.CodeSandboxFailed, "sandbox %q failed; see its failure with `sbctl get`, then delete it", clip(ref))
-		case protocol.StatusStopped:
-			return protocol.Errorf(protocol.CodeNotRunning, "sandbox %q is stopped: resume it first", clip(ref))
-		case protocol.StatusDeleting:
-			return NotFound(ref)
-		}
-		return protocol.Errorf(protocol.CodeInvalidState, "sandbox %q is %s", clip(ref), se.Status)
-	}
-	return err
 }
 
 func (m *Manager) index(id, org string) error {

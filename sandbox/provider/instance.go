@@ -410,7 +410,15 @@ func (in *instance) wait() {
 			in.setWhy(why)
 		}
 	}
-	in.fail(in.endErr())
+	// The reason is final from here (a later memory watch must not change what Done reported), and
+	// it is the word new calls get: the reply loop may have failed the calls in flight first, as
+	// the init's socket closed, before the memory watch had said why.
+	in.setWhy("")
+	final := in.endErr()
+	in.fail(final)
+	in.mu.Lock()
+	in.deadErr = final
+	in.mu.Unlock()
 	if in.kind == kindDir && in.initPid > 0 {
 		// Without a pid namespace, processes that outlived the init (their parent died, and so did
 		// their subreaper) are still in its session.

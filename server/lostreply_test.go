@@ -98,17 +98,14 @@ func TestPooledCreateWhoseAnswersRedisLostKeepsItsUID(t *testing.T) {
 		t.Fatalf("the pooled sandbox's record names no uid: %+v", rec)
 	}
 	want := b.Org + "/" + rec.ID
-	// What the broker does with the claimed sandbox runs in the background: give it time.
-	deadline := time.Now().Add(3 * time.Second)
-	for time.Now().Before(deadline) {
-		owner, err := b.Store.UIDOwner(ctx, rec.UID)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if owner != want {
-			t.Fatalf("uid %d, named by sandbox %s's record, is held by %q, want %q", rec.UID, rec.ID, owner, want)
-		}
-		time.Sleep(100 * time.Millisecond)
+	// What the broker does with the claimed sandbox runs in the background: once its files are
+	// gone (the hold destroys the runtime), the uid must still be the record's.
+	wait.Eventually(t, 10*time.Second, func() bool {
+		_, err := os.Stat(filepath.Join(b.DataDir, "sandboxes", rec.ID))
+		return os.IsNotExist(err)
+	}, "the claimed sandbox's runtime and files to go")
+	if owner, err := b.Store.UIDOwner(ctx, rec.UID); err != nil || owner != want {
+		t.Fatalf("uid %d, named by sandbox %s's record, is held by %q (%v), want %q", rec.UID, rec.ID, owner, err, want)
 	}
 	if _, err := os.Stat(filepath.Join(b.DataDir, "hosted", rec.ID)); err != nil {
 		t.Fatalf("the index entry that lets the next start settle the record: %v", err)

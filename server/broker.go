@@ -59,6 +59,9 @@ type BrokerConfig struct {
 	// out the window (0: no limit).
 	AuthFailures      int
 	AuthFailureWindow time.Duration
+	// MetricsTokenHash is the SHA-256 of the operator's metrics token, which unlocks /metrics'
+	// per-org series (nil: never served).
+	MetricsTokenHash []byte
 	// Dataplane bounds dataplane connections (zero values: the defaults).
 	Dataplane DataplaneLimits
 }
@@ -154,7 +157,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
 		Provider: prov, Dataplane: cfg.Dataplane, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, advertise),
-		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow,
+		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow, MetricsTokenHash: cfg.MetricsTokenHash,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings, Pool: b.Sandboxes.PoolStats()}
 			if err := cfg.Store.Ping(ctx); err != nil {

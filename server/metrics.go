@@ -1,6 +1,8 @@
 package server
 
 import (
+	"crypto/sha256"
+	"crypto/subtle"
 	"net/http"
 	"strconv"
 	"time"
@@ -9,6 +11,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/sbxbroker/broker/protocol"
 )
 
 // metrics are the broker's Prometheus metrics, on a registry of its own (no global state, so tests can
@@ -90,6 +95,60 @@ func (m *metrics) observe(method, route string, status int, d time.Duration) {
 	m.latency.WithLabelValues(route).Observe(d.Seconds())
 }
 
-func (m *metrics) handler() echo.HandlerFunc {
-	return echo.WrapHandler(promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
+// handler serves /metrics. It answers on the API's own listener, which every tenant reaches, so
+// series labelled with an org (its running sandboxes, its refusals), which would name every org on
+// the broker and its activity to any caller, are served only to a request that carries the
+// operator's metrics token (its SHA-256 is tokenHash; nil: no token, and those series are never
+// served). Everything else is served without credentials, as Prometheus scrapes expect.
+func (m *metrics) handler(tokenHash []byte) echo.HandlerFunc {
+	full := promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
+	public := promhttp.HandlerFor(withoutOrgSeries{m.reg}, promhttp.HandlerOpts{})
+	return func(c echo.Context) error {
+		r := c.Request()
+		if r.Header.Get(echo.HeaderAuthorization) == "" {
+			public.ServeHTTP(c.Response(), r)
+			return nil
+		}
+		if tokenHash == nil {
+			return protocol.Errorf(protocol.CodeUnauthenticated,
+				"this broker has no metrics token (broker --metrics-token-file): /metrics answers without credentials, with no per-org series")
+		}
+		sum := sha256.Sum256([]byte(bearer(r)))
+		if subtle.ConstantTimeCompare(sum[:], tokenHash) != 1 {
+			return protocol.Errorf(protocol.CodeUnauthenticated,
+				"invalid metrics token: send Authorization: Bearer <the token in the broker's --metrics-token-file>, or no credentials for the series that name no org")
+		}
+		full.ServeHTTP(c.Response(), r)
+		return nil
+	}
+}
+
+// withoutOrgSeries gathers every series but those labelled with a non-empty org.
+type withoutOrgSeries struct{ g prometheus.Gatherer }
+
+func (w withoutOrgSeries) Gather() ([]*dto.MetricFamily, error) {
+	mfs, err := w.g.Gather()
+	kept := mfs[:0]
+	for _, mf := range mfs {
+		series := mf.Metric[:0]
+		for _, m := range mf.Metric {
+			if !namesOrg(m) {
+				series = append(series, m)
+			}
+		}
+		if len(series) > 0 {
+			mf.Metric = series
+			kept = append(kept, mf)
+		}
+	}
+	return kept, err
+}
+
+func namesOrg(m *dto.Metric) bool {
+	for _, l := range m.GetLabel() {
+		if l.GetName() == "org" && l.GetValue() != "" {
+			return true
+		}
+	}
+	return false
 }

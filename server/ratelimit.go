@@ -297,7 +297,7 @@ func sourceOf(r *http.Request) string {
 	return ip.String()
 }
 
-// guardAuth refuses every /v1 request from a source that failed to authenticate too often, before
+// guardAuth refuses every /v1 (and /metrics) request from a source that failed to authenticate too often, before
 // its credential is looked at (so the answer says nothing about the credential), and counts the
 // failures; a failure past the limit is answered like a refusal.
 func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
@@ -311,7 +311,7 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 	}
 	return func(c echo.Context) error {
 		r := c.Request()
-		if !strings.HasPrefix(r.URL.Path, "/v1/") {
+		if !strings.HasPrefix(r.URL.Path, "/v1/") && r.URL.Path != "/metrics" {
 			return next(c)
 		}
 		src := sourceOf(r)

@@ -49,6 +49,9 @@ type Config struct {
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.
 	Provider ProviderInfo
+	// MetricsTokenHash is the SHA-256 of the bearer token that unlocks /metrics' per-org series
+	// (nil: they are never served; see metrics.handler).
+	MetricsTokenHash []byte
 	// DataplaneURL is a sandbox's dataplane URL on the broker hosting it, for the sandbox view
 	// (nil: views carry none).
 	DataplaneURL func(ctx context.Context, rec store.Record) (string, error)
@@ -209,7 +212,7 @@ func New(cfg Config) *Server {
 
 	e.GET("/healthz", s.healthz)
 	e.GET("/readyz", s.readyz)
-	e.GET("/metrics", s.metrics.handler())
+	e.GET("/metrics", s.metrics.handler(cfg.MetricsTokenHash))
 	e.GET("/.well-known/jwks.json", s.jwks)
 
 	// Middleware is attached per route, not per group: echo's group middleware adds catch-all

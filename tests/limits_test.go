@@ -33,10 +33,16 @@ func (b *broker) admin(args ...string) (string, string, int) {
 
 // An operator sets an org's limits with `broker orgs set-limits`, the owner sees them with
 // `sbctl limits`, a create past max_running exits 7 with a message that says how to raise it, and
-// /metrics counts the refusal and the org's running sandboxes.
+// /metrics counts the refusal and the org's running sandboxes for the operator who holds the
+// metrics token, and names no org to anyone else.
 func TestOrgLimitsThroughTheCLIs(t *testing.T) {
 	t.Parallel()
-	b := startBroker(t, "--org-max-running", "1")
+	tokenFile := filepath.Join(t.TempDir(), "metrics-token")
+	const token = "0123456789abcdef0123456789abcdef"
+	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	b := startBroker(t, "--org-max-running", "1", "--metrics-token-file", tokenFile)
 
 	var lim protocol.LimitsResponse
 	if err := json.Unmarshal([]byte(b.ok("limits", "-o", "json")), &lim); err != nil || lim.Org != "default" ||
@@ -86,6 +92,16 @@ func TestOrgLimitsThroughTheCLIs(t *testing.T) {
 		t.Fatal(err)
 	}
 	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if strings.Contains(string(metrics), `org="default"`) {
+		t.Errorf("/metrics without the metrics token names the org:\n%s", metrics)
+	}
+	req, _ := http.NewRequest(http.MethodGet, b.URL+"/metrics", nil)
+	req.Header.Set("Authorization", "Bearer "+token)
+	if resp, err = http.DefaultClient.Do(req); err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ = io.ReadAll(resp.Body)
 	resp.Body.Close()
 	for _, want := range []string{`sbx_limit_refusals_total{limit="max_running",org="default"} 1`, `sbx_org_running_sandboxes{org="default"} 2`} {
 		if !strings.Contains(string(metrics), want) {

@@ -57,6 +57,8 @@ type config struct {
 	DataplaneRenews bool
 	AllowedOrigins  []string
 	DebugListen     string
+	// MetricsTokenFile holds the token that unlocks /metrics' per-org series.
+	MetricsTokenFile string
 	// Limits are the default org limits (limitFlags).
 	Limits store.Limits
 	// AuthFailures per AuthFailureWindow from one source address are allowed (authFlags).
@@ -78,7 +80,7 @@ var envOf = map[string]string{
 	"sweep-interval": "SBX_SWEEP_INTERVAL", "node-heartbeat": "SBX_NODE_HEARTBEAT", "node-lost-after": "SBX_NODE_LOST_AFTER",
 	"expiry-warning": "SBX_EXPIRY_WARNING", "retention": "SBX_RETENTION", "event-buffer": "SBX_EVENT_BUFFER",
 	"dataplane-renews-lease": "SBX_DATAPLANE_RENEWS_LEASE", "allowed-origins": "SBX_ALLOWED_ORIGINS",
-	"debug-listen": "SBX_DEBUG_LISTEN", "org-max-running": "SBX_ORG_MAX_RUNNING", "org-max-sandboxes": "SBX_ORG_MAX_SANDBOXES",
+	"debug-listen": "SBX_DEBUG_LISTEN", "metrics-token-file": "SBX_METRICS_TOKEN_FILE", "org-max-running": "SBX_ORG_MAX_RUNNING", "org-max-sandboxes": "SBX_ORG_MAX_SANDBOXES",
 	"org-rps": "SBX_ORG_RPS", "org-burst": "SBX_ORG_BURST", "auth-failures": "SBX_AUTH_FAILURES",
 	"auth-failure-window":                      "SBX_AUTH_FAILURE_WINDOW",
 	"max-dataplane-connections":                "SBX_MAX_DATAPLANE_CONNECTIONS",
@@ -166,6 +168,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.Var(client.Duration{D: &c.Retention}, "retention", "delete sandboxes stopped longer than this, e.g. 7d; 0, the default, keeps them until deleted")
 	fs.BoolVar(&c.DataplaneRenews, "dataplane-renews-lease", false, "let dataplane activity renew a sandbox's lease (off: only the owner's heartbeats and calls do, so an agent left running cannot keep a sandbox alive)")
 	fs.StringSliceVar(&c.AllowedOrigins, "allowed-origins", nil, "browser origins allowed to open the dataplane (comma-separated); none by default")
+	fs.StringVar(&c.MetricsTokenFile, "metrics-token-file", "", "file holding a token (16 characters or more) that /metrics callers send as Authorization: Bearer to get the series that name orgs; without it /metrics serves only the series that name none")
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
 	fs.IntVar(&c.MaxDPConns, "max-dataplane-connections", server.DefaultMaxDataplaneConnections, "dataplane connections this broker serves at once; past it an upgrade is 503")

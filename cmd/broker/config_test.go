@@ -162,3 +162,36 @@ func TestKubeAgentFromIsChecked(t *testing.T) {
 		t.Fatalf("want the bad entry named: %v", err)
 	}
 }
+
+// A metrics token file is read once and kept as a hash; a short, multi-line or missing one stops
+// the broker at start with a message that never repeats the token.
+func TestReadMetricsToken(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string) string {
+		p := dir + "/" + name
+		if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	if h, err := readMetricsToken(""); h != nil || err != nil {
+		t.Fatalf("no file: %x %v", h, err)
+	}
+	good := "tok-" + strings.Repeat("9", 28)
+	h, err := readMetricsToken(write("good", good+"\n"))
+	if err != nil || len(h) != 32 {
+		t.Fatalf("good token: %x %v", h, err)
+	}
+	for name, content := range map[string]string{
+		"short": "s3cr3t-short", "two-words": "abcdefgh ijklmnopqrstu", "escape": "abcdefgh\x1b[2Jijklmnopq",
+		"huge": strings.Repeat("x", 5000),
+	} {
+		_, err := readMetricsToken(write(name, content))
+		if err == nil || strings.Contains(err.Error(), content[:8]) && name != "huge" {
+			t.Errorf("%s: %v, want a refusal that does not echo the token", name, err)
+		}
+	}
+	if _, err := readMetricsToken(dir + "/missing"); err == nil || !strings.Contains(err.Error(), "--metrics-token-file") {
+		t.Errorf("missing file: %v", err)
+	}
+}

@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -48,6 +50,10 @@ func serve(parent context.Context, c *config) error {
 			return fmt.Errorf("--templates (SBX_TEMPLATES): %w", err)
 		}
 	}
+	metricsToken, err := readMetricsToken(c.MetricsTokenFile)
+	if err != nil {
+		return err
+	}
 	var prov provider.Provider
 	var report provider.Report
 	if c.Provider == "kubernetes" {
@@ -75,7 +81,7 @@ func serve(parent context.Context, c *config) error {
 		Log: log, DefaultTTL: c.DefaultTTL, MaxTTL: c.MaxTTL, TokenTTL: c.TokenTTL, TokenMaxTTL: c.TokenMaxTTL,
 		SweepInterval: c.SweepInterval, NodeHeartbeat: c.NodeHeartbeat, NodeLostAfter: c.NodeLostAfter, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention, EventBuffer: c.EventBuffer,
 		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.orgDefaults(),
-		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow,
+		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow, MetricsTokenHash: metricsToken,
 		Dataplane: server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},
 	})
 	if err != nil {
@@ -359,4 +365,32 @@ func (c *config) diskReserve() provider.ByteSize {
 		return -1
 	}
 	return v
+}
+
+// readMetricsToken reads --metrics-token-file and keeps only the token's SHA-256 (nil without a
+// file). The token itself is never kept, logged or echoed.
+func readMetricsToken(path string) ([]byte, error) {
+	if path == "" {
+		return nil, nil
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-token-file (SBX_METRICS_TOKEN_FILE): %w", err)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, 4097))
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-token-file (SBX_METRICS_TOKEN_FILE): %w", err)
+	}
+	token := strings.TrimSpace(string(b))
+	switch {
+	case len(b) > 4096:
+		return nil, fmt.Errorf("--metrics-token-file %s: longer than 4096 bytes; it holds one token", path)
+	case len(token) < 16:
+		return nil, fmt.Errorf("--metrics-token-file %s: the token must be at least 16 characters (e.g. openssl rand -hex 32 > %s)", path, path)
+	case strings.ContainsFunc(token, func(r rune) bool { return r <= ' ' || r == 0x7f }):
+		return nil, fmt.Errorf("--metrics-token-file %s: the token must be one line of printable characters without spaces", path)
+	}
+	sum := sha256.Sum256([]byte(token))
+	return sum[:], nil
 }

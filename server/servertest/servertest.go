@@ -7,6 +7,7 @@ package servertest
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"io"
 	"log/slog"
@@ -95,6 +96,8 @@ type Options struct {
 	// AuthFailures per AuthFailureWindow from one source are allowed (0: no limit).
 	AuthFailures      int
 	AuthFailureWindow time.Duration
+	// MetricsToken unlocks /metrics' per-org series ("": none does).
+	MetricsToken string
 	// Dataplane bounds dataplane connections (zero values: the broker's defaults).
 	Dataplane server.DataplaneLimits
 	// RedisDialer, when set, opens the broker's connections to Redis (a test's faulty network in
@@ -197,7 +200,7 @@ func New(t testing.TB, opts Options) *Broker {
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
 		NodeHeartbeat: opts.NodeHeartbeat, NodeLostAfter: opts.NodeLostAfter,
 		Limits: opts.Limits, AuthFailures: opts.AuthFailures, AuthFailureWindow: opts.AuthFailureWindow,
-		Dataplane: opts.Dataplane,
+		MetricsTokenHash: metricsTokenHash(opts.MetricsToken), Dataplane: opts.Dataplane,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -314,4 +317,12 @@ func (c *Clock) Advance(d time.Duration) {
 func RetentionSweeper(b *Broker, retention time.Duration) *heartbeat.Sweeper {
 	return heartbeat.NewSweeper(heartbeat.Config{Store: b.Store, Sandboxes: b.Manager, Log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Now: b.now, Retention: retention})
+}
+
+func metricsTokenHash(token string) []byte {
+	if token == "" {
+		return nil
+	}
+	sum := sha256.Sum256([]byte(token))
+	return sum[:]
 }

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // Every invalid setting is reported with its flag and environment variable, all at once.
@@ -161,4 +163,26 @@ func TestKubeAgentFromIsChecked(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "--kube-agent-from (SBX_KUBE_AGENT_FROM)") || !strings.Contains(err.Error(), `"the-brokers"`) {
 		t.Fatalf("want the bad entry named: %v", err)
 	}
+}
+
+// Every command's help shows an example, and every flag's help shows its value as its type (string, int, duration ...): pflag takes a
+// `backquoted` word in a usage as the value's name, so "(`broker orgs set-limits` sets ...)" made
+// --help print "--org-max-running broker orgs set-limits" as if that were the value to type.
+func TestHelpShowsExamplesAndValueTypes(t *testing.T) {
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		if c.Runnable() && c.Example == "" && c.Name() != "help" && (c.Parent() == nil || c.Parent().Name() != "completion") {
+			t.Errorf("%s: no example in its help", c.CommandPath())
+		}
+		c.Flags().VisitAll(func(f *pflag.Flag) {
+			name, _ := pflag.UnquoteUsage(f)
+			if name != "" && name != f.Value.Type() && !(f.Value.Type() == "stringSlice" && name == "strings") {
+				t.Errorf("%s --%s: help shows its value as %q, not its type %q", c.CommandPath(), f.Name, name, f.Value.Type())
+			}
+		})
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(rootCmd())
 }

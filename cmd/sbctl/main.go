@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/sbctl/quietterm"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -47,6 +48,7 @@ type globals struct {
 }
 
 func main() {
+	quietterm.Restore()
 	ctx, cancel := context.WithCancelCause(context.Background())
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)

@@ -136,7 +136,7 @@ func keysRevokeCmd(c *config) *cobra.Command {
 delegation token it minted becomes inactive, and the dataplane connections and event streams
 opened with either are closed within a second. Tokens minted by the org's other keys are untouched.`,
 		Example: `  broker keys list --org acme      # find the key's id
-  broker keys revoke key_...`,
+  broker keys revoke 7vsnz3r5uu74kqtu       # an ID from keys list`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return withStore(cmd, c, func(s *store.Store) error {

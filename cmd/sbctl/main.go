@@ -66,9 +66,6 @@ type interrupted struct{ sig syscall.Signal }
 
 func (i interrupted) Error() string { return "interrupted by " + i.sig.String() }
 
-// exitCoder is an error that carries the process exit code (sbctl exec passes the command's through).
-type exitCoder interface{ ExitCode() int }
-
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	g := &globals{stdout: stdout, stderr: stderr, stdin: stdin, isTTY: isTerminal(stdin)}
 	root := rootCmd(g)
@@ -79,9 +76,12 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	if err == nil {
 		return 0
 	}
-	var ec exitCoder
-	if errors.As(err, &ec) {
-		return ec.ExitCode()
+	// Only sbctl's own commandExit passes a code through (sbctl exec and shell exit with the
+	// command's): any other error with an ExitCode, such as a failed git's *exec.ExitError under
+	// push, diff or pull, is reported like every error, not taken for the sandbox command's exit.
+	var ce commandExit
+	if errors.As(err, &ce) {
+		return ce.ExitCode()
 	}
 	if _, ok := err.(silent); ok {
 		return exitCodeOf(err) // reported already, e.g. a stop on exit that failed after Ctrl-C

@@ -18,7 +18,7 @@ func TestEveryCommandsHelpTeaches(t *testing.T) {
 		if c.Short == "" {
 			t.Errorf("%s: no one-line description", c.CommandPath())
 		}
-		if c.Runnable() && c.Parent() != nil && c.Example == "" && c.Name() != "completion" {
+		if c.Runnable() && c.Example == "" && c.Name() != "completion" {
 			t.Errorf("%s: no example in its help", c.CommandPath())
 		}
 		c.Flags().VisitAll(func(f *pflag.Flag) {

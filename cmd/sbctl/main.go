@@ -116,6 +116,12 @@ Exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 not authorized, 5 conflict (n
 stopped or failed, or hosted by another broker), 6 broker unreachable or unavailable, 7 refused by
 a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C); sbctl exec exits with the
 command's own code.`,
+		Example: `  sbctl create dev --ttl 30m --tag thread_id=T42
+  sbctl exec dev -c 'echo hi > hello.txt && ls'
+  sbctl cp ./src dev:/workspace/
+  sbctl run-config dev --scope fs:read,exec --allow-cmd pytest
+  sbctl events dev -f
+  sbctl delete dev`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		// sbctl alone shows the help; anything else that is not a command is a usage error (cobra's

@@ -82,6 +82,9 @@ func TestDataplaneConnectionCapFlags(t *testing.T) {
 	if err := applyEnv(cmd); err != nil {
 		t.Fatal(err)
 	}
+	if streams, _ := cmd.Flags().GetInt("max-event-streams-per-key"); streams != 256 {
+		t.Fatalf("--max-event-streams-per-key defaults to %d, want 256", streams)
+	}
 	org, _ := cmd.Flags().GetInt("max-dataplane-connections-per-org")
 	cred, _ := cmd.Flags().GetInt("max-dataplane-connections-per-credential")
 	all, _ := cmd.Flags().GetInt("max-dataplane-connections")
@@ -95,6 +98,12 @@ func TestDataplaneConnectionCapFlags(t *testing.T) {
 	err := cmd.Execute()
 	if err == nil || !strings.Contains(err.Error(), "--max-dataplane-connections-per-org (SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG)") {
 		t.Fatalf("want a configuration error naming the setting: %v", err)
+	}
+	cmd = rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "")
+	cmd.SetArgs([]string{"--data-dir", t.TempDir(), "--max-event-streams-per-key", "0"})
+	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "--max-event-streams-per-key (SBX_MAX_EVENT_STREAMS_PER_KEY)") {
+		t.Fatalf("want a configuration error naming --max-event-streams-per-key: %v", err)
 	}
 }
 
@@ -175,6 +184,9 @@ func TestHelpShowsExamplesAndValueTypes(t *testing.T) {
 			t.Errorf("%s: no example in its help", c.CommandPath())
 		}
 		c.Flags().VisitAll(func(f *pflag.Flag) {
+			if _, ok := envOf[f.Name]; !ok && f.Name != "help" && f.Name != "version" && c.Parent() == nil {
+				t.Errorf("--%s has no SBX_* environment fallback", f.Name)
+			}
 			name, _ := pflag.UnquoteUsage(f)
 			if name != "" && name != f.Value.Type() && !(f.Value.Type() == "stringSlice" && name == "strings") {
 				t.Errorf("%s --%s: help shows its value as %q, not its type %q", c.CommandPath(), f.Name, name, f.Value.Type())

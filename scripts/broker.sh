@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Starts the broker on its embedded defaults, ready for sbctl: installs what is missing, builds
-# bin/broker and bin/sbctl, and runs the broker in the foreground (Ctrl-C stops it). Extra arguments
+# Starts the broker on its embedded defaults, ready for sbctl: installs what the broker needs when
+# it is missing (scripts/deps.sh broker), builds bin/broker, bin/sbctl and bin/sbx-init, and runs
+# the broker in the foreground (Ctrl-C stops it). Extra arguments
 # go to the broker (see bin/broker --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
+scripts/deps.sh broker
 mkdir -p bin
 # -buildvcs=auto: --version names the commit (where git can read the checkout).
 go build -buildvcs=auto -o bin/ ./cmd/broker ./cmd/sbctl 2>/dev/null || go build -o bin/ ./cmd/broker ./cmd/sbctl

@@ -5,6 +5,9 @@
 # quotas), tmux (the TUI tests), etcd, containerd, runc, the CNI plugins, iptables and conntrack
 # (the kubernetes provider's test cluster), and the toolchains the sandbox tests run
 # inside a sandbox, from Debian packages.
+#
+# scripts/deps.sh broker installs only what a broker serving sandboxes needs (the first five), as
+# scripts/broker.sh does: starting a broker does not put containerd, etcd or compilers on a host.
 set -euo pipefail
 
 missing=()
@@ -22,26 +25,28 @@ command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin
 if [ -c /dev/net/tun ] && [ "$(stat -c %a /dev/net/tun)" != 666 ] && [ "$(id -u)" -eq 0 ]; then
   chmod 0666 /dev/net/tun
 fi
-# What the sandbox tests run inside a sandbox, from the host's /usr (the tests name what is missing).
-[ -x /usr/bin/gcc ] || missing+=(gcc)
-[ -x /usr/bin/git ] || missing+=(git)
-[ -x /usr/bin/node ] || missing+=(nodejs)
-[ -x /usr/bin/npm ] || missing+=(npm)
-[ -x /usr/bin/python3 ] || missing+=(python3)
-[ -x /usr/bin/pip3 ] || missing+=(python3-pip)
-/usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
-# tmux drives sbctl watch's full-screen TUI in the end-to-end tests (send-keys, capture-pane).
-command -v tmux >/dev/null 2>&1 || missing+=(tmux)
-# A static shell for the test of a template whose rootfs holds no libc (sandbox/provider).
-[ -x /bin/busybox ] || missing+=(busybox-static)
-# The kubernetes provider's test cluster (sandbox/provider/kube/kubetest): etcd, containerd with runc,
-# the CNI plugins and the tools kubelet needs; the Kubernetes binaries are built by scripts/kube.sh.
-command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
-command -v containerd >/dev/null 2>&1 || missing+=(containerd)
-command -v runc >/dev/null 2>&1 || [ -x /usr/sbin/runc ] || missing+=(runc)
-[ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
-command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || missing+=(iptables)
-command -v conntrack >/dev/null 2>&1 || [ -x /usr/sbin/conntrack ] || missing+=(conntrack)
+if [ "${1:-}" != broker ]; then
+  # What the sandbox tests run inside a sandbox, from the host's /usr (the tests name what is missing).
+  [ -x /usr/bin/gcc ] || missing+=(gcc)
+  [ -x /usr/bin/git ] || missing+=(git)
+  [ -x /usr/bin/node ] || missing+=(nodejs)
+  [ -x /usr/bin/npm ] || missing+=(npm)
+  [ -x /usr/bin/python3 ] || missing+=(python3)
+  [ -x /usr/bin/pip3 ] || missing+=(python3-pip)
+  /usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+  # tmux drives sbctl watch's full-screen TUI in the end-to-end tests (send-keys, capture-pane).
+  command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+  # A static shell for the test of a template whose rootfs holds no libc (sandbox/provider).
+  [ -x /bin/busybox ] || missing+=(busybox-static)
+  # The kubernetes provider's test cluster (sandbox/provider/kube/kubetest): etcd, containerd with runc,
+  # the CNI plugins and the tools kubelet needs; the Kubernetes binaries are built by scripts/kube.sh.
+  command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+  command -v containerd >/dev/null 2>&1 || missing+=(containerd)
+  command -v runc >/dev/null 2>&1 || [ -x /usr/sbin/runc ] || missing+=(runc)
+  [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+  command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || missing+=(iptables)
+  command -v conntrack >/dev/null 2>&1 || [ -x /usr/sbin/conntrack ] || missing+=(conntrack)
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -188,6 +188,9 @@ func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.H
 	conn.rec = rec
 	if rec.Status != protocol.StatusRunning {
 		releaseShare()
+		if conn.claims == nil {
+			return conn, nil, protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: resume it first (sbctl resume %s)", rec.Name, rec.Status, rec.Name)
+		}
 		return conn, nil, protocol.Errorf(protocol.CodeNotRunning, "sandbox %s is %s: its owner must resume it", rec.Name, rec.Status)
 	}
 	if conn.rt, err = s.sandboxes.Runtime(rec); err != nil {

@@ -567,6 +567,13 @@ func TestDataplaneUpgradeChecks(t *testing.T) {
 			}
 		}
 	}
+	// A stopped sandbox: the owner is told how to resume it, a delegate that its owner must.
+	if _, eb := dialStatus(t, dataplaneURL(b, "sbx-stopped"), authHeader(b.Client.APIKey()), proto); !strings.Contains(eb.Error.Message, "sbctl resume sbx-stopped") {
+		t.Errorf("stopped sandbox, owner: %q does not say how to resume it", eb.Error.Message)
+	}
+	if _, eb := dialStatus(t, mStopped.Sandbox.DataplaneURL, authHeader(mStopped.Token), proto); !strings.Contains(eb.Error.Message, "its owner must resume it") {
+		t.Errorf("stopped sandbox, token: %q", eb.Error.Message)
+	}
 	// Another org's API key learns the same as for a sandbox that does not exist.
 	_, missing := dialStatus(t, dataplaneURL(b, "sb_00000000-0000-4000-8000-000000000000"), authHeader(other.APIKey()), proto)
 	if missing.Error.Code != "not_found" {

@@ -26,18 +26,28 @@ const sseKeepalive = 15 * time.Second
 const sseRecheckEvery = 30 * time.Second
 
 // streams tracks open SSE streams by the API key that opened them, so that revoking the key ends
-// them on every broker (each follows store.APIKeyRevokedChannel).
+// them on every broker (each follows store.APIKeyRevokedChannel), and bounds how many one key may
+// hold open: each is a connection and a file descriptor, and one tenant's key opening them at its
+// request rate would otherwise take the broker's descriptors from every org in minutes.
 type streams struct {
-	mu    sync.Mutex
-	byKey map[string]map[chan struct{}]struct{}
+	mu     sync.Mutex
+	byKey  map[string]map[chan struct{}]struct{}
+	perKey int
 }
 
-func newStreams() *streams { return &streams{byKey: map[string]map[chan struct{}]struct{}{}} }
+func newStreams(perKey int) *streams {
+	return &streams{byKey: map[string]map[chan struct{}]struct{}{}, perKey: perKey}
+}
 
-// add registers a stream of keyID; revoked is closed when the key is revoked. remove unregisters it.
-func (ss *streams) add(keyID string) (revoked <-chan struct{}, remove func()) {
+// add registers a stream of keyID, or refuses it with too_many_connections when the key holds its
+// maximum; revoked is closed when the key is revoked. remove unregisters it.
+func (ss *streams) add(keyID string) (revoked <-chan struct{}, remove func(), err error) {
 	ch := make(chan struct{})
 	ss.mu.Lock()
+	if len(ss.byKey[keyID]) >= ss.perKey {
+		ss.mu.Unlock()
+		return nil, nil, protocol.Errorf(protocol.CodeTooManyConnections, "this API key has %d event streams open on this broker, its maximum: close one, or retry later", ss.perKey)
+	}
 	if ss.byKey[keyID] == nil {
 		ss.byKey[keyID] = map[chan struct{}]struct{}{}
 	}
@@ -52,7 +62,7 @@ func (ss *streams) add(keyID string) (revoked <-chan struct{}, remove func()) {
 			}
 		}
 		ss.mu.Unlock()
-	}
+	}, nil
 }
 
 // keyRevoked ends every stream of keyID.
@@ -106,7 +116,18 @@ func (s *Server) streamEvents(c echo.Context, sandboxID string) error {
 	var sub *events.Subscription
 	var history []protocol.Event
 	var err error
+	// A followed stream takes one of its key's slots before it subscribes, and is registered before
+	// the key is read again, so that a revocation landing between the request's authentication
+	// (possibly from the cache) and here is seen by one or the other.
+	keyID := principal(c).KeyID
+	var revoked <-chan struct{}
 	if follow {
+		var remove func()
+		if revoked, remove, err = s.streams.add(keyID); err != nil {
+			c.Response().Header().Set("Retry-After", dpRetryAfter)
+			return err
+		}
+		defer remove()
 		sub, err = s.eventsHub.Subscribe(ctx, org, opts)
 	} else {
 		history, err = s.eventsHub.History(ctx, org, opts)
@@ -142,11 +163,6 @@ func (s *Server) streamEvents(c echo.Context, sandboxID string) error {
 		return nil
 	}
 	defer sub.Close()
-	// Registered before the key is read again, so that a revocation landing between the request's
-	// authentication (possibly from the cache) and here is seen by one or the other.
-	keyID := principal(c).KeyID
-	revoked, remove := s.streams.add(keyID)
-	defer remove()
 	if !s.keyStillValid(ctx, keyID) {
 		return nil
 	}

@@ -9,6 +9,7 @@ import (
 	"math"
 	"net/http"
 	"net/url"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
@@ -52,16 +53,55 @@ func jsonProblem(err error) string {
 	switch {
 	case errors.As(err, &se):
 		return fmt.Sprintf("syntax error at byte %d", se.Offset)
+	case errors.As(err, &te) && te.Field == "":
+		return "the body must be a JSON object"
 	case errors.As(err, &te):
-		return fmt.Sprintf("field %q must be %s", te.Field, te.Type)
+		return fmt.Sprintf("field %q has %s where %s belongs", te.Field, jsonKind(te.Value), jsonTypeOf(te.Type))
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return "unexpected end of input"
 	}
-	msg := err.Error()
+	msg := strings.TrimPrefix(err.Error(), "json: ")
 	if len(msg) > 120 {
 		msg = msg[:120]
 	}
 	return msg
+}
+
+// jsonKind names what encoding/json's UnmarshalTypeError.Value found, with its article.
+func jsonKind(v string) string {
+	switch {
+	case v == "array" || v == "object":
+		return "an " + v
+	case v == "" || v == "null":
+		return "null"
+	case strings.HasPrefix(v, "number"): // "number 1.5" when a float met an integer
+		return "a number"
+	case v == "bool":
+		return "true or false"
+	}
+	return "a " + v
+}
+
+// jsonTypeOf names a Go type by the JSON value that decodes into it, so that an error speaks
+// the language the body was written in rather than Go's (map[string]string, int64).
+func jsonTypeOf(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "an integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	}
+	return "an object"
 }
 
 func (s *Server) caller(c echo.Context) sandbox.Caller {

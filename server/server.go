@@ -5,6 +5,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"log/slog"
@@ -45,6 +46,9 @@ type Config struct {
 	AuthFailureWindow time.Duration
 	// Dataplane bounds the dataplane connections this broker serves.
 	Dataplane DataplaneLimits
+	// EventStreamsPerKey bounds the event streams (SSE, followed) one API key may have open on this
+	// broker (0: DefaultEventStreamsPerKey); past it a stream is 429 too_many_connections.
+	EventStreamsPerKey int
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.
@@ -90,6 +94,10 @@ type DataplaneLimits struct {
 	// 1024 and 256); past them an upgrade is 429 too_many_connections.
 	PerOrg, PerCredential int
 }
+
+// DefaultEventStreamsPerKey is how many followed event streams one API key may have open on a
+// broker unless Config.EventStreamsPerKey says otherwise.
+const DefaultEventStreamsPerKey = 256
 
 // Default dataplane connection limits.
 const (
@@ -183,7 +191,7 @@ func New(cfg Config) *Server {
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count, cfg.Provider), hub: h,
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store, cfg.Log), clock: cfg.Now,
-		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
+		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(cmp.Or(max(cfg.EventStreamsPerKey, 0), DefaultEventStreamsPerKey)), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
 		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults()}
 	s.dataplaneURL = cfg.DataplaneURL

@@ -219,3 +219,38 @@ func TestCpThroughSbctl(t *testing.T) {
 		t.Fatalf("cp --help has no examples:\n%s", h)
 	}
 }
+
+// A destination that is a symbolic link is followed as cp follows one: a link to a directory takes
+// the file in (with a trailing / too), one to a file is written through and stays a link, one
+// leading out of /workspace or to nothing is refused with the reason. sbctl replaced the link
+// itself with the copy, and refused "LINK/" as "not a directory; several sources go into a
+// directory" for one source.
+func TestCpIntoASymlinkedDestination(t *testing.T) {
+	t.Parallel()
+	b := startBroker(t)
+	b.ok("create", "box")
+	b.ok("exec", "box", "-c", "mkdir real && echo old > real/target && ln -s real dirlink && ln -s target real/filelink && ln -s /etc out && ln -s nowhere dangling")
+	f := filepath.Join(t.TempDir(), "f.txt")
+	if err := os.WriteFile(f, []byte("new\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	b.ok("cp", f, "box:dirlink")
+	b.ok("cp", f, "box:/workspace/dirlink/")
+	b.ok("cp", f, "box:dirlink/filelink")
+	got := b.ok("exec", "box", "-c", "stat -c '%N' dirlink real/filelink && cat real/f.txt real/target")
+	if got != "'dirlink' -> 'real'\n'real/filelink' -> 'target'\nnew\nnew\n" {
+		t.Fatalf("after copying onto links:\n%s", got)
+	}
+	for dst, want := range map[string]string{
+		"box:out/":         `"/etc" is outside /workspace`,
+		"box:dangling":     "is a symbolic link to nowhere, which does not exist",
+		"box:real/target/": "is not a directory (a trailing / names one)",
+	} {
+		if r := b.sbctl("cp", f, dst); r.code == 0 || !strings.Contains(r.stderr, want) {
+			t.Errorf("cp to %s: exit %d %q, want %q", dst, r.code, r.stderr, want)
+		}
+	}
+	if got := b.ok("exec", "box", "-c", "stat -c '%N' out dangling; ls /etc/f.txt 2>&1; true"); !strings.HasPrefix(got, "'out' -> '/etc'\n'dangling' -> 'nowhere'\n") || !strings.Contains(got, "No such file") {
+		t.Fatalf("a refused copy changed something:\n%s", got)
+	}
+}

@@ -331,3 +331,34 @@ func TestPushScopes(t *testing.T) {
 		t.Fatalf("fetch without fs:read: %v", err)
 	}
 }
+
+// A sandbox that turns a pulled symlink leading out of the repository into a directory with a
+// file in it: diff and pull refuse with a message and exit 1, and write nothing through the
+// link. sbctl took git's failure (*exec.ExitError) for a sandbox command's exit and exited 128,
+// as if killed by a signal, with no message at all.
+func TestPullThroughALocalSymlinkIsRefusedWithAMessage(t *testing.T) {
+	t.Parallel()
+	b := startBroker(t)
+	b.ok("create", "box")
+	repo, outside := t.TempDir(), t.TempDir()
+	git(t, repo, "init", "-q", "-b", "main")
+	git(t, repo, "config", "user.name", "Tester")
+	git(t, repo, "config", "user.email", "t@example.com")
+	write(t, repo, "README.md", "# demo\n")
+	if err := os.Symlink(outside, filepath.Join(repo, "evil")); err != nil {
+		t.Fatal(err)
+	}
+	git(t, repo, "add", "-A")
+	git(t, repo, "commit", "-q", "-m", "first")
+	b.ok("push", "box", repo)
+	b.ok("exec", "box", "-c", "rm evil && mkdir evil && echo pwned > evil/pwn.txt")
+	for _, args := range [][]string{{"diff", "box", "--dir", repo}, {"pull", "box", "--dir", repo}} {
+		r := b.sbctl(args...)
+		if r.code != 1 || !strings.Contains(r.stderr, "sbctl: ") || !strings.Contains(r.stderr, "evil/pwn.txt") {
+			t.Errorf("sbctl %s: exit %d, want 1 with a message naming evil/pwn.txt\nstdout: %s\nstderr: %s", strings.Join(args, " "), r.code, r.stdout, r.stderr)
+		}
+	}
+	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
+		t.Fatalf("pull wrote through the symlink: %v", ents)
+	}
+}

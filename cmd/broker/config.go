@@ -66,6 +66,8 @@ type config struct {
 	AuthFailureWindow time.Duration
 	// MaxDPConns, MaxDPConnsPerOrg and MaxDPConnsPerCredential bound dataplane connections.
 	MaxDPConns, MaxDPConnsPerOrg, MaxDPConnsPerCredential int
+	// MaxEventStreamsPerKey bounds one API key's open event streams.
+	MaxEventStreamsPerKey int
 }
 
 // envOf maps each flag to its environment fallback.
@@ -86,6 +88,7 @@ var envOf = map[string]string{
 	"max-dataplane-connections":                "SBX_MAX_DATAPLANE_CONNECTIONS",
 	"max-dataplane-connections-per-org":        "SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG",
 	"max-dataplane-connections-per-credential": "SBX_MAX_DATAPLANE_CONNECTIONS_PER_CREDENTIAL",
+	"max-event-streams-per-key":                "SBX_MAX_EVENT_STREAMS_PER_KEY",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -155,7 +158,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Node, "node", "", "this broker's node name, recorded on the sandboxes it hosts (default: generated once and kept in --data-dir)")
 	fs.DurationVar(&c.DefaultTTL, "default-ttl", 30*time.Minute, "lease of a sandbox created without ttl_seconds: no heartbeat for this long and it is stopped")
 	fs.DurationVar(&c.MaxTTL, "max-ttl", 7*24*time.Hour, "largest lease a client may ask for")
-	fs.StringVar(&c.SandboxUIDs, "sandbox-uids", defaultSandboxUIDs, "host uids, FIRST-LAST, that sandboxes get one each (its gid is the same number) when the broker runs as root: per-uid kernel objects (keyrings, inotify, process counts) are then no sandbox's but its own; the range must belong to no user or group of the host; `shared` runs every sandbox as --sandbox-uid (deprecated: sandboxes then share those objects)")
+	fs.StringVar(&c.SandboxUIDs, "sandbox-uids", defaultSandboxUIDs, "host uids, FIRST-LAST, that sandboxes get one each (its gid is the same number) when the broker runs as root: per-uid kernel objects (keyrings, inotify, process counts) are then no sandbox's but its own; the range must belong to no user or group of the host; \"shared\" runs every sandbox as --sandbox-uid (deprecated: sandboxes then share those objects)")
 	fs.IntVar(&c.SandboxUID, "sandbox-uid", 100000, "the uid sandboxes shared before each got its own from --sandbox-uids: never handed out, and what sandboxes run as with --sandbox-uids shared (deprecated; inside namespace sandboxes every uid appears as 1000; dir sandboxes run as it too, never as root)")
 	fs.StringVar(&c.DiskReserve, "disk-reserve", "", "free space the data dir's filesystem keeps for the broker and Redis: below it a create or resume is refused (e.g. 2GiB; 0 turns the check off; default the smaller of 1GiB and 5% of the filesystem)")
 	fs.DurationVar(&c.TokenTTL, "token-ttl", time.Hour, "lifetime of a delegation token minted without ttl_seconds")
@@ -172,6 +175,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
 	fs.IntVar(&c.MaxDPConns, "max-dataplane-connections", server.DefaultMaxDataplaneConnections, "dataplane connections this broker serves at once; past it an upgrade is 503")
+	fs.IntVar(&c.MaxEventStreamsPerKey, "max-event-streams-per-key", server.DefaultEventStreamsPerKey, "event streams (sbctl events -f, sbctl watch, GET .../events) one API key may have open on this broker; past it a stream is 429 too_many_connections")
 	fs.IntVar(&c.MaxDPConnsPerCredential, "max-dataplane-connections-per-credential", server.DefaultDataplaneConnsPerCredential, "dataplane connections one API key or delegation token may have open on this broker; past it an upgrade is 429 too_many_connections")
 }
 
@@ -292,7 +296,7 @@ func (c *config) validate() error {
 		flag string
 		n    int
 	}{{"max-dataplane-connections", c.MaxDPConns}, {"max-dataplane-connections-per-org", c.MaxDPConnsPerOrg},
-		{"max-dataplane-connections-per-credential", c.MaxDPConnsPerCredential}} {
+		{"max-dataplane-connections-per-credential", c.MaxDPConnsPerCredential}, {"max-event-streams-per-key", c.MaxEventStreamsPerKey}} {
 		if l.n < 1 {
 			bad(l.flag, "must be at least 1 (it is %d)", l.n)
 		}

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // Every invalid setting is reported with its flag and environment variable, all at once.
@@ -80,6 +82,9 @@ func TestDataplaneConnectionCapFlags(t *testing.T) {
 	if err := applyEnv(cmd); err != nil {
 		t.Fatal(err)
 	}
+	if streams, _ := cmd.Flags().GetInt("max-event-streams-per-key"); streams != 256 {
+		t.Fatalf("--max-event-streams-per-key defaults to %d, want 256", streams)
+	}
 	org, _ := cmd.Flags().GetInt("max-dataplane-connections-per-org")
 	cred, _ := cmd.Flags().GetInt("max-dataplane-connections-per-credential")
 	all, _ := cmd.Flags().GetInt("max-dataplane-connections")
@@ -93,6 +98,12 @@ func TestDataplaneConnectionCapFlags(t *testing.T) {
 	err := cmd.Execute()
 	if err == nil || !strings.Contains(err.Error(), "--max-dataplane-connections-per-org (SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG)") {
 		t.Fatalf("want a configuration error naming the setting: %v", err)
+	}
+	cmd = rootCmd()
+	t.Setenv("SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG", "")
+	cmd.SetArgs([]string{"--data-dir", t.TempDir(), "--max-event-streams-per-key", "0"})
+	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "--max-event-streams-per-key (SBX_MAX_EVENT_STREAMS_PER_KEY)") {
+		t.Fatalf("want a configuration error naming --max-event-streams-per-key: %v", err)
 	}
 }
 
@@ -194,4 +205,29 @@ func TestReadMetricsToken(t *testing.T) {
 	if _, err := readMetricsToken(dir + "/missing"); err == nil || !strings.Contains(err.Error(), "--metrics-token-file") {
 		t.Errorf("missing file: %v", err)
 	}
+}
+
+// Every command's help shows an example, and every flag's help shows its value as its type (string, int, duration ...): pflag takes a
+// `backquoted` word in a usage as the value's name, so "(`broker orgs set-limits` sets ...)" made
+// --help print "--org-max-running broker orgs set-limits" as if that were the value to type.
+func TestHelpShowsExamplesAndValueTypes(t *testing.T) {
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		if c.Runnable() && c.Example == "" && c.Name() != "help" && (c.Parent() == nil || c.Parent().Name() != "completion") {
+			t.Errorf("%s: no example in its help", c.CommandPath())
+		}
+		c.Flags().VisitAll(func(f *pflag.Flag) {
+			if _, ok := envOf[f.Name]; !ok && f.Name != "help" && f.Name != "version" && c.Parent() == nil {
+				t.Errorf("--%s has no SBX_* environment fallback", f.Name)
+			}
+			name, _ := pflag.UnquoteUsage(f)
+			if name != "" && name != f.Value.Type() && !(f.Value.Type() == "stringSlice" && name == "strings") {
+				t.Errorf("%s --%s: help shows its value as %q, not its type %q", c.CommandPath(), f.Name, name, f.Value.Type())
+			}
+		})
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(rootCmd())
 }

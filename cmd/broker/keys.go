@@ -83,7 +83,9 @@ func keysListCmd(c *config) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "list [--org ORG]",
 		Short: "List API keys (ids and metadata; keys themselves are never stored)",
-		Args:  cobra.NoArgs,
+		Example: `  broker keys list
+  broker keys list --org acme -o json`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return withStore(cmd, c, func(s *store.Store) error {
 				keys, err := s.ListAPIKeys(cmd.Context(), org)
@@ -133,6 +135,8 @@ func keysRevokeCmd(c *config) *cobra.Command {
 		Long: `Revokes an API key at once on every broker sharing the Redis: the key stops working, every
 delegation token it minted becomes inactive, and the dataplane connections and event streams
 opened with either are closed within a second. Tokens minted by the org's other keys are untouched.`,
+		Example: `  broker keys list --org acme      # find the key's id
+  broker keys revoke 7vsnz3r5uu74kqtu       # an ID from keys list`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return withStore(cmd, c, func(s *store.Store) error {
@@ -162,6 +166,8 @@ broker picks the new key up within 10 seconds.
 How long tokens live is the brokers' --token-max-ttl, which each broker records in the signing-keys
 directory when it starts (the longest one any broker sharing the keys served with): this command
 uses that, or --token-max-ttl if it is longer.`,
+		Example: `  broker keys rotate-signing
+  broker keys rotate-signing --signing-keys /etc/sbx/signing --token-max-ttl 48h`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := applyEnv(cmd); err != nil {

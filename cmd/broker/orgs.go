@@ -21,11 +21,11 @@ import (
 // limitFlags are the default org limits: serve enforces them on orgs without limits of their own,
 // and `broker orgs get-limits` shows them beside an org's own.
 func limitFlags(fs *pflag.FlagSet, c *config) {
-	fs.IntVar(&c.Limits.MaxRunning, "org-max-running", 100, "default limit on each org's sandboxes provisioning or running at once, on every broker sharing the Redis (0: no limit; `broker orgs set-limits` sets an org's own)")
+	fs.IntVar(&c.Limits.MaxRunning, "org-max-running", 100, "default limit on each org's sandboxes provisioning or running at once, on every broker sharing the Redis (0: no limit; broker orgs set-limits sets an org's own)")
 	fs.IntVar(&c.Limits.MaxSandboxes, "org-max-sandboxes", 1000, "default limit on each org's sandboxes in any state, stopped ones included (each holds files and a host uid), on every broker sharing the Redis (0: no limit)")
 	fs.IntVar(&c.Limits.RPS, "org-rps", 100, "default requests per second each credential (API key) of an org may make, per broker (0: no limit)")
 	fs.IntVar(&c.Limits.Burst, "org-burst", 200, "default requests a credential may make at once before --org-rps paces it (0: as many as --org-rps)")
-	fs.IntVar(&c.MaxDPConnsPerOrg, "max-dataplane-connections-per-org", server.DefaultDataplaneConnsPerOrg, "default dataplane connections one org may have open on this broker; past it an upgrade is 429 too_many_connections (`broker orgs set-limits ORG --connections N` sets an org's own)")
+	fs.IntVar(&c.MaxDPConnsPerOrg, "max-dataplane-connections-per-org", server.DefaultDataplaneConnsPerOrg, "default dataplane connections one org may have open on this broker; past it an upgrade is 429 too_many_connections (broker orgs set-limits ORG --connections N sets an org's own)")
 }
 
 // authFlags bound failed authentications per source address.
@@ -167,7 +167,9 @@ func orgsGetLimitsCmd(c *config) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "get-limits ORG",
 		Short: "Show an org's limits (its own, else the defaults) and its running sandboxes",
-		Args:  cobra.ExactArgs(1),
+		Example: `  broker orgs get-limits acme
+  broker orgs get-limits default -o json`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if output != "table" && output != "json" {
 				return fmt.Errorf("-o must be table or json, not %q", output)

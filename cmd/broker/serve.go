@@ -82,7 +82,8 @@ func serve(parent context.Context, c *config) error {
 		SweepInterval: c.SweepInterval, NodeHeartbeat: c.NodeHeartbeat, NodeLostAfter: c.NodeLostAfter, ExpiryWarning: c.ExpiryWarning, Retention: c.Retention, EventBuffer: c.EventBuffer,
 		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.orgDefaults(),
 		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow, MetricsTokenHash: metricsToken,
-		Dataplane: server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},
+		Dataplane:          server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},
+		EventStreamsPerKey: c.MaxEventStreamsPerKey,
 	})
 	if err != nil {
 		return err

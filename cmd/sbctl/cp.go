@@ -34,7 +34,9 @@ skipped.
 The sandbox side is written REF:PATH, PATH relative to /workspace or absolute under it; write a
 local path with a colon as ./a:b. As with cp -r: when DST is an existing directory (or several
 sources are given, or DST ends with /), each source lands inside it under its own name; otherwise
-the one source is copied as DST.
+the one source is copied as DST. A sandbox DST that is a symbolic link is followed, as cp follows
+one: into the directory it names, or through it onto the file (a link leading out of /workspace, or
+to nothing, is refused).
 
 "-" reads a tar stream from standard input (into the directory REF:PATH), or writes one to standard
 output (of REF:PATH, its entries named from PATH's base name).
@@ -217,6 +219,23 @@ func (g *globals) dial(ctx context.Context, ref string) (*backend.Remote, error)
 	return backend.Dial(ctx, backend.Config{URL: dp, Credential: c.APIKey(), Reconnects: 1})
 }
 
+// followLinks stats p in the sandbox, following symbolic links (at most 40, as the kernel does)
+// to what they name: it returns the path it ended at and what is there.
+func followLinks(ctx context.Context, r *backend.Remote, p string) (string, protocol.FileInfo, error) {
+	for range 40 {
+		fi, err := r.Stat(ctx, p)
+		if err != nil || fi.Type != protocol.FileTypeSymlink {
+			return p, fi, err
+		}
+		next := fi.Target
+		if !path.IsAbs(next) {
+			next = path.Join(path.Dir(path.Clean(p)), next)
+		}
+		p = next
+	}
+	return p, protocol.FileInfo{}, usageErr("%s: too many levels of symbolic links", p)
+}
+
 // cpIn copies local sources (or a tar stream on stdin) into the sandbox.
 func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (protocol.TreeResult, error) {
 	for _, s := range srcs {
@@ -249,17 +268,27 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 		return r.Untar(ctx, dst, progressReader{g.stdin, prog})
 	}
 	// Where the sources land: inside dst when it is a directory (or will be one), else as dst.
-	dir, as := dst, ""
-	fi, err := r.Stat(ctx, dst)
+	// A destination that is a symbolic link is followed, as cp follows one: a link to a directory
+	// takes the sources in, and one to a file is written through (the broker refuses a link that
+	// leads out of /workspace). Before, the link itself was replaced by the copy.
+	given := dst
+	dst, fi, err := followLinks(ctx, r, dst)
 	var pe *protocol.Error
+	if dst != given && errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound {
+		return protocol.TreeResult{}, usageErr("%s:%s is a symbolic link to %s, which does not exist", ref, given, dst)
+	}
+	dir, as := dst, ""
 	switch {
 	case err == nil && fi.Type == protocol.FileTypeDir:
 	case err == nil || errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound:
-		if len(srcs) > 1 || strings.HasSuffix(dst, "/") {
-			if err == nil {
-				return protocol.TreeResult{}, usageErr("%s:%s is not a directory; several sources go into a directory", ref, dst)
+		if len(srcs) > 1 || strings.HasSuffix(given, "/") {
+			if err != nil {
+				break
 			}
-			break
+			if len(srcs) > 1 {
+				return protocol.TreeResult{}, usageErr("%s:%s is not a directory; several sources go into a directory", ref, given)
+			}
+			return protocol.TreeResult{}, usageErr("%s:%s is not a directory (a trailing / names one)", ref, given)
 		}
 		dir, as = path.Dir(path.Clean(dst)), path.Base(path.Clean(dst))
 	default:

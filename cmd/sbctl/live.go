@@ -48,7 +48,10 @@ from it.`,
 			if len(args) < 1 {
 				return usageErr("exec takes REF and a command; see sbctl exec --help")
 			}
-			if (shell == "") == (len(args) == 1) {
+			if shell == "" && len(args) == 1 {
+				return usageErr("no command: give one after -- (a program and its arguments) or with -c (a shell string)")
+			}
+			if shell != "" && len(args) > 1 {
 				return usageErr("give the command either after -- (a program and its arguments) or with -c (a shell string), not both")
 			}
 			return nil

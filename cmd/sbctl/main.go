@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/sbctl/quietterm"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -47,6 +48,7 @@ type globals struct {
 }
 
 func main() {
+	quietterm.Restore()
 	ctx, cancel := context.WithCancelCause(context.Background())
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
@@ -64,9 +66,6 @@ type interrupted struct{ sig syscall.Signal }
 
 func (i interrupted) Error() string { return "interrupted by " + i.sig.String() }
 
-// exitCoder is an error that carries the process exit code (sbctl exec passes the command's through).
-type exitCoder interface{ ExitCode() int }
-
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	g := &globals{stdout: stdout, stderr: stderr, stdin: stdin, isTTY: isTerminal(stdin)}
 	root := rootCmd(g)
@@ -77,9 +76,12 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	if err == nil {
 		return 0
 	}
-	var ec exitCoder
-	if errors.As(err, &ec) {
-		return ec.ExitCode()
+	// Only sbctl's own commandExit passes a code through (sbctl exec and shell exit with the
+	// command's): any other error with an ExitCode, such as a failed git's *exec.ExitError under
+	// push, diff or pull, is reported like every error, not taken for the sandbox command's exit.
+	var ce commandExit
+	if errors.As(err, &ce) {
+		return ce.ExitCode()
 	}
 	if _, ok := err.(silent); ok {
 		return exitCodeOf(err) // reported already, e.g. a stop on exit that failed after Ctrl-C
@@ -114,6 +116,12 @@ Exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 not authorized, 5 conflict (n
 stopped or failed, or hosted by another broker), 6 broker unreachable or unavailable, 7 refused by
 a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C); sbctl exec exits with the
 command's own code.`,
+		Example: `  sbctl create dev --ttl 30m --tag thread_id=T42
+  sbctl exec dev -c 'echo hi > hello.txt && ls'
+  sbctl cp ./src dev:/workspace/
+  sbctl run-config dev --scope fs:read,exec --allow-cmd pytest
+  sbctl events dev -f
+  sbctl delete dev`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		// sbctl alone shows the help; anything else that is not a command is a usage error (cobra's

@@ -53,6 +53,8 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"delegate", "x", "--scope", "exec", "--expires", "100ms"}, "less than a second"},
 		{[]string{"run-config", "--thread", "t", "--ttl", "1ms"}, "less than a second"},
 		{[]string{"exec", "x", "--timeout", "1us", "--", "true"}, "at least 1ms"},
+		{[]string{"exec", "dev"}, "no command: give one after --"},
+		{[]string{"exec", "dev", "-c", "true", "--", "true"}, "not both"},
 		{[]string{"create", "x", "--ttl", "1fortnight"}, "7d"},
 		{[]string{"shell"}, "shell takes REF"},
 		{[]string{"shell", "dev", "python3"}, "give a program after --"},

@@ -4,11 +4,12 @@
 // cached by scripts/kube.sh, and images built here and imported into containerd (no registry).
 // kube-proxy (iptables mode) makes Services' cluster IPs answer from pods and from the host; the API
 // server listens on the node's address, so pods reach it through the `kubernetes` Service
-// (APIServiceIP) with their in-cluster config. Everything it starts listens on 127.0.0.1 or the
-// machine's own address, keeps its state in one temporary directory, and is stopped and cleaned by
-// Stop: processes by pid, the CNI bridge, the iptables chains kubelet, kube-proxy and the CNI
-// plugins added, the sysctls kube-proxy may change, the pods' cgroups and mounts, the claims'
-// directories.
+// (APIServiceIP) with their in-cluster config; it reaches kubelet with a client certificate
+// kubelet trusts (certs.go), so `kubectl exec` and `kubectl logs` work. Everything it starts
+// listens on 127.0.0.1 or the machine's own address, keeps its state in one temporary directory,
+// and is stopped and cleaned by Stop: processes by pid, the CNI bridge, the iptables chains
+// kubelet, kube-proxy and the CNI plugins added, the sysctls kube-proxy may change, the pods'
+// cgroups and mounts, the claims' directories.
 //
 // One cluster runs on a machine at a time (a file lock serializes test binaries that each want one).
 package kubetest
@@ -48,6 +49,9 @@ const (
 	// SandboxImage holds the static sbx-agent (/sbx/sbx-agent, its entrypoint: the pod's resident init)
 	// and busybox's userland (/bin/sh and the usual commands).
 	SandboxImage = "sbx.local/sandbox:test"
+	// BrokerImage holds the static broker binary (BrokerImageSpec); a test that needs it imports
+	// it (BuildStatic, Import), as the deploy manifests' test (tests/deploy) does.
+	BrokerImage = "sbx.local/broker:test"
 	// StorageClass provisions claims as host directories through kube-controller-manager's
 	// hostpath provisioner (a test-only provisioner: the directories live under /tmp/hostpath_pv).
 	StorageClass = "sbx-hostpath"
@@ -212,12 +216,16 @@ func Start(ctx context.Context) (c *Cluster, err error) {
 	if err := writeSAKeys(c.path("sa.key"), c.path("sa.pub")); err != nil {
 		return c, err
 	}
+	if err := writeKubeletClientCerts(c.path("kubelet-client-ca.crt"), c.path("apiserver-kubelet-client.crt"), c.path("apiserver-kubelet-client.key")); err != nil {
+		return c, err
+	}
 	if err := c.run("kube-apiserver", filepath.Join(bin, "kube-apiserver"), "--etcd-servers="+etcdURL,
 		"--cert-dir="+c.path("certs"), "--bind-address="+c.NodeIP, "--advertise-address="+c.NodeIP, fmt.Sprintf("--secure-port=%d", apiPort),
 		"--token-auth-file="+c.path("tokens.csv"), "--authorization-mode=Node,RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc", "--service-account-key-file="+c.path("sa.pub"),
 		"--service-account-signing-key-file="+c.path("sa.key"), "--service-cluster-ip-range="+ServiceCIDR,
 		"--kubelet-preferred-address-types=InternalIP,Hostname", "--enable-priority-and-fairness=false",
+		"--kubelet-client-certificate="+c.path("apiserver-kubelet-client.crt"), "--kubelet-client-key="+c.path("apiserver-kubelet-client.key"),
 		"--profiling=false", "--watch-cache=true"); err != nil {
 		return c, err
 	}
@@ -549,6 +557,7 @@ healthzPort: 0
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: false}
+  x509: {clientCAFile: %q}
 authorization: {mode: AlwaysAllow}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
@@ -556,7 +565,7 @@ evictionHard: {"memory.available": "1Mi", "nodefs.available": "1%%", "imagefs.av
 serializeImagePulls: false
 syncFrequency: 10s
 nodeStatusUpdateFrequency: 5s
-`, c.containerd, c.NodeIP, port)
+`, c.containerd, c.NodeIP, port, c.path("kubelet-client-ca.crt"))
 	return os.WriteFile(c.path("kubelet.yaml"), []byte(cfg), 0o644)
 }
 
@@ -572,38 +581,73 @@ func (c *Cluster) Ctr(ctx context.Context, args ...string) ([]byte, error) {
 
 // importImages builds the pause and sandbox images and imports them.
 func (c *Cluster) importImages(ctx context.Context) error {
-	root, err := RepoRoot()
+	pause, err := c.BuildStatic(ctx, "./sandbox/provider/kube/kubetest/pause")
 	if err != nil {
 		return err
 	}
-	build := c.path("build")
-	for _, b := range []struct{ out, pkg string }{
-		{"pause", "./sandbox/provider/kube/kubetest/pause"},
-		{"sbx-agent", "./cmd/sbx-agent"},
-	} {
-		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", filepath.Join(build, b.out), b.pkg)
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("kubetest: build %s: %v: %s", b.pkg, err, out)
-		}
-	}
-	pause := NewImage(PauseImage, "/pause")
-	pause.AddFile("/pause", filepath.Join(build, "pause"), 0o755)
-	sbx, err := SandboxImageSpec(filepath.Join(build, "sbx-agent"))
+	agent, err := c.BuildStatic(ctx, "./cmd/sbx-agent")
 	if err != nil {
 		return err
 	}
-	for i, im := range []*Image{pause, sbx} {
-		tar := filepath.Join(build, fmt.Sprintf("image%d.tar", i))
-		if err := im.WriteArchiveFile(tar); err != nil {
-			return err
-		}
-		if _, err := c.Ctr(ctx, "images", "import", "--no-unpack=false", tar); err != nil {
+	pauseIm := NewImage(PauseImage, "/pause")
+	pauseIm.AddFile("/pause", pause, 0o755)
+	sbx, err := SandboxImageSpec(agent)
+	if err != nil {
+		return err
+	}
+	for _, im := range []*Image{pauseIm, sbx} {
+		if err := c.Import(ctx, im); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// BuildStatic builds the repository's package pkg (./cmd/NAME) with CGO_ENABLED=0 into the
+// cluster's state directory and returns the binary's path.
+func (c *Cluster) BuildStatic(ctx context.Context, pkg string) (string, error) {
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	out := filepath.Join(c.path("build"), filepath.Base(pkg))
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", out, pkg)
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("kubetest: build %s: %v: %s", pkg, err, b)
+	}
+	return out, nil
+}
+
+// Import writes im as a docker-archive tar and imports it into the cluster's containerd, where
+// pods with imagePullPolicy Never find it.
+func (c *Cluster) Import(ctx context.Context, im *Image) error {
+	if err := os.MkdirAll(c.path("build"), 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(c.path("build"), "image-*.tar")
+	if err != nil {
+		return err
+	}
+	f.Close()
+	defer os.Remove(f.Name())
+	if err := im.WriteArchiveFile(f.Name()); err != nil {
+		return err
+	}
+	_, err = c.Ctr(ctx, "images", "import", "--no-unpack=false", f.Name())
+	return err
+}
+
+// BrokerImageSpec is the broker's image: the static broker binary (cmd/broker builds with
+// CGO_ENABLED=0) at /usr/local/bin/broker, its entrypoint, and an empty /tmp; no shell, no other
+// file. deploy/kubernetes runs it as a non-root user with a read-only root filesystem.
+func BrokerImageSpec(broker string) *Image {
+	im := NewImage(BrokerImage, "/usr/local/bin/broker")
+	im.Env = []string{"PATH=/usr/local/bin"}
+	im.AddFile("/usr/local/bin/broker", broker, 0o755)
+	im.AddDir("/tmp", 0o1777)
+	return im
 }
 
 // SandboxImageSpec is the sandbox image: sbx-agent at /sbx/sbx-agent (its entrypoint), busybox's

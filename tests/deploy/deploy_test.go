@@ -42,14 +42,16 @@ const (
 // both answering through the Service; the first API key is made with `kubectl exec ... broker keys
 // create`; through the Service's cluster IP, sbctl creates a sandbox (a pod placed by the broker
 // from its in-cluster config), runs a command in it and deletes it; a sandbox created through the
-// Service is deleted through the other replica (its hosting broker removes the pod). Everything
-// applied is deleted at the end.
+// Service is deleted through the other replica (its hosting broker removes the pod); a replica
+// deleted by hand comes back under its name and brings its running sandbox back, files and all.
+// Everything applied is deleted at the end.
 func TestDeployManifests(t *testing.T) {
 	if _, err := exec.LookPath("kubectl"); err != nil {
 		t.Fatal("kubectl not found on PATH: this test applies the manifests with it (install kubectl 1.32, which bundles kustomize)")
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 8*time.Minute)
 	defer cancel()
+	start := time.Now()
 	c, err := kubetest.Start(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -160,9 +162,12 @@ func TestDeployManifests(t *testing.T) {
 			t.Errorf("namespace %s after kubectl delete -k: %v", ns, err)
 		}
 	}()
+	applied := time.Now()
 	if _, err := kubectl("-n", ns, "rollout", "status", "statefulset/sbx-broker", "--timeout=3m"); err != nil {
 		t.Fatalf("%v\n%s", err, diagnose())
 	}
+	t.Logf("cluster and images ready %s after the start; both brokers Ready %s after kubectl apply",
+		applied.Sub(start).Round(time.Millisecond), time.Since(applied).Round(time.Millisecond))
 
 	// The brokers run as the ServiceAccount bound to the Role, which grants what the provider
 	// uses and no more.
@@ -266,6 +271,10 @@ func TestDeployManifests(t *testing.T) {
 			if _, err := c.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 				return fmt.Errorf("claim %s: %v", name, err)
 			}
+			// The record goes last, once the hosting broker has removed the sandbox's objects.
+			if out, err := run(service, "list", "-o", "json"); err != nil || strings.Contains(out, `"`+sb.Name+`"`) {
+				return fmt.Errorf("sbctl list: %v %s", err, out)
+			}
 			return nil
 		}); err != nil {
 			t.Fatalf("sandbox %s after its delete: %v\n%s", sb.Name, err, diagnose())
@@ -297,6 +306,42 @@ func TestDeployManifests(t *testing.T) {
 	if out, err := run(service, "list", "-o", "json"); err != nil || strings.Contains(out, "smoke-") {
 		t.Errorf("sbctl list after the deletes: %v %s", err, out)
 	}
+
+	// A replica that restarts keeps its name, so its node and its data claim: a sandbox it hosted,
+	// running, comes back running on a new pod with its files (why a StatefulSet).
+	d, host := create("smoke-d")
+	if _, err := run(service, "exec", "smoke-d", "--", "sh", "-c", "echo kept > /workspace/f"); err != nil {
+		t.Fatal(err)
+	}
+	before, err := c.Client.CoreV1().Pods(ns).Get(ctx, kube.PodName(d.ID), metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	restarted := time.Now()
+	if _, err := kubectl("-n", ns, "delete", "pod", host, "--wait"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kubectl("-n", ns, "rollout", "status", "statefulset/sbx-broker", "--timeout=3m"); err != nil {
+		t.Fatalf("%v\n%s", err, diagnose())
+	}
+	if err := wait.For(2*time.Minute, func() error {
+		pod, err := c.Client.CoreV1().Pods(ns).Get(ctx, kube.PodName(d.ID), metav1.GetOptions{})
+		if err != nil || pod.UID == before.UID || pod.Labels[kube.LabelBroker] != host {
+			return fmt.Errorf("the sandbox's pod after its broker's restart: %v (a new one, labelled %s, is wanted)", err, host)
+		}
+		out, err := run(service, "exec", "smoke-d", "--", "cat", "/workspace/f")
+		if err != nil || out != "kept\n" {
+			return fmt.Errorf("%q %v", out, err)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, diagnose())
+	}
+	t.Logf("broker %s deleted, back, and its sandbox running again in %s", host, time.Since(restarted).Round(time.Millisecond))
+	if _, err := run(service, "delete", "smoke-d"); err != nil {
+		t.Fatal(err)
+	}
+	gone(d)
 
 	// Nothing the brokers asked of the API server was refused: the Role is enough.
 	for _, p := range []string{"sbx-broker-0", "sbx-broker-1"} {

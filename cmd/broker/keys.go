@@ -25,7 +25,7 @@ func keysCmd(c *config) *cobra.Command {
 		Long: `API keys authenticate owners (sbctl, clients, agent servers doing introspection). A key is
 shown once when created; the broker keeps only its SHA-256 hash.`,
 	}
-	keys.AddCommand(keysCreateCmd(c), keysListCmd(c), keysRevokeCmd(c), rotateSigningCmd(c))
+	keys.AddCommand(keysCreateCmd(c), keysListCmd(c), keysRevokeCmd(c), rotateSigningCmd(c), importSigningCmd(c))
 	return keys
 }
 
@@ -191,5 +191,36 @@ uses that, or --token-max-ttl if it is longer.`,
 		},
 	}
 	cmd.Flags().DurationVar(&tokenMaxTTL, "token-max-ttl", 0, "the longest token lifetime any broker sharing these keys uses, when longer than the one the brokers recorded")
+	return cmd
+}
+
+func importSigningCmd(c *config) *cobra.Command {
+	var from string
+	cmd := &cobra.Command{
+		Use:   "import-signing --from DIR",
+		Short: "Copy token signing keys (e.g. a Kubernetes Secret volume) into the signing-keys directory",
+		Long: `Copies a keyring (keyring.json and its KID.pem keys) from DIR into --signing-keys (default
+<data-dir>/signing) as a private directory (0700, files 0600), then checks that it opens. A
+Kubernetes Secret volume cannot be the signing-keys directory itself (read-only, symlinked files):
+brokers sharing a Redis share their keys through one Secret, imported by each at start
+(deploy/kubernetes runs this in an init container).`,
+		Example: `  broker keys import-signing --from /etc/sbx-signing --signing-keys /run/sbx-signing/keys`,
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := applyEnv(cmd); err != nil {
+				return err
+			}
+			if from == "" {
+				return errors.New("--from is required: the directory holding keyring.json and its keys")
+			}
+			kid, err := importSigning(from, c.signingDir())
+			if err != nil {
+				return err
+			}
+			fmt.Printf("signing keys imported into %s; active key %s\n", c.signingDir(), kid)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&from, "from", "", "directory to copy the keyring from (e.g. a mounted Secret)")
 	return cmd
 }

@@ -42,7 +42,7 @@ func init() {
 
 func kubeFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.Kube.Kubeconfig, "kubeconfig", "", "--provider kubernetes: kubeconfig file of the cluster sandboxes run on (default: the in-cluster config of the pod the broker runs in)")
-	fs.StringVar(&c.Kube.Namespace, "namespace", "", "--provider kubernetes: namespace of the sandboxes' pods, claims and secrets (default: the kubeconfig context's, else \"default\")")
+	fs.StringVar(&c.Kube.Namespace, "namespace", "", "--provider kubernetes: namespace of the sandboxes' pods, claims and secrets (default: the kubeconfig context's; in a pod without --kubeconfig, the pod's own; else \"default\")")
 	fs.StringVar(&c.Kube.Image, "kube-image", "", "--provider kubernetes: sandbox image; its entrypoint runs sbx-agent (cmd/sbx-agent) (docs/operations.md, Running on Kubernetes)")
 	fs.StringVar(&c.Kube.PullPolicy, "kube-pull-policy", "IfNotPresent", "--provider kubernetes: the sandbox image's pull policy: Always, IfNotPresent or Never")
 	fs.StringVar(&c.Kube.StorageClass, "kube-storage-class", "", "--provider kubernetes: storage class of the workspaces' claims (default: the cluster's default class)")
@@ -70,6 +70,16 @@ func (c *config) validateKube(bad func(flag, format string, args ...any)) {
 
 // serviceAccountNamespace is where the namespace of the pod a broker runs in is mounted.
 const serviceAccountNamespace = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+// ownNamespace is the namespace in file (the pod's, mounted with its service account token), or ""
+// when it cannot be read.
+func ownNamespace(file string) string {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
 
 // agentFrom is the peers admitted to the agents: --kube-agent-from, or by default, in a pod, the
 // broker pods of its own namespace (the deploy manifests' label). Outside a cluster the address pods
@@ -107,6 +117,10 @@ func kubeProvider(ctx context.Context, c *config, node string, log *slog.Logger)
 		}
 	} else if cfg, err = rest.InClusterConfig(); err != nil {
 		return nil, provider.Report{}, fmt.Errorf("--provider kubernetes: no --kubeconfig and not running in a pod (%v): give the cluster's kubeconfig", err)
+	} else if ns == "" {
+		// The namespace the broker runs in, where its Role is and where its default
+		// --kube-agent-from looks for the brokers.
+		ns = ownNamespace(serviceAccountNamespace)
 	}
 	if ns == "" {
 		ns = "default"

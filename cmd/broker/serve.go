@@ -35,6 +35,9 @@ func serve(parent context.Context, c *config) error {
 	ctx, stop := signal.NotifyContext(parent, os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
+	if err := checkSigningDir(c.signingDir()); err != nil {
+		return err
+	}
 	st, err := openStorage(ctx, c, log, true)
 	if err != nil {
 		return err

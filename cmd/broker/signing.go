@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/sbxbroker/broker/delegation"
 )
 
 // tokenTTLFile, in the signing-keys directory, records the longest --token-max-ttl a broker using
@@ -68,4 +70,83 @@ func rotationWindow(dir string, flagTTL, leeway time.Duration) (time.Duration, e
 			"start the broker once, or pass --token-max-ttl (SBX_TOKEN_MAX_TTL) with the longest value any broker sharing these keys uses", dir)
 	}
 	return longest + leeway + time.Minute, nil
+}
+
+// secretVolumeMarker is the symlink Kubernetes' atomic writer puts in every Secret, ConfigMap and
+// projected volume: the files beside it are symlinks through it into a timestamped directory.
+const secretVolumeMarker = "..data"
+
+// checkSigningDir refuses, before the keyring is opened, a signing-keys directory that is a
+// Kubernetes Secret volume: it is read-only, its files are symlinks and its directory is writable
+// by all (0777, on a read-only mount), so the keyring would refuse it anyway, with advice (chmod)
+// that cannot apply there. The way through is a private copy.
+func checkSigningDir(dir string) error {
+	if _, err := os.Lstat(filepath.Join(dir, secretVolumeMarker)); err != nil {
+		return nil
+	}
+	return fmt.Errorf("--signing-keys (SBX_SIGNING_KEYS): %s is a Kubernetes Secret (or ConfigMap) volume: read-only, with symlinked files, which a keyring cannot be "+
+		"(it must be a private 0700 directory the broker can write); copy it into one first with `broker keys import-signing --from %s` "+
+		"(deploy/kubernetes does so in an init container) and point --signing-keys there", dir, dir)
+}
+
+// importSigning copies a keyring (keyring.json and its KID.pem keys) from src, which may be a
+// Kubernetes Secret volume (symlinked, group-readable files), into the private directory dst
+// (0700, files 0600), keys first and keyring.json last (the keyring's commit point), then opens it
+// to check that it is whole. It answers the active key's id.
+func importSigning(src, dst string) (string, error) {
+	if _, err := os.Stat(filepath.Join(src, keyringJSON)); err != nil {
+		return "", fmt.Errorf("--from %s holds no %s: create the keys with `broker keys rotate-signing --signing-keys DIR`, then the Secret from DIR (docs/operations.md, Running on Kubernetes)", src, keyringJSON)
+	}
+	ents, err := os.ReadDir(src)
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(dst, 0o700); err != nil {
+		return "", err
+	}
+	if err := os.Chmod(dst, 0o700); err != nil {
+		return "", err
+	}
+	var names []string
+	for _, e := range ents {
+		if strings.HasSuffix(e.Name(), ".pem") && !strings.HasPrefix(e.Name(), ".") {
+			names = append(names, e.Name())
+		}
+	}
+	names = append(names, keyringJSON) // last
+	for _, n := range names {
+		b, err := os.ReadFile(filepath.Join(src, n)) // follows the volume's symlinks
+		if err != nil {
+			return "", err
+		}
+		if err := writePrivate(filepath.Join(dst, n), b); err != nil {
+			return "", err
+		}
+	}
+	keys, err := delegation.LoadOrCreateKeyring(dst, time.Now)
+	if err != nil {
+		return "", fmt.Errorf("the imported keyring in %s: %w", dst, err)
+	}
+	kid, _ := keys.Signer()
+	return kid, nil
+}
+
+// keyringJSON is the keyring's index file (delegation's on-disk layout).
+const keyringJSON = "keyring.json"
+
+// writePrivate writes b to path (0600) through a temporary file and a rename.
+func writePrivate(path string, b []byte) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".import-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	_, err = tmp.Write(b)
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
 }

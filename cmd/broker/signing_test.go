@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/sbxbroker/broker/delegation"
 )
 
 // rotate-signing's window comes from what the brokers recorded, not from its own default: a broker
@@ -117,5 +119,95 @@ func TestRedisLoggerIsStructured(t *testing.T) {
 	var line map[string]any
 	if err := json.Unmarshal(buf.Bytes(), &line); err != nil || line["msg"] != "redis: discarding bad conn: EOF" || line["component"] != "go-redis" {
 		t.Fatalf("%q: %v", buf.String(), err)
+	}
+}
+
+// secretVolume lays dir out as kubelet lays out a Secret volume: a 0777 directory whose files are
+// symlinks through ..data into a timestamped directory of group-readable files.
+func secretVolume(t *testing.T, dir string, files map[string][]byte) {
+	t.Helper()
+	ts := "..2026_11_27_06_00_00.000000001"
+	if err := os.MkdirAll(filepath.Join(dir, ts), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o777)
+	for name, b := range files {
+		if err := os.WriteFile(filepath.Join(dir, ts, name), b, 0o440); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(filepath.Join(secretVolumeMarker, name), filepath.Join(dir, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink(ts, filepath.Join(dir, secretVolumeMarker)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Brokers on Kubernetes share their signing keys through one Secret: a Secret volume cannot be the
+// keyring (the broker refuses it at start, saying what to do), and import-signing copies it into a
+// private directory that opens with the same active and retiring keys.
+func TestImportSigningFromASecretVolume(t *testing.T) {
+	t.Parallel()
+	tmp := t.TempDir()
+	orig, err := delegation.LoadOrCreateKeyring(filepath.Join(tmp, "orig"), time.Now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old, _ := orig.Signer()
+	active, err := orig.Rotate(time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := map[string][]byte{}
+	ents, _ := os.ReadDir(filepath.Join(tmp, "orig"))
+	for _, e := range ents {
+		if n := e.Name(); n == keyringJSON || strings.HasSuffix(n, ".pem") {
+			files[n], _ = os.ReadFile(filepath.Join(tmp, "orig", n))
+		}
+	}
+	vol := filepath.Join(tmp, "secret")
+	secretVolume(t, vol, files)
+
+	if err := checkSigningDir(vol); err == nil || !strings.Contains(err.Error(), "broker keys import-signing --from "+vol) {
+		t.Fatalf("serving on a Secret volume: %v, want a refusal naming import-signing", err)
+	}
+	if err := checkSigningDir(filepath.Join(tmp, "orig")); err != nil {
+		t.Fatalf("a private keyring: %v", err)
+	}
+
+	dst := filepath.Join(tmp, "private", "keys")
+	kid, err := importSigning(vol, dst)
+	if err != nil || kid != active {
+		t.Fatalf("import: %q %v, want active key %s", kid, err, active)
+	}
+	if fi, err := os.Stat(dst); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("the imported keyring's directory: %v %v", fi, err)
+	}
+	for n := range files {
+		if fi, err := os.Lstat(filepath.Join(dst, n)); err != nil || !fi.Mode().IsRegular() || fi.Mode().Perm() != 0o600 {
+			t.Errorf("imported %s: %v %v", n, fi, err)
+		}
+	}
+	got, err := delegation.LoadOrCreateKeyring(dst, time.Now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k, _ := got.Signer(); k != active {
+		t.Errorf("imported active key %s, want %s", k, active)
+	}
+	if _, ok := got.PublicKey(old, time.Now()); !ok {
+		t.Errorf("the retiring key %s does not verify after the import", old)
+	}
+
+	// A directory with no keyring is refused, and nothing is made.
+	empty := filepath.Join(tmp, "empty")
+	os.Mkdir(empty, 0o700)
+	nowhere := filepath.Join(tmp, "nowhere")
+	if _, err := importSigning(empty, nowhere); err == nil || !strings.Contains(err.Error(), "rotate-signing") {
+		t.Errorf("importing from a directory without a keyring: %v", err)
+	}
+	if _, err := os.Stat(nowhere); !os.IsNotExist(err) {
+		t.Errorf("a refused import made %s: %v", nowhere, err)
 	}
 }

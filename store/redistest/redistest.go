@@ -38,6 +38,16 @@ func Start(t testing.TB) *Server {
 	return start(t)
 }
 
+// StartOn starts a redis-server as Start does, listening on ip too (with protected mode off: it
+// has no password), for clients on other hosts or in pods; URL names ip.
+func StartOn(t testing.TB, ip string) *Server {
+	t.Helper()
+	s := start(t, "--bind", "127.0.0.1", ip, "--protected-mode", "no")
+	_, port, _ := net.SplitHostPort(s.Addr)
+	s.URL = "redis://" + net.JoinHostPort(ip, port)
+	return s
+}
+
 func start(t testing.TB, extra ...string) *Server {
 	t.Helper()
 	bin, err := exec.LookPath("redis-server")

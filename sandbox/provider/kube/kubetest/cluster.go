@@ -1,10 +1,15 @@
 // Package kubetest starts a real single-node Kubernetes cluster for tests, from the parts
 // /work/shared/KUBERNETES-LOCAL.md describes: etcd, containerd and runc from Debian (scripts/deps.sh),
-// kube-apiserver, kubelet, kube-scheduler and kube-controller-manager v1.32.4 built and cached by
-// scripts/kube.sh, and images built here and imported into containerd (no registry). Everything it
-// starts listens on 127.0.0.1 or the machine's own address, keeps its state in one temporary
-// directory, and is stopped and cleaned by Stop: processes by pid, the CNI bridge, the iptables
-// chains kubelet and the CNI plugins added, the pods' cgroups and mounts, the claims' directories.
+// kube-apiserver, kubelet, kube-proxy, kube-scheduler and kube-controller-manager v1.32.4 built and
+// cached by scripts/kube.sh, and images built here and imported into containerd (no registry).
+// kube-proxy (iptables mode) makes Services' cluster IPs answer from pods and from the host; the API
+// server listens on the node's address, so pods reach it through the `kubernetes` Service
+// (APIServiceIP) with their in-cluster config; it reaches kubelet with a client certificate
+// kubelet trusts (certs.go), so `kubectl exec` and `kubectl logs` work. Everything it starts
+// listens on 127.0.0.1 or the machine's own address, keeps its state in one temporary directory,
+// and is stopped and cleaned by Stop: processes by pid, the CNI bridge, the iptables chains
+// kubelet, kube-proxy and the CNI plugins added, the sysctls kube-proxy may change, the pods'
+// cgroups and mounts, the claims' directories.
 //
 // One cluster runs on a machine at a time (a file lock serializes test binaries that each want one).
 package kubetest
@@ -24,7 +29,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strings"
 	"syscall"
 	"time"
@@ -45,6 +49,9 @@ const (
 	// SandboxImage holds the static sbx-agent (/sbx/sbx-agent, its entrypoint: the pod's resident init)
 	// and busybox's userland (/bin/sh and the usual commands).
 	SandboxImage = "sbx.local/sandbox:test"
+	// BrokerImage holds the static broker binary (BrokerImageSpec); a test that needs it imports
+	// it (BuildStatic, Import), as the deploy manifests' test (tests/deploy) does.
+	BrokerImage = "sbx.local/broker:test"
 	// StorageClass provisions claims as host directories through kube-controller-manager's
 	// hostpath provisioner (a test-only provisioner: the directories live under /tmp/hostpath_pv).
 	StorageClass = "sbx-hostpath"
@@ -66,6 +73,7 @@ type Cluster struct {
 	procs      []*proc
 	lock       *os.File
 	ipForward  []byte
+	sysctls    map[string][]byte // what kube-proxy may change, as it was (proxy.go)
 	// hostDirs are the entries of the host directories kubelet and the CNI plugins write to
 	// (pod logs, network namespaces) before the cluster started: Stop removes the others.
 	hostDirs map[string]map[string]bool
@@ -208,16 +216,22 @@ func Start(ctx context.Context) (c *Cluster, err error) {
 	if err := writeSAKeys(c.path("sa.key"), c.path("sa.pub")); err != nil {
 		return c, err
 	}
+	if err := writeKubeletClientCerts(c.path("kubelet-client-ca.crt"), c.path("apiserver-kubelet-client.crt"), c.path("apiserver-kubelet-client.key")); err != nil {
+		return c, err
+	}
 	if err := c.run("kube-apiserver", filepath.Join(bin, "kube-apiserver"), "--etcd-servers="+etcdURL,
-		"--cert-dir="+c.path("certs"), "--bind-address=127.0.0.1", fmt.Sprintf("--secure-port=%d", apiPort),
+		"--cert-dir="+c.path("certs"), "--bind-address="+c.NodeIP, "--advertise-address="+c.NodeIP, fmt.Sprintf("--secure-port=%d", apiPort),
 		"--token-auth-file="+c.path("tokens.csv"), "--authorization-mode=Node,RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc", "--service-account-key-file="+c.path("sa.pub"),
-		"--service-account-signing-key-file="+c.path("sa.key"), "--service-cluster-ip-range=10.96.0.0/16",
+		"--service-account-signing-key-file="+c.path("sa.key"), "--service-cluster-ip-range="+ServiceCIDR,
 		"--kubelet-preferred-address-types=InternalIP,Hostname", "--enable-priority-and-fairness=false",
+		"--kubelet-client-certificate="+c.path("apiserver-kubelet-client.crt"), "--kubelet-client-key="+c.path("apiserver-kubelet-client.key"),
 		"--profiling=false", "--watch-cache=true"); err != nil {
 		return c, err
 	}
-	server := fmt.Sprintf("https://127.0.0.1:%d", apiPort)
+	// On the node's address, which pods reach too: the `kubernetes` Service leads there, so a
+	// program in a pod can use its in-cluster config.
+	server := fmt.Sprintf("https://%s", net.JoinHostPort(c.NodeIP, fmt.Sprint(apiPort)))
 	c.Kubeconfig = c.path("kubeconfig")
 	if err := os.WriteFile(c.Kubeconfig, []byte(kubeconfig(server, token)), 0o600); err != nil {
 		return c, err
@@ -273,6 +287,9 @@ func Start(ctx context.Context) (c *Cluster, err error) {
 	if err := c.run("kubelet", filepath.Join(bin, "kubelet"), "--config="+c.path("kubelet.yaml"),
 		"--kubeconfig="+c.Kubeconfig, "--root-dir="+c.path("kubelet"), "--cert-dir="+c.path("kubelet-certs"),
 		"--node-ip="+c.NodeIP, "--hostname-override="+c.Node, "--v=1"); err != nil {
+		return c, err
+	}
+	if err := c.startKubeProxy(ctx, bin); err != nil {
 		return c, err
 	}
 	// The scheduler, and the controller manager: the default service account, the node lifecycle
@@ -495,9 +512,9 @@ func (c *Cluster) writeContainerdConfig(streamPort int) error {
 	}
 	conflist := fmt.Sprintf(`{"cniVersion": "0.4.0", "name": "sbxkube", "plugins": [
   {"type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": true, "hairpinMode": true,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}},
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}},
   {"type": "portmap", "capabilities": {"portMappings": true}}
-]}`, bridgeName, c.path("cni-ipam"))
+]}`, bridgeName, PodCIDR, c.path("cni-ipam"))
 	if err := os.WriteFile(filepath.Join(cni, "10-sbxkube.conflist"), []byte(conflist), 0o644); err != nil {
 		return err
 	}
@@ -540,6 +557,7 @@ healthzPort: 0
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: false}
+  x509: {clientCAFile: %q}
 authorization: {mode: AlwaysAllow}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
@@ -547,7 +565,7 @@ evictionHard: {"memory.available": "1Mi", "nodefs.available": "1%%", "imagefs.av
 serializeImagePulls: false
 syncFrequency: 10s
 nodeStatusUpdateFrequency: 5s
-`, c.containerd, c.NodeIP, port)
+`, c.containerd, c.NodeIP, port, c.path("kubelet-client-ca.crt"))
 	return os.WriteFile(c.path("kubelet.yaml"), []byte(cfg), 0o644)
 }
 
@@ -563,38 +581,73 @@ func (c *Cluster) Ctr(ctx context.Context, args ...string) ([]byte, error) {
 
 // importImages builds the pause and sandbox images and imports them.
 func (c *Cluster) importImages(ctx context.Context) error {
-	root, err := RepoRoot()
+	pause, err := c.BuildStatic(ctx, "./sandbox/provider/kube/kubetest/pause")
 	if err != nil {
 		return err
 	}
-	build := c.path("build")
-	for _, b := range []struct{ out, pkg string }{
-		{"pause", "./sandbox/provider/kube/kubetest/pause"},
-		{"sbx-agent", "./cmd/sbx-agent"},
-	} {
-		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", filepath.Join(build, b.out), b.pkg)
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("kubetest: build %s: %v: %s", b.pkg, err, out)
-		}
-	}
-	pause := NewImage(PauseImage, "/pause")
-	pause.AddFile("/pause", filepath.Join(build, "pause"), 0o755)
-	sbx, err := SandboxImageSpec(filepath.Join(build, "sbx-agent"))
+	agent, err := c.BuildStatic(ctx, "./cmd/sbx-agent")
 	if err != nil {
 		return err
 	}
-	for i, im := range []*Image{pause, sbx} {
-		tar := filepath.Join(build, fmt.Sprintf("image%d.tar", i))
-		if err := im.WriteArchiveFile(tar); err != nil {
-			return err
-		}
-		if _, err := c.Ctr(ctx, "images", "import", "--no-unpack=false", tar); err != nil {
+	pauseIm := NewImage(PauseImage, "/pause")
+	pauseIm.AddFile("/pause", pause, 0o755)
+	sbx, err := SandboxImageSpec(agent)
+	if err != nil {
+		return err
+	}
+	for _, im := range []*Image{pauseIm, sbx} {
+		if err := c.Import(ctx, im); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// BuildStatic builds the repository's package pkg (./cmd/NAME) with CGO_ENABLED=0 into the
+// cluster's state directory and returns the binary's path.
+func (c *Cluster) BuildStatic(ctx context.Context, pkg string) (string, error) {
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	out := filepath.Join(c.path("build"), filepath.Base(pkg))
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", out, pkg)
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("kubetest: build %s: %v: %s", pkg, err, b)
+	}
+	return out, nil
+}
+
+// Import writes im as a docker-archive tar and imports it into the cluster's containerd, where
+// pods with imagePullPolicy Never find it.
+func (c *Cluster) Import(ctx context.Context, im *Image) error {
+	if err := os.MkdirAll(c.path("build"), 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(c.path("build"), "image-*.tar")
+	if err != nil {
+		return err
+	}
+	f.Close()
+	defer os.Remove(f.Name())
+	if err := im.WriteArchiveFile(f.Name()); err != nil {
+		return err
+	}
+	_, err = c.Ctr(ctx, "images", "import", "--no-unpack=false", f.Name())
+	return err
+}
+
+// BrokerImageSpec is the broker's image: the static broker binary (cmd/broker builds with
+// CGO_ENABLED=0) at /usr/local/bin/broker, its entrypoint, and an empty /tmp; no shell, no other
+// file. deploy/kubernetes runs it as a non-root user with a read-only root filesystem.
+func BrokerImageSpec(broker string) *Image {
+	im := NewImage(BrokerImage, "/usr/local/bin/broker")
+	im.Env = []string{"PATH=/usr/local/bin"}
+	im.AddFile("/usr/local/bin/broker", broker, 0o755)
+	im.AddDir("/tmp", 0o1777)
+	return im
 }
 
 // SandboxImageSpec is the sandbox image: sbx-agent at /sbx/sbx-agent (its entrypoint), busybox's
@@ -624,264 +677,4 @@ func SandboxImageSpec(sbxAgent string) (*Image, error) {
 	im.AddData("/etc/passwd", []byte("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"), 0o644)
 	im.AddData("/etc/group", []byte("root:x:0:\nnogroup:x:65534:\n"), 0o644)
 	return im, nil
-}
-
-// Stop deletes every pod (so kubelet tears their containers and networks down), stops every process
-// it started, by pid, and removes what they left: leftover containerd shims, mounts under the state
-// directory, the CNI bridge, the KUBE-/CNI- iptables chains, the kubepods cgroups, the claims'
-// directories and the state directory. It returns the first error of the cleanup.
-func (c *Cluster) Stop() error {
-	var errs []error
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	var hostPaths []string
-	if c.Client != nil {
-		if pvs, err := c.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{}); err == nil {
-			for _, pv := range pvs.Items {
-				if pv.Spec.HostPath != nil && strings.HasPrefix(pv.Spec.HostPath.Path, "/tmp/") {
-					hostPaths = append(hostPaths, pv.Spec.HostPath.Path)
-				}
-			}
-		}
-		c.deleteAllPods(ctx)
-	}
-	// Stop in reverse order of start; containerd after kubelet, etcd last.
-	for i := len(c.procs) - 1; i >= 0; i-- {
-		p := c.procs[i]
-		if p.name == "containerd" {
-			c.killContainers(ctx)
-		}
-		p.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-p.done:
-		case <-time.After(10 * time.Second):
-			p.cmd.Process.Kill()
-			<-p.done
-		}
-	}
-	if c.containerd != "" {
-		killShims(c.containerd)
-	}
-	if c.Dir != "" {
-		errs = append(errs, unmountUnder(c.Dir))
-	}
-	if _, err := net.InterfaceByName(bridgeName); err == nil {
-		if out, err := exec.Command("ip", "link", "delete", bridgeName).CombinedOutput(); err != nil {
-			errs = append(errs, fmt.Errorf("ip link delete %s: %v: %s", bridgeName, err, out))
-		}
-	}
-	errs = append(errs, cleanIptables("iptables"), cleanIptables("ip6tables"), removeCgroups())
-	if c.ipForward != nil {
-		os.WriteFile("/proc/sys/net/ipv4/ip_forward", c.ipForward, 0o644)
-	}
-	for _, p := range hostPaths {
-		os.RemoveAll(p)
-	}
-	os.Remove("/tmp/hostpath_pv") // the provisioner's parent directory, when nothing else is in it
-	for d, before := range c.hostDirs {
-		for name := range listDir(d) {
-			if !before[name] {
-				p := filepath.Join(d, name)
-				syscall.Unmount(p, syscall.MNT_DETACH) // a network namespace is a bind mount
-				os.RemoveAll(p)
-			}
-		}
-	}
-	if c.Dir != "" {
-		if err := os.RemoveAll(c.Dir); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if c.lock != nil {
-		c.lock.Close()
-	}
-	return errors.Join(errs...)
-}
-
-// deleteAllPods deletes every pod and waits (bounded) until containerd runs no task.
-func (c *Cluster) deleteAllPods(ctx context.Context) {
-	zero := int64(0)
-	nss, err := c.Client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return
-	}
-	for _, ns := range nss.Items {
-		c.Client.CoreV1().Pods(ns.Name).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{})
-	}
-	if c.containerd == "" {
-		return
-	}
-	wait, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	for wait.Err() == nil {
-		out, err := c.Ctr(wait, "tasks", "ls", "-q")
-		if err == nil && len(bytes.TrimSpace(out)) == 0 {
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-}
-
-// killContainers kills and removes any task and container containerd still has.
-func (c *Cluster) killContainers(ctx context.Context) {
-	out, _ := c.Ctr(ctx, "tasks", "ls", "-q")
-	for _, id := range strings.Fields(string(out)) {
-		c.Ctr(ctx, "tasks", "kill", "-s", "SIGKILL", id)
-		for range 50 {
-			if _, err := c.Ctr(ctx, "tasks", "delete", id); err == nil {
-				break
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-	}
-	out, _ = c.Ctr(ctx, "containers", "ls", "-q")
-	for _, id := range strings.Fields(string(out)) {
-		c.Ctr(ctx, "containers", "delete", id)
-	}
-}
-
-// killShims kills the containerd-shim processes serving this cluster's containerd (they outlive it).
-func killShims(sock string) {
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		var pid int
-		if _, err := fmt.Sscan(e.Name(), &pid); err != nil {
-			continue
-		}
-		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil || !bytes.Contains(cmdline, []byte("containerd-shim")) || !bytes.Contains(cmdline, []byte(sock)) {
-			continue
-		}
-		syscall.Kill(pid, syscall.SIGKILL)
-	}
-}
-
-// unmountUnder lazily unmounts every mount point under dir, deepest first.
-func unmountUnder(dir string) error {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	var points []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
-			points = append(points, fields[4])
-		}
-	}
-	sort.Slice(points, func(i, j int) bool { return len(points[i]) > len(points[j]) })
-	var errs []error
-	for _, p := range points {
-		if err := syscall.Unmount(p, syscall.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOENT) {
-			errs = append(errs, fmt.Errorf("unmount %s: %w", p, err))
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// cleanIptables removes the KUBE-* and CNI-* chains (kubelet's and the CNI plugins') from every
-// table, with the rules that jump to them.
-func cleanIptables(bin string) error {
-	if _, err := exec.LookPath(bin + "-save"); err != nil {
-		return nil
-	}
-	var script strings.Builder
-	for _, table := range []string{"filter", "nat", "mangle"} {
-		out, err := exec.Command(bin+"-save", "-t", table).Output()
-		if err != nil {
-			continue
-		}
-		ours := func(chain string) bool { return strings.HasPrefix(chain, "KUBE-") || strings.HasPrefix(chain, "CNI-") }
-		var chains, deletes []string
-		for _, line := range strings.Split(string(out), "\n") {
-			switch {
-			case strings.HasPrefix(line, ":"):
-				if name := strings.Fields(line[1:])[0]; ours(name) {
-					chains = append(chains, name)
-				}
-			case strings.HasPrefix(line, "-A "):
-				f := strings.Fields(line)
-				if ours(f[1]) {
-					continue // flushed below
-				}
-				for i := 0; i+1 < len(f); i++ {
-					if (f[i] == "-j" || f[i] == "-g") && ours(f[i+1]) {
-						deletes = append(deletes, "-D"+line[2:])
-						break
-					}
-				}
-			}
-		}
-		if len(chains) == 0 && len(deletes) == 0 {
-			continue
-		}
-		script.WriteString("*" + table + "\n")
-		for _, d := range deletes {
-			script.WriteString(d + "\n")
-		}
-		for _, ch := range chains {
-			script.WriteString("-F " + ch + "\n")
-		}
-		for _, ch := range chains {
-			script.WriteString("-X " + ch + "\n")
-		}
-		script.WriteString("COMMIT\n")
-	}
-	if script.Len() == 0 {
-		return nil
-	}
-	cmd := exec.Command(bin+"-restore", "--noflush")
-	cmd.Stdin = strings.NewReader(script.String())
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("%s-restore: %v: %s", bin, err, out)
-	}
-	return nil
-}
-
-// removeCgroups removes the kubepods cgroups (kubelet's pod hierarchy) from every cgroup hierarchy,
-// deepest first.
-func removeCgroups() error {
-	roots, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods")
-	if _, err := os.Stat("/sys/fs/cgroup/kubepods"); err == nil {
-		roots = append(roots, "/sys/fs/cgroup/kubepods")
-	}
-	var errs []error
-	for _, root := range roots {
-		var dirs []string
-		filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
-			if err == nil && d.IsDir() {
-				dirs = append(dirs, p)
-			}
-			return nil
-		})
-		for i := len(dirs) - 1; i >= 0; i-- {
-			if err := os.Remove(dirs[i]); err != nil && !errors.Is(err, os.ErrNotExist) {
-				errs = append(errs, err)
-			}
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// Leftovers lists what a stopped cluster must not leave behind: the bridge, KUBE-/CNI- chains,
-// kubepods cgroups, shims. Empty means clean.
-func Leftovers() []string {
-	var left []string
-	if _, err := net.InterfaceByName(bridgeName); err == nil {
-		left = append(left, "bridge "+bridgeName)
-	}
-	for _, bin := range []string{"iptables-save", "ip6tables-save"} {
-		out, _ := exec.Command(bin).Output()
-		for _, line := range strings.Split(string(out), "\n") {
-			if strings.HasPrefix(line, ":KUBE-") || strings.HasPrefix(line, ":CNI-") {
-				left = append(left, bin+" chain "+strings.Fields(line[1:])[0])
-			}
-		}
-	}
-	if m, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods"); len(m) > 0 {
-		left = append(left, m...)
-	}
-	return left
 }

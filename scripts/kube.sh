@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes binaries the kubernetes provider's test cluster runs (kube-apiserver, kubelet,
-# kube-scheduler, kube-controller-manager, kube-proxy) from the Go module proxy, through the wrapper module in
+# kube-scheduler, kube-controller-manager, kube-proxy, and kubectl for the deploy test) from the Go module proxy, through the wrapper module in
 # tools/kube, into a cache keyed by version outside the repository, and reuses them afterwards.
 #
 #   scripts/kube.sh build   build what is missing; print the cache directory
@@ -13,7 +13,7 @@ set -euo pipefail
 version=v1.32.4
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dir="${SBX_KUBE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sbx-broker/kube-$version}"
-bins=(kube-apiserver kubelet kube-scheduler kube-controller-manager kube-proxy)
+bins=(kube-apiserver kubelet kube-scheduler kube-controller-manager kube-proxy kubectl)
 
 case "${1:-build}" in
 dir)

@@ -46,9 +46,13 @@ const (
 // deleted by hand comes back under its name and brings its running sandbox back, files and all.
 // Everything applied is deleted at the end.
 func TestDeployManifests(t *testing.T) {
-	if _, err := exec.LookPath("kubectl"); err != nil {
-		t.Fatal("kubectl not found on PATH: this test applies the manifests with it (install kubectl 1.32, which bundles kustomize)")
+	// kubectl v1.32.4 (with its kustomize) is built and cached with the cluster's binaries by
+	// scripts/kube.sh, so the test does not depend on whichever kubectl a machine has on PATH.
+	bin, err := kubetest.Binaries()
+	if err != nil {
+		t.Fatal(err)
 	}
+	kubectlBin := filepath.Join(bin, "kubectl")
 	ctx, cancel := context.WithTimeout(t.Context(), 8*time.Minute)
 	defer cancel()
 	start := time.Now()
@@ -65,7 +69,7 @@ func TestDeployManifests(t *testing.T) {
 		}
 	}()
 	kubectl := func(args ...string) (string, error) {
-		cmd := exec.CommandContext(ctx, "kubectl", append([]string{"--kubeconfig", c.Kubeconfig}, args...)...)
+		cmd := exec.CommandContext(ctx, kubectlBin, append([]string{"--kubeconfig", c.Kubeconfig}, args...)...)
 		out, err := cmd.CombinedOutput()
 		if err != nil {
 			return string(out), fmt.Errorf("kubectl %s: %v: %s", strings.Join(args, " "), err, out)

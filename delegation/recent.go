@@ -235,6 +235,12 @@ func (s *Service) Evictions() uint64 {
 	return s.recent.epoch
 }
 
+// ForgetAll forgets every token: revocations may have been announced while this broker was not
+// subscribed, and each is read again at its next use. It counts as an eviction (Evictions).
+func (s *Service) ForgetAll() {
+	s.recent.forget(func(*Claims) bool { return true })
+}
+
 // ForgetKey forgets every token the API key keyID minted, for its revocation.
 func (s *Service) ForgetKey(keyID string) {
 	s.recent.forget(func(c *Claims) bool { return c.KeyID() == keyID })

@@ -74,3 +74,11 @@ func (k *keyCache) evict(id string) {
 	delete(k.byID, id)
 	k.mu.Unlock()
 }
+
+// evictAll forgets every key: revocations may have been missed (a pub/sub gap).
+func (k *keyCache) evictAll() {
+	k.mu.Lock()
+	k.epoch++
+	k.byID = map[string]cachedKey{}
+	k.mu.Unlock()
+}

@@ -143,7 +143,7 @@ func (s *Server) dataplane(c echo.Context) error {
 // that says to retry. conn, when not nil, names the sandbox resolved, even on a refusal.
 func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.Header) (conn *dpConn, release func(), err error) {
 	// Noted before any check of the credential: open compares it once the connection is in the hub.
-	conn = &dpConn{s: s, evictions: s.delegation.Evictions()}
+	conn = &dpConn{s: s, evictions: s.delegation.Evictions(), checkedFrom: s.now()}
 	if store.LooksLikeAPIKey(cred) {
 		p, err := s.ownerKey(ctx, cred)
 		if err != nil {
@@ -155,10 +155,11 @@ func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.H
 		// Its revocation state comes from Redis at most once per delegation.RecentTTL on this broker
 		// (evicted at once by announced revocations); its signature and expiry are checked here
 		// every time.
-		claims, err := s.delegation.VerifyRecent(ctx, cred)
+		claims, admission, err := s.delegation.VerifyRecentAdmission(ctx, cred)
 		if err != nil {
 			return nil, nil, err
 		}
+		conn.admission = admission
 		// A token is a credential like a key: its upgrades spend its own bucket of the org's rps.
 		if err := s.limitCredential(ctx, claims.Org, "token:"+claims.ID); err != nil {
 			return nil, nil, err

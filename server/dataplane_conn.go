@@ -36,8 +36,11 @@ type dpConn struct {
 	rt     *sandbox.Runtime
 	files  sandbox.Files
 	// evictions is the broker's count of revocations applied (delegation.Service.Evictions) before
-	// the credential's checks began (authorizeConn).
-	evictions uint64
+	// the credential's checks began (authorizeConn), and checkedFrom is when they began.
+	evictions   uint64
+	checkedFrom time.Time
+	// admission is what a delegate's revocation check rested on (the token cache's answer).
+	admission delegation.Admission
 
 	conn *websocket.Conn
 	out  chan outFrame
@@ -158,8 +161,43 @@ func (c *dpConn) open(reqID string) (log *slog.Logger, unregister func()) {
 			c.shutdown(protocol.CloseCredentialEnded, code)
 		}
 	}
+	if c.claims != nil && c.admission.ReadAt.Before(c.checkedFrom) {
+		go c.reconfirm()
+	}
 	go c.watch()
 	return log, unregister
+}
+
+// reconfirm re-checks a token admitted on an answer of the token cache, read before its checks
+// began (up to delegation.RecentTTL earlier), once that answer is RecentTTL old, until an answer
+// read since the checks began says it is live: a revocation this broker was not told of (its
+// announcement missed) that landed between that read and the admission ends the connection within
+// about RecentTTL, not at the 30 s re-check. The reads go through the cache, so a storm of
+// connections with one token adds one read, not one each. A state that cannot be read leaves the
+// connection to its periodic re-check, as there.
+func (c *dpConn) reconfirm() {
+	a := c.admission
+	for a.ReadAt.Before(c.checkedFrom) {
+		t := time.NewTimer(a.ReadAt.Add(delegation.RecentTTL).Sub(c.s.now()))
+		select {
+		case <-c.ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
+		next, err := c.s.delegation.Reconfirm(ctx, a, c.claims)
+		cancel()
+		var pe *protocol.Error
+		if errors.As(err, &pe) {
+			c.shutdown(protocol.CloseCredentialEnded, pe.Code)
+			return
+		}
+		if err != nil || !next.ReadAt.After(a.ReadAt) {
+			return
+		}
+		a = next
+	}
 }
 
 func (c *dpConn) connected(log *slog.Logger) {

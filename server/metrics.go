@@ -9,6 +9,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/sbxbroker/broker/sandbox"
 )
 
 // metrics are the broker's Prometheus metrics, on a registry of its own (no global state, so tests can
@@ -59,7 +61,10 @@ func newMetrics(dpConns func() int, prov ProviderInfo) *metrics {
 	if prov.Fallback != "" {
 		fallback.Set(1)
 	}
-	m.reg.MustRegister(m.requests, m.latency, conns, info, levels, limits, fallback, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	discards := prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "sbx_gvisor_relay_discarded_frames_total",
+		Help: "Frames the gvisor sandboxes' stream bridges discarded for a channel not open on their side: 0 unless the relay or the bridge has a defect (the broker log says which sandbox)."},
+		func() float64 { return float64(sandbox.GvisorRelayDiscards()) })
+	m.reg.MustRegister(m.requests, m.latency, conns, discards, info, levels, limits, fallback, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

@@ -143,12 +143,13 @@ func (s *Server) dataplane(c echo.Context) error {
 // that says to retry. conn, when not nil, names the sandbox resolved, even on a refusal.
 func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.Header) (conn *dpConn, release func(), err error) {
 	// Noted before any check of the credential: open compares it once the connection is in the hub.
-	conn = &dpConn{s: s, evictions: s.delegation.Evictions(), checkedFrom: s.now()}
+	conn = &dpConn{s: s, evictions: s.delegation.Evictions(), checkedFrom: s.now(), keyCheckedFrom: s.apiKeys.now()}
 	if store.LooksLikeAPIKey(cred) {
-		p, err := s.ownerKey(ctx, cred)
+		p, readAt, err := s.ownerKeyAt(ctx, cred)
 		if err != nil {
 			return nil, nil, err
 		}
+		conn.keyReadAt = readAt
 		conn.org, conn.keyID, conn.actor = p.Org, p.KeyID, p.Actor()
 		conn.scopes = map[string]bool{protocol.ScopeFSRead: true, protocol.ScopeFSWrite: true, protocol.ScopeExec: true}
 	} else {

@@ -41,6 +41,9 @@ type dpConn struct {
 	checkedFrom time.Time
 	// admission is what a delegate's revocation check rested on (the token cache's answer).
 	admission delegation.Admission
+	// keyReadAt is when an owner's key record that admitted it was read, and keyCheckedFrom when
+	// its checks began, both on the API key cache's clock.
+	keyReadAt, keyCheckedFrom time.Time
 
 	conn *websocket.Conn
 	out  chan outFrame
@@ -164,8 +167,27 @@ func (c *dpConn) open(reqID string) (log *slog.Logger, unregister func()) {
 	if c.claims != nil && c.admission.ReadAt.Before(c.checkedFrom) {
 		go c.reconfirm()
 	}
+	if c.claims == nil && c.keyReadAt.Before(c.keyCheckedFrom) {
+		go c.reconfirmKey()
+	}
 	go c.watch()
 	return log, unregister
+}
+
+// reconfirmKey re-reads the API key of an owner admitted on the key cache's answer once that answer
+// is keyCacheTTL old, as reconfirm does for a token: a revocation this broker was not told of ends
+// the connection within about keyCacheTTL. Owners' connections are few: each reads Redis itself.
+func (c *dpConn) reconfirmKey() {
+	t := time.NewTimer(c.keyReadAt.Add(keyCacheTTL).Sub(c.s.apiKeys.now()))
+	defer t.Stop()
+	select {
+	case <-c.ctx.Done():
+		return
+	case <-t.C:
+	}
+	if code := c.recheck(); code != "" {
+		c.shutdown(protocol.CloseCredentialEnded, code)
+	}
 }
 
 // reconfirm re-checks a token admitted on an answer of the token cache, read before its checks

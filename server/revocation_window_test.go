@@ -8,6 +8,7 @@ import (
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
 )
 
 // A revocation that lands between a connection's checks (its token's state read, or remembered
@@ -86,5 +87,37 @@ func TestConnectionAdmittedOnACachedAnswerIsReconfirmed(t *testing.T) {
 		t.Logf("closed %s after the revocation", info.at.Sub(revoked).Round(time.Millisecond))
 	case <-time.After(delegation.RecentTTL + 5*time.Second):
 		t.Fatalf("a connection admitted on a cached answer is still open %s after its token was revoked", time.Since(revoked).Round(time.Second))
+	}
+}
+
+// The same for an owner's connection admitted on the API key cache's answer: a key revoked with no
+// announcement reaching this broker ends the connection within about the cache's bound (2 s).
+// Before, it lived until its periodic re-check, 30 s later.
+func TestOwnerConnectionAdmittedOnACachedKeyIsReconfirmed(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	ctx := t.Context()
+	owner, ownerKey := keyClient(t, b)
+	res, err := owner.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "cached-key"}) // caches the key
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.RDB.HSet(ctx, store.APIKeyKey(ownerKey), "revoked", time.Now().UnixMilli()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	revoked := time.Now()
+	late := dialRaw(t, res.Sandbox.DataplaneURL, owner.APIKey()) // admitted on the cached key
+	if since := time.Since(revoked); since >= 2*time.Second {
+		t.Skipf("the upgrade came %s after the revocation, past the cache's bound: the test did not test", since)
+	}
+	late.ws.SetReadDeadline(time.Time{})
+	select {
+	case info := <-closeWatch(late):
+		if info.code != protocol.CloseCredentialEnded || info.reason != protocol.CodeUnauthenticated {
+			t.Errorf("closed with %d %q, want %d %s", info.code, info.reason, protocol.CloseCredentialEnded, protocol.CodeUnauthenticated)
+		}
+		t.Logf("closed %s after the revocation", info.at.Sub(revoked).Round(time.Millisecond))
+	case <-time.After(7 * time.Second):
+		t.Fatalf("an owner connection admitted on a cached key is still open %s after the key was revoked", time.Since(revoked).Round(time.Second))
 	}
 }

@@ -458,9 +458,15 @@ func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
 }
 
 // waitSettled waits while a sandbox is provisioning (another caller is starting it). One of this
-// node's that no start holds is settled meanwhile (settle.go), rather than waited for in vain.
+// node's that no start holds is settled meanwhile (settle.go), rather than waited for in vain; one
+// hosted by a node declared lost is not waited for (no start can come until it is back).
 func (m *Manager) waitSettled(ctx context.Context, org string, rec store.Record) (store.Record, error) {
 	for delay := time.Millisecond; rec.Status == protocol.StatusProvisioning; delay = min(delay*2, 50*time.Millisecond) {
+		if rec.Node != m.cfg.Node && !rec.NodeLostAt.IsZero() {
+			return rec, protocol.Errorf(protocol.CodeUnavailable,
+				"sandbox %s is being started by broker %s, which was declared lost (silent for longer than --node-lost-after): it stays provisioning until that broker is back; retry then, or delete it",
+				rec.Name, rec.Node)
+		}
 		select {
 		case <-ctx.Done():
 			return rec, ctx.Err()

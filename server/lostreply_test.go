@@ -380,3 +380,34 @@ func TestASlowStartIsNotSettledUnderIt(t *testing.T) {
 		t.Fatalf("the create-or-reuse that waited for it: %v", err)
 	}
 }
+
+// A record left provisioning on a broker declared lost is settled by nobody (only its own broker
+// can tell a start in flight there from one cut short) until that broker is back; meanwhile a
+// create-or-reuse of its name on another broker answers 503 at once, saying why, instead of waiting
+// out its request for a start that cannot come.
+func TestCreateOrReuseOfARecordProvisioningOnALostNodeAnswersAtOnce(t *testing.T) {
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	now := time.Now()
+	rec := store.Record{ID: protocol.NewSandboxID(), Org: b.Org, Name: "on-lost-node", Template: "default", Provider: "dir",
+		Node: "lost-node", Status: protocol.StatusProvisioning, TTL: time.Minute, CreatedAt: now, CreatedBy: "key:test", Heartbeat: now}
+	if _, _, err := b.Store.CreateOrReuse(ctx, rec, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, changed, err := b.Store.MarkNodeLost(ctx, b.Org, rec.ID, "lost-node", true); err != nil || !changed {
+		t.Fatalf("marking the node lost: %v %v", changed, err)
+	}
+	reuseCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err := b.Client.CreateSandbox(reuseCtx, protocol.CreateSandboxRequest{Name: "on-lost-node"})
+	if reuseCtx.Err() != nil {
+		t.Fatalf("a create-or-reuse of a record provisioning on a lost node waited out its request (%s): %v", time.Since(start), err)
+	}
+	if code(err) != protocol.CodeUnavailable {
+		t.Errorf("a create-or-reuse of a record provisioning on a lost node: %v, want unavailable", err)
+	}
+	if got, err := b.Store.Get(ctx, b.Org, rec.ID); err != nil || got.Status != protocol.StatusProvisioning {
+		t.Errorf("the lost node's record was changed: %v %s", err, got.Status)
+	}
+}

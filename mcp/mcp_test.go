@@ -18,6 +18,7 @@ import (
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/mcp"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
@@ -391,6 +392,31 @@ func TestRevokedTokenEndsSession(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "token_revoked") {
 		t.Errorf("a new session with a revoked token: %v", err)
 	}
+}
+
+// A session opened on the token cache's answer by a broker that was not told of a revocation made
+// since (written to Redis with no announcement, as by a broker whose announcement this one missed)
+// ends within about delegation.RecentTTL of the revocation, not at its connection's 30 s re-check.
+func TestSessionAdmittedOnACachedAnswerEnds(t *testing.T) {
+	f := newFixture(t)
+	m := f.mint(t, protocol.Scopes)
+	call(t, f.connect(t, m.Token, nil), "ls", map[string]any{}) // reads the token's state: cached from here
+	if err := f.b.Store.DenyToken(t.Context(), f.b.Org, m.JTI, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	revoked := time.Now()
+	cs := f.connect(t, m.Token, nil) // admitted on the cached answer
+	if since := time.Since(revoked); since >= delegation.RecentTTL {
+		t.Skipf("the session opened %s after the revocation, past the cache's bound: the test did not test", since)
+	}
+	var err error
+	if !wait.Until(delegation.RecentTTL+5*time.Second, func() bool {
+		_, err = cs.CallTool(t.Context(), &sdk.CallToolParams{Name: "ls", Arguments: map[string]any{}})
+		return err != nil && strings.Contains(err.Error(), "token_revoked")
+	}) {
+		t.Fatalf("a session opened on a cached answer still answers %s after its token was revoked: %v", time.Since(revoked).Round(time.Second), err)
+	}
+	t.Logf("the session ended %s after the revocation", time.Since(revoked).Round(time.Millisecond))
 }
 
 // Stopping the sandbox mid-session ends the session with not_running.

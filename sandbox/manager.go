@@ -679,6 +679,7 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 	m.mu.Lock()
 	delete(m.host, rec.ID)
 	m.mu.Unlock()
+	m.unseen(rec.ID)
 	return nil
 }
 

@@ -319,6 +319,9 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 	if err != nil || rec.Node != m.cfg.Node {
 		return
 	}
+	if rec.Status != protocol.StatusProvisioning {
+		m.unseen(id)
+	}
 	switch rec.Status {
 	case protocol.StatusStopped, protocol.StatusFailed:
 		m.stopLocal(ctx, rec)

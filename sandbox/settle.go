@@ -123,6 +123,13 @@ func (m *Manager) settleUnsettled(ctx context.Context) {
 	}
 }
 
+// unseen forgets a record's sighting: it is not provisioning any more, or gone.
+func (m *Manager) unseen(id string) {
+	m.settle.mu.Lock()
+	delete(m.settle.seen, id)
+	m.settle.mu.Unlock()
+}
+
 // settleIfAbandoned settles rec, provisioning on this node, when no start of this broker has held it
 // since the grace began; it answers the record and whether it settled it.
 func (m *Manager) settleIfAbandoned(ctx context.Context, rec store.Record) (store.Record, bool) {

@@ -233,6 +233,11 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 		// The record may exist: its uid and the index entry stay, rather than go to another
 		// sandbox, and the reconcile settles a record left provisioning (settle.go).
 		m.watchUnsettled(c.Org, rec.ID, pd == nil) // a pooled one's index entry is recoverPooled's
+		if req.Reuse {
+			// It may have claimed a stopped one to resume, by this create's id.
+			m.watchUnsettled(c.Org, req.Name, false)
+			m.ownClaim(rec.ID)
+		}
 		m.cfg.Log.Error("Redis lost every answer to a create: whether the record exists is unknown", "sandbox_id", rec.ID, "org", rec.Org, "err", err)
 		return store.Record{}, "", protocol.Errorf(protocol.CodeUnavailable,
 			"Redis did not answer the create of sandbox %q, so whether it was made is unknown: once Redis is back, `sbctl get %s` tells; one left provisioning is marked failed within seconds (then delete it)",

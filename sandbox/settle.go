@@ -42,6 +42,9 @@ type settler struct {
 	// unsettled are refs (id or name) of this broker's creates and resumes whose outcome is
 	// unknown: the reconcile reads them until they are not provisioning.
 	unsettled map[string]unsettled
+	// own are claims this broker made that do not name its node (a create-or-reuse claims a
+	// stopped sandbox by the new id it made) and whose outcome is unknown.
+	own map[string]bool
 }
 
 type unsettled struct {
@@ -55,7 +58,7 @@ type sighting struct {
 }
 
 func newSettler() *settler {
-	return &settler{starts: map[string]int{}, seen: map[string]sighting{}, unsettled: map[string]unsettled{}}
+	return &settler{starts: map[string]int{}, seen: map[string]sighting{}, unsettled: map[string]unsettled{}, own: map[string]bool{}}
 }
 
 // startKey names the start that a provisioning record waits for: its claim (a resume, a restart)
@@ -123,6 +126,13 @@ func (m *Manager) settleUnsettled(ctx context.Context) {
 	}
 }
 
+// ownClaim notes a claim of this broker's that does not name its node, for the grace of its own.
+func (m *Manager) ownClaim(claim string) {
+	m.settle.mu.Lock()
+	m.settle.own[claim] = true
+	m.settle.mu.Unlock()
+}
+
 // unseen forgets a record's sighting: it is not provisioning any more, or gone.
 func (m *Manager) unseen(id string) {
 	m.settle.mu.Lock()
@@ -149,9 +159,10 @@ func (m *Manager) settleIfAbandoned(ctx context.Context, rec store.Record) (stor
 		s.mu.Unlock()
 		return rec, false
 	}
+	own := s.own[rec.Claim]
 	s.mu.Unlock()
 	grace := settleGrace
-	if rec.Claim != "" && !strings.HasPrefix(rec.Claim, m.cfg.Node+"/") {
+	if rec.Claim != "" && !strings.HasPrefix(rec.Claim, m.cfg.Node+"/") && !own {
 		// Another broker's claim (or a create-or-reuse's, whichever broker made it): it may be
 		// waiting for this node to start it, and asking again.
 		grace = remoteStartWait + remoteStartAgain
@@ -170,6 +181,7 @@ func (m *Manager) settleIfAbandoned(ctx context.Context, rec store.Record) (stor
 	s.mu.Lock()
 	held = s.starts[key] > 0
 	delete(s.seen, rec.ID)
+	delete(s.own, rec.Claim)
 	s.mu.Unlock()
 	if held || h.inst != nil {
 		return rec, false

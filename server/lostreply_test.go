@@ -411,3 +411,39 @@ func TestCreateOrReuseOfARecordProvisioningOnALostNodeAnswersAtOnce(t *testing.T
 		t.Errorf("the lost node's record was changed: %v %s", err, got.Status)
 	}
 }
+
+// A create-or-reuse that claimed a stopped sandbox to resume it, whose every answer Redis lost, is
+// settled like a resume of this broker's (within a reconcile or two): its claim is the new id it
+// made, which this broker knows as its own. Before, it stayed provisioning until the broker
+// restarted; a claim of unknown origin is given another broker's 30 s wait first.
+func TestCreateOrReuseResumeWhoseAnswersRedisLostIsSettled(t *testing.T) {
+	lossy := &redistest.LoseAnswers{Match: []byte("reuse-lost"), Also: []byte("provisioning")}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "reuse-lost"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.StopSandbox(ctx, "reuse-lost"); err != nil {
+		t.Fatal(err)
+	}
+	lossy.Lose.Store(1000)
+	_, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "reuse-lost"})
+	lossy.Lose.Store(0)
+	if code(err) != protocol.CodeUnavailable {
+		t.Fatalf("a create-or-reuse whose every answer was lost: %v, want unavailable", err)
+	}
+	if rec, err := b.Store.Get(ctx, b.Org, "reuse-lost"); err != nil || rec.Status != protocol.StatusProvisioning {
+		t.Fatalf("the resume's claim: %v %q, want provisioning (the test did not test)", err, rec.Status)
+	}
+	var rec store.Record
+	wait.Eventually(t, 15*time.Second, func() bool {
+		rec, _ = b.Store.Get(ctx, b.Org, "reuse-lost")
+		return rec.Status != protocol.StatusProvisioning
+	}, "the abandoned resume is settled")
+	if rec.Status != protocol.StatusStopped || rec.StopReason != protocol.StopRuntimeLost {
+		t.Fatalf("the abandoned resume: %s (%s), want stopped (runtime_lost)", rec.Status, rec.StopReason)
+	}
+	if got, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "reuse-lost"}); err != nil || got.Sandbox.Status != protocol.StatusRunning {
+		t.Fatalf("create-or-reuse again: %v %+v", err, got)
+	}
+}

@@ -20,7 +20,10 @@ import (
 // connection of a credential revoked in the gap ends within a second or so of the reconnect. Before,
 // it stayed open until its periodic re-check, 30 s later. The subscription is cut for real (CLIENT
 // KILL on the Redis server) and kept down (the broker cannot dial Redis) while the revocations are
-// written, as another broker would, with their announcements gone to nobody.
+// written, as another broker would, with their announcements gone to nobody. The broker's clock
+// stands still, and the owner connection's key is read afresh at its upgrade, so that every
+// connection here was admitted on a fresh answer: none is re-confirmed for having been admitted
+// on a cached one (TestConnectionAdmittedOnACachedAnswerIsReconfirmed), which would end it too.
 func TestRevocationsMissedWhileUnsubscribedEndConnectionsOnResubscribe(t *testing.T) {
 	var refuse atomic.Bool
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
@@ -29,9 +32,11 @@ func TestRevocationsMissedWhileUnsubscribedEndConnectionsOnResubscribe(t *testin
 		}
 		return (&net.Dialer{}).DialContext(ctx, network, addr)
 	}
-	b := servertest.New(t, servertest.Options{Provider: "dir", RedisDialer: dial})
+	clock := servertest.NewClock(time.Now())
+	b := servertest.New(t, servertest.Options{Provider: "dir", RedisDialer: dial, Now: clock.Now})
 	ctx := t.Context()
 	owner, ownerKey := keyClient(t, b)
+	dialer, dialerKey := keyClient(t, b) // used for its connection only
 	res, err := owner.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "gap"})
 	if err != nil {
 		t.Fatal(err)
@@ -53,7 +58,7 @@ func TestRevocationsMissedWhileUnsubscribedEndConnectionsOnResubscribe(t *testin
 	conns := map[string]<-chan closeInfo{
 		"a token denied":                watch(denied.Token),
 		"a token of a revoked API key":  watch(byKey.Token),
-		"an owner of a revoked API key": watch(owner.APIKey()),
+		"an owner of a revoked API key": watch(dialer.APIKey()),
 	}
 	// An owner's event stream of the revoked key ends as well.
 	req, _ := http.NewRequestWithContext(ctx, "GET", b.URL+"/v1/events", nil)
@@ -80,8 +85,10 @@ func TestRevocationsMissedWhileUnsubscribedEndConnectionsOnResubscribe(t *testin
 	if err := other.DenyToken(ctx, b.Org, denied.JTI, time.Hour); err != nil {
 		t.Fatal(err)
 	}
-	if err := direct.HSet(ctx, store.APIKeyKey(ownerKey), "revoked", time.Now().UnixMilli()).Err(); err != nil {
-		t.Fatal(err)
+	for _, id := range []string{ownerKey, dialerKey} {
+		if err := direct.HSet(ctx, store.APIKeyKey(id), "revoked", time.Now().UnixMilli()).Err(); err != nil {
+			t.Fatal(err)
+		}
 	}
 	conns["an event stream of a revoked API key"] = streamEnded
 	for what, closed := range conns {

@@ -44,6 +44,7 @@ type recent struct {
 type recentEntry struct {
 	c         *Claims
 	liveUntil time.Time
+	readAt    time.Time // when the read that said live began
 }
 
 type recentRead struct {
@@ -60,16 +61,22 @@ func newRecent(now func() time.Time) *recent {
 
 func recentKey(token string) [32]byte { return sha256.Sum256([]byte(token)) }
 
-// check answers for the token keyed k, whose claims c passed every other check, what read (the
-// revocation state in Redis) answers, reading it only when no answer from the last RecentTTL
-// stands. Concurrent checks of one token share one read, made on a context that the first caller's
-// hang-up does not cancel (the store bounds it).
+// check is checkAt's answer alone.
 func (r *recent) check(ctx context.Context, k [32]byte, c *Claims, read func(context.Context, *Claims) error) error {
+	_, err := r.checkAt(ctx, k, c, read)
+	return err
+}
+
+// checkAt answers for the token keyed k, whose claims c passed every other check, what read (the
+// revocation state in Redis) answers, reading it only when no answer from the last RecentTTL
+// stands, and when the read that answered began. Concurrent checks of one token share one read,
+// made on a context that the first caller's hang-up does not cancel (the store bounds it).
+func (r *recent) checkAt(ctx context.Context, k [32]byte, c *Claims, read func(context.Context, *Claims) error) (time.Time, error) {
 	start := r.now()
 	r.mu.Lock()
 	if e := r.m[k]; e != nil && start.Before(e.liveUntil) {
 		r.mu.Unlock()
-		return nil
+		return e.readAt, nil
 	}
 	// A read that began before an eviction may predate the revocation it was for: join only one
 	// that began since, and less than RecentTTL ago (a slow read's answer may be that old).
@@ -78,9 +85,9 @@ func (r *recent) check(ctx context.Context, k [32]byte, c *Claims, read func(con
 		r.mu.Unlock()
 		select {
 		case <-rd.done:
-			return rd.err
+			return rd.start, rd.err
 		case <-ctx.Done():
-			return ctx.Err()
+			return rd.start, ctx.Err()
 		}
 	}
 	rd := &recentRead{done: make(chan struct{}), epoch: r.epoch, start: start}
@@ -92,7 +99,7 @@ func (r *recent) check(ctx context.Context, k [32]byte, c *Claims, read func(con
 	defer r.settle(k, c, rd, start)
 	rd.err = errReadPanicked
 	rd.err = read(context.WithoutCancel(ctx), c)
-	return rd.err
+	return start, rd.err
 }
 
 // errReadPanicked is what the checks sharing a read hear when it panicked: never live.
@@ -112,7 +119,7 @@ func (r *recent) settle(k [32]byte, c *Claims, rd *recentRead, start time.Time) 
 		if exp := c.ExpiresAt.Time; exp.Before(until) {
 			until = exp
 		}
-		r.putLocked(k, &recentEntry{c: c, liveUntil: until}, start)
+		r.putLocked(k, &recentEntry{c: c, liveUntil: until, readAt: start}, start)
 	case errors.As(rd.err, &pe):
 		delete(r.m, k) // revoked: nothing of it is worth keeping
 	}
@@ -187,17 +194,46 @@ func (r *recent) len() int {
 // takes at most RecentTTL. A state that cannot be read is never taken as live: with nothing
 // answered within RecentTTL the error wraps ErrRevocationState, as Verify's does.
 func (s *Service) VerifyRecent(ctx context.Context, token string) (*Claims, error) {
-	return s.verifier.verifyWith(ctx, token, recentState{s: s, key: recentKey(token)})
+	c, _, err := s.VerifyRecentAdmission(ctx, token)
+	return c, err
 }
 
-// recentState is the State of VerifyRecent: the service's revocation read behind the cache.
+// Admission is what a VerifyRecent answer rested on: the token's place in the cache (a hash, never
+// the token) and when the revocation read that answered began. An answer read before the caller's
+// checks began came from the cache, and may predate a revocation this broker was not told of.
+type Admission struct {
+	key    [32]byte
+	ReadAt time.Time
+}
+
+// VerifyRecentAdmission is VerifyRecent, and says what its answer rested on.
+func (s *Service) VerifyRecentAdmission(ctx context.Context, token string) (*Claims, Admission, error) {
+	rs := &recentState{s: s, key: recentKey(token)}
+	c, err := s.verifier.verifyWith(ctx, token, rs)
+	return c, Admission{key: rs.key, ReadAt: rs.readAt}, err
+}
+
+// Reconfirm checks the revocation state of a token admitted on a, whose claims are c, again
+// through the cache: call it once a.ReadAt is RecentTTL old, when that answer no longer stands, so
+// that the state is read again (once, for every connection of the token) unless an answer read
+// since stands. It says what the new answer rests on.
+func (s *Service) Reconfirm(ctx context.Context, a Admission, c *Claims) (Admission, error) {
+	at, err := s.recent.checkAt(ctx, a.key, c, s.CheckRevocation)
+	return Admission{key: a.key, ReadAt: at}, err
+}
+
+// recentState is the State of VerifyRecent: the service's revocation read behind the cache. readAt
+// is when the read that answered began.
 type recentState struct {
-	s   *Service
-	key [32]byte
+	s      *Service
+	key    [32]byte
+	readAt time.Time
 }
 
-func (rs recentState) CheckRevocation(ctx context.Context, c *Claims) error {
-	return rs.s.recent.check(ctx, rs.key, c, rs.s.CheckRevocation)
+func (rs *recentState) CheckRevocation(ctx context.Context, c *Claims) error {
+	var err error
+	rs.readAt, err = rs.s.recent.checkAt(ctx, rs.key, c, rs.s.CheckRevocation)
+	return err
 }
 
 // CheckRecent is Check for the MCP endpoint's requests within a session: the claims of exactly this
@@ -233,6 +269,12 @@ func (s *Service) Evictions() uint64 {
 	s.recent.mu.Lock()
 	defer s.recent.mu.Unlock()
 	return s.recent.epoch
+}
+
+// ForgetAll forgets every token: revocations may have been announced while this broker was not
+// subscribed, and each is read again at its next use. It counts as an eviction (Evictions).
+func (s *Service) ForgetAll() {
+	s.recent.forget(func(*Claims) bool { return true })
 }
 
 // ForgetKey forgets every token the API key keyID minted, for its revocation.

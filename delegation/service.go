@@ -293,20 +293,23 @@ func (s *Service) Introspect(ctx context.Context, org, token string) (protocol.I
 // Subscribe calls fn for every revocation announced by any broker until ctx ends. It returns once
 // Redis has confirmed the subscription, so no announcement made after it returns is missed.
 // Announcements are best effort (Redis pub/sub): while disconnected a subscriber misses some, so
-// holders of long-lived connections also re-verify them periodically.
-func Subscribe(ctx context.Context, st *store.Store, fn func(Revocation)) error {
-	return st.Follow(ctx, store.RevocationsChannel, func(payload string) {
+// gap (when not nil) is called, in order with fn, each time the subscription is made again after a
+// drop, for the subscriber to catch up from Redis' state; holders of long-lived connections also
+// re-verify them periodically.
+func Subscribe(ctx context.Context, st *store.Store, fn func(Revocation), gap func()) error {
+	return st.FollowWithGaps(ctx, store.RevocationsChannel, func(payload string) {
 		var r Revocation
 		if json.Unmarshal([]byte(payload), &r) == nil {
 			fn(r)
 		}
-	})
+	}, gap)
 }
 
 // FollowKeyRevocations calls fn with the id of every API key revoked by any broker (or by
-// `broker keys revoke`) until ctx ends; like Subscribe, it returns once subscribed.
-func FollowKeyRevocations(ctx context.Context, st *store.Store, fn func(keyID string)) error {
-	return st.Follow(ctx, store.APIKeyRevokedChannel, fn)
+// `broker keys revoke`) until ctx ends; like Subscribe, it returns once subscribed, and calls gap
+// after each resubscription.
+func FollowKeyRevocations(ctx context.Context, st *store.Store, fn func(keyID string), gap func()) error {
+	return st.FollowWithGaps(ctx, store.APIKeyRevokedChannel, fn, gap)
 }
 
 func clipJTI(s string) string {

@@ -6,11 +6,13 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"reflect"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,10 +20,12 @@ import (
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/mcp"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/tests/wait"
 )
 
@@ -391,6 +395,70 @@ func TestRevokedTokenEndsSession(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "token_revoked") {
 		t.Errorf("a new session with a revoked token: %v", err)
 	}
+}
+
+// A session opened on the token cache's answer by a broker that was not told of a revocation made
+// since (written to Redis with no announcement, as by a broker whose announcement this one missed)
+// ends within about delegation.RecentTTL of the revocation, not at its connection's 30 s re-check.
+func TestSessionAdmittedOnACachedAnswerEnds(t *testing.T) {
+	f := newFixture(t)
+	m := f.mint(t, protocol.Scopes)
+	call(t, f.connect(t, m.Token, nil), "ls", map[string]any{}) // reads the token's state: cached from here
+	if err := f.b.Store.DenyToken(t.Context(), f.b.Org, m.JTI, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	revoked := time.Now()
+	cs := f.connect(t, m.Token, nil) // admitted on the cached answer
+	if since := time.Since(revoked); since >= delegation.RecentTTL {
+		t.Skipf("the session opened %s after the revocation, past the cache's bound: the test did not test", since)
+	}
+	var err error
+	if !wait.Until(delegation.RecentTTL+5*time.Second, func() bool {
+		_, err = cs.CallTool(t.Context(), &sdk.CallToolParams{Name: "ls", Arguments: map[string]any{}})
+		return err != nil && strings.Contains(err.Error(), "token_revoked")
+	}) {
+		t.Fatalf("a session opened on a cached answer still answers %s after its token was revoked: %v", time.Since(revoked).Round(time.Second), err)
+	}
+	t.Logf("the session ended %s after the revocation", time.Since(revoked).Round(time.Millisecond))
+}
+
+// A revocation announced while the broker's subscription was cut (and it could not dial Redis to
+// make it again) ends a session within a second or two of the reconnect, not at its connection's
+// 30 s re-check. The broker's clock stands still, so that the session counts as admitted on a fresh
+// answer and is not re-confirmed for a cached one (TestSessionAdmittedOnACachedAnswerEnds).
+func TestSessionEndsOnResubscribeAfterAMissedRevocation(t *testing.T) {
+	var refuse atomic.Bool
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if refuse.Load() {
+			return nil, errors.New("test: Redis unreachable")
+		}
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}
+	f := newFixtureWith(t, servertest.Options{RedisDialer: dial, Now: servertest.NewClock(time.Now()).Now})
+	m := f.mint(t, protocol.Scopes)
+	cs := f.connect(t, m.Token, nil)
+	call(t, cs, "ls", map[string]any{})
+	direct := f.b.Redis.Client(t)
+	refuse.Store(true)
+	if n, err := direct.Do(t.Context(), "CLIENT", "KILL", "TYPE", "pubsub").Int(); err != nil || n == 0 {
+		t.Fatalf("cutting the broker's subscriptions: %d cut, %v", n, err)
+	}
+	// Another broker's revocation, written and announced while this one hears nothing.
+	other := store.NewWithOptions(direct, store.Options{})
+	defer other.Close()
+	if err := other.DenyToken(t.Context(), f.b.Org, m.JTI, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	refuse.Store(false)
+	back := time.Now()
+	var err error
+	if !wait.Until(5*time.Second, func() bool {
+		_, err = cs.CallTool(t.Context(), &sdk.CallToolParams{Name: "ls", Arguments: map[string]any{}})
+		return err != nil && strings.Contains(err.Error(), "token_revoked")
+	}) {
+		t.Fatalf("the session still answers %s after the broker could subscribe again: %v", time.Since(back).Round(time.Second), err)
+	}
+	t.Logf("the session ended %s after Redis was reachable again", time.Since(back).Round(time.Millisecond))
 }
 
 // Stopping the sandbox mid-session ends the session with not_running.

@@ -36,6 +36,11 @@ func withIsolation(p provider.Provider, t provider.Template, asked string) (prov
 	return t, nil
 }
 
+// GvisorRelayDiscards counts the frames the gvisor level's bridges discarded for a channel not open
+// on their side, since the broker started: 0 unless the relay or the in-sandbox bridge has a
+// defect (each discard is logged too, within a rate).
+func GvisorRelayDiscards() int64 { return provider.GvisorRelayDiscards() }
+
 // IsolationLevels are the levels p offers on this host, and what the host lacks for the others.
 func IsolationLevels(p Provider) (offered []string, missing map[string]string) {
 	return provider.Levels(p)

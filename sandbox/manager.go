@@ -13,8 +13,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/google/uuid"
-
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/workspace"
@@ -62,6 +60,8 @@ type Manager struct {
 	closing bool
 	// pool keeps started sandboxes ready for templates that ask for it (pool.go).
 	pool *pool
+	// settle knows the starts in flight, to settle records whose start was cut short (settle.go).
+	settle *settler
 }
 
 // hosted is the local state of one sandbox. mu serializes lifecycle actions on it (start, stop,
@@ -96,7 +96,7 @@ func NewManager(cfg Config) (*Manager, error) {
 	if cfg.Events == nil {
 		cfg.Events = func(string, protocol.Event) {}
 	}
-	m := &Manager{cfg: cfg, host: map[string]*hosted{}}
+	m := &Manager{cfg: cfg, host: map[string]*hosted{}, settle: newSettler()}
 	m.pool = newPool(m)
 	return m, nil
 }
@@ -215,6 +215,9 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 			}
 		}
 	}
+	// Held from before the record may exist until its start ends: the record, or the stopped one
+	// this create resumes (claimed by this id), is not settled under it (settle.go).
+	defer m.holdStart(rec.ID)()
 	got, outcome, err := m.createOrReuse(ctx, rec, req.Reuse)
 	unknown := errors.Is(err, errUnknownOutcome)
 	if err != nil || got.ID != rec.ID {
@@ -227,11 +230,17 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 		}
 	}
 	if unknown {
-		// The record may exist: its uid and the index entry that lets Recover settle it at the
-		// next start stay, rather than go to another sandbox.
+		// The record may exist: its uid and the index entry stay, rather than go to another
+		// sandbox, and the reconcile settles a record left provisioning (settle.go).
+		m.watchUnsettled(c.Org, rec.ID, pd == nil) // a pooled one's index entry is recoverPooled's
+		if req.Reuse {
+			// It may have claimed a stopped one to resume, by this create's id.
+			m.watchUnsettled(c.Org, req.Name, false)
+			m.ownClaim(rec.ID)
+		}
 		m.cfg.Log.Error("Redis lost every answer to a create: whether the record exists is unknown", "sandbox_id", rec.ID, "org", rec.Org, "err", err)
 		return store.Record{}, "", protocol.Errorf(protocol.CodeUnavailable,
-			"Redis did not answer the create of sandbox %q, so whether it was made is unknown: once Redis is back, `sbctl get %s` tells; one left provisioning is marked failed at this broker's next start (or delete it)",
+			"Redis did not answer the create of sandbox %q, so whether it was made is unknown: once Redis is back, `sbctl get %s` tells; one left provisioning is marked failed within seconds (then delete it)",
 			clip(req.Name), clip(req.Name))
 	}
 	if err != nil {
@@ -251,6 +260,10 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 		got, err = m.start(ctx, c, got)
 	case protocol.OutcomeReused:
 		got, err = m.waitSettled(ctx, c.Org, got)
+		if err == nil && got.Status == protocol.StatusFailed {
+			// It failed while this call waited (its start was cut short): as if found failed.
+			return got, outcome, m.mapStoreErr(&store.StateError{Status: got.Status}, req.Name)
+		}
 		if err == nil && got.Status == protocol.StatusRunning {
 			// Reuse is an owner call: it renews the lease.
 			if l, lerr := m.cfg.Store.Heartbeat(ctx, c.Org, got.ID); lerr == nil {
@@ -268,6 +281,7 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 // only), Start, the template's setup command (first time only), then running. Failures leave the
 // sandbox failed (first time) or stopped (resume) with the reason recorded.
 func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmpl provider.Template, first bool) (store.Record, error) {
+	defer m.holdStart(startKey(rec))() // whoever asked (a remote resume, Recover) is held too
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -448,9 +462,16 @@ func (m *Manager) watch(org, id string, h *hosted, inst provider.Instance) {
 	m.emit(Caller{Org: org, Actor: "broker"}, rec, protocol.EventStopped, func(e *protocol.Event) { e.Reason = reason })
 }
 
-// waitSettled waits while a sandbox is provisioning (another caller is starting it).
+// waitSettled waits while a sandbox is provisioning (another caller is starting it). One of this
+// node's that no start holds is settled meanwhile (settle.go), rather than waited for in vain; one
+// hosted by a node declared lost is not waited for (no start can come until it is back).
 func (m *Manager) waitSettled(ctx context.Context, org string, rec store.Record) (store.Record, error) {
 	for delay := time.Millisecond; rec.Status == protocol.StatusProvisioning; delay = min(delay*2, 50*time.Millisecond) {
+		if rec.Node != m.cfg.Node && !rec.NodeLostAt.IsZero() {
+			return rec, protocol.Errorf(protocol.CodeUnavailable,
+				"sandbox %s is being started by broker %s, which was declared lost (silent for longer than --node-lost-after): it stays provisioning until that broker is back; retry then, or delete it",
+				rec.Name, rec.Node)
+		}
 		select {
 		case <-ctx.Done():
 			return rec, ctx.Err()
@@ -460,7 +481,7 @@ func (m *Manager) waitSettled(ctx context.Context, org string, rec store.Record)
 		if err != nil {
 			return rec, m.mapStoreErr(err, rec.Name)
 		}
-		rec = got
+		rec, _ = m.settleIfAbandoned(ctx, got)
 	}
 	return rec, nil
 }
@@ -530,14 +551,18 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 
 // Resume starts a stopped sandbox again on the same files; resuming a running one is a no-op.
 func (m *Manager) Resume(ctx context.Context, c Caller, ref string) (store.Record, error) {
-	t := store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
+	t := store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning, Claim: m.newClaim(),
 		Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}
+	defer m.holdStart(t.Claim)()
 	// Sent again while its answer may have been lost (resend.go): the store recognises its own
-	// claim. Given up on, a claim that did land would leave the sandbox provisioning, its start
-	// waited for by every other caller, until this broker's next start.
+	// claim. Given up on, a claim that did land leaves the sandbox provisioning until the
+	// reconcile settles it (settle.go).
 	rec, err := resend(ctx, m.cfg.Log.With("ref", clip(ref), "org", c.Org), "resume", func(ctx context.Context) (store.Record, error) {
 		return m.cfg.Store.Transition(ctx, c.Org, ref, t)
 	})
+	if errors.Is(err, errUnknownOutcome) {
+		m.watchUnsettled(c.Org, ref, false)
+	}
 	var se *store.StateError
 	if errors.As(err, &se) && (se.Status == protocol.StatusRunning || se.Status == protocol.StatusProvisioning) {
 		rec, err = m.Get(ctx, c.Org, ref)
@@ -659,6 +684,7 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 	m.mu.Lock()
 	delete(m.host, rec.ID)
 	m.mu.Unlock()
+	m.unseen(rec.ID)
 	return nil
 }
 

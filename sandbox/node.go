@@ -11,8 +11,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/google/uuid"
-
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
@@ -163,29 +161,14 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 			m.emit(c, rec, protocol.EventDeleted, nil)
 		}
 	case protocol.StatusProvisioning:
-		if !rec.StartedAt.IsZero() {
-			// A resume cut short: its files are whole, so it goes back to stopped, resumable.
-			got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
-				From: []string{protocol.StatusProvisioning}, To: protocol.StatusStopped,
-				Fields: map[string]string{store.FieldStopReason: protocol.StopRuntimeLost}})
-			if err == nil {
-				m.emit(c, got, protocol.EventStopped, func(e *protocol.Event) { e.Reason = protocol.StopRuntimeLost })
-			}
-			return
-		}
-		// A first start cut short: its template setup may not have run.
-		got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
-			From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed,
-			Fields: map[string]string{store.FieldFailure: "the broker restarted while the sandbox was being created; delete it and create it again"}})
-		if err == nil {
-			m.emit(c, got, protocol.EventFailed, func(e *protocol.Event) { e.Reason = protocol.ReasonBrokerRestart })
-		}
+		// A start cut short: a resume goes back to stopped, a first create fails.
+		m.settleCutShort(ctx, rec, "the broker restarted while the sandbox was being created; delete it and create it again", protocol.ReasonBrokerRestart)
 	case protocol.StatusRunning:
 		if !rec.ExpiresAt.IsZero() && m.expireOnRecover(ctx, c, rec) {
 			return
 		}
 		got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
-			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning, Claim: uuid.NewString(),
+			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning, Claim: m.newClaim(),
 			Fields: map[string]string{store.FieldLost: strconv.FormatInt(m.now().UnixMilli(), 10)}})
 		if err != nil {
 			return
@@ -264,7 +247,11 @@ func (m *Manager) keepUID(ctx context.Context, org, id, ws string) {
 	}
 }
 
-// reconcileAll checks every sandbox this node runs against its record.
+// Reconcile runs one reconcile pass now; Run runs one every interval.
+func (m *Manager) Reconcile(ctx context.Context) { m.reconcileAll(ctx) }
+
+// reconcileAll checks every sandbox this node runs against its record, and settles the records its
+// starts cut short left provisioning (settle.go).
 func (m *Manager) reconcileAll(ctx context.Context) {
 	m.mu.Lock()
 	type pair struct{ org, id string }
@@ -276,6 +263,7 @@ func (m *Manager) reconcileAll(ctx context.Context) {
 	for _, p := range all {
 		m.reconcileOne(ctx, p.org, p.id, "")
 	}
+	m.settleUnsettled(ctx)
 	if r, ok := m.cfg.Provider.(provider.Reconciler); ok {
 		m.reconcileRuntimes(ctx, r)
 	}
@@ -321,7 +309,7 @@ func (m *Manager) reconcileRuntimes(ctx context.Context, r provider.Reconciler) 
 
 // reconcileOne makes the local runtime of one sandbox match its record. A provisioning record is
 // started only when another broker asked, for startBy: otherwise it is this node's own create or
-// resume in progress.
+// resume in progress, or one cut short (settleIfAbandoned).
 func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 	rec, err := m.cfg.Store.Get(ctx, org, id)
 	if errors.Is(err, store.ErrNotFound) {
@@ -331,6 +319,9 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 	if err != nil || rec.Node != m.cfg.Node {
 		return
 	}
+	if rec.Status != protocol.StatusProvisioning {
+		m.unseen(id)
+	}
 	switch rec.Status {
 	case protocol.StatusStopped, protocol.StatusFailed:
 		m.stopLocal(ctx, rec)
@@ -338,6 +329,8 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 		m.destroy(ctx, rec)
 	case protocol.StatusProvisioning:
 		if startBy == "" {
+			// This node's own start in progress, or one cut short: settled once none holds it.
+			m.settleIfAbandoned(ctx, rec)
 			return
 		}
 		h := m.hostedFor(id, org)

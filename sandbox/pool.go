@@ -422,9 +422,9 @@ func (p *pool) claim(ctx context.Context, org string, pd *pooled) error {
 
 // hold ends a claimed sandbox whose create's outcome is unknown (Redis lost every answer): its
 // record may exist, naming its id and uid, so the uid (the org's since the claim) and the index
-// entry naming the org stay, as a create's of unknown outcome do, for the next start to settle
-// (recoverPooled: a record found fails as any create cut short, and its delete frees the uid; none
-// found, the rest is removed). Only its processes and files go: nothing of the org's is in them.
+// entry naming the org stay, as a create's of unknown outcome do: a record that landed fails as any
+// create cut short (settle.go while the broker runs, recoverPooled at its next start), and its
+// delete frees the uid; none found, the next start removes the rest. Only its processes and files go: nothing of the org's is in them.
 func (p *pool) hold(ctx context.Context, pd *pooled) {
 	m := p.m
 	pd.h.mu.Lock()

@@ -18,6 +18,7 @@ import (
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
 )
@@ -298,5 +299,22 @@ func TestDataplaneURLFromAnyCaseScheme(t *testing.T) {
 	}
 	if want := "wss://Broker.example:8443/v1/sandboxes/" + res.Sandbox.ID + "/dataplane"; m.Sandbox.DataplaneURL != want {
 		t.Fatalf("dataplane_url %q, want %q", m.Sandbox.DataplaneURL, want)
+	}
+}
+
+// /metrics reports the gvisor bridges' discarded frames (a relay or bridge defect, each logged), so
+// an operator can alert on a count that should stay 0.
+func TestMetricsReportRelayDiscards(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	resp, err := http.Get(b.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	want := fmt.Sprintf("sbx_gvisor_relay_discarded_frames_total %d\n", sandbox.GvisorRelayDiscards())
+	if !strings.Contains(string(raw), want) {
+		t.Errorf("/metrics lacks %q", strings.TrimSpace(want))
 	}
 }

@@ -143,22 +143,24 @@ func (s *Server) dataplane(c echo.Context) error {
 // that says to retry. conn, when not nil, names the sandbox resolved, even on a refusal.
 func (s *Server) authorizeConn(ctx context.Context, cred, ref string, hdr http.Header) (conn *dpConn, release func(), err error) {
 	// Noted before any check of the credential: open compares it once the connection is in the hub.
-	conn = &dpConn{s: s, evictions: s.delegation.Evictions()}
+	conn = &dpConn{s: s, evictions: s.delegation.Evictions(), checkedFrom: s.now(), keyCheckedFrom: s.apiKeys.now()}
 	if store.LooksLikeAPIKey(cred) {
-		p, err := s.ownerKey(ctx, cred)
+		p, readAt, err := s.ownerKeyAt(ctx, cred)
 		if err != nil {
 			return nil, nil, err
 		}
+		conn.keyReadAt = readAt
 		conn.org, conn.keyID, conn.actor = p.Org, p.KeyID, p.Actor()
 		conn.scopes = map[string]bool{protocol.ScopeFSRead: true, protocol.ScopeFSWrite: true, protocol.ScopeExec: true}
 	} else {
 		// Its revocation state comes from Redis at most once per delegation.RecentTTL on this broker
 		// (evicted at once by announced revocations); its signature and expiry are checked here
 		// every time.
-		claims, err := s.delegation.VerifyRecent(ctx, cred)
+		claims, admission, err := s.delegation.VerifyRecentAdmission(ctx, cred)
 		if err != nil {
 			return nil, nil, err
 		}
+		conn.admission = admission
 		// A token is a credential like a key: its upgrades spend its own bucket of the org's rps.
 		if err := s.limitCredential(ctx, claims.Org, "token:"+claims.ID); err != nil {
 			return nil, nil, err

@@ -36,8 +36,14 @@ type dpConn struct {
 	rt     *sandbox.Runtime
 	files  sandbox.Files
 	// evictions is the broker's count of revocations applied (delegation.Service.Evictions) before
-	// the credential's checks began (authorizeConn).
-	evictions uint64
+	// the credential's checks began (authorizeConn), and checkedFrom is when they began.
+	evictions   uint64
+	checkedFrom time.Time
+	// admission is what a delegate's revocation check rested on (the token cache's answer).
+	admission delegation.Admission
+	// keyReadAt is when an owner's key record that admitted it was read, and keyCheckedFrom when
+	// its checks began, both on the API key cache's clock.
+	keyReadAt, keyCheckedFrom time.Time
 
 	conn *websocket.Conn
 	out  chan outFrame
@@ -158,6 +164,12 @@ func (c *dpConn) open(reqID string) (log *slog.Logger, unregister func()) {
 			c.shutdown(protocol.CloseCredentialEnded, code)
 		}
 	}
+	if c.claims != nil && c.admission.ReadAt.Before(c.checkedFrom) {
+		go c.reconfirm()
+	}
+	if c.claims == nil && c.keyReadAt.Before(c.keyCheckedFrom) {
+		go c.reconfirmKey()
+	}
 	go c.watch()
 	return log, unregister
 }
@@ -194,63 +206,6 @@ func (c *dpConn) scopeList() []string {
 		}
 	}
 	return out
-}
-
-// watch closes the connection when the credential expires or the sandbox's processes end (stop,
-// delete, a crash), and re-verifies the credential periodically.
-func (c *dpConn) watch() {
-	var expiry <-chan time.Time
-	if c.claims != nil {
-		t := time.NewTimer(c.claims.ExpiresAt.Time.Sub(c.s.now()))
-		defer t.Stop()
-		expiry = t.C
-	}
-	recheck := time.NewTicker(dpRecheckEvery)
-	defer recheck.Stop()
-	for {
-		select {
-		case <-c.ctx.Done():
-			return
-		case <-expiry:
-			c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenExpired)
-			return
-		case <-c.rt.Done():
-			c.shutdown(protocol.CloseSandboxGone, protocol.CodeNotRunning)
-			return
-		case <-recheck.C:
-			if code := c.recheck(); code != "" {
-				c.shutdown(protocol.CloseCredentialEnded, code)
-				return
-			}
-		}
-	}
-}
-
-// recheck re-verifies the credential against Redis; it answers the code that ends it, or "".
-func (c *dpConn) recheck() string {
-	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
-	defer cancel()
-	if c.claims != nil {
-		var pe *protocol.Error
-		if err := c.s.delegation.CheckRevocation(ctx, c.claims); errors.As(err, &pe) {
-			return pe.Code
-		}
-		return ""
-	}
-	if k, err := c.s.store.APIKeyByID(ctx, c.keyID); errors.Is(err, store.ErrNotFound) || (err == nil && !k.RevokedAt.IsZero()) {
-		return protocol.CodeUnauthenticated
-	}
-	return ""
-}
-
-// revoked is called by the hub for a revocation announced by any broker.
-func (c *dpConn) revoked(r delegation.Revocation) {
-	if c.claims == nil {
-		return
-	}
-	if (r.JTI != "" && r.JTI == c.claims.ID) || (r.Gen > 0 && c.claims.Gen < r.Gen) {
-		c.shutdown(protocol.CloseCredentialEnded, protocol.CodeTokenRevoked)
-	}
 }
 
 // shutdown starts closing the connection once: requests in flight are cancelled and the writer sends

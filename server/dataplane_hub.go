@@ -26,6 +26,8 @@ type hub struct {
 	byOrg, byCred map[string]int
 	closed        bool          // closeAll ran: a connection upgraded later is closed at once
 	idle          chan struct{} // closed when open drops to 0 after closeAll
+	// rechecking: a recheckAll pass runs; recheckAgain: another was asked for meanwhile.
+	rechecking, recheckAgain bool
 }
 
 func newHub() *hub {
@@ -140,6 +142,49 @@ func (h *hub) keyRevoked(keyID string) {
 		}
 	})
 }
+
+// recheckAll re-verifies every connection's credential against Redis now, a few at a time, and ends
+// those that fail (revocations missed while unsubscribed). It returns at once; a pass already
+// running makes it start another once that one ends, not two at once.
+func (h *hub) recheckAll() {
+	h.mu.Lock()
+	h.recheckAgain = h.rechecking
+	start := !h.rechecking
+	h.rechecking = true
+	h.mu.Unlock()
+	if !start {
+		return
+	}
+	go func() {
+		for {
+			var list []*dpConn
+			h.each("", func(c *dpConn) { list = append(list, c) })
+			sem := make(chan struct{}, hubRecheckAtOnce)
+			var wg sync.WaitGroup
+			for _, c := range list {
+				sem <- struct{}{}
+				wg.Add(1)
+				go func() {
+					defer func() { <-sem; wg.Done() }()
+					if code := c.recheck(); code != "" {
+						c.shutdown(protocol.CloseCredentialEnded, code)
+					}
+				}()
+			}
+			wg.Wait()
+			h.mu.Lock()
+			again := h.recheckAgain
+			h.recheckAgain, h.rechecking = false, again
+			h.mu.Unlock()
+			if !again {
+				return
+			}
+		}
+	}()
+}
+
+// hubRecheckAtOnce bounds the Redis reads of a recheckAll pass.
+const hubRecheckAtOnce = 16
 
 // revoked applies an announced revocation to the connections it concerns.
 func (h *hub) revoked(r delegation.Revocation) {

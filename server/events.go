@@ -76,6 +76,22 @@ func (ss *streams) keyRevoked(keyID string) {
 	}
 }
 
+// recheckStreams ends the streams of every key that Redis says is gone or revoked: key revocations
+// announced while this broker was not subscribed were missed (Server.revocationsMissed).
+func (s *Server) recheckStreams() {
+	s.streams.mu.Lock()
+	ids := make([]string, 0, len(s.streams.byKey))
+	for id := range s.streams.byKey {
+		ids = append(ids, id)
+	}
+	s.streams.mu.Unlock()
+	for _, id := range ids {
+		if !s.keyStillValid(s.bgCtx, id) {
+			s.streams.keyRevoked(id)
+		}
+	}
+}
+
 // keyStillValid reads a key's record from Redis (not the cache): false only when it is gone or
 // revoked, so that a Redis error never ends a stream.
 func (s *Server) keyStillValid(ctx context.Context, keyID string) bool {

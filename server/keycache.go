@@ -29,6 +29,7 @@ type cachedKey struct {
 	hash    string
 	key     store.APIKey
 	expires time.Time
+	readAt  time.Time // when the read began (k.now)
 }
 
 func newKeyCache(st *store.Store) *keyCache {
@@ -37,9 +38,16 @@ func newKeyCache(st *store.Store) *keyCache {
 
 // authenticate is store.Authenticate behind the cache.
 func (k *keyCache) authenticate(ctx context.Context, presented string) (store.APIKey, error) {
+	key, _, err := k.authenticateAt(ctx, presented)
+	return key, err
+}
+
+// authenticateAt is authenticate, and says when (on k.now) the read that answered began: before
+// the call, the answer came from the cache.
+func (k *keyCache) authenticateAt(ctx context.Context, presented string) (store.APIKey, time.Time, error) {
 	id := store.KeyID(presented)
 	if id == "" {
-		return store.APIKey{}, store.ErrBadKey
+		return store.APIKey{}, time.Time{}, store.ErrBadKey
 	}
 	now := k.now()
 	k.mu.Lock()
@@ -48,29 +56,37 @@ func (k *keyCache) authenticate(ctx context.Context, presented string) (store.AP
 	k.mu.Unlock()
 	if ok && now.Before(c.expires) {
 		if subtle.ConstantTimeCompare([]byte(store.HashKey(presented)), []byte(c.hash)) == 1 {
-			return c.key, nil
+			return c.key, c.readAt, nil
 		}
-		return store.APIKey{}, store.ErrBadKey
+		return store.APIKey{}, time.Time{}, store.ErrBadKey
 	}
 	key, err := k.store.Authenticate(ctx, presented)
 	if err != nil {
-		return key, err
+		return key, now, err
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if k.epoch != epoch {
-		return key, nil // answered as read, but not kept: an eviction came meanwhile
+		return key, now, nil // answered as read, but not kept: an eviction came meanwhile
 	}
 	if len(k.byID) > 100000 {
 		k.byID = map[string]cachedKey{} // bounded: many distinct keys only cost a few extra lookups
 	}
-	k.byID[id] = cachedKey{hash: store.HashKey(presented), key: key, expires: now.Add(keyCacheTTL)}
-	return key, nil
+	k.byID[id] = cachedKey{hash: store.HashKey(presented), key: key, expires: now.Add(keyCacheTTL), readAt: now}
+	return key, now, nil
 }
 
 func (k *keyCache) evict(id string) {
 	k.mu.Lock()
 	k.epoch++
 	delete(k.byID, id)
+	k.mu.Unlock()
+}
+
+// evictAll forgets every key: revocations may have been missed (a pub/sub gap).
+func (k *keyCache) evictAll() {
+	k.mu.Lock()
+	k.epoch++
+	k.byID = map[string]cachedKey{}
 	k.mu.Unlock()
 }

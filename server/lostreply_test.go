@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/store/redistest"
@@ -235,5 +237,213 @@ func TestResumeWhoseAnswersRedisLost(t *testing.T) {
 	}
 	if lossy.Lose.Load() > 0 {
 		t.Fatal("resume: not every answer was lost: the test did not test")
+	}
+}
+
+// A create whose every answer Redis lost, whose record did land, is settled while the broker runs:
+// no start of this broker holds it, so it is marked failed (as the next start would), within a
+// reconcile or at once when a create-or-reuse of its name finds it. Before, the record stayed
+// provisioning until the broker restarted or the owner deleted it, and a create-or-reuse of the
+// name waited out its whole request.
+func TestCreateWhoseAnswersRedisLostIsSettledWhileTheBrokerRuns(t *testing.T) {
+	lossy := &redistest.LoseAnswers{Match: []byte("stuck-create")}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "warm"}); err != nil {
+		t.Fatal(err)
+	}
+	lossy.Lose.Store(1000)
+	_, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "stuck-create"})
+	lossy.Lose.Store(0)
+	if code(err) != protocol.CodeUnavailable {
+		t.Fatalf("a create whose every answer was lost: %v, want unavailable", err)
+	}
+	rec, err := b.Store.Get(ctx, b.Org, "stuck-create")
+	if err != nil || rec.Status != protocol.StatusProvisioning {
+		t.Fatalf("the create ran in Redis: %v %q, want a provisioning record (the test did not test)", err, rec.Status)
+	}
+	// A create-or-reuse of the name answers within a few seconds, not at its deadline.
+	reuseCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err = b.Client.CreateSandbox(reuseCtx, protocol.CreateSandboxRequest{Name: "stuck-create"})
+	if reuseCtx.Err() != nil {
+		t.Fatalf("a create-or-reuse of the abandoned record waited out its request (%s): %v", time.Since(start), err)
+	}
+	if code(err) != protocol.CodeSandboxFailed {
+		t.Errorf("a create-or-reuse of the abandoned record: %v, want sandbox_failed", err)
+	}
+	got, err := b.Store.Get(ctx, b.Org, rec.ID)
+	if err != nil || got.Status != protocol.StatusFailed || got.Failure == "" {
+		t.Fatalf("the abandoned record: %v %q %q, want failed with a reason", err, got.Status, got.Failure)
+	}
+	// Deleting it frees the name for a create that works.
+	if _, err := b.Client.DeleteSandbox(ctx, rec.ID); err != nil {
+		t.Fatal(err)
+	}
+	if again, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "stuck-create"}); err != nil || again.Sandbox.Status != protocol.StatusRunning {
+		t.Fatalf("create again: %v %+v", err, again)
+	}
+}
+
+// A resume whose every answer Redis lost, whose claim did land, is settled by the broker's reconcile
+// with nobody asking: back to stopped (runtime_lost), resumable. Before, it stayed provisioning until
+// the broker restarted, and every resume of it waited for a start nobody would make.
+func TestResumeWhoseAnswersRedisLostIsSettledWhileTheBrokerRuns(t *testing.T) {
+	lossy := &redistest.LoseAnswers{Match: []byte("stopped"), Also: []byte("provisioning")}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "stuck-resume"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.StopSandbox(ctx, "stuck-resume"); err != nil {
+		t.Fatal(err)
+	}
+	lossy.Lose.Store(1000)
+	_, err := b.Client.ResumeSandbox(ctx, "stuck-resume")
+	lossy.Lose.Store(0)
+	if code(err) != protocol.CodeUnavailable {
+		t.Fatalf("a resume whose every answer was lost: %v, want unavailable", err)
+	}
+	if rec, err := b.Store.Get(ctx, b.Org, "stuck-resume"); err != nil || rec.Status != protocol.StatusProvisioning {
+		t.Fatalf("the resume's claim: %v %q, want provisioning (the test did not test)", err, rec.Status)
+	}
+	var rec store.Record
+	wait.Eventually(t, 20*time.Second, func() bool {
+		rec, _ = b.Store.Get(ctx, b.Org, "stuck-resume")
+		return rec.Status != protocol.StatusProvisioning
+	}, "the abandoned resume is settled")
+	if rec.Status != protocol.StatusStopped || rec.StopReason != protocol.StopRuntimeLost {
+		t.Fatalf("the abandoned resume: %s (%s), want stopped (runtime_lost)", rec.Status, rec.StopReason)
+	}
+	if got, err := b.Client.ResumeSandbox(ctx, "stuck-resume"); err != nil || got.Status != protocol.StatusRunning {
+		t.Fatalf("resume again: %v %+v", err, got)
+	}
+}
+
+// A start in flight is never settled under it, however long it takes: the broker's registry of
+// starts holds it. The clock is moved far past the grace while a create's setup runs and a
+// create-or-reuse of its name waits; both must end with the sandbox running.
+func TestASlowStartIsNotSettledUnderIt(t *testing.T) {
+	gate := filepath.Join(t.TempDir(), "go")
+	clock := servertest.NewClock(time.Now())
+	b := servertest.New(t, servertest.Options{Now: clock.Now, Templates: map[string]provider.Template{
+		"default": provider.DefaultTemplate(),
+		"slow":    {Name: "slow", Setup: "while [ ! -e " + gate + " ]; do sleep 0.05; done"},
+	}})
+	ctx := t.Context()
+	created := make(chan error, 1)
+	go func() {
+		got, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "slow", Template: "slow"})
+		if err == nil && got.Sandbox.Status != protocol.StatusRunning {
+			err = fmt.Errorf("the create answered %s", got.Sandbox.Status)
+		}
+		created <- err
+	}()
+	var rec store.Record
+	wait.Eventually(t, 10*time.Second, func() bool {
+		rec, _ = b.Store.Get(ctx, b.Org, "slow")
+		return rec.Status == protocol.StatusProvisioning
+	}, "the slow create is provisioning")
+	reused := make(chan error, 1)
+	go func() {
+		got, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "slow", Template: "slow"})
+		if err == nil && got.Sandbox.Status != protocol.StatusRunning {
+			err = fmt.Errorf("the create-or-reuse answered %s", got.Sandbox.Status)
+		}
+		reused <- err
+	}()
+	// Whatever happens, the setup ends before the broker stops (cleanups run last first).
+	t.Cleanup(func() { os.WriteFile(gate, nil, 0o600) })
+	passes := make(chan struct{})
+	go func() {
+		defer close(passes)
+		b.Manager.Reconcile(ctx) // sees it provisioning
+		clock.Advance(time.Hour)
+		b.Manager.Reconcile(ctx) // an hour later: still in flight
+	}()
+	select {
+	case <-passes:
+	case <-time.After(10 * time.Second):
+		t.Error("a reconcile pass waited for the start in flight")
+	}
+	if got, err := b.Store.Get(ctx, b.Org, rec.ID); err != nil || got.Status != protocol.StatusProvisioning {
+		t.Errorf("the start in flight was settled under it: %v %s", err, got.Status)
+	}
+	if err := os.WriteFile(gate, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-created; err != nil {
+		t.Fatalf("the slow create: %v", err)
+	}
+	if err := <-reused; err != nil {
+		t.Fatalf("the create-or-reuse that waited for it: %v", err)
+	}
+}
+
+// A record left provisioning on a broker declared lost is settled by nobody (only its own broker
+// can tell a start in flight there from one cut short) until that broker is back; meanwhile a
+// create-or-reuse of its name on another broker answers 503 at once, saying why, instead of waiting
+// out its request for a start that cannot come.
+func TestCreateOrReuseOfARecordProvisioningOnALostNodeAnswersAtOnce(t *testing.T) {
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	now := time.Now()
+	rec := store.Record{ID: protocol.NewSandboxID(), Org: b.Org, Name: "on-lost-node", Template: "default", Provider: "dir",
+		Node: "lost-node", Status: protocol.StatusProvisioning, TTL: time.Minute, CreatedAt: now, CreatedBy: "key:test", Heartbeat: now}
+	if _, _, err := b.Store.CreateOrReuse(ctx, rec, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, changed, err := b.Store.MarkNodeLost(ctx, b.Org, rec.ID, "lost-node", true); err != nil || !changed {
+		t.Fatalf("marking the node lost: %v %v", changed, err)
+	}
+	reuseCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err := b.Client.CreateSandbox(reuseCtx, protocol.CreateSandboxRequest{Name: "on-lost-node"})
+	if reuseCtx.Err() != nil {
+		t.Fatalf("a create-or-reuse of a record provisioning on a lost node waited out its request (%s): %v", time.Since(start), err)
+	}
+	if code(err) != protocol.CodeUnavailable {
+		t.Errorf("a create-or-reuse of a record provisioning on a lost node: %v, want unavailable", err)
+	}
+	if got, err := b.Store.Get(ctx, b.Org, rec.ID); err != nil || got.Status != protocol.StatusProvisioning {
+		t.Errorf("the lost node's record was changed: %v %s", err, got.Status)
+	}
+}
+
+// A create-or-reuse that claimed a stopped sandbox to resume it, whose every answer Redis lost, is
+// settled like a resume of this broker's (within a reconcile or two): its claim is the new id it
+// made, which this broker knows as its own. Before, it stayed provisioning until the broker
+// restarted; a claim of unknown origin is given another broker's 30 s wait first.
+func TestCreateOrReuseResumeWhoseAnswersRedisLostIsSettled(t *testing.T) {
+	lossy := &redistest.LoseAnswers{Match: []byte("reuse-lost"), Also: []byte("provisioning")}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "reuse-lost"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.StopSandbox(ctx, "reuse-lost"); err != nil {
+		t.Fatal(err)
+	}
+	lossy.Lose.Store(1000)
+	_, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "reuse-lost"})
+	lossy.Lose.Store(0)
+	if code(err) != protocol.CodeUnavailable {
+		t.Fatalf("a create-or-reuse whose every answer was lost: %v, want unavailable", err)
+	}
+	if rec, err := b.Store.Get(ctx, b.Org, "reuse-lost"); err != nil || rec.Status != protocol.StatusProvisioning {
+		t.Fatalf("the resume's claim: %v %q, want provisioning (the test did not test)", err, rec.Status)
+	}
+	var rec store.Record
+	wait.Eventually(t, 15*time.Second, func() bool {
+		rec, _ = b.Store.Get(ctx, b.Org, "reuse-lost")
+		return rec.Status != protocol.StatusProvisioning
+	}, "the abandoned resume is settled")
+	if rec.Status != protocol.StatusStopped || rec.StopReason != protocol.StopRuntimeLost {
+		t.Fatalf("the abandoned resume: %s (%s), want stopped (runtime_lost)", rec.Status, rec.StopReason)
+	}
+	if got, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "reuse-lost"}); err != nil || got.Sandbox.Status != protocol.StatusRunning {
+		t.Fatalf("create-or-reuse again: %v %+v", err, got)
 	}
 }

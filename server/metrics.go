@@ -14,6 +14,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
 )
 
 // metrics are the broker's Prometheus metrics, on a registry of its own (no global state, so tests can
@@ -64,7 +65,10 @@ func newMetrics(dpConns func() int, prov ProviderInfo) *metrics {
 	if prov.Fallback != "" {
 		fallback.Set(1)
 	}
-	m.reg.MustRegister(m.requests, m.latency, conns, info, levels, limits, fallback, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	discards := prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "sbx_gvisor_relay_discarded_frames_total",
+		Help: "Frames the gvisor sandboxes' stream bridges discarded for a channel not open on their side: 0 unless the relay or the bridge has a defect (the broker log says which sandbox)."},
+		func() float64 { return float64(sandbox.GvisorRelayDiscards()) })
+	m.reg.MustRegister(m.requests, m.latency, conns, discards, info, levels, limits, fallback, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

@@ -154,17 +154,23 @@ func (s *Server) requireOwner(next echo.HandlerFunc) echo.HandlerFunc {
 // ownerKey authenticates an org API key (cred looks like one: store.LooksLikeAPIKey) and returns
 // its owner. The REST routes and the dataplane both authenticate owners here.
 func (s *Server) ownerKey(ctx context.Context, cred string) (Principal, error) {
-	k, err := s.apiKeys.authenticate(ctx, cred)
+	p, _, err := s.ownerKeyAt(ctx, cred)
+	return p, err
+}
+
+// ownerKeyAt is ownerKey, and says when the key's record that answered was read (keyCache's clock).
+func (s *Server) ownerKeyAt(ctx context.Context, cred string) (Principal, time.Time, error) {
+	k, readAt, err := s.apiKeys.authenticateAt(ctx, cred)
 	if errors.Is(err, store.ErrBadKey) {
-		return Principal{}, protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
+		return Principal{}, readAt, protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
 	}
 	if err != nil {
-		return Principal{}, err
+		return Principal{}, readAt, err
 	}
 	if err := s.limitCredential(ctx, k.Org, "key:"+k.ID); err != nil {
-		return Principal{}, err
+		return Principal{}, readAt, err
 	}
-	return Principal{Org: k.Org, KeyID: k.ID}, nil
+	return Principal{Org: k.Org, KeyID: k.ID}, readAt, nil
 }
 
 // loadSandbox resolves the :ref path parameter (an id or a name) in the caller's org.

@@ -290,7 +290,7 @@ func (s *Server) Serve(l net.Listener) error {
 	err := delegation.Subscribe(s.bgCtx, s.store, func(r delegation.Revocation) {
 		s.delegation.Forget(r)
 		s.hub.revoked(r)
-	})
+	}, s.revocationsMissed)
 	if err != nil {
 		return err
 	}
@@ -299,7 +299,7 @@ func (s *Server) Serve(l net.Listener) error {
 		s.delegation.ForgetKey(id)
 		s.hub.keyRevoked(id)
 		s.streams.keyRevoked(id)
-	})
+	}, s.revocationsMissed)
 	if err != nil {
 		s.stopBackground() // ends the revocation subscription started above
 		return err
@@ -309,6 +309,18 @@ func (s *Server) Serve(l net.Listener) error {
 		return nil
 	}
 	return err
+}
+
+// revocationsMissed catches up after a revocation subscription was made again: what was announced
+// while it was down is lost, so every cached credential is read again at its next use and every
+// open connection (MCP sessions' included) and event stream re-checks its credential now rather
+// than at its periodic re-check. Caches first, then connections, as for an announcement.
+func (s *Server) revocationsMissed() {
+	s.log.Warn("the revocation subscription was cut and is back: revocations announced meanwhile were missed; forgetting cached credentials and re-checking every dataplane connection")
+	s.apiKeys.evictAll()
+	s.delegation.ForgetAll()
+	s.hub.recheckAll()
+	go s.recheckStreams()
 }
 
 // Shutdown stops accepting, lets in-flight requests finish until ctx ends, then closes the rest.

@@ -43,15 +43,24 @@ const followHealthCheck = 5 * time.Second
 // order, until ctx ends (the subscription is then closed). It returns once Redis has confirmed the
 // subscription, so no message published after it returns is missed; an error means nothing is
 // followed. A dropped connection is re-established and resubscribed by itself (messages published
-// meanwhile are lost), and the connection's health is checked while idle. fn may block: messages
-// wait meanwhile (a bounded buffer).
+// meanwhile are lost: see FollowWithGaps), and the connection's health is checked while idle. fn
+// may block: messages wait meanwhile (a bounded buffer).
 func (s *Store) Follow(ctx context.Context, channel string, fn func(payload string)) error {
+	return s.FollowWithGaps(ctx, channel, fn, nil)
+}
+
+// FollowWithGaps is Follow, and calls gap (when not nil), on fn's goroutine, each time the
+// subscription is confirmed again after a drop: what was published between the drop and then is
+// lost, and every message after it is delivered, so a follower that catches up from Redis' state in
+// gap misses nothing.
+func (s *Store) FollowWithGaps(ctx context.Context, channel string, fn func(payload string), gap func()) error {
 	sub := s.rdb.Subscribe(ctx, channel)
 	if _, err := sub.Receive(ctx); err != nil {
 		sub.Close()
 		return fmt.Errorf("store: subscribe to %s: %w", channel, err)
 	}
-	ch := sub.Channel(redis.WithChannelHealthCheckInterval(followHealthCheck))
+	// The first confirmation was read above: any later one is a resubscription.
+	ch := sub.ChannelWithSubscriptions(redis.WithChannelHealthCheckInterval(followHealthCheck))
 	go func() {
 		defer sub.Close()
 		for {
@@ -62,7 +71,14 @@ func (s *Store) Follow(ctx context.Context, channel string, fn func(payload stri
 				if !ok {
 					return
 				}
-				fn(msg.Payload)
+				switch m := msg.(type) {
+				case *redis.Message:
+					fn(m.Payload)
+				case *redis.Subscription:
+					if m.Kind == "subscribe" && gap != nil {
+						gap()
+					}
+				}
 			}
 		}
 	}()

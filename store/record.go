@@ -64,6 +64,10 @@ type Record struct {
 	// Placement is where a provider that places sandboxes elsewhere last started it (JSON of
 	// protocol.Placement; "" for the host's own providers).
 	Placement string
+	// Claim names the last move into provisioning that claimed the record (Transition.Claim, or the
+	// new id of a create-or-reuse that resumed it); "" for a record never resumed. Read only: a
+	// create never writes it.
+	Claim string
 }
 
 // Hash field names. Lua scripts spell the same names.
@@ -71,7 +75,7 @@ const (
 	fID, fOrg, fName, fTemplate, fProvider, fNode, fStatus = "id", "org", "name", "template", "provider", "node", "status"
 	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
 	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
-	fStarted, fUID, fNodeLost, fPlacement                  = "started", "uid", "node_lost", "placement"
+	fStarted, fUID, fNodeLost, fPlacement, fClaim          = "started", "uid", "node_lost", "placement", "claim"
 )
 
 // fields flattens a new record into HSET arguments.
@@ -115,6 +119,7 @@ func recordFromMap(m map[string]string) (Record, error) {
 		NodeLostAt: fromMS(m[fNodeLost]),
 		UID:        int(atoi(m[fUID])),
 		Placement:  m[fPlacement],
+		Claim:      m[fClaim],
 	}
 	if t := m[fTags]; t != "" && t != "null" {
 		if err := json.Unmarshal([]byte(t), &r.Tags); err != nil {

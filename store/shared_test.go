@@ -203,6 +203,36 @@ func testFollow(t *testing.T, s *store.Store, clk *clock) {
 			return c.PubSubNumSub(t.Context(), "sbx:test:follow:end").Val()["sbx:test:follow:end"] == 0
 		}, "the subscription ends with its context")
 	}
+	// A subscription cut and made again calls gap, in order with the messages: one published after
+	// gap arrives (one Redis to cut its subscribers on).
+	if c, ok := store.Raw(s).(*redis.Client); ok {
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		got, gaps := make(chan string, 4), make(chan struct{}, 4)
+		channel := "sbx:test:follow:gap"
+		if err := s.FollowWithGaps(ctx, channel, func(p string) { got <- p }, func() { gaps <- struct{}{} }); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Do(ctx, "CLIENT", "KILL", "TYPE", "pubsub").Err(); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-gaps:
+		case <-time.After(10 * time.Second):
+			t.Fatal("no gap within 10 s of the subscription's cut")
+		}
+		if err := s.Publish(ctx, channel, "after"); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case p := <-got:
+			if p != "after" {
+				t.Fatalf("got %q after the gap, want after", p)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a message published after the gap did not arrive")
+		}
+	}
 	// A Follow that cannot subscribe says so.
 	dead, cancel := context.WithCancel(t.Context())
 	cancel()

@@ -106,6 +106,10 @@ var relayMaxChannels = 512
 // open there. It stays 0 unless the relay or the bridge has a defect (each is logged too).
 var relayDiscards atomic.Int64
 
+// GvisorRelayDiscards is how many frames the gvisor bridges of this process discarded for a channel
+// not open on their side (relayDiscards): 0 unless the relay or the bridge has a defect.
+func GvisorRelayDiscards() int64 { return relayDiscards.Load() }
+
 // startRelay wires cmd (runsc run) so that its container's stdin and stdout are the bridge's stream,
 // and serves ctl (the init's end of the instance's control socket, which it takes). after closes
 // the child's ends once cmd has started. log carries the sandbox's id.

@@ -282,6 +282,14 @@ func (s *Server) serve(c *conn, req Request) bool {
 		}
 		s.exec(c, a)
 		return false
+	case OpTTY:
+		var a ExecArgs
+		if err := json.Unmarshal(req.Args, &a); err != nil {
+			c.result(nil, &Error{Kind: KindArgs, Message: "bad arguments: " + err.Error()})
+			return false
+		}
+		s.execTTY(c, a)
+		return false
 	case OpCreate:
 		var a CreateArgs
 		if json.Unmarshal(req.Args, &a) == nil {
@@ -440,13 +448,9 @@ func (s *Server) exec(c *conn, a ExecArgs) {
 		c.result(nil, &Error{Kind: KindArgs, Message: "no command"})
 		return
 	}
-	// The sandbox path /workspace is the served workspace directory (the same in a pod).
-	dir := cmpOr(a.Dir, workspace.Root)
-	if dir == workspace.Root || strings.HasPrefix(dir, workspace.Root+"/") {
-		dir = filepath.Join(s.cfg.Workspace, strings.TrimPrefix(dir, workspace.Root))
-	}
-	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
-		c.result(nil, &Error{Kind: KindCwd, Message: fmt.Sprintf("cwd %s: not a directory in the sandbox", dir)})
+	dir, derr := s.commandDir(a.Dir)
+	if derr != nil {
+		c.result(nil, derr)
 		return
 	}
 	env := mergeEnv(s.cfg.Env, a.Env)
@@ -659,6 +663,19 @@ func (s *Server) exec(c *conn, a ExecArgs) {
 	res.Reason = reason
 	mu.Unlock()
 	c.result(res, nil)
+}
+
+// commandDir is a command's working directory: the sandbox path /workspace is the served
+// workspace directory (the same in a pod).
+func (s *Server) commandDir(d string) (string, *Error) {
+	dir := cmpOr(d, workspace.Root)
+	if dir == workspace.Root || strings.HasPrefix(dir, workspace.Root+"/") {
+		dir = filepath.Join(s.cfg.Workspace, strings.TrimPrefix(dir, workspace.Root))
+	}
+	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		return "", &Error{Kind: KindCwd, Message: fmt.Sprintf("cwd %s: not a directory in the sandbox", dir)}
+	}
+	return dir, nil
 }
 
 func cmpOr(a, b string) string {

@@ -15,7 +15,8 @@
 //     FrameRequest holding JSON {op, args}; the agent answers with a FrameResult holding JSON
 //     {result} or {error}. Unary operations (stat, ls, read, write, ...) may follow one another on
 //     the same connection; exec and the streamed ones (create, open, extract, archive) use a
-//     connection of their own, closed afterwards, and exchange data frames in between.
+//     connection of their own, closed afterwards, and exchange data frames in between. A command
+//     on a terminal (OpTTY) takes keystrokes within a window the agent credits back (TTYWindow).
 //
 // Nothing here encrypts: the pod network is trusted for confidentiality (a NetworkPolicy admits
 // only the broker to the agent's port; see docs/operations.md).
@@ -49,7 +50,15 @@ const (
 	FrameData     = 'D' // either way: a streamed file's or tar's bytes
 	FrameEnd      = 'd' // broker → agent: end of the streamed bytes (commit)
 	FrameAbort    = 'A' // broker → agent: abandon the upload
+	FrameResize   = 'W' // broker → agent: a terminal's new window (4 bytes: rows, cols, big-endian)
+	FrameCredit   = 'C' // agent → broker: a terminal took this many input bytes (4 bytes, big-endian)
 )
+
+// TTYWindow bounds the keystrokes in flight to a terminal (OpTTY): the broker sends FrameStdin
+// only within it, and the agent gives it back (FrameCredit) as the terminal takes them. So the
+// agent never stops reading the connection (a kill, a resize or a cut is always seen, even while
+// the program reads no input), and what it holds for a program that does not read stays bounded.
+const TTYWindow = 64 << 10
 
 // MaxFrame bounds one frame's payload.
 const MaxFrame = 1 << 20
@@ -61,6 +70,7 @@ const ChallengeSize = 32
 const (
 	OpEnv     = "env"
 	OpExec    = "exec"
+	OpTTY     = "tty" // exec on a terminal (ExecArgs with Rows, Cols)
 	OpStat    = "stat"
 	OpList    = "ls"
 	OpRead    = "read"
@@ -147,6 +157,9 @@ type ExecArgs struct {
 	MaxOutput  int64 `json:"max_output,omitempty"`
 	TimeoutMs  int64 `json:"timeout_ms,omitempty"`
 	Background bool  `json:"background,omitempty"`
+	// Rows and Cols are a terminal's window (OpTTY only).
+	Rows uint16 `json:"rows,omitempty"`
+	Cols uint16 `json:"cols,omitempty"`
 }
 
 // ExecResult is how a command ended.

@@ -6,6 +6,8 @@
 //
 // The wire, over one TCP connection:
 //
+//  0. TLS 1.3 with the sandbox's own certificate, which the broker pins (tls.go); everything below
+//     runs inside it.
 //  1. The agent sends a 32-byte random challenge; the broker answers it (Answer: an HMAC-SHA256
 //     keyed by the secret) and sends a 32-byte challenge of its own, which the agent answers
 //     (Proof) once the broker's answer holds. A wrong answer on either side closes the connection:
@@ -18,8 +20,9 @@
 //     connection of their own, closed afterwards, and exchange data frames in between. A command
 //     on a terminal (OpTTY) takes keystrokes within a window the agent credits back (TTYWindow).
 //
-// Nothing here encrypts: the pod network is trusted for confidentiality (a NetworkPolicy admits
-// only the broker to the agent's port; see docs/operations.md).
+// TLS keeps the traffic from other pods (it is neither readable nor changeable on the pod network),
+// the pin keeps the broker from an impostor at the pod's address, and the secret keeps the agent
+// from anyone but the broker (see tls.go and docs/operations.md).
 package agent
 
 import (

@@ -2,6 +2,7 @@ package kube
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"strconv"
@@ -44,9 +45,9 @@ const (
 	endDeleted = "the sandbox's pod was deleted"
 )
 
-func newInstance(p *Provider, spec provider.Spec, pod *corev1.Pod, secret []byte) *instance {
+func newInstance(p *Provider, spec provider.Spec, pod *corev1.Pod, secret []byte, pin *tls.Config) *instance {
 	in := &instance{p: p, spec: spec, name: pod.Name, uid: string(pod.UID), node: pod.Spec.NodeName, ip: pod.Status.PodIP, done: make(chan struct{})}
-	in.client = &agentClient{addr: net.JoinHostPort(in.ip, strconv.Itoa(agent.Port)), secret: secret, gone: in.goneErr}
+	in.client = &agentClient{addr: net.JoinHostPort(in.ip, strconv.Itoa(agent.Port)), secret: secret, tls: pin, gone: in.goneErr}
 	ctx, cancel := context.WithCancel(context.Background())
 	in.cancel = cancel
 	go in.watchPod(ctx, pod.ResourceVersion)

@@ -288,7 +288,7 @@ func TestAgentTerminalHostile(t *testing.T) {
 	// A connection cut mid-session: the agent ends the session.
 	px := newCutProxy(t, in.client.addr)
 	cut := &instance{name: "cut", done: make(chan struct{})}
-	cut.client = &agentClient{addr: px.addr(), secret: in.client.secret, gone: cut.goneErr}
+	cut.client = &agentClient{addr: px.addr(), secret: in.client.secret, tls: in.client.tls, gone: cut.goneErr}
 	out = &screen{}
 	_, done = onTerminal(t, ctx, cut, []string{"bash", "-ic", "set -m; sleep 1000 & echo pid=$! ready; wait"}, nil, out)
 	job := pidOn(t, out)

@@ -9,7 +9,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -129,7 +128,7 @@ func kubeProvider(ctx context.Context, c *config, node string, log *slog.Logger)
 	if err != nil {
 		return nil, provider.Report{}, err
 	}
-	cs, err := kubernetes.NewForConfig(cfg)
+	cs, err := kube.NewClient(cfg)
 	if err != nil {
 		return nil, provider.Report{}, err
 	}

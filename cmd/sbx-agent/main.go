@@ -4,8 +4,11 @@
 // secret (see sandbox/provider/agent). Build it static (CGO_ENABLED=0) and put it in the sandbox
 // image; it is apart from cmd/sbx-init, which must stay a leaf without a network stack.
 //
-// Environment: SBX_AGENT_SECRET_FILE (default /run/sbx/secret), SBX_AGENT_ADDR (default :7450),
-// SBX_AGENT_WORKSPACE (default /workspace).
+// It speaks only TLS 1.3, with the sandbox's certificate and key, and refuses to start without them.
+//
+// Environment: SBX_AGENT_SECRET_FILE (default /run/sbx/secret), SBX_AGENT_TLS_CERT and
+// SBX_AGENT_TLS_KEY (default tls.crt and tls.key beside the secret), SBX_AGENT_ADDR (default
+// :7450), SBX_AGENT_WORKSPACE (default /workspace).
 package main
 
 import "github.com/sbxbroker/broker/sandbox/provider/agent"

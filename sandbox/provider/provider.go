@@ -113,9 +113,13 @@ type TTY struct {
 type WindowSize struct{ Rows, Cols uint16 }
 
 // SupportsTTY reports whether inst runs commands on a terminal (ExecRequest.TTY).
+// A provider outside this package says so with a SupportsTTY method (the kubernetes provider's pods).
 func SupportsTTY(inst Instance) bool {
-	_, ok := inst.(interface{ runsTTY() })
-	return ok
+	if _, ok := inst.(interface{ runsTTY() }); ok {
+		return true
+	}
+	s, ok := inst.(interface{ SupportsTTY() bool })
+	return ok && s.SupportsTTY()
 }
 
 // ExecResult is how a command ended.

@@ -177,7 +177,7 @@ func TestDeployManifests(t *testing.T) {
 	// uses and no more.
 	for check, want := range map[string]string{
 		"create pods": "yes", "patch networkpolicies.networking.k8s.io": "yes", "watch persistentvolumeclaims": "yes",
-		"list secrets": "no", "get nodes": "no", "create pods --subresource=exec": "no", "update pods": "no",
+		"update secrets": "yes", "list secrets": "no", "get nodes": "no", "create pods --subresource=exec": "no", "update pods": "no",
 	} {
 		out, _ := kubectl(append([]string{"-n", ns, "auth", "can-i", "--as=system:serviceaccount:" + ns + ":sbx-broker"}, strings.Fields(check)...)...)
 		lines := strings.Split(strings.TrimSpace(out), "\n") // the answer is the last line, after any warning

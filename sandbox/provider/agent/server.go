@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/hmac"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -31,6 +32,9 @@ type Config struct {
 	Workspace string
 	// Env is the environment commands start from (the snapshot the broker reads with OpEnv).
 	Env []string
+	// Cert and Key are the sandbox's TLS certificate and key, PEM (tls.go): the agent speaks
+	// only TLS 1.3 with them, never in clear.
+	Cert, Key []byte
 }
 
 // MaxPendingHandshakes bounds the connections that have not yet proved the secret. Past it the
@@ -46,6 +50,7 @@ const handshakeTimeout = 5 * time.Second
 type Server struct {
 	cfg Config
 	ws  *workspace.Workspace
+	tls *tls.Config
 
 	mu      sync.Mutex
 	pending []net.Conn // oldest first; each removed when its handshake ends
@@ -56,11 +61,18 @@ func NewServer(cfg Config) (*Server, error) {
 	if len(cfg.Secret) < 16 {
 		return nil, errors.New("agent: the secret must be at least 16 bytes")
 	}
+	if len(cfg.Cert) == 0 || len(cfg.Key) == 0 {
+		return nil, errors.New("agent: no TLS certificate and key: the agent does not serve in clear (the broker adds them to the sandbox's Secret at its next start)")
+	}
+	tc, err := ServerTLS(cfg.Cert, cfg.Key)
+	if err != nil {
+		return nil, err
+	}
 	ws, err := workspace.Open(cfg.Workspace, workspace.Options{})
 	if err != nil {
 		return nil, err
 	}
-	return &Server{cfg: cfg, ws: ws}, nil
+	return &Server{cfg: cfg, ws: ws, tls: tc}, nil
 }
 
 // Serve accepts connections until ln closes.
@@ -104,7 +116,9 @@ func (s *Server) settled(conn net.Conn) {
 }
 
 // Main is cmd/sbx-agent: it reads the secret from $SBX_AGENT_SECRET_FILE (default
-// /run/sbx/secret), serves /workspace on $SBX_AGENT_ADDR (default :7450) and never returns.
+// /run/sbx/secret) and the TLS certificate and key from tls.crt and tls.key beside it
+// ($SBX_AGENT_TLS_CERT, $SBX_AGENT_TLS_KEY), serves /workspace on $SBX_AGENT_ADDR (default :7450)
+// and never returns.
 func Main() {
 	fail := func(err error) {
 		fmt.Fprintln(os.Stderr, "sbx-agent:", err)
@@ -115,6 +129,9 @@ func Main() {
 	if err != nil {
 		fail(err)
 	}
+	// Missing files are refused by NewServer, saying why: never serve in clear.
+	cert, _ := os.ReadFile(envOr("SBX_AGENT_TLS_CERT", filepath.Join(filepath.Dir(secretFile), CertFile)))
+	key, _ := os.ReadFile(envOr("SBX_AGENT_TLS_KEY", filepath.Join(filepath.Dir(secretFile), KeyFile)))
 	var env []string
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "SBX_AGENT_") {
@@ -124,7 +141,7 @@ func Main() {
 	if envValue(env, "HOME") == "" {
 		env = append(env, "HOME=/root")
 	}
-	s, err := NewServer(Config{Secret: []byte(strings.TrimSpace(string(secret))), Workspace: envOr("SBX_AGENT_WORKSPACE", "/workspace"), Env: env})
+	s, err := NewServer(Config{Secret: []byte(strings.TrimSpace(string(secret))), Workspace: envOr("SBX_AGENT_WORKSPACE", "/workspace"), Env: env, Cert: cert, Key: key})
 	if err != nil {
 		fail(err)
 	}
@@ -178,9 +195,10 @@ func (c *conn) result(v any, err error) error {
 	return c.write(FrameResult, b)
 }
 
-func (s *Server) handle(nc net.Conn) {
-	defer nc.Close()
-	if !s.handshake(nc) {
+func (s *Server) handle(raw net.Conn) {
+	defer raw.Close()
+	nc, ok := s.handshake(raw)
+	if !ok {
 		return
 	}
 	c := &conn{Conn: nc, r: bufio.NewReaderSize(nc, 64<<10)}
@@ -202,31 +220,36 @@ func (s *Server) handle(nc net.Conn) {
 	}
 }
 
-// handshake runs the challenges both ways (wire.go); true once the peer proved the secret.
-func (s *Server) handshake(nc net.Conn) bool {
-	defer s.settled(nc)
-	if tc, ok := nc.(*net.TCPConn); ok {
+// handshake runs TLS (tls.go), then the challenges both ways (wire.go), all within
+// handshakeTimeout; it answers the TLS connection once the peer proved the secret.
+func (s *Server) handshake(raw net.Conn) (net.Conn, bool) {
+	defer s.settled(raw)
+	if tc, ok := raw.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
+	}
+	raw.SetDeadline(time.Now().Add(handshakeTimeout))
+	nc := tls.Server(raw, s.tls)
+	if err := nc.Handshake(); err != nil {
+		return nil, false // a peer without TLS 1.3 gets nothing but TLS's alert
 	}
 	challenge := make([]byte, ChallengeSize)
 	rand.Read(challenge)
-	nc.SetDeadline(time.Now().Add(handshakeTimeout))
 	if _, err := nc.Write(challenge); err != nil {
-		return false
+		return nil, false
 	}
 	// The broker's answer, then its own challenge, which this agent answers once the broker's
 	// answer holds (wire.go, Proof).
 	hs := make([]byte, 2*ChallengeSize)
 	if _, err := io.ReadFull(nc, hs); err != nil {
-		return false
+		return nil, false
 	}
 	if !hmac.Equal(hs[:ChallengeSize], Answer(s.cfg.Secret, challenge)) {
-		return false
+		return nil, false
 	}
 	if _, err := nc.Write(Proof(s.cfg.Secret, hs[ChallengeSize:])); err != nil {
-		return false
+		return nil, false
 	}
-	return nc.SetDeadline(time.Time{}) == nil
+	return nc, raw.SetDeadline(time.Time{}) == nil
 }
 
 // serve runs one request; false ends the connection (streamed operations, errors on the wire).
@@ -281,6 +304,14 @@ func (s *Server) serve(c *conn, req Request) bool {
 			return false
 		}
 		s.exec(c, a)
+		return false
+	case OpTTY:
+		var a ExecArgs
+		if err := json.Unmarshal(req.Args, &a); err != nil {
+			c.result(nil, &Error{Kind: KindArgs, Message: "bad arguments: " + err.Error()})
+			return false
+		}
+		s.execTTY(c, a)
 		return false
 	case OpCreate:
 		var a CreateArgs
@@ -440,13 +471,9 @@ func (s *Server) exec(c *conn, a ExecArgs) {
 		c.result(nil, &Error{Kind: KindArgs, Message: "no command"})
 		return
 	}
-	// The sandbox path /workspace is the served workspace directory (the same in a pod).
-	dir := cmpOr(a.Dir, workspace.Root)
-	if dir == workspace.Root || strings.HasPrefix(dir, workspace.Root+"/") {
-		dir = filepath.Join(s.cfg.Workspace, strings.TrimPrefix(dir, workspace.Root))
-	}
-	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
-		c.result(nil, &Error{Kind: KindCwd, Message: fmt.Sprintf("cwd %s: not a directory in the sandbox", dir)})
+	dir, derr := s.commandDir(a.Dir)
+	if derr != nil {
+		c.result(nil, derr)
 		return
 	}
 	env := mergeEnv(s.cfg.Env, a.Env)
@@ -659,6 +686,19 @@ func (s *Server) exec(c *conn, a ExecArgs) {
 	res.Reason = reason
 	mu.Unlock()
 	c.result(res, nil)
+}
+
+// commandDir is a command's working directory: the sandbox path /workspace is the served
+// workspace directory (the same in a pod).
+func (s *Server) commandDir(d string) (string, *Error) {
+	dir := cmpOr(d, workspace.Root)
+	if dir == workspace.Root || strings.HasPrefix(dir, workspace.Root+"/") {
+		dir = filepath.Join(s.cfg.Workspace, strings.TrimPrefix(dir, workspace.Root))
+	}
+	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		return "", &Error{Kind: KindCwd, Message: fmt.Sprintf("cwd %s: not a directory in the sandbox", dir)}
+	}
+	return dir, nil
 }
 
 func cmpOr(a, b string) string {

@@ -6,6 +6,8 @@
 //
 // The wire, over one TCP connection:
 //
+//  0. TLS 1.3 with the sandbox's own certificate, which the broker pins (tls.go); everything below
+//     runs inside it.
 //  1. The agent sends a 32-byte random challenge; the broker answers it (Answer: an HMAC-SHA256
 //     keyed by the secret) and sends a 32-byte challenge of its own, which the agent answers
 //     (Proof) once the broker's answer holds. A wrong answer on either side closes the connection:
@@ -15,10 +17,12 @@
 //     FrameRequest holding JSON {op, args}; the agent answers with a FrameResult holding JSON
 //     {result} or {error}. Unary operations (stat, ls, read, write, ...) may follow one another on
 //     the same connection; exec and the streamed ones (create, open, extract, archive) use a
-//     connection of their own, closed afterwards, and exchange data frames in between.
+//     connection of their own, closed afterwards, and exchange data frames in between. A command
+//     on a terminal (OpTTY) takes keystrokes within a window the agent credits back (TTYWindow).
 //
-// Nothing here encrypts: the pod network is trusted for confidentiality (a NetworkPolicy admits
-// only the broker to the agent's port; see docs/operations.md).
+// TLS keeps the traffic from other pods (it is neither readable nor changeable on the pod network),
+// the pin keeps the broker from an impostor at the pod's address, and the secret keeps the agent
+// from anyone but the broker (see tls.go and docs/operations.md).
 package agent
 
 import (
@@ -49,7 +53,15 @@ const (
 	FrameData     = 'D' // either way: a streamed file's or tar's bytes
 	FrameEnd      = 'd' // broker → agent: end of the streamed bytes (commit)
 	FrameAbort    = 'A' // broker → agent: abandon the upload
+	FrameResize   = 'W' // broker → agent: a terminal's new window (4 bytes: rows, cols, big-endian)
+	FrameCredit   = 'C' // agent → broker: a terminal took this many input bytes (4 bytes, big-endian)
 )
+
+// TTYWindow bounds the keystrokes in flight to a terminal (OpTTY): the broker sends FrameStdin
+// only within it, and the agent gives it back (FrameCredit) as the terminal takes them. So the
+// agent never stops reading the connection (a kill, a resize or a cut is always seen, even while
+// the program reads no input), and what it holds for a program that does not read stays bounded.
+const TTYWindow = 64 << 10
 
 // MaxFrame bounds one frame's payload.
 const MaxFrame = 1 << 20
@@ -61,6 +73,7 @@ const ChallengeSize = 32
 const (
 	OpEnv     = "env"
 	OpExec    = "exec"
+	OpTTY     = "tty" // exec on a terminal (ExecArgs with Rows, Cols)
 	OpStat    = "stat"
 	OpList    = "ls"
 	OpRead    = "read"
@@ -147,6 +160,9 @@ type ExecArgs struct {
 	MaxOutput  int64 `json:"max_output,omitempty"`
 	TimeoutMs  int64 `json:"timeout_ms,omitempty"`
 	Background bool  `json:"background,omitempty"`
+	// Rows and Cols are a terminal's window (OpTTY only).
+	Rows uint16 `json:"rows,omitempty"`
+	Cols uint16 `json:"cols,omitempty"`
 }
 
 // ExecResult is how a command ended.

@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"net"
@@ -19,14 +20,28 @@ import (
 	"github.com/sbxbroker/broker/sandbox/provider/agent"
 )
 
+// testCredentials is a sandbox's TLS certificate and key (PEM) and the broker's TLS pinning it.
+func testCredentials(t *testing.T) (cert, key []byte, pin *tls.Config) {
+	t.Helper()
+	cert, key, err := agent.NewCredentials()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pin, err = agent.ClientTLS(cert); err != nil {
+		t.Fatal(err)
+	}
+	return cert, key, pin
+}
+
 // agentInstance serves a temporary workspace with the real agent on loopback and returns an
 // instance reaching it as the provider reaches a pod's (no cluster: the pod network is replaced by
 // loopback, nothing else).
 func agentInstance(t *testing.T, secret string) (*instance, string) {
 	t.Helper()
 	dir := t.TempDir()
+	cert, key, pin := testCredentials(t)
 	srv, err := agent.NewServer(agent.Config{Secret: []byte("the-pods-secret-0123456789"), Workspace: dir,
-		Env: []string{"PATH=/usr/bin:/bin", "FROM=agent"}})
+		Env: []string{"PATH=/usr/bin:/bin", "FROM=agent"}, Cert: cert, Key: key})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,7 +52,7 @@ func agentInstance(t *testing.T, secret string) (*instance, string) {
 	t.Cleanup(func() { ln.Close() })
 	go srv.Serve(ln)
 	in := &instance{name: "test", done: make(chan struct{})}
-	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte(secret), gone: in.goneErr}
+	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte(secret), tls: pin, gone: in.goneErr}
 	t.Cleanup(in.client.close)
 	return in, dir
 }
@@ -214,8 +229,17 @@ func TestAgentClientRefusesAnImpostor(t *testing.T) {
 			}()
 		}
 	}()
+	// It holds no key for the pinned certificate, so it cannot even take TLS: it is given its own,
+	// and the broker pins the sandbox's.
+	cert, key, _ := testCredentials(t)
+	_, _, pin := testCredentials(t)
+	srvTLS, err := agent.ServerTLS(cert, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln = tls.NewListener(ln, srvTLS)
 	in := &instance{name: "test", done: make(chan struct{})}
-	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), gone: in.goneErr}
+	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), tls: pin, gone: in.goneErr}
 	defer in.client.close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -295,8 +319,7 @@ func (l *cutFirst) Accept() (net.Conn, error) {
 		if !cut {
 			return c, nil
 		}
-		c.Write(make([]byte, agent.ChallengeSize))
-		io.ReadFull(c, make([]byte, 2*agent.ChallengeSize))
+		io.ReadAtLeast(c, make([]byte, 512), 1) // the broker's TLS hello, never answered
 		c.Close()
 	}
 }
@@ -304,7 +327,8 @@ func (l *cutFirst) Accept() (net.Conn, error) {
 // TestAgentClientRetriesACutHandshake: a connection the agent closes during the handshake (one of
 // the broker's own, dropped in a burst past the agent's bound) is dialled again, so the exec runs.
 func TestAgentClientRetriesACutHandshake(t *testing.T) {
-	srv, err := agent.NewServer(agent.Config{Secret: []byte("the-pods-secret-0123456789"), Workspace: t.TempDir(), Env: []string{"PATH=/usr/bin:/bin"}})
+	cert, key, pin := testCredentials(t)
+	srv, err := agent.NewServer(agent.Config{Secret: []byte("the-pods-secret-0123456789"), Workspace: t.TempDir(), Env: []string{"PATH=/usr/bin:/bin"}, Cert: cert, Key: key})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -315,11 +339,76 @@ func TestAgentClientRetriesACutHandshake(t *testing.T) {
 	t.Cleanup(func() { ln.Close() })
 	go srv.Serve(&cutFirst{Listener: ln})
 	in := &instance{name: "test", done: make(chan struct{})}
-	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), gone: in.goneErr}
+	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), tls: pin, gone: in.goneErr}
 	t.Cleanup(in.client.close)
 	var out bytes.Buffer
 	res, err := in.Exec(context.Background(), provider.ExecRequest{Command: "echo again", Stdout: &out})
 	if err != nil || res.ExitCode != 0 || out.String() != "again\n" {
 		t.Fatalf("exec after a cut handshake: %v %+v %q", err, res, out.String())
+	}
+}
+
+// TestAgentChannelIsTLS: the agent speaks only TLS 1.3: a peer in clear (the agent protocol's own
+// handshake, as an older broker or another pod would start it) gets no challenge, nothing but
+// TLS's alert, and the connection ends; a broker pinning another certificate refuses the real
+// agent and sends it nothing; an agent in clear (an image older than TLS) is refused by name.
+func TestAgentChannelIsTLS(t *testing.T) {
+	in, dir := agentInstance(t, "the-pods-secret-0123456789")
+	nc, err := net.Dial("tcp", in.client.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc.SetDeadline(time.Now().Add(10 * time.Second))
+	nc.Write(make([]byte, 2*agent.ChallengeSize)) // an answer and a challenge, in clear
+	got, err := io.ReadAll(nc)
+	nc.Close()
+	if err != nil || len(got) >= agent.ChallengeSize || len(got) > 0 && got[0] != 0x15 {
+		t.Fatalf("a peer in clear got %d bytes %x (%v), want at most a TLS alert and the end", len(got), got, err)
+	}
+
+	// The real agent, its sandbox's certificate not the one pinned.
+	_, _, other := testCredentials(t)
+	wrong := &instance{name: "wrong-pin", done: make(chan struct{})}
+	wrong.client = &agentClient{addr: in.client.addr, secret: in.client.secret, tls: other, gone: wrong.goneErr}
+	defer wrong.client.close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err = wrong.Exec(ctx, provider.ExecRequest{Command: "touch /workspace/ran"})
+	if err == nil || !strings.Contains(err.Error(), "did not present the sandbox's agent certificate") {
+		t.Fatalf("a broker pinning another certificate: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "ran")); err == nil {
+		t.Fatal("the agent ran a command for a broker that refused its certificate")
+	}
+
+	// An agent in clear, as sbx-agent was before TLS: it greets with its challenge.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Write(make([]byte, agent.ChallengeSize))
+			go func() { io.Copy(io.Discard, c); c.Close() }()
+		}
+	}()
+	old := &instance{name: "old", done: make(chan struct{})}
+	old.client = &agentClient{addr: ln.Addr().String(), secret: in.client.secret, tls: in.client.tls, gone: old.goneErr}
+	defer old.client.close()
+	if _, err := old.Exec(ctx, provider.ExecRequest{Command: "true"}); err == nil || !strings.Contains(err.Error(), "does not speak TLS") {
+		t.Fatalf("an agent in clear: %v", err)
+	}
+	// And nothing at all without a pin: never in clear.
+	none := &agentClient{addr: in.client.addr, secret: in.client.secret}
+	if _, err := none.dial(ctx); err == nil {
+		t.Fatal("a client without a pinned certificate dialled")
+	}
+	if _, err := agent.NewServer(agent.Config{Secret: []byte("the-pods-secret-0123456789"), Workspace: dir}); err == nil || !strings.Contains(err.Error(), "does not serve in clear") {
+		t.Fatalf("an agent without a certificate: %v", err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/hmac"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -25,6 +26,9 @@ import (
 type agentClient struct {
 	addr   string
 	secret []byte
+	// tls pins the sandbox's agent certificate (agent.ClientTLS); nil is refused at dial, never
+	// clear text.
+	tls *tls.Config
 	// gone says why the pod is no longer there (nil while it runs), to tell a broken connection
 	// from a stopped sandbox.
 	gone func() error
@@ -80,15 +84,23 @@ func (a *agentClient) dial(ctx context.Context) (*agentConn, error) {
 var errHandshakeCut = errors.New("the agent closed the connection during the handshake")
 
 func (a *agentClient) dialOnce(ctx context.Context) (*agentConn, error) {
+	if a.tls == nil {
+		return nil, errors.New("the sandbox's agent has no pinned TLS certificate: the broker does not talk to it in clear")
+	}
 	d := net.Dialer{Timeout: 10 * time.Second}
-	nc, err := d.DialContext(ctx, "tcp", a.addr)
+	raw, err := d.DialContext(ctx, "tcp", a.addr)
 	if err != nil {
 		return nil, a.lost(fmt.Errorf("reaching the sandbox's agent at %s: %w", a.addr, err))
 	}
-	if tc, ok := nc.(*net.TCPConn); ok {
+	if tc, ok := raw.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
-	nc.SetDeadline(time.Now().Add(10 * time.Second))
+	raw.SetDeadline(time.Now().Add(10 * time.Second))
+	nc := tls.Client(raw, a.tls)
+	if err := nc.HandshakeContext(ctx); err != nil {
+		raw.Close()
+		return nil, a.lost(a.tlsErr(err))
+	}
 	challenge := make([]byte, agent.ChallengeSize)
 	if _, err := io.ReadFull(nc, challenge); err != nil {
 		nc.Close()
@@ -109,8 +121,23 @@ func (a *agentClient) dialOnce(ctx context.Context) (*agentConn, error) {
 		nc.Close()
 		return nil, a.lost(fmt.Errorf("what answers at %s did not prove it holds the sandbox's agent secret (a wrong secret, or another pod at the address): nothing was sent to it", a.addr))
 	}
-	nc.SetDeadline(time.Time{})
+	raw.SetDeadline(time.Time{})
 	return &agentConn{Conn: nc, r: bufio.NewReaderSize(nc, 64<<10)}, nil
+}
+
+// tlsErr says why the TLS handshake with what answers at the pod's address failed.
+func (a *agentClient) tlsErr(err error) error {
+	var rh tls.RecordHeaderError
+	switch {
+	case errors.Is(err, agent.ErrNotPinned):
+		return fmt.Errorf("what answers at %s did not present the sandbox's agent certificate (another pod at the address, or a Secret changed behind the broker): nothing was sent to it", a.addr)
+	case errors.As(err, &rh):
+		return fmt.Errorf("what answers at %s does not speak TLS (an sbx-agent older than TLS on the agent channel: rebuild the sandbox image): nothing was sent to it", a.addr)
+	case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
+		// The agent drops the oldest handshakes past its bound (a flood): tried again.
+		return fmt.Errorf("%w at %s", errHandshakeCut, a.addr)
+	}
+	return fmt.Errorf("the TLS handshake with the sandbox's agent at %s: %w", a.addr, err)
 }
 
 // lost is err, or ErrStopped's wrapping when the pod is gone.

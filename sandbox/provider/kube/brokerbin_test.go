@@ -155,10 +155,25 @@ func TestBrokerBinaryOnKubernetes(t *testing.T) {
 		t.Fatal(err)
 	}
 	res, err := r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "echo in $(hostname)", Combined: true}})
-	r.Close()
 	if err != nil || res.ExitCode != 0 || res.Output == nil || *res.Output != "in "+name+"\n" {
 		t.Fatalf("exec: %v %+v", err, res)
 	}
+	// A shell on the pod's terminal, through the binary's dataplane and the agent.
+	screen := &term{}
+	sh, err := r.Shell(ctx, backend.ShellRequest{ShellArgs: protocol.ShellArgs{Rows: 20, Cols: 70}, Output: screen})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Write([]byte("stty size; exit 6\n"))
+	select {
+	case <-sh.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the shell did not end")
+	}
+	if shRes, err := sh.Wait(); err != nil || shRes.ExitCode != 6 || !strings.Contains(screen.String(), "20 70\r\n") {
+		t.Fatalf("shell: %v %+v %q", err, shRes, screen.String())
+	}
+	r.Close()
 	if _, err := cl.DeleteSandbox(ctx, "bin-box"); err != nil {
 		t.Fatal(err)
 	}

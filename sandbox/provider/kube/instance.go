@@ -2,7 +2,7 @@ package kube
 
 import (
 	"context"
-	"encoding/json"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"strconv"
@@ -45,9 +45,9 @@ const (
 	endDeleted = "the sandbox's pod was deleted"
 )
 
-func newInstance(p *Provider, spec provider.Spec, pod *corev1.Pod, secret []byte) *instance {
+func newInstance(p *Provider, spec provider.Spec, pod *corev1.Pod, secret []byte, pin *tls.Config) *instance {
 	in := &instance{p: p, spec: spec, name: pod.Name, uid: string(pod.UID), node: pod.Spec.NodeName, ip: pod.Status.PodIP, done: make(chan struct{})}
-	in.client = &agentClient{addr: net.JoinHostPort(in.ip, strconv.Itoa(agent.Port)), secret: secret, gone: in.goneErr}
+	in.client = &agentClient{addr: net.JoinHostPort(in.ip, strconv.Itoa(agent.Port)), secret: secret, tls: pin, gone: in.goneErr}
 	ctx, cancel := context.WithCancel(context.Background())
 	in.cancel = cancel
 	go in.watchPod(ctx, pod.ResourceVersion)
@@ -258,44 +258,24 @@ func (in *instance) Exec(ctx context.Context, req provider.ExecRequest) (provide
 		Argv: argv, Dir: cwd, Env: env, Stdin: req.Stdin != nil, Stdout: req.Stdout != nil, Stderr: req.Stderr != nil,
 		MaxOutput: req.MaxOutput, TimeoutMs: timeout.Milliseconds(), Background: req.Background,
 	}
+	if req.TTY != nil {
+		return in.execTTY(ctx, req, args)
+	}
 	c, _, err := in.client.stream(ctx, agent.OpExec, args)
 	if err != nil {
 		return provider.ExecResult{}, err
 	}
 	defer c.Close()
 	// A broken connection or a stopped pod ends the wait.
-	stopWatch := context.AfterFunc(ctx, func() { c.write(agent.FrameKill, nil) })
-	defer stopWatch()
 	finished := make(chan struct{})
 	defer close(finished)
-	go func() {
-		select {
-		case <-finished:
-		case <-in.done:
-			c.SetReadDeadline(time.Now())
-		case <-ctx.Done():
-			// The kill frame is on its way; if the agent does not answer, give up after a while.
-			select {
-			case <-finished:
-				return
-			case <-in.done:
-			case <-time.After(5 * time.Second):
-			}
-			c.SetReadDeadline(time.Now())
-		}
-	}()
+	stopGuard := in.guard(ctx, c, finished)
+	defer stopGuard()
 	var stdinDone chan struct{}
-	var res agent.ExecResult
 	for {
 		typ, p, err := c.read()
 		if err != nil {
-			if g := in.goneErr(); g != nil {
-				return provider.ExecResult{}, g
-			}
-			if ctx.Err() != nil {
-				return provider.ExecResult{Reason: provider.ReasonCancelled, ExitCode: 137, Signal: "KILL"}, nil
-			}
-			return provider.ExecResult{}, fmt.Errorf("the connection to the sandbox's agent broke: %w", err)
+			return in.brokenExec(ctx, err)
 		}
 		switch typ {
 		case agent.FrameStarted:
@@ -327,30 +307,14 @@ func (in *instance) Exec(ctx context.Context, req provider.ExecRequest) (provide
 				req.Stdout.Write(p)
 			}
 		case agent.FrameResult:
-			var r agent.Result
-			if err := json.Unmarshal(p, &r); err != nil {
-				return provider.ExecResult{}, err
-			}
-			if r.Error != nil {
-				switch r.Error.Kind {
-				case agent.KindCwd, agent.KindArgs:
-					return provider.ExecResult{}, &provider.InvalidRequestError{Reason: r.Error.Message}
-				}
-				return provider.ExecResult{}, fmt.Errorf("exec: %s", r.Error.Message)
-			}
-			if err := json.Unmarshal(r.Result, &res); err != nil {
-				return provider.ExecResult{}, err
-			}
-			if stdinDone != nil {
+			res, err := execResult(p)
+			if err == nil && stdinDone != nil {
 				select {
 				case <-stdinDone:
 				case <-time.After(time.Second):
 				}
 			}
-			return provider.ExecResult{
-				ExitCode: res.Code, Signal: res.Signal, Reason: res.Reason, Truncated: res.Truncated,
-				Duration: time.Duration(res.DurationUs) * time.Microsecond, Pid: res.Pid,
-			}, nil
+			return res, err
 		}
 	}
 }

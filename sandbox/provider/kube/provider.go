@@ -23,8 +23,6 @@ package kube
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -273,21 +271,12 @@ func (p *Provider) EndRuntime(ctx context.Context, id string) error {
 	return p.deletePod(ctx, PodName(id), 0)
 }
 
-const secretKey = "secret"
-
 // Create makes the sandbox's Secret, claim and NetworkPolicy; existing ones are kept.
 func (p *Provider) Create(ctx context.Context, spec provider.Spec) error {
 	c := p.cfg.Client
 	ns := p.cfg.Namespace
-	secret := make([]byte, 32)
-	rand.Read(secret)
-	_, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{
-		ObjectMeta: p.meta(spec),
-		Type:       corev1.SecretTypeOpaque,
-		Data:       map[string][]byte{secretKey: []byte(hex.EncodeToString(secret))},
-	}, metav1.CreateOptions{})
-	if err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("the sandbox's agent secret: %w", err)
+	if err := p.createSecret(ctx, spec); err != nil {
+		return err
 	}
 	size := spec.Template.Disk
 	if size == 0 {
@@ -367,13 +356,9 @@ func (p *Provider) Start(ctx context.Context, spec provider.Spec) (provider.Inst
 	c := p.cfg.Client
 	ns := p.cfg.Namespace
 	name := PodName(spec.ID)
-	sec, err := c.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
+	sec, secret, pin, upgraded, err := p.agentSecret(ctx, name)
 	if err != nil {
-		return nil, fmt.Errorf("the sandbox's agent secret %s/%s: %w", ns, name, err)
-	}
-	secret := sec.Data[secretKey]
-	if len(secret) < 16 {
-		return nil, fmt.Errorf("the sandbox's agent secret %s/%s holds no usable %q key", ns, name, secretKey)
+		return nil, err
 	}
 	if spec.Org != "" && sec.Annotations[annotationOrg] != spec.Org {
 		// A pooled sandbox whose claim could not name its owner (or a broker that crashed before
@@ -388,6 +373,11 @@ func (p *Provider) Start(ctx context.Context, spec provider.Spec) (provider.Inst
 	}
 	if err := p.waitClaimBound(ctx, name); err != nil {
 		return nil, err
+	}
+	if upgraded { // a pod made before its Secret had a TLS key serves without it
+		if err := p.deletePod(ctx, name, 0); err != nil {
+			return nil, err
+		}
 	}
 	got, err := c.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
@@ -411,7 +401,7 @@ func (p *Provider) Start(ctx context.Context, spec provider.Spec) (provider.Inst
 		}
 		return nil, err
 	}
-	in := newInstance(p, spec, running, secret)
+	in := newInstance(p, spec, running, secret, pin)
 	if err := in.connect(ctx); err != nil {
 		in.Stop(context.WithoutCancel(ctx))
 		return nil, err

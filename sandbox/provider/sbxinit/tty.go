@@ -49,3 +49,7 @@ func ptyPeer(master int) (int, error) {
 	}
 	return unix.Open("/dev/pts/"+strconv.FormatUint(uint64(n), 10), unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
 }
+
+// OpenPTY is openPTY for the network agent (sandbox/provider/agent): in a pod, /dev/ptmx is the
+// container's own devpts, so the terminal belongs to the sandbox as it does here.
+func OpenPTY(rows, cols uint16) (master, slave int, err error) { return openPTY(rows, cols) }

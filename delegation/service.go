@@ -172,14 +172,16 @@ func (s *Service) pruneExpired(ctx context.Context, rec store.Record, all map[st
 	return live
 }
 
-// Revoke denies one token by jti until it would have expired anyway, and tells every broker.
-func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti string) error {
+// Revoke denies one token by jti until it would have expired anyway, and tells every broker. It
+// answers the revocation made (none for a token expired already), for the caller to apply to this
+// broker's own connections at once: the announcement may not reach any broker, this one included.
+func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti string) (Revocation, error) {
 	raw, err := s.store.Token(ctx, rec.Org, rec.ID, jti)
 	if errors.Is(err, store.ErrNotFound) {
-		return protocol.Errorf(protocol.CodeNotFound, "sandbox %s has no unexpired token %q (see sbctl delegations)", rec.Name, clipJTI(jti))
+		return Revocation{}, protocol.Errorf(protocol.CodeNotFound, "sandbox %s has no unexpired token %q (see sbctl delegations)", rec.Name, clipJTI(jti))
 	}
 	if err != nil {
-		return fmt.Errorf("delegation: revoke: %w", err)
+		return Revocation{}, fmt.Errorf("delegation: revoke: %w", err)
 	}
 	// Deny it until it would have expired; if its record is unreadable, for as long as any token lives.
 	ttl := s.issuer.cfg.MaxTTL + s.issuer.cfg.Leeway
@@ -188,30 +190,33 @@ func (s *Service) Revoke(ctx context.Context, rec store.Record, actor, jti strin
 		ttl = time.Unix(m.Exp, 0).Sub(s.now()) + s.issuer.cfg.Leeway
 	}
 	if ttl <= 0 {
-		return nil // already expired: nothing to deny
+		return Revocation{}, nil // already expired: nothing to deny
 	}
 	if err := s.store.DenyToken(ctx, rec.Org, jti, ttl); err != nil {
-		return fmt.Errorf("delegation: revoke: %w", err)
+		return Revocation{}, fmt.Errorf("delegation: revoke: %w", err)
 	}
-	s.announce(ctx, Revocation{Org: rec.Org, SandboxID: rec.ID, JTI: jti})
+	r := Revocation{Org: rec.Org, SandboxID: rec.ID, JTI: jti}
+	s.announce(ctx, r)
 	s.events(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
 		Time: s.now().UTC(), Actor: actor, JTI: jti})
-	return nil
+	return r, nil
 }
 
-// RevokeAll revokes every token of a sandbox by bumping its generation.
-func (s *Service) RevokeAll(ctx context.Context, rec store.Record, actor string) error {
+// RevokeAll revokes every token of a sandbox by bumping its generation. It answers the revocation
+// made, as Revoke does.
+func (s *Service) RevokeAll(ctx context.Context, rec store.Record, actor string) (Revocation, error) {
 	gen, err := s.store.BumpGen(ctx, rec.Org, rec.ID)
 	if errors.Is(err, store.ErrNotFound) {
-		return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", rec.Name)
+		return Revocation{}, protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", rec.Name)
 	}
 	if err != nil {
-		return err
+		return Revocation{}, err
 	}
-	s.announce(ctx, Revocation{Org: rec.Org, SandboxID: rec.ID, Gen: gen})
+	r := Revocation{Org: rec.Org, SandboxID: rec.ID, Gen: gen}
+	s.announce(ctx, r)
 	s.events(rec.Org, protocol.Event{Type: protocol.EventTokenRevoked, SandboxID: rec.ID, Name: rec.Name,
 		Time: s.now().UTC(), Actor: actor, Reason: "all tokens of the sandbox"})
-	return nil
+	return r, nil
 }
 
 // Revocation is announced on store.RevocationsChannel so every broker closes affected connections:
@@ -229,7 +234,7 @@ func (s *Service) announce(ctx context.Context, r Revocation) {
 	s.Forget(r)
 	msg, _ := json.Marshal(r)
 	if err := s.store.Publish(ctx, store.RevocationsChannel, string(msg)); err != nil {
-		s.log.Warn("could not announce a revocation; open connections learn it at their next re-check", "sandbox_id", r.SandboxID, "err", err)
+		s.log.Warn("could not announce a revocation; this broker ended its connections of it, other brokers' learn it at their periodic re-check", "sandbox_id", r.SandboxID, "err", err)
 	}
 }
 

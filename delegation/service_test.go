@@ -81,7 +81,7 @@ func TestRevokeUsesTheBrokerClock(t *testing.T) {
 		t.Fatal(err)
 	}
 	clk.Add(2 * time.Hour) // expired on the broker's clock, not yet on the wall clock
-	if err := svc.Revoke(ctx, rec, "key:k", m.JTI); err != nil {
+	if _, err := svc.Revoke(ctx, rec, "key:k", m.JTI); err != nil {
 		t.Fatal(err)
 	}
 	if denied, _, err := st.TokensRevoked(ctx, rec.Org, []string{m.JTI}, nil); err != nil || denied[m.JTI] {
@@ -102,8 +102,8 @@ func TestRevokeForgetsAtOnce(t *testing.T) {
 	}
 	actor := delegation.KeySubjectPrefix + key.ID
 	for name, revoke := range map[string]func(jti string) error{
-		"one": func(jti string) error { return svc.Revoke(ctx, rec, actor, jti) },
-		"all": func(string) error { return svc.RevokeAll(ctx, rec, actor) },
+		"one": func(jti string) error { _, err := svc.Revoke(ctx, rec, actor, jti); return err },
+		"all": func(string) error { _, err := svc.RevokeAll(ctx, rec, actor); return err },
 	} {
 		if rec, err = st.Get(ctx, rec.Org, rec.ID); err != nil { // the current generation to mint at
 			t.Fatal(err)

@@ -194,12 +194,14 @@ func (m *Manager) settleIfAbandoned(ctx context.Context, rec store.Record) (stor
 // settleCutShort settles a provisioning record whose start was cut short: a resume goes back to
 // stopped (runtime_lost, resumable: its files are whole), a first create is marked failed with why
 // (its template setup may not have run) and an event with reason. It answers the record and whether
-// the change was made.
+// the change was made. Only the move into provisioning rec names (its claim) is settled: a read of
+// the record may be stale by the time the change lands, and a newer start (another resume, once
+// this one was settled by someone else) is not this one's to settle.
 func (m *Manager) settleCutShort(ctx context.Context, rec store.Record, why, reason string) (store.Record, bool) {
 	c := Caller{Org: rec.Org, Actor: "broker"}
 	if !rec.StartedAt.IsZero() {
 		got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
-			From: []string{protocol.StatusProvisioning}, To: protocol.StatusStopped,
+			From: []string{protocol.StatusProvisioning}, To: protocol.StatusStopped, Claim: rec.Claim, IfClaim: true,
 			Fields: map[string]string{store.FieldStopReason: protocol.StopRuntimeLost}})
 		if err != nil {
 			return rec, false
@@ -208,7 +210,7 @@ func (m *Manager) settleCutShort(ctx context.Context, rec store.Record, why, rea
 		return got, true
 	}
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
-		From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed,
+		From: []string{protocol.StatusProvisioning}, To: protocol.StatusFailed, Claim: rec.Claim, IfClaim: true,
 		Fields: map[string]string{store.FieldFailure: why}})
 	if err != nil {
 		return rec, false

@@ -38,18 +38,22 @@ func (s *Server) listDelegations(c echo.Context) error {
 func (s *Server) revokeDelegation(c echo.Context) error {
 	rec := sandboxOf(c)
 	jti := c.Param("jti")
-	if err := s.delegation.Revoke(c.Request().Context(), rec, principal(c).Actor(), jti); err != nil {
+	r, err := s.delegation.Revoke(c.Request().Context(), rec, principal(c).Actor(), jti)
+	if err != nil {
 		return err
 	}
+	s.hub.revoked(r) // at once, whatever becomes of the announcement
 	s.log.Info("delegation revoked", "request_id", requestID(c), "sandbox_id", rec.ID, "jti", jti)
 	return c.JSON(http.StatusOK, protocol.RevokeResponse{SandboxID: rec.ID, JTI: jti})
 }
 
 func (s *Server) revokeAllDelegations(c echo.Context) error {
 	rec := sandboxOf(c)
-	if err := s.delegation.RevokeAll(c.Request().Context(), rec, principal(c).Actor()); err != nil {
+	r, err := s.delegation.RevokeAll(c.Request().Context(), rec, principal(c).Actor())
+	if err != nil {
 		return err
 	}
+	s.hub.revoked(r) // at once, whatever becomes of the announcement
 	s.log.Info("all delegations revoked", "request_id", requestID(c), "sandbox_id", rec.ID)
 	return c.JSON(http.StatusOK, protocol.RevokeResponse{SandboxID: rec.ID, All: true})
 }

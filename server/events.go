@@ -33,6 +33,8 @@ type streams struct {
 	mu     sync.Mutex
 	byKey  map[string]map[chan struct{}]struct{}
 	perKey int
+	// rechecking: a recheckStreams pass runs; recheckAgain: another was asked for meanwhile.
+	rechecking, recheckAgain bool
 }
 
 func newStreams(perKey int) *streams {
@@ -77,17 +79,42 @@ func (ss *streams) keyRevoked(keyID string) {
 }
 
 // recheckStreams ends the streams of every key that Redis says is gone or revoked: key revocations
-// announced while this broker was not subscribed were missed (Server.revocationsMissed).
+// announced while this broker was not subscribed were missed (Server.revocationsMissed). It returns
+// at once; passes run one at a time, a pass asked for while one runs once after it (as
+// hub.recheckAll), so that a storm of resubscriptions while Redis is slow costs at most two passes
+// of reads, not one goroutine and one pass per resubscription.
 func (s *Server) recheckStreams() {
-	s.streams.mu.Lock()
-	ids := make([]string, 0, len(s.streams.byKey))
-	for id := range s.streams.byKey {
-		ids = append(ids, id)
+	ss := s.streams
+	ss.mu.Lock()
+	ss.recheckAgain = ss.rechecking
+	start := !ss.rechecking
+	ss.rechecking = true
+	ss.mu.Unlock()
+	if start {
+		go s.recheckStreamsPasses()
 	}
-	s.streams.mu.Unlock()
-	for _, id := range ids {
-		if !s.keyStillValid(s.bgCtx, id) {
-			s.streams.keyRevoked(id)
+}
+
+func (s *Server) recheckStreamsPasses() {
+	ss := s.streams
+	for {
+		ss.mu.Lock()
+		ids := make([]string, 0, len(ss.byKey))
+		for id := range ss.byKey {
+			ids = append(ids, id)
+		}
+		ss.mu.Unlock()
+		for _, id := range ids {
+			if !s.keyStillValid(s.bgCtx, id) {
+				ss.keyRevoked(id)
+			}
+		}
+		ss.mu.Lock()
+		again := ss.recheckAgain
+		ss.recheckAgain, ss.rechecking = false, again
+		ss.mu.Unlock()
+		if !again {
+			return
 		}
 	}
 }

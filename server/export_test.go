@@ -59,3 +59,6 @@ func AuthorizeThenOpen(s *Server, cred, ref string, between func()) (<-chan stru
 	}()
 	return c.ctx.Done(), nil
 }
+
+// RevocationsMissed runs what a revocation resubscription runs (Server.revocationsMissed).
+func RevocationsMissed(s *Server) { s.revocationsMissed() }

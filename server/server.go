@@ -320,7 +320,7 @@ func (s *Server) revocationsMissed() {
 	s.apiKeys.evictAll()
 	s.delegation.ForgetAll()
 	s.hub.recheckAll()
-	go s.recheckStreams()
+	s.recheckStreams()
 }
 
 // Shutdown stops accepting, lets in-flight requests finish until ctx ends, then closes the rest.

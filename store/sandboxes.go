@@ -297,7 +297,8 @@ func (s *Store) Get(ctx context.Context, org, ref string) (Record, error) {
 // expiring warning for this deadline was claimed, 8 only-if-stopped-by (ms; 0 = unconditional:
 // retention passes its cutoff, so a resume that lands first wins), 9 the broker's default
 // max_running, 10 the caller's claim on a move into provisioning (Transition.Claim; "" = none),
-// 11.. extra field/value pairs.
+// 11 only-if-claimed ("1": the record's claim must be ARGV[10], "" matching one never claimed),
+// 12.. extra field/value pairs.
 // Answers {"ok", HGETALL...} or {"err", code, detail}.
 // Invariant: a sandbox is in deadlines iff it is running with ttl > 0; in stopped iff stopped; in
 // active iff provisioning or running, and entering active (a resume) is refused at max_running. A
@@ -320,6 +321,8 @@ if not allowed then
   end
   return {'err', 'state', status}
 end
+-- A settle decided on a read of the record: it must still be the move into provisioning it read.
+if ARGV[11] == '1' and (redis.call('HGET', key, 'claim') or '') ~= ARGV[10] then return {'err', 'state', status} end
 local now, to, ifexp, warning, ifstop = clock(ARGV[5]), ARGV[4], ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8])
 if ifexp then
   local h = redis.call('HMGET', key, 'expires', 'ttl')
@@ -346,7 +349,7 @@ else
   redis.call('SREM', KEYS[5], id)
 end
 redis.call('HSET', key, 'status', to)
-for i = 11, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+for i = 12, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 if to == 'provisioning' then redis.call('HSET', key, 'claim', ARGV[10]) end
 if to == 'running' then
   lease(key, id, now, tonumber(redis.call('HGET', key, 'ttl')) or 0, KEYS[2], KEYS[4])
@@ -393,6 +396,10 @@ type Transition struct {
 	// call seen again (the client resent it after losing Redis' answer) succeeds instead of finding
 	// the sandbox "already being started" by someone else and waiting for itself.
 	Claim string
+	// IfClaim makes the change conditional on the record's claim being Claim ("" for a record
+	// never claimed): a settle of a start cut short (sandbox/settle.go) read the record, and must
+	// not settle a newer move into provisioning made since.
+	IfClaim bool
 }
 
 // Field names callers may set through Transition.Fields.
@@ -410,7 +417,7 @@ const (
 // name and bumps the token generation, which revokes every delegation token of the sandbox.
 func (s *Store) Transition(ctx context.Context, org, ref string, t Transition) (Record, error) {
 	args := []any{ref, sandboxPrefix(org), strings.Join(t.From, ","), t.To, s.nowArg(), boolArg(t.IfExpired),
-		t.Warning.Milliseconds(), ms(t.IfStoppedBy), s.DefaultLimits().MaxRunning, t.Claim}
+		t.Warning.Milliseconds(), ms(t.IfStoppedBy), s.DefaultLimits().MaxRunning, t.Claim, boolArg(t.IfClaim)}
 	for k, v := range t.Fields {
 		args = append(args, k, v)
 	}

@@ -146,7 +146,9 @@ func (m *Manager) settleIfAbandoned(ctx context.Context, rec store.Record) (stor
 	if rec.Status != protocol.StatusProvisioning || rec.Node != m.cfg.Node {
 		return rec, false
 	}
-	s, key, now := m.settle, startKey(rec), m.now()
+	// cfg.Now, not m.now: m.now's UTC() drops the monotonic reading, and a wall clock stepped
+	// forward must not cut the grace short under another broker's start.
+	s, key, now := m.settle, startKey(rec), m.cfg.Now()
 	s.mu.Lock()
 	held := s.starts[key] > 0
 	first, seen := s.seen[rec.ID]

@@ -37,7 +37,8 @@ func pushCmd(g *globals) *cobra.Command {
 working tree as git status sees it), or with --rev exactly the files of a commit. Symlinks are sent
 as symlinks (never followed, wherever they point). A checked-out submodule's files go too, as you
 see them (its uncommitted edits and untracked files, its own submodules), under its path; one not
-checked out has no files to send; with --rev, submodules are left out (with a warning). sbctl diff
+checked out has no files to send; with --rev, or in a repository without .gitmodules (embedded
+repositories), submodules are left out (with a warning). sbctl diff
 shows the agent's changes inside a submodule like any other, sbctl pull writes them into the
 submodule's working tree (its own repository), and pull --branch refuses them.
 
@@ -125,7 +126,11 @@ func (g *globals) push(ctx context.Context, ref, dir string, opt gitsync.PushOpt
 		return res, stateErr(err)
 	}
 	if len(res.Submodules) > 0 {
-		fmt.Fprintf(g.stderr, "sbctl: warning: %d submodules were not pushed (%s): --rev sends the commit's own files only; push without --rev to send the submodules as they are checked out\n", len(res.Submodules), termSafe(res.Submodules[0]))
+		why := "--rev sends the commit's own files only; push without --rev to send the submodules as they are checked out"
+		if opt.Rev == "" {
+			why = "the repository has no .gitmodules (they are embedded repositories); register them with git submodule add, or copy them with sbctl cp"
+		}
+		fmt.Fprintf(g.stderr, "sbctl: warning: %d submodules were not pushed (%s): %s\n", len(res.Submodules), termSafe(res.Submodules[0]), why)
 	}
 	if f, ok := g.stderr.(*os.File); ok && isTerminal(f) && !g.quiet && g.output == "table" {
 		g.status("pushed in %s\n", time.Since(start).Round(time.Millisecond))

@@ -320,14 +320,24 @@ func (r *Repo) sandboxIndex(ctx context.Context, f *Fetched) (string, error) {
 	return tmp.Name(), nil
 }
 
-// SandboxTree writes the sandbox's tree (base with the changes applied) to the object store.
-func (r *Repo) SandboxTree(ctx context.Context, f *Fetched) (string, error) {
+// SandboxTree writes the sandbox's tree (base with the changes applied) to the object store, with
+// the files under each of links (the submodules a flattened push replaced) put back as the gitlink.
+func (r *Repo) SandboxTree(ctx context.Context, f *Fetched, links ...gitlink) (string, error) {
 	idx, err := r.sandboxIndex(ctx, f)
 	if err != nil {
 		return "", err
 	}
 	defer os.Remove(idx)
-	out, err := r.git(ctx, []string{"GIT_INDEX_FILE=" + idx}, nil, "write-tree")
+	env := []string{"GIT_INDEX_FILE=" + idx}
+	for _, l := range links {
+		if _, err := r.git(ctx, env, nil, "rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", l.Path); err != nil {
+			return "", err
+		}
+		if _, err := r.git(ctx, env, nil, "update-index", "--add", "--cacheinfo", "160000,"+l.Commit+","+l.Path); err != nil {
+			return "", err
+		}
+	}
+	out, err := r.git(ctx, env, nil, "write-tree")
 	return strings.TrimSpace(string(out)), err
 }
 

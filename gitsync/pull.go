@@ -133,7 +133,8 @@ func Pull(ctx context.Context, repo *Repo, f *Fetched, force bool) (PullResult, 
 	if err != nil {
 		return res, err
 	}
-	head, err := repo.treeMap(ctx, repo.Head(ctx))
+	// HEAD as a snapshot has it: a submodule's files as committed in the submodule.
+	head, err := repo.headTree(ctx)
 	if err != nil {
 		return res, err
 	}
@@ -372,7 +373,20 @@ func Branch(ctx context.Context, repo *Repo, f *Fetched, name, sandbox string) (
 	if _, err := repo.git(ctx, nil, nil, "rev-parse", "-q", "--verify", "refs/heads/"+name); err == nil {
 		return "", fmt.Errorf("branch %s exists already; choose another name (or delete it: git branch -D %s)", name, name)
 	}
-	tree, err := repo.SandboxTree(ctx, f)
+	links, err := repo.flattened(ctx, f.Base)
+	if err != nil {
+		return "", err
+	}
+	var inSub []string
+	for _, c := range f.Changes {
+		if l, ok := under(c.Path, links); ok && !slices.Contains(inSub, l.Path) {
+			inSub = append(inSub, l.Path)
+		}
+	}
+	if len(inSub) > 0 {
+		return "", fmt.Errorf("the sandbox changed files inside submodule %s, and a branch of this repository cannot hold them (a commit records a submodule as a commit of its own repository): run sbctl pull %s without --branch, which writes them into the submodule's working tree, then commit them in the submodule", list(inSub), sandbox)
+	}
+	tree, err := repo.SandboxTree(ctx, f, links...)
 	if err != nil {
 		return "", err
 	}

@@ -48,7 +48,7 @@ type PushResult struct {
 	Deleted   int    `json:"deleted"`
 	Unchanged int    `json:"unchanged"`
 	Bytes     int64  `json:"bytes"`
-	// Submodules were left out: a push cannot send them.
+	// Submodules were left out: those of a --rev commit (a working tree's are sent, flattened).
 	Submodules []string `json:"submodules,omitempty"`
 }
 

@@ -182,6 +182,13 @@ func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 	if err != nil {
 		return Snapshot{}, err
 	}
+	var links []gitlink
+	if hasSubmodules(r.Top) {
+		// Their files go too, as the person sees them (submodule.go).
+		if links, err = r.flatten(ctx, env, r.Top); err != nil {
+			return Snapshot{}, err
+		}
+	}
 	out, err := r.git(ctx, env, nil, "write-tree")
 	if err != nil {
 		return Snapshot{}, err
@@ -202,7 +209,7 @@ func (r *Repo) Snap(ctx context.Context, rev, prev string) (Snapshot, error) {
 			return Snapshot{Commit: f[0], Tree: tree, Synthetic: true}, nil
 		}
 	}
-	args := []string{"commit-tree", tree, "-m", "sbctl push: the working tree at " + time.Now().UTC().Format(time.RFC3339)}
+	args := []string{"commit-tree", tree, "-m", "sbctl push: the working tree at " + time.Now().UTC().Format(time.RFC3339) + "\n" + trailer(links)}
 	if head != "" {
 		args = append(args, "-p", head)
 	}
@@ -219,7 +226,8 @@ type TreeEntry struct {
 }
 
 // Tree lists the files and symlinks of a tree (or commit) recursively, sorted by path. Submodules
-// are returned apart: a push cannot send their contents.
+// (gitlinks) are returned apart: a working tree's snapshot has none left (Snap flattens them), a
+// commit's (push --rev) are left out.
 func (r *Repo) Tree(ctx context.Context, treeish string) (entries []TreeEntry, submodules []string, err error) {
 	out, err := r.git(ctx, nil, nil, "ls-tree", "-r", "-z", "--full-tree", treeish)
 	if err != nil {

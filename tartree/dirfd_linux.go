@@ -30,8 +30,14 @@ func newTree(root *os.Root, opt ExtractOptions) tree {
 	if err != nil {
 		return newRootTree(root, opt)
 	}
-	fd := int(top.Fd())
-	return &fdTree{root: root, top: top, topFd: fd, curName: ".", cur: fd, opt: opt}
+	// The os.File stays referenced (so not finalized) while its descriptor is in use.
+	fd, err := unix.Dup(int(top.Fd()))
+	top.Close()
+	if err != nil {
+		return newRootTree(root, opt)
+	}
+	d := newDirRef(fd)
+	return &fdTree{root: root, top: d, curName: ".", cur: d.hold(), opt: opt}
 }
 
 // fdTree keeps the directory the last entry went into open (cur, named curName relative to the
@@ -44,41 +50,44 @@ func newTree(root *os.Root, opt ExtractOptions) tree {
 // gets the next files in it, where it is now: still inside its own workspace (a rename cannot leave
 // a mount), so nothing it could not write itself. Files are created with O_CREAT|O_EXCL|O_NOFOLLOW
 // and what is in the way is removed first (never a directory), so no link is written through.
-// At most the root's, cur's and one walking descriptor are open at once, whatever the tree.
+// Files of up to maxQueued bytes are written by a few goroutines behind the stream's reading
+// (writers_linux.go), each keeping its directory open until it is written; at most the root's,
+// cur's, one walking descriptor and those of the directories with files in flight are open at once.
 type fdTree struct {
 	root    *os.Root // hard links' targets are resolved through it
-	top     *os.File // the root directory itself; topFd is its descriptor
-	topFd   int
+	top     *dirRef  // the root directory itself
 	curName string
-	cur     int
+	cur     *dirRef
 	opt     ExtractOptions
+	w       writers // the files' writing, behind the reading of the stream (writers_linux.go)
 }
 
 func (t *fdTree) close() {
-	t.setCur(".", t.topFd)
-	t.top.Close()
+	t.w.stop()
+	t.cur.release()
+	t.top.release()
 }
 
-// setCur makes fd, the directory name, the current one, closing the one before.
-func (t *fdTree) setCur(name string, fd int) {
-	if t.cur != t.topFd && t.cur != fd {
-		unix.Close(t.cur)
+// setCur makes d, the directory name, the current one, releasing the one before.
+func (t *fdTree) setCur(name string, d *dirRef) {
+	if t.cur != nil && t.cur != d {
+		t.cur.release()
 	}
-	t.curName, t.cur = name, fd
+	t.curName, t.cur = name, d
 }
 
-// open returns a descriptor of the directory name, making it and its parents where missing
-// (replacing symbolic links in the way), and keeps it as the current directory.
-func (t *fdTree) open(name string) (int, error) {
+// open returns the directory name, making it and its parents where missing (replacing symbolic
+// links in the way), and keeps it as the current directory.
+func (t *fdTree) open(name string) (*dirRef, error) {
 	if name == "." {
-		return t.topFd, nil
+		return t.top, nil
 	}
 	if name == t.curName {
 		return t.cur, nil
 	}
-	base, rest, done := t.topFd, name, "."
+	base, rest, done := t.top.fd, name, "."
 	if t.curName != "." && strings.HasPrefix(name, t.curName+"/") {
-		base, rest, done = t.cur, name[len(t.curName)+1:], t.curName
+		base, rest, done = t.cur.fd, name[len(t.curName)+1:], t.curName
 	}
 	fd := base
 	for rest != "" {
@@ -94,24 +103,34 @@ func (t *fdTree) open(name string) (int, error) {
 			unix.Close(fd)
 		}
 		if err != nil {
-			return -1, err
+			return nil, err
 		}
 		fd = next
 	}
-	t.setCur(name, fd)
-	return fd, nil
+	d := newDirRef(fd)
+	t.setCur(name, d)
+	return d, nil
 }
 
 // step opens the directory c inside dirfd (named name from the root), creating it when missing
 // and replacing a symbolic link there by a new directory. Something else that is not a directory
 // is an ENOTDIR error. The tries are bounded: a sandbox swapping things at c meanwhile gets an error,
-// never a loop.
+// never a loop. Opening an existing directory needs nothing of the files still being written;
+// anything else waits for them first, so that what the archive put at c before is there.
 func (t *fdTree) step(dirfd int, c, name string) (int, error) {
 	const flags = unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC
 	var err error
-	for range 3 {
+	flushed := false
+	for range 4 {
 		var fd int
 		fd, err = openat(dirfd, c, flags, 0)
+		if err != nil && err != unix.EINTR && !flushed {
+			flushed = true
+			if ferr := t.w.flush(); ferr != nil {
+				return -1, ferr
+			}
+			continue
+		}
 		switch err {
 		case nil:
 			return fd, nil
@@ -163,11 +182,28 @@ func (t *fdTree) dir(name string) error {
 	return err
 }
 
-func (t *fdTree) file(ctx context.Context, name string, r io.Reader, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error) {
-	dirfd, err := t.open(path.Dir(name))
+// file hands a file of up to maxQueued bytes to the writers, read into memory; a larger one is
+// written here once they are done (so that it follows whatever came before it).
+func (t *fdTree) file(ctx context.Context, name string, r io.Reader, size int64, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error) {
+	if err := t.w.failed(); err != nil {
+		return 0, err
+	}
+	d, err := t.open(path.Dir(name))
 	if err != nil {
 		return 0, err
 	}
+	if size <= maxQueued {
+		return t.w.queue(ctx, t, d, name, r, size, perm, mtime)
+	}
+	if err := t.w.flush(); err != nil {
+		return 0, err
+	}
+	return t.write(ctx, d.fd, name, r, nil, perm, mtime, buf)
+}
+
+// write creates name in dirfd (its directory) and copies r into it (or writes data, when r is
+// nil), then sets its owner, mode and mtime.
+func (t *fdTree) write(ctx context.Context, dirfd int, name string, r io.Reader, data []byte, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error) {
 	base := path.Base(name)
 	var fd int
 	if err := t.create(dirfd, base, name, func() (err error) {
@@ -176,7 +212,15 @@ func (t *fdTree) file(ctx context.Context, name string, r io.Reader, perm fs.Fil
 	}); err != nil {
 		return 0, err
 	}
-	n, err := copyCtx(ctx, fdWriter(fd), r, buf)
+	var n int64
+	var err error
+	if r != nil {
+		n, err = copyCtx(ctx, fdWriter(fd), r, buf)
+	} else {
+		var k int
+		k, err = fdWriter(fd).Write(data)
+		n = int64(k)
+	}
 	if err == nil && (t.opt.UID > 0 || t.opt.GID > 0) {
 		err = unix.Fchown(fd, owner(t.opt.UID), owner(t.opt.GID))
 	}
@@ -193,11 +237,14 @@ func (t *fdTree) file(ctx context.Context, name string, r io.Reader, perm fs.Fil
 }
 
 func (t *fdTree) symlink(target, name string) error {
-	dirfd, err := t.open(path.Dir(name))
+	d, err := t.open(path.Dir(name))
 	if err != nil {
 		return err
 	}
-	base := path.Base(name)
+	if err := t.w.flush(); err != nil {
+		return err
+	}
+	dirfd, base := d.fd, path.Base(name)
 	if err := t.create(dirfd, base, name, func() error { return unix.Symlinkat(target, dirfd, base) }); err != nil {
 		return err
 	}
@@ -213,6 +260,9 @@ func (t *fdTree) symlink(target, name string) error {
 // without leaving it. Hard links are rare enough for the walk not to matter.
 func (t *fdTree) link(old, name string) error {
 	if _, err := t.open(path.Dir(name)); err != nil {
+		return err
+	}
+	if err := t.w.flush(); err != nil {
 		return err
 	}
 	return create(t.root, name, func() error { return t.root.Link(old, name) })
@@ -286,3 +336,5 @@ func futimens(fd int, t time.Time) error {
 	}
 	return nil
 }
+
+func (t *fdTree) flush() error { return t.w.flush() }

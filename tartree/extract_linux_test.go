@@ -260,3 +260,81 @@ func BenchmarkExtract(b *testing.B) {
 		})
 	}
 }
+
+// TestExtractWritesBehindInOrder: files are written behind the reading of the stream (by a few
+// goroutines, writers_linux.go), and the archive's order still decides: a name given twice ends as
+// its last entry, a directory made after a file of that name fails as it did, a symbolic link and a
+// hard link see the files before them, a file larger than what is held in memory follows the
+// small ones before it, and a file that cannot be written stops the extraction with its name.
+func TestExtractWritesBehindInOrder(t *testing.T) {
+	type ent struct {
+		h    tar.Header
+		body []byte
+	}
+	mk := func(t *testing.T, es ...ent) []byte {
+		var buf bytes.Buffer
+		tw := tar.NewWriter(&buf)
+		for _, e := range es {
+			e.h.Size = int64(len(e.body))
+			if e.h.Mode == 0 {
+				e.h.Mode = 0o644
+			}
+			if err := tw.WriteHeader(&e.h); err != nil {
+				t.Fatal(err)
+			}
+			tw.Write(e.body)
+		}
+		tw.Close()
+		return buf.Bytes()
+	}
+	reg := func(name, body string) ent { return ent{tar.Header{Typeflag: tar.TypeReg, Name: name}, []byte(body)} }
+	big := bytes.Repeat([]byte("B"), 3<<20) // over maxQueued: written by the reading loop
+	bothWays(t, func(t *testing.T) {
+		dst := t.TempDir()
+		var es []ent
+		// Many files in many directories, so that every writer has some, then names again.
+		for d := range 20 {
+			for f := range 20 {
+				es = append(es, reg(fmt.Sprintf("d%02d/f%02d", d, f), fmt.Sprintf("first %d %d", d, f)))
+			}
+		}
+		es = append(es,
+			reg("d00/f00", "second"),
+			ent{tar.Header{Typeflag: tar.TypeLink, Name: "d01/hard", Linkname: "d00/f00"}, nil},
+			ent{tar.Header{Typeflag: tar.TypeSymlink, Name: "d02/f00", Linkname: "f01"}, nil},
+			reg("d03/f00", "small, then big"),
+			ent{tar.Header{Typeflag: tar.TypeReg, Name: "d03/f00"}, big},
+			reg("d04/f00", "then a directory of that name"),
+			ent{tar.Header{Typeflag: tar.TypeDir, Name: "d04/f00/", Mode: 0o755}, nil},
+		)
+		_, err := tartree.Extract(t.Context(), openRoot(t, dst), bytes.NewReader(mk(t, es...)), tartree.ExtractOptions{})
+		if err == nil || !strings.Contains(err.Error(), "d04/f00") {
+			t.Fatalf("a directory over a file: err = %v, want an error naming d04/f00", err)
+		}
+		read := func(p string) string { b, _ := os.ReadFile(filepath.Join(dst, p)); return string(b) }
+		if read("d00/f00") != "second" || read("d19/f19") != "first 19 19" || read("d01/hard") != "second" {
+			t.Fatalf("d00/f00 %q, d19/f19 %q, d01/hard %q", read("d00/f00"), read("d19/f19"), read("d01/hard"))
+		}
+		if l, _ := os.Readlink(filepath.Join(dst, "d02/f00")); l != "f01" {
+			t.Fatalf("d02/f00 -> %q, want the link of the later entry", l)
+		}
+		if read("d03/f00") != string(big) {
+			t.Fatalf("d03/f00 is %d bytes, want the big entry's %d", len(read("d03/f00")), len(big))
+		}
+
+		// A file whose name a directory holds: the error names it, and the extraction stops.
+		dst = t.TempDir()
+		os.MkdirAll(filepath.Join(dst, "a/taken"), 0o755)
+		es = []ent{reg("a/one", "1"), reg("a/taken", "x")}
+		for f := range 100 {
+			es = append(es, reg(fmt.Sprintf("b/f%03d", f), "later"))
+		}
+		_, err = tartree.Extract(t.Context(), openRoot(t, dst), bytes.NewReader(mk(t, es...)), tartree.ExtractOptions{})
+		if err == nil || !strings.Contains(err.Error(), "a/taken") {
+			t.Fatalf("a file over a directory: err = %v", err)
+		}
+		if read("a/one") != "1" {
+			t.Fatal("the file before the failing one was not written")
+		}
+	})
+}

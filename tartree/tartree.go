@@ -150,7 +150,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
 			st.Dirs++
 		case tar.TypeReg, tar.TypeGNUSparse, '\x00':
-			n, err := t.file(ctx, name, tr, perm, hdr.ModTime, buf)
+			n, err := t.file(ctx, name, tr, hdr.Size, perm, hdr.ModTime, buf)
 			st.Bytes += n
 			if err != nil {
 				return st, err
@@ -177,6 +177,10 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if old == "." || underLink(old, links) != "" || links[old] {
 				return st, refuse(hdr.Name, "it is a hard link to %s, which is not a file of the archive", quote(hdr.Linkname))
 			}
+			// The target must be on disk (written, not still queued) before it is looked at.
+			if err := t.flush(); err != nil {
+				return st, err
+			}
 			if fi, err := root.Lstat(old); err != nil || !fi.Mode().IsRegular() {
 				return st, refuse(hdr.Name, "it is a hard link to %s, which is not a regular file extracted before it", quote(hdr.Linkname))
 			}
@@ -194,8 +198,12 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			return st, refuse(hdr.Name, "entries of tar type %q are not supported (only files, directories, symbolic links and hard links)", hdr.Typeflag)
 		}
 	}
-	// Directories last, deepest first: writing inside a directory changes its mtime, and a
-	// read-only mode would stop the writes.
+	// Every file written (and the first error of writing one), then the directories, last and
+	// deepest first: writing inside a directory changes its mtime, and a read-only mode would
+	// stop the writes.
+	if err := t.flush(); err != nil {
+		return st, err
+	}
 	for i := len(dirs) - 1; i >= 0; i-- {
 		d := dirs[i]
 		if err := root.Chmod(d.name, d.mode); err != nil {
@@ -295,12 +303,15 @@ func underLink(name string, links map[string]bool) string {
 type tree interface {
 	// dir makes name a directory (with its parents), replacing a symlink there.
 	dir(name string) error
-	// file writes r's bytes to a new file at name, then its owner, mode and mtime.
-	file(ctx context.Context, name string, r io.Reader, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error)
+	// file writes the size bytes r holds to a new file at name, then its owner, mode and mtime.
+	// It may return before the file is on disk (see flush), once r's bytes are taken.
+	file(ctx context.Context, name string, r io.Reader, size int64, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error)
 	// symlink makes name a symbolic link to target, owned like the rest.
 	symlink(target, name string) error
 	// link makes name a hard link to old, an earlier regular file of the archive.
 	link(old, name string) error
+	// flush returns once every file is on disk, with the first error of writing one.
+	flush() error
 	close()
 }
 
@@ -327,7 +338,7 @@ func (t *rootTree) dir(name string) error {
 	return nil
 }
 
-func (t *rootTree) file(ctx context.Context, name string, r io.Reader, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error) {
+func (t *rootTree) file(ctx context.Context, name string, r io.Reader, _ int64, perm fs.FileMode, mtime time.Time, buf []byte) (int64, error) {
 	if err := parents(t.root, name, t.opt, t.known); err != nil {
 		return 0, err
 	}
@@ -350,6 +361,8 @@ func (t *rootTree) link(old, name string) error {
 	}
 	return create(t.root, name, func() error { return t.root.Link(old, name) })
 }
+
+func (t *rootTree) flush() error { return nil }
 
 func (t *rootTree) close() {}
 

@@ -35,7 +35,12 @@ func pushCmd(g *globals) *cobra.Command {
 		Long: `Push the git repository at DIR (default: the one the current directory is in) into the sandbox's
 /workspace: its tracked files as they are on disk plus the untracked files it does not ignore (the
 working tree as git status sees it), or with --rev exactly the files of a commit. Symlinks are sent
-as symlinks (never followed, wherever they point); submodules are left out (with a warning).
+as symlinks (never followed, wherever they point). A checked-out submodule's files go too, as you
+see them (its uncommitted edits and untracked files, its own submodules), under its path; one not
+checked out has no files to send; with --rev, or in a repository without .gitmodules (embedded
+repositories), submodules are left out (with a warning). sbctl diff
+shows the agent's changes inside a submodule like any other, sbctl pull writes them into the
+submodule's working tree (its own repository), and pull --branch refuses them.
 
 The first push sends everything in one tar stream. Later pushes send only the files whose content
 (git blob id) or mode differ from what was pushed last, and delete what is gone: after editing one
@@ -121,7 +126,11 @@ func (g *globals) push(ctx context.Context, ref, dir string, opt gitsync.PushOpt
 		return res, stateErr(err)
 	}
 	if len(res.Submodules) > 0 {
-		fmt.Fprintf(g.stderr, "sbctl: warning: %d submodules were not pushed (%s): push each from its own directory to a path of its own with sbctl cp\n", len(res.Submodules), termSafe(res.Submodules[0]))
+		why := "--rev sends the commit's own files only; push without --rev to send the submodules as they are checked out"
+		if opt.Rev == "" {
+			why = "the repository has no .gitmodules (they are embedded repositories); register them with git submodule add, or copy them with sbctl cp"
+		}
+		fmt.Fprintf(g.stderr, "sbctl: warning: %d submodules were not pushed (%s): %s\n", len(res.Submodules), termSafe(res.Submodules[0]), why)
 	}
 	if f, ok := g.stderr.(*os.File); ok && isTerminal(f) && !g.quiet && g.output == "table" {
 		g.status("pushed in %s\n", time.Since(start).Round(time.Millisecond))

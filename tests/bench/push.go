@@ -3,11 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	goflag "flag"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"syscall"
@@ -20,6 +24,8 @@ import (
 )
 
 var pushOnly = flag("push-only", "only sbctl push / diff on a generated 10,000-file repository (issue 13's budgets)")
+
+var pushProfile = goflag.String("push-profile", "", "with -push-only: write CPU profiles of the first push to this directory (push-client.pprof; push-broker.pprof when the broker serves pprof, SBX_DEBUG_LISTEN=127.0.0.1:PORT in the environment)")
 
 // pushReport pushes a generated repository (the tree bench's 10,000 files, ~105 MB, committed)
 // into a fresh sandbox, beside GNU tar over loopback TCP (the floor) and `tar c | sbctl exec -i tar
@@ -65,6 +71,7 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 	defer r.Close()
 
 	fmt.Fprintln(os.Stderr, "push: first push beside tar over TCP...")
+	defer extracted.removeAll()
 	// Each timed copy starts with the disk's dirty pages written back: otherwise the one before
 	// pays for its predecessor's 100 MB.
 	ws := workspaceDir(br.dir, sb.Sandbox.ID) // the floors extract into the same file system as the push
@@ -79,12 +86,19 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 		return err
 	}
 	syscall.Sync()
+	stopProfile, err := profilePush()
+	if err != nil {
+		return err
+	}
 	start := time.Now()
 	res, err := gitsync.Push(ctx, r, g, gitsync.PushOptions{SandboxID: sb.Sandbox.ID})
 	if err != nil {
 		return err
 	}
 	first := time.Since(start)
+	if err := stopProfile(); err != nil {
+		return err
+	}
 	syscall.Sync()
 	floor2, err := tarOverTCP(data, ws)
 	if err != nil {
@@ -99,6 +113,7 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 		return err
 	}
 	pipe = min(pipe, pipe1)
+	extracted.removeAll() // before the diffs, which would see them
 
 	// The peer: what a person could do before push, if exec -i carried binary input of any size.
 	peer := "refused"
@@ -175,6 +190,54 @@ func pushReport(ctx context.Context, c *client.Client, br *brokerProc) error {
 	return nil
 }
 
+// profilePush starts the CPU profiles -push-profile asks for (nothing without it) and returns what
+// ends them: the client's is this process's, the broker's comes from its /debug/pprof, asked for
+// a few seconds that cover the push (a CPU profile only holds samples of CPU used, so the idle
+// rest costs nothing but the wait).
+func profilePush() (func() error, error) {
+	if *pushProfile == "" {
+		return func() error { return nil }, nil
+	}
+	if err := os.MkdirAll(*pushProfile, 0o755); err != nil {
+		return nil, err
+	}
+	cf, err := os.Create(filepath.Join(*pushProfile, "push-client.pprof"))
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(cf); err != nil {
+		return nil, err
+	}
+	broker := make(chan error, 1)
+	if addr := os.Getenv("SBX_DEBUG_LISTEN"); addr != "" {
+		started := make(chan struct{})
+		go func() {
+			req, _ := http.NewRequest("GET", "http://"+addr+"/debug/pprof/profile?seconds=4", nil)
+			close(started)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				broker <- err
+				return
+			}
+			defer resp.Body.Close()
+			f, err := os.Create(filepath.Join(*pushProfile, "push-broker.pprof"))
+			if err == nil {
+				_, err = io.Copy(f, resp.Body)
+				f.Close()
+			}
+			broker <- err
+		}()
+		<-started
+	} else {
+		broker <- nil
+	}
+	return func() error {
+		pprof.StopCPUProfile()
+		cf.Close()
+		return <-broker
+	}, nil
+}
+
 func gitIn(dir string, env []string, args ...string) error {
 	cmd := exec.Command("git", args...)
 	cmd.Dir, cmd.Env = dir, append(os.Environ(), env...)
@@ -200,7 +263,7 @@ func tarPipeOverTCP(repo, dir string) (time.Duration, error) {
 	if err != nil {
 		return 0, err
 	}
-	defer os.RemoveAll(target)
+	extracted.add(target)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err

@@ -170,9 +170,9 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			links[name] = true
 			st.Symlinks++
 		case tar.TypeLink:
-			old, err := entryName(hdr.Linkname, opt.As)
-			if err != nil {
-				return st, refuse(hdr.Name, "it is a hard link whose target is not in the archive's tree: %v", errors.Unwrap(err))
+			old, problem := cleanName(hdr.Linkname, opt.As)
+			if problem != "" {
+				return st, refuse(hdr.Name, "it is a hard link to %s, which is not in the archive's tree: %s", quote(hdr.Linkname), problem)
 			}
 			if old == "." || underLink(old, links) != "" || links[old] {
 				return st, refuse(hdr.Name, "it is a hard link to %s, which is not a file of the archive", quote(hdr.Linkname))
@@ -239,14 +239,24 @@ func readErr(err error) error {
 // entryName checks an archive name and returns it clean and relative ("." for the top), with its
 // first component replaced by as when set.
 func entryName(raw, as string) (string, error) {
+	name, problem := cleanName(raw, as)
+	if problem != "" {
+		return "", refuse(raw, "%s", problem)
+	}
+	return name, nil
+}
+
+// cleanName is entryName's name, or what is wrong with raw (a hard link's target is named by
+// the same rules, and its refusal names the link, not the target).
+func cleanName(raw, as string) (name, problem string) {
 	if raw == "" {
-		return "", refuse(raw, "the name is empty")
+		return "", "the name is empty"
 	}
 	if err := checkText(raw); err != nil {
-		return "", refuse(raw, "its name %s", err)
+		return "", "its name " + err.Error()
 	}
 	if strings.HasPrefix(raw, "/") {
-		return "", refuse(raw, "the name is absolute; names must be relative to the target directory")
+		return "", "the name is absolute; names must be relative to the target directory"
 	}
 	var parts []string
 	for _, c := range strings.Split(raw, "/") {
@@ -254,17 +264,17 @@ func entryName(raw, as string) (string, error) {
 		case "", ".":
 			continue
 		case "..":
-			return "", refuse(raw, "the name climbs out with \"..\"")
+			return "", "the name climbs out with \"..\""
 		}
 		parts = append(parts, c)
 	}
 	if len(parts) == 0 {
-		return ".", nil
+		return ".", ""
 	}
 	if as != "" {
 		parts[0] = as
 	}
-	return strings.Join(parts, "/"), nil
+	return strings.Join(parts, "/"), ""
 }
 
 // checkText refuses what no name here may hold: invalid UTF-8, control characters (which would

@@ -396,7 +396,10 @@ func (p *Provider) Start(ctx context.Context, spec provider.Spec) (provider.Inst
 	running, err := p.waitRunning(ctx, got)
 	if err != nil {
 		// Leave nothing behind that would hold a node's resources: a resume creates it again.
-		if derr := p.deletePod(context.WithoutCancel(ctx), name, 0); derr != nil {
+		cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+		derr := p.deletePod(cctx, name, 0)
+		ccancel()
+		if derr != nil {
 			p.cfg.Log.Warn("deleting a pod that failed to start", "pod", name, "err", derr)
 		}
 		return nil, err
@@ -517,7 +520,10 @@ func (p *Provider) startErr(ctx context.Context, name string, err error) error {
 	if ctx.Err() == nil {
 		return err
 	}
-	pod, gerr := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).Get(context.WithoutCancel(ctx), name, metav1.GetOptions{})
+	// The pod's last word is worth a moment, not a wait on a throttling API server.
+	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	pod, gerr := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).Get(gctx, name, metav1.GetOptions{})
 	why := "no word from the cluster"
 	if gerr == nil {
 		why = podWhy(pod)
@@ -641,6 +647,13 @@ type unschedulableError struct{ msg string }
 
 func (e *unschedulableError) Error() string { return e.msg }
 
+// cleanupTimeout bounds what the provider removes for a caller that set no deadline (a delete
+// detached from its request, the warm pool's discard) and a failed start's own cleanup: the API
+// calls are sent again for as long as their context lasts while the API server throttles
+// (throttle.go), so without a bound they would wait as long as the throttling does, holding the
+// sandbox's lifecycle lock. A stop is held to it too (instance.Stop).
+var cleanupTimeout = time.Minute
+
 // deletePod deletes a pod and waits until it is gone.
 func (p *Provider) deletePod(ctx context.Context, name string, grace int64) error {
 	pods := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace)
@@ -690,8 +703,11 @@ func (p *Provider) deletePod(ctx context.Context, name string, grace int64) erro
 	}
 }
 
-// Destroy deletes the pod, the claim, the network policy and the secret.
+// Destroy deletes the pod, the claim, the network policy and the secret, within cleanupTimeout
+// whatever its caller's context allows.
 func (p *Provider) Destroy(ctx context.Context, spec provider.Spec) error {
+	ctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
+	defer cancel()
 	name := PodName(spec.ID)
 	ns := p.cfg.Namespace
 	c := p.cfg.Client

@@ -48,9 +48,10 @@ const handshakeTimeout = 5 * time.Second
 
 // Server serves one sandbox's commands and files.
 type Server struct {
-	cfg Config
-	ws  *workspace.Workspace
-	tls *tls.Config
+	cfg    Config
+	ws     *workspace.Workspace
+	tls    *tls.Config
+	limits *handshakeLimits
 
 	mu      sync.Mutex
 	pending []net.Conn // oldest first; each removed when its handshake ends
@@ -72,7 +73,7 @@ func NewServer(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Server{cfg: cfg, ws: ws, tls: tc}, nil
+	return &Server{cfg: cfg, ws: ws, tls: tc, limits: newHandshakeLimits()}, nil
 }
 
 // Serve accepts connections until ln closes.
@@ -221,9 +222,14 @@ func (s *Server) handle(raw net.Conn) {
 }
 
 // handshake runs TLS (tls.go), then the challenges both ways (wire.go), all within
-// handshakeTimeout; it answers the TLS connection once the peer proved the secret.
+// handshakeTimeout; it answers the TLS connection once the peer proved the secret. A source past
+// its handshake rate (limits.go) is closed before TLS costs anything.
 func (s *Server) handshake(raw net.Conn) (net.Conn, bool) {
 	defer s.settled(raw)
+	src := sourceOf(raw)
+	if !s.limits.allow(src) {
+		return nil, false
+	}
 	if tc, ok := raw.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
@@ -246,6 +252,7 @@ func (s *Server) handshake(raw net.Conn) (net.Conn, bool) {
 	if !hmac.Equal(hs[:ChallengeSize], Answer(s.cfg.Secret, challenge)) {
 		return nil, false
 	}
+	s.limits.proved(src)
 	if _, err := nc.Write(Proof(s.cfg.Secret, hs[ChallengeSize:])); err != nil {
 		return nil, false
 	}

@@ -22,7 +22,8 @@
 //
 // TLS keeps the traffic from other pods (it is neither readable nor changeable on the pod network),
 // the pin keeps the broker from an impostor at the pod's address, and the secret keeps the agent
-// from anyone but the broker (see tls.go and docs/operations.md).
+// from anyone but the broker (see tls.go and docs/operations.md). Handshakes from addresses that
+// never proved the secret are rated (limits.go), since each costs the agent a signature.
 package agent
 
 import (

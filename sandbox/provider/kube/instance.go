@@ -232,12 +232,12 @@ func (in *instance) Done() <-chan struct{} { return in.done }
 // Files are the sandbox's file operations, served by its agent.
 func (in *instance) Files() sandbox.Files { return agentFiles{in.client} }
 
-// Stop deletes the pod (the claim stays) and waits until it is gone.
+// Stop deletes the pod (the claim stays) and waits until it is gone, within cleanupTimeout.
 func (in *instance) Stop(ctx context.Context) error {
 	in.mu.Lock()
 	in.stopping = true
 	in.mu.Unlock()
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
 	defer cancel()
 	err := in.p.deletePod(ctx, in.name, 0)
 	in.cancel()

@@ -396,7 +396,10 @@ func (p *Provider) Start(ctx context.Context, spec provider.Spec) (provider.Inst
 	running, err := p.waitRunning(ctx, got)
 	if err != nil {
 		// Leave nothing behind that would hold a node's resources: a resume creates it again.
-		if derr := p.deletePod(context.WithoutCancel(ctx), name, 0); derr != nil {
+		cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+		derr := p.deletePod(cctx, name, 0)
+		ccancel()
+		if derr != nil {
 			p.cfg.Log.Warn("deleting a pod that failed to start", "pod", name, "err", derr)
 		}
 		return nil, err
@@ -517,7 +520,10 @@ func (p *Provider) startErr(ctx context.Context, name string, err error) error {
 	if ctx.Err() == nil {
 		return err
 	}
-	pod, gerr := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).Get(context.WithoutCancel(ctx), name, metav1.GetOptions{})
+	// The pod's last word is worth a moment, not a wait on a throttling API server.
+	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	pod, gerr := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).Get(gctx, name, metav1.GetOptions{})
 	why := "no word from the cluster"
 	if gerr == nil {
 		why = podWhy(pod)
@@ -640,75 +646,6 @@ func (p *Provider) claimBound(ctx context.Context, name string) bool {
 type unschedulableError struct{ msg string }
 
 func (e *unschedulableError) Error() string { return e.msg }
-
-// deletePod deletes a pod and waits until it is gone.
-func (p *Provider) deletePod(ctx context.Context, name string, grace int64) error {
-	pods := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace)
-	err := pods.Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &grace})
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	for {
-		pod, err := pods.Get(ctx, name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		w, err := pods.Watch(ctx, metav1.ListOptions{
-			FieldSelector:   fields.OneTermEqualSelector("metadata.name", name).String(),
-			ResourceVersion: pod.ResourceVersion,
-		})
-		if err != nil {
-			return err
-		}
-		gone := false
-	events:
-		for {
-			select {
-			case <-ctx.Done():
-				w.Stop()
-				return fmt.Errorf("pod %s not gone: %w", name, ctx.Err())
-			case ev, ok := <-w.ResultChan():
-				if !ok {
-					break events
-				}
-				if ev.Type == watch.Deleted {
-					gone = true
-					break events
-				}
-			}
-		}
-		w.Stop()
-		if gone {
-			return nil
-		}
-	}
-}
-
-// Destroy deletes the pod, the claim, the network policy and the secret.
-func (p *Provider) Destroy(ctx context.Context, spec provider.Spec) error {
-	name := PodName(spec.ID)
-	ns := p.cfg.Namespace
-	c := p.cfg.Client
-	if err := p.deletePod(ctx, name, 0); err != nil {
-		return fmt.Errorf("deleting pod %s/%s: %w", ns, name, err)
-	}
-	var errs []error
-	ignore := func(err error) {
-		if err != nil && !apierrors.IsNotFound(err) {
-			errs = append(errs, err)
-		}
-	}
-	ignore(c.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, name, metav1.DeleteOptions{}))
-	ignore(c.NetworkingV1().NetworkPolicies(ns).Delete(ctx, name, metav1.DeleteOptions{}))
-	ignore(c.CoreV1().Secrets(ns).Delete(ctx, name, metav1.DeleteOptions{}))
-	return errors.Join(errs...)
-}
 
 const containerName = "sandbox"
 

@@ -367,3 +367,105 @@ func tail(b []byte, n int) []byte {
 	}
 	return b
 }
+
+// TestThrottlingNeverHoldsACleanupForever: a delete made without a deadline (the API's delete
+// detaches from its request so that a client's disconnect leaves nothing half done; the warm pool
+// discards with none), and a failed start's own cleanup (detached from the start's context), must
+// end while the API server throttles on, with the server's 429: the retry layer waits only as long
+// as its caller's context, and these had none, so they waited for as long as the throttling
+// lasted, holding the sandbox's lifecycle lock, where client-go alone had given up after ten
+// retries.
+func TestThrottlingNeverHoldsACleanupForever(t *testing.T) {
+	c := cluster(t)
+	apf := apfServer(t, c)
+	admin, err := kubernetes.NewForConfig(apf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := rest.CopyConfig(apf)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: throttledUser}
+	throttle := apfJail(t, admin, rest.CopyConfig(cfg))
+	probe, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := NewClient(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	const startTimeout = 40 * time.Second
+	p, err := New(ctx, Config{Client: client, Namespace: "default", Broker: "throttled-broker", Image: kubetest.SandboxImage,
+		PullPolicy: corev1.PullNever, StorageClass: kubetest.StorageClass, StartTimeout: startTimeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	throttled := func() bool {
+		err := probe.CoreV1().RESTClient().Get().Namespace("default").Resource("pods").MaxRetries(0).Do(ctx).Error()
+		return apierrors.IsTooManyRequests(err)
+	}
+	defer func(d time.Duration) { cleanupTimeout = d }(cleanupTimeout)
+	cleanupTimeout = 5 * time.Second
+	// What a bounded call may take past its bound: its last wait and jitter, and the request.
+	const slack = 3*throttleMaxWait + 5*time.Second
+
+	// A delete without a deadline.
+	spec := provider.Spec{ID: protocol.NewSandboxID(), Template: provider.Template{Name: "t"}}
+	defer p.Destroy(context.Background(), spec)
+	if err := p.Create(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	throttle(true)
+	wait.Eventually(t, 30*time.Second, throttled, "the API server throttling %s", throttledUser)
+	destroyed := make(chan error, 1)
+	t0 := time.Now()
+	go func() { destroyed <- p.Destroy(context.Background(), spec) }()
+	select {
+	case err := <-destroyed:
+		if !apierrors.IsTooManyRequests(err) {
+			t.Fatalf("a delete under endless throttling: %v, want the API server's 429", err)
+		}
+		t.Logf("a delete under endless throttling ended after %s: %v", time.Since(t0).Round(time.Millisecond), err)
+	case <-time.After(cleanupTimeout + slack):
+		t.Fatalf("a delete without a deadline still waits %s into endless throttling", time.Since(t0).Round(time.Second))
+	}
+	throttle(false)
+	wait.Eventually(t, 30*time.Second, func() bool { return !throttled() }, "the throttling ending")
+
+	// A start that fails (no node matches its selector) while the API server throttles: it may
+	// take its whole start timeout (its calls are retried for as long as it lasts), but its
+	// cleanup, detached from it, ends too, and the start with it.
+	stuck := provider.Spec{ID: protocol.NewSandboxID(), Template: provider.Template{Name: "t",
+		Kubernetes: &provider.KubernetesTemplate{NodeSelector: map[string]string{"sbx.dev/no-such-node": "x"}}}}
+	defer p.Destroy(context.Background(), stuck)
+	if err := p.Create(ctx, stuck); err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan error, 1)
+	tStart := time.Now()
+	go func() {
+		_, err := p.Start(ctx, stuck)
+		started <- err
+	}()
+	wait.Eventually(t, 60*time.Second, func() bool {
+		pod, err := admin.CoreV1().Pods("default").Get(ctx, PodName(stuck.ID), metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		_, err = podStartState(pod)
+		var ue *unschedulableError
+		return errors.As(err, &ue)
+	}, "the pod found unschedulable")
+	throttle(true)
+	wait.Eventually(t, 30*time.Second, throttled, "the API server throttling again")
+	select {
+	case err := <-started:
+		if err == nil {
+			t.Fatal("a start with no node for its pod succeeded")
+		}
+		t.Logf("a failed start under throttling ended %s after it began: %v", time.Since(tStart).Round(time.Millisecond), err)
+	case <-time.After(time.Until(tStart.Add(startTimeout + cleanupTimeout + slack))):
+		t.Fatalf("a failed start still waits on its cleanup %s after it began (its timeout %s), in endless throttling", time.Since(tStart).Round(time.Second), startTimeout)
+	}
+	throttle(false)
+}

@@ -680,8 +680,16 @@ func (s *Server) exec(c *conn, a ExecArgs) {
 	if timer != nil {
 		timer.Stop()
 	}
-	res := ExecResult{DurationUs: time.Since(start).Microseconds(), Truncated: limit.Truncated(), Pid: pid}
-	ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
+	mu.Lock()
+	res := exitResult(cmd.ProcessState, time.Since(start), limit.Truncated(), pid, reason)
+	mu.Unlock()
+	c.result(res, nil)
+}
+
+// exitResult is a finished command's answer: its exit code, or 128 plus the signal that ended it.
+func exitResult(ps *os.ProcessState, took time.Duration, truncated bool, pid int, reason string) ExecResult {
+	res := ExecResult{DurationUs: took.Microseconds(), Truncated: truncated, Pid: pid, Reason: reason}
+	ws := ps.Sys().(syscall.WaitStatus)
 	switch {
 	case ws.Signaled():
 		res.Code = 128 + int(ws.Signal())
@@ -689,10 +697,7 @@ func (s *Server) exec(c *conn, a ExecArgs) {
 	default:
 		res.Code = ws.ExitStatus()
 	}
-	mu.Lock()
-	res.Reason = reason
-	mu.Unlock()
-	c.result(res, nil)
+	return res
 }
 
 // commandDir is a command's working directory: the sandbox path /workspace is the served

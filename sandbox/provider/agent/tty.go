@@ -5,7 +5,6 @@ import (
 	"errors"
 	"os"
 	"os/exec"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -195,17 +194,8 @@ func (s *Server) execTTY(c *conn, a ExecArgs) {
 		<-drained
 	}
 	in.close()
-	res := ExecResult{DurationUs: time.Since(start).Microseconds(), Truncated: limit.Truncated(), Pid: pid}
-	ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-	switch {
-	case ws.Signaled():
-		res.Code = 128 + int(ws.Signal())
-		res.Signal = strings.TrimPrefix(unix.SignalName(ws.Signal()), "SIG")
-	default:
-		res.Code = ws.ExitStatus()
-	}
 	mu.Lock()
-	res.Reason = reason
+	res := exitResult(cmd.ProcessState, time.Since(start), limit.Truncated(), pid, reason)
 	mu.Unlock()
 	c.result(res, nil)
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 
@@ -213,6 +214,53 @@ func TestExtractOnAFullDisk(t *testing.T) {
 		})
 		if len(partial) > 1 {
 			t.Fatalf("%d partial files left: %v", len(partial), partial)
+		}
+	})
+}
+
+// TestExtractOrderingsAroundQueuedFiles: entries that change what a queued file's name or parent
+// is, right after it: a link named like its parent (refused, the file written where the archive
+// put it, nothing through the link), a hard link to it (sees it written), and a tree 600
+// directories deep with a file at every level (every file written, no descriptor left).
+func TestExtractOrderingsAroundQueuedFiles(t *testing.T) {
+	bothWays(t, func(t *testing.T) {
+		outside := t.TempDir()
+		dst := t.TempDir()
+		a := archive(t,
+			tar.Header{Typeflag: tar.TypeReg, Name: "p/f", Mode: 0o644},
+			tar.Header{Typeflag: tar.TypeSymlink, Name: "p", Linkname: outside},
+			tar.Header{Typeflag: tar.TypeReg, Name: "p/g", Mode: 0o644},
+		)
+		_, err := tartree.Extract(t.Context(), openRoot(t, dst), bytes.NewReader(a), tartree.ExtractOptions{})
+		if err == nil || !strings.Contains(err.Error(), "p: is a directory") {
+			t.Fatalf("a link over a queued file's directory: err = %v", err)
+		}
+		if left, _ := os.ReadDir(outside); len(left) != 0 {
+			t.Fatalf("written through the link: %v", left)
+		}
+		if b, _ := os.ReadFile(filepath.Join(dst, "p/f")); string(b) != "new" {
+			t.Fatalf("p/f = %q", b)
+		}
+
+		dst = t.TempDir()
+		fds := openFDs(t)
+		var hdrs []tar.Header
+		name := "d"
+		for range 600 {
+			hdrs = append(hdrs, tar.Header{Typeflag: tar.TypeReg, Name: name + "/f", Mode: 0o644})
+			name += "/d"
+		}
+		hdrs = append(hdrs, tar.Header{Typeflag: tar.TypeLink, Name: "top", Linkname: name[:len(name)-2] + "/f"})
+		root := openRoot(t, dst)
+		st, err := tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{})
+		if err != nil || st.Files != 601 {
+			t.Fatalf("a deep tree: %+v, %v", st, err)
+		}
+		if n := openFDs(t); n != fds+1 {
+			t.Fatalf("%d descriptors before, %d after (and the root)", fds, n)
+		}
+		if b, _ := os.ReadFile(filepath.Join(dst, "top")); string(b) != "new" {
+			t.Fatalf("top = %q", b)
 		}
 	})
 }

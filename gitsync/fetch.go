@@ -328,7 +328,8 @@ func (r *Repo) SandboxTree(ctx context.Context, f *Fetched, links ...gitlink) (s
 		return "", err
 	}
 	defer os.Remove(idx)
-	env := []string{"GIT_INDEX_FILE=" + idx}
+	// A path is a path, never pathspec magic (":(glob)**" would take every file out).
+	env := []string{"GIT_INDEX_FILE=" + idx, "GIT_LITERAL_PATHSPECS=1"}
 	for _, l := range links {
 		if _, err := r.git(ctx, env, nil, "rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", l.Path); err != nil {
 			return "", err

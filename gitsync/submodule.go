@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/sbxbroker/broker/baseline"
 )
 
 // Submodules. A push sends the working tree as the person sees it, and a checked-out submodule is
@@ -153,12 +155,27 @@ func (r *Repo) flattened(ctx context.Context, commit string) ([]gitlink, error) 
 		if !ok {
 			continue
 		}
+		// The message is anyone's (a repository's own commit, pushed unchanged, is the base): only
+		// a commit id and a valid path make a gitlink.
 		c, p, ok := strings.Cut(rest, " ")
-		if ok && p != "" {
+		if ok && isOID(c) && baseline.ValidPath(p) == nil {
 			links = append(links, gitlink{Path: p, Commit: c})
 		}
 	}
 	return links, nil
+}
+
+// isOID says whether s is a full object id (SHA-1 or SHA-256, lower-case hex).
+func isOID(s string) bool {
+	if len(s) != 40 && len(s) != 64 {
+		return false
+	}
+	for _, c := range s {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // headTree lists HEAD's files the way a push's snapshot has them: a checked-out submodule's

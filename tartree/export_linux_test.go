@@ -7,3 +7,17 @@ func UseRootWalk() func() {
 	forceRoot = true
 	return func() { forceRoot = old }
 }
+
+// MaxInFlight is the bytes the writers may hold.
+const MaxInFlight = maxInFlight
+
+// HoldWrites makes the writers wait for gate before each file, and calls full (with the bytes of
+// file buffers held at that moment) whenever the reading loop waits for room; it returns the undo.
+func HoldWrites(gate <-chan struct{}, full func(held int64)) func() {
+	testHookWrite = func() { <-gate }
+	testHookFull = func() { full(bufHeld.Load()) }
+	return func() { testHookWrite, testHookFull = nil, nil }
+}
+
+// BufHeld is the capacity of the file buffers given out and not given back.
+func BufHeld() int64 { return bufHeld.Load() }

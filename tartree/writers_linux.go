@@ -34,10 +34,10 @@ import (
 //     end) waits until every file handed on before it is written (flush), so it sees the tree the
 //     archive made up to there.
 //
-// Memory stays bounded: at most maxInFlight bytes of content are held, and a file over maxQueued
+// Memory stays bounded: at most maxInFlight bytes of buffers are held, and a file over maxQueued
 // bytes is written by the reading loop itself.
 
-// maxQueued is the largest file handed to the writers; maxInFlight bounds the bytes they hold.
+// maxQueued is the largest file handed to the writers; maxInFlight bounds the bytes their buffers hold.
 const (
 	maxQueued   = 1 << 20
 	maxInFlight = 8 << 20
@@ -84,7 +84,7 @@ type writers struct {
 
 	mu       sync.Mutex
 	cond     sync.Cond
-	inFlight int64 // bytes held by jobs
+	inFlight int64 // bytes held by jobs: their buffers' capacity
 	err      error // the first file that could not be written
 }
 
@@ -110,13 +110,19 @@ func (w *writers) queue(ctx context.Context, t *fdTree, d *dirRef, name string, 
 	if w.queues == nil {
 		w.start()
 	}
+	// What is held is the buffer, a power of two: counting the entry's size instead let files just
+	// over a power of two hold nearly twice maxInFlight.
+	need := int64(1) << class(int(size))
 	w.mu.Lock()
-	for w.inFlight > 0 && w.inFlight+size > maxInFlight && w.err == nil {
+	for w.inFlight > 0 && w.inFlight+need > maxInFlight && w.err == nil {
+		if testHookFull != nil {
+			testHookFull()
+		}
 		w.cond.Wait()
 	}
 	err := w.err
 	if err == nil {
-		w.inFlight += size
+		w.inFlight += need
 	}
 	w.mu.Unlock()
 	if err != nil {
@@ -133,7 +139,7 @@ func (w *writers) queue(ctx context.Context, t *fdTree, d *dirRef, name string, 
 		}
 	}
 	if err != nil {
-		w.done(size, data)
+		w.done(data)
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF
 		}
@@ -154,7 +160,10 @@ func (w *writers) queue(ctx context.Context, t *fdTree, d *dirRef, name string, 
 func (w *writers) write(j job) {
 	defer w.pending.Done()
 	defer j.dir.release()
-	defer w.done(int64(len(j.data)), j.data)
+	defer w.done(j.data)
+	if testHookWrite != nil {
+		testHookWrite()
+	}
 	if w.failed() != nil {
 		return // the extraction is failing: nothing more is written
 	}
@@ -172,8 +181,9 @@ func (w *writers) write(j job) {
 	}
 }
 
-// done gives back a job's bytes.
-func (w *writers) done(size int64, data []byte) {
+// done gives back a job's buffer.
+func (w *writers) done(data []byte) {
+	size := int64(cap(data))
 	putBuf(data)
 	w.mu.Lock()
 	w.inFlight -= size
@@ -215,6 +225,13 @@ func (w *writers) stop() {
 // Buffers for the files' bytes, by power-of-two size class up to maxQueued.
 var bufPools [21]sync.Pool
 
+// bufHeld is the capacity of the buffers given out and not yet given back (the tests read it).
+var bufHeld atomic.Int64
+
+// The tests' hooks: before each file a writer writes, and whenever the reading loop waits for
+// room.
+var testHookWrite, testHookFull func()
+
 func class(n int) int {
 	c := 0
 	for 1<<c < n {
@@ -225,6 +242,7 @@ func class(n int) int {
 
 func getBuf(n int) []byte {
 	c := class(n)
+	bufHeld.Add(1 << c)
 	if b, ok := bufPools[c].Get().(*[]byte); ok {
 		return (*b)[:n]
 	}
@@ -232,6 +250,7 @@ func getBuf(n int) []byte {
 }
 
 func putBuf(b []byte) {
+	bufHeld.Add(-int64(cap(b)))
 	c := class(cap(b))
 	if c < len(bufPools) && cap(b) == 1<<c {
 		b = b[:0]

@@ -41,7 +41,11 @@ func (p *Provider) Adopt(ctx context.Context, spec provider.Spec) (provider.Inst
 	in, err := p.adopt(ctx, spec, name)
 	var na *provider.NotAdoptedError
 	if errors.As(err, &na) && na.Reason != notThere {
-		if derr := p.deletePod(context.WithoutCancel(ctx), name, 0); derr != nil {
+		// Its own bound: the adoption's may be spent, and a throttling API server is retried
+		// for as long as the context lasts.
+		dctx, dcancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer dcancel()
+		if derr := p.deletePod(dctx, name, 0); derr != nil {
 			return nil, fmt.Errorf("deleting pod %s, which could not be taken back (%s): %w", name, na.Reason, derr)
 		}
 	}

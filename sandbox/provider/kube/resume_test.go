@@ -11,12 +11,14 @@ import (
 
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/sandbox/provider/agent"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // TestImpostorRefusedAfterResumedSessions: the broker resumes its TLS sessions with a sandbox's
-// agent (an exec after the first skips the full handshake), and whatever answers at the agent's
-// address afterwards without the sandbox's key (another pod given the gone pod's IP) is still
-// refused before a request leaves the broker, resumable sessions in the cache or not.
+// agent (an exec after the first skips the full handshake) and runs an exec on a spare connection
+// dialed after the previous one; whatever answers at the agent's address afterwards without the
+// sandbox's key (another pod given the gone pod's IP) is still refused before a request leaves the
+// broker, resumable sessions in the cache or not.
 func TestImpostorRefusedAfterResumedSessions(t *testing.T) {
 	const secret = "the-pods-secret-0123456789"
 	cert, key, pin := testCredentials(t)
@@ -52,8 +54,32 @@ func TestImpostorRefusedAfterResumedSessions(t *testing.T) {
 		t.Fatal("no session of the agent in the cache after three execs: they do not resume")
 	}
 
-	// The agent goes; at its address, an agent with another key (and even the sandbox's secret).
+	// An exec leaves a spare connection dialed for the next: with the listener closed, the next
+	// exec still runs, on the spare.
+	spare := func() bool {
+		in.client.mu.Lock()
+		defer in.client.mu.Unlock()
+		return in.client.refilled == nil && len(in.client.idle) > 0
+	}
+	wait.Eventually(t, 10*time.Second, spare, "a spare connection after an exec")
 	ln.Close()
+	if res, err := in.Exec(ctx, provider.ExecRequest{Command: "true"}); err != nil || res.ExitCode != 0 {
+		t.Fatalf("exec on the spare connection, the agent's listener closed: %v %+v", err, res)
+	}
+
+	// The agent goes, its connections with it; at its address, an agent with another key (and
+	// even the sandbox's secret).
+	wait.Until(10*time.Second, func() bool { // the refill after the last exec fails or lands
+		in.client.mu.Lock()
+		defer in.client.mu.Unlock()
+		return in.client.refilled == nil
+	})
+	in.client.mu.Lock()
+	for _, c := range in.client.idle {
+		c.Close()
+	}
+	in.client.idle = nil
+	in.client.mu.Unlock()
 	otherCert, otherKey, _ := testCredentials(t)
 	dir, ln2 := serve(addr, otherCert, otherKey)
 	defer ln2.Close()

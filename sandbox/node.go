@@ -91,6 +91,9 @@ func (m *Manager) Run(ctx context.Context, interval time.Duration) {
 	}
 }
 
+// recoverReconcileWithin bounds Recover's reconcile of the provider's runtimes.
+const recoverReconcileWithin = time.Minute
+
 // Recover makes this node's runtimes match the records after a broker start: running sandboxes come
 // back running with a fresh init on the same files (their processes were lost, and the record says
 // so), unless their lease ran out meanwhile (they stay stopped, ttl_expired), half-done deletions
@@ -116,8 +119,12 @@ func (m *Manager) Recover(ctx context.Context) error {
 	m.recoverUnclaimed(ctx)
 	if r, ok := m.cfg.Provider.(provider.Reconciler); ok {
 		// Runtimes that outlived the broker (pods) of sandboxes stopped, failed or deleted by
-		// another broker while this one was away end now, not at the first reconcile.
-		m.reconcileRuntimes(ctx, r)
+		// another broker while this one was away end now, not at the first reconcile; within a
+		// bound, since a throttling API server is retried for as long as the context lasts (the
+		// periodic reconcile finishes what this one could not).
+		rctx, cancel := context.WithTimeout(ctx, recoverReconcileWithin)
+		m.reconcileRuntimes(rctx, r)
+		cancel()
 	}
 	return nil
 }

@@ -91,10 +91,15 @@ func (m *Manager) Run(ctx context.Context, interval time.Duration) {
 	}
 }
 
+// recoverReconcileWithin bounds Recover's reconcile of the provider's runtimes.
+const recoverReconcileWithin = time.Minute
+
 // Recover makes this node's runtimes match the records after a broker start: running sandboxes come
 // back running with a fresh init on the same files (their processes were lost, and the record says
 // so), unless their lease ran out meanwhile (they stay stopped, ttl_expired), half-done deletions
-// finish, a half-done resume is stopped again and a half-done create fails.
+// finish, a half-done resume is stopped again and a half-done create fails. A runtime that outlived
+// the broker (a pod) is taken back as it is, processes and all, when it proves itself (outlive.go);
+// one whose sandbox no longer runs is ended.
 func (m *Manager) Recover(ctx context.Context) error {
 	entries, err := os.ReadDir(m.cfg.IndexDir)
 	if err != nil {
@@ -112,6 +117,15 @@ func (m *Manager) Recover(ctx context.Context) error {
 		m.recoverOne(ctx, string(org), e.Name())
 	}
 	m.recoverUnclaimed(ctx)
+	if r, ok := m.cfg.Provider.(provider.Reconciler); ok {
+		// Runtimes that outlived the broker (pods) of sandboxes stopped, failed or deleted by
+		// another broker while this one was away end now, not at the first reconcile; within a
+		// bound, since a throttling API server is retried for as long as the context lasts (the
+		// periodic reconcile finishes what this one could not).
+		rctx, cancel := context.WithTimeout(ctx, recoverReconcileWithin)
+		m.reconcileRuntimes(rctx, r)
+		cancel()
+	}
 	return nil
 }
 
@@ -166,6 +180,9 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 	case protocol.StatusRunning:
 		if !rec.ExpiresAt.IsZero() && m.expireOnRecover(ctx, c, rec) {
 			return
+		}
+		if m.readopt(ctx, rec) {
+			return // its runtime ran on while the broker was away (outlive.go)
 		}
 		got, err := m.cfg.Store.Transition(ctx, org, id, store.Transition{
 			From: []string{protocol.StatusRunning}, To: protocol.StatusProvisioning, Claim: m.newClaim(),
@@ -347,8 +364,9 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 }
 
 // Close stops every runtime on this node without touching records: they are "running" still, and a
-// restarted broker brings them back (with their processes lost, as it records). The warm pool's
-// sandboxes are destroyed.
+// restarted broker brings them back (with their processes lost, as it records). Runtimes that
+// outlive the broker (pods) are let go of instead, still running, for the next start to take back
+// (outlive.go). The warm pool's sandboxes are destroyed.
 func (m *Manager) Close(ctx context.Context) {
 	m.mu.Lock()
 	m.closing = true
@@ -359,7 +377,9 @@ func (m *Manager) Close(ctx context.Context) {
 	m.mu.Unlock()
 	for _, h := range hs {
 		h.mu.Lock()
-		h.release(ctx)
+		if !m.detach(h) {
+			h.release(ctx)
+		}
 		h.mu.Unlock()
 	}
 	// Pooled sandboxes have no record to bring them back: they go with the broker.

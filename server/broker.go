@@ -193,7 +193,8 @@ func (b *Broker) Serve(l net.Listener) error { return b.Server.Serve(l) }
 
 // Shutdown stops accepting, lets requests in flight finish until ctx ends, closes dataplane and
 // event streams, stops the background loops and every sandbox's processes (their records stay
-// running: the next start brings them back) and flushes the event log.
+// running: the next start brings them back; runtimes that outlive the broker, pods, are let go of
+// and taken back instead) and flushes the event log.
 func (b *Broker) Shutdown(ctx context.Context) error {
 	err := b.Server.Shutdown(ctx)
 	b.stop()

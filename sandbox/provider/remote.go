@@ -103,3 +103,29 @@ type Claimer interface {
 	// left by an earlier broker that lost its data dir.
 	Unclaimed(ctx context.Context) ([]string, error)
 }
+
+// Outliving is a provider whose instances live on without the broker's process: a pod, its agent
+// and the commands it runs keep running when the broker that made it exits. A broker that stops
+// lets go of them (Detach) instead of ending them, and its next start takes each back (Adopt)
+// instead of starting it again, so that a restart or a rolling update loses none of a sandbox's
+// processes. The namespace and dir providers are not: their inits are the broker's own children
+// and end with it, so a restarted broker starts them afresh (and the record says the processes
+// were lost).
+type Outliving interface {
+	Provider
+	// Adopt takes back the running instance of spec's sandbox that an earlier run of this broker
+	// left, when it is still the one the provider made, up, and proves itself as the sandbox's own
+	// (the kubernetes provider: same labels, Ready, its agent passing the sandbox's TLS pin and
+	// secret). Otherwise it says why not in a *NotAdoptedError, having ended what was left of it
+	// so that Start makes a new one; any other error (the cluster did not answer) ended nothing.
+	Adopt(ctx context.Context, spec Spec) (Instance, error)
+	// Detach lets go of inst without ending its processes: the provider stops watching it and
+	// closes its connections, and its Done closes. inst is not used again.
+	Detach(inst Instance)
+}
+
+// NotAdoptedError says why a sandbox's runtime left by an earlier broker could not be taken back
+// (gone, not ready, not the one made for it, or its agent did not prove itself).
+type NotAdoptedError struct{ Reason string }
+
+func (e *NotAdoptedError) Error() string { return "not taken back: " + e.Reason }

@@ -312,9 +312,10 @@ func TestDeployManifests(t *testing.T) {
 	}
 
 	// A replica that restarts keeps its name, so its node and its data claim: a sandbox it hosted,
-	// running, comes back running on a new pod with its files (why a StatefulSet).
+	// running, is taken back with its pod, which ran on meanwhile, its processes with it (why a
+	// StatefulSet).
 	d, host := create("smoke-d")
-	if _, err := run(service, "exec", "smoke-d", "--", "sh", "-c", "echo kept > /workspace/f"); err != nil {
+	if _, err := run(service, "exec", "smoke-d", "--", "sh", "-c", "echo kept > /workspace/f; sleep 1000 >/dev/null 2>&1 & echo $! > /workspace/pid"); err != nil {
 		t.Fatal(err)
 	}
 	before, err := c.Client.CoreV1().Pods(ns).Get(ctx, kube.PodName(d.ID), metav1.GetOptions{})
@@ -329,17 +330,19 @@ func TestDeployManifests(t *testing.T) {
 		t.Fatalf("%v\n%s", err, diagnose())
 	}
 	if err := wait.For(2*time.Minute, func() error {
-		pod, err := c.Client.CoreV1().Pods(ns).Get(ctx, kube.PodName(d.ID), metav1.GetOptions{})
-		if err != nil || pod.UID == before.UID || pod.Labels[kube.LabelBroker] != host {
-			return fmt.Errorf("the sandbox's pod after its broker's restart: %v (a new one, labelled %s, is wanted)", err, host)
-		}
-		out, err := run(service, "exec", "smoke-d", "--", "cat", "/workspace/f")
-		if err != nil || out != "kept\n" {
+		out, err := run(service, "exec", "smoke-d", "--", "sh", "-c", "cat /workspace/f; kill -0 $(cat /workspace/pid) && echo alive")
+		if err != nil || out != "kept\nalive\n" {
 			return fmt.Errorf("%q %v", out, err)
 		}
 		return nil
 	}); err != nil {
 		t.Fatalf("%v\n%s", err, diagnose())
+	}
+	if pod, err := c.Client.CoreV1().Pods(ns).Get(ctx, kube.PodName(d.ID), metav1.GetOptions{}); err != nil || pod.UID != before.UID {
+		t.Errorf("the sandbox's pod after its broker's restart: %v (want the same pod, %s, taken back)", err, before.UID)
+	}
+	if out, err := run(service, "get", "smoke-d", "-o", "json"); err != nil || strings.Contains(out, "processes_lost_at") {
+		t.Errorf("the sandbox after its broker's restart: %v %s (want no processes_lost_at: nothing was lost)", err, out)
 	}
 	t.Logf("broker %s deleted, back, and its sandbox running again in %s", host, time.Since(restarted).Round(time.Millisecond))
 	if _, err := run(service, "delete", "smoke-d"); err != nil {

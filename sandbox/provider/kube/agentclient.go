@@ -35,6 +35,10 @@ type agentClient struct {
 
 	mu   sync.Mutex
 	idle []*agentConn
+	// refilled is open while a spare connection is being dialed (refill), closed when it is
+	// pooled or failed; nil otherwise.
+	refilled chan struct{}
+	closed   bool // close ran: nothing is pooled any more
 }
 
 const maxIdle = 8
@@ -44,6 +48,8 @@ type agentConn struct {
 	r   *bufio.Reader
 	buf []byte
 	wmu sync.Mutex
+	// idleSince is when it was last put in the idle pool.
+	idleSince time.Time
 }
 
 func (c *agentConn) write(typ byte, p []byte) error {
@@ -162,10 +168,44 @@ func (a *agentClient) get(ctx context.Context) (*agentConn, error) {
 	return a.dial(ctx)
 }
 
+// streamIdleMax is how long an idle connection may have waited and still carry a streamed
+// operation. A unary one on a connection that went stale is sent again on a fresh one; a command
+// is not (it may have started), so it only takes connections recent enough not to be.
+const streamIdleMax = 30 * time.Second
+
+// getStream is get for a streamed operation: an idle connection idle for less than streamIdleMax
+// (older ones are closed), the spare being dialed when there is one (it is nearer than a dial of
+// its own), or a new one.
+func (a *agentClient) getStream(ctx context.Context) (*agentConn, error) {
+	for waited := false; ; waited = true {
+		a.mu.Lock()
+		for n := len(a.idle); n > 0; n = len(a.idle) {
+			c := a.idle[n-1]
+			a.idle = a.idle[:n-1]
+			if time.Since(c.idleSince) < streamIdleMax {
+				a.mu.Unlock()
+				return c, nil
+			}
+			c.Close()
+		}
+		refilled := a.refilled
+		a.mu.Unlock()
+		if refilled == nil || waited {
+			return a.dial(ctx)
+		}
+		select {
+		case <-refilled:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
 func (a *agentClient) put(c *agentConn) {
+	c.idleSince = time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if len(a.idle) < maxIdle {
+	if !a.closed && len(a.idle) < maxIdle {
 		a.idle = append(a.idle, c)
 		return
 	}
@@ -180,6 +220,33 @@ func (a *agentClient) close() {
 		c.Close()
 	}
 	a.idle = nil
+	a.closed = true
+}
+
+// refill dials a spare connection into the idle pool in the background when the pool is empty, so
+// that the next streamed operation (an exec) takes one ready instead of waiting for a handshake.
+// The spare is dialed as every connection is (the pin, then the secret both ways).
+func (a *agentClient) refill() {
+	a.mu.Lock()
+	if a.refilled != nil || a.closed || len(a.idle) > 0 {
+		a.mu.Unlock()
+		return
+	}
+	refilled := make(chan struct{})
+	a.refilled = refilled
+	a.mu.Unlock()
+	go func() {
+		defer close(refilled)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c, err := a.dial(ctx)
+		if err == nil {
+			a.put(c)
+		}
+		a.mu.Lock()
+		a.refilled = nil
+		a.mu.Unlock()
+	}()
 }
 
 // result reads the operation's end: a result frame, decoded into out.
@@ -262,17 +329,20 @@ func agentErr(oe *opError) error {
 	return oe
 }
 
-// stream starts an operation on a connection of its own and reads up to its started frame (or its
-// error).
+// stream starts an operation on a connection of its own (the agent ends it with the operation):
+// a recent idle one when there is one, which passed the pin and the secret at its own dial as every
+// connection does, else a new one; and dials a spare in the background (refill), so that the next
+// exec does not wait for a TCP connect, a TLS handshake and the secret's challenges.
 func (a *agentClient) stream(ctx context.Context, op string, args any) (*agentConn, agent.Started, error) {
 	raw, err := json.Marshal(args)
 	if err != nil {
 		return nil, agent.Started{}, err
 	}
-	c, err := a.dial(ctx)
+	c, err := a.getStream(ctx)
 	if err != nil {
 		return nil, agent.Started{}, err
 	}
+	a.refill()
 	if err := c.writeJSON(agent.FrameRequest, agent.Request{Op: op, Args: raw}); err != nil {
 		c.Close()
 		return nil, agent.Started{}, a.lost(err)

@@ -205,10 +205,20 @@ func TestAgentClientRefusesAnImpostor(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
+	// It holds no key for the pinned certificate, so it cannot even take TLS: it is given its own,
+	// and the broker pins the sandbox's. The listener is wrapped before the accept loop starts
+	// (wrapping it after raced the loop's read of ln, and could let the loop accept in clear).
+	cert, key, _ := testCredentials(t)
+	_, _, pin := testCredentials(t)
+	srvTLS, err := agent.ServerTLS(cert, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tln := tls.NewListener(ln, srvTLS)
 	got := make(chan []byte, 8)
 	go func() {
 		for {
-			nc, err := ln.Accept()
+			nc, err := tln.Accept()
 			if err != nil {
 				return
 			}
@@ -229,17 +239,8 @@ func TestAgentClientRefusesAnImpostor(t *testing.T) {
 			}()
 		}
 	}()
-	// It holds no key for the pinned certificate, so it cannot even take TLS: it is given its own,
-	// and the broker pins the sandbox's.
-	cert, key, _ := testCredentials(t)
-	_, _, pin := testCredentials(t)
-	srvTLS, err := agent.ServerTLS(cert, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln = tls.NewListener(ln, srvTLS)
 	in := &instance{name: "test", done: make(chan struct{})}
-	in.client = &agentClient{addr: ln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), tls: pin, gone: in.goneErr}
+	in.client = &agentClient{addr: tln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), tls: pin, gone: in.goneErr}
 	defer in.client.close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

@@ -39,12 +39,19 @@ type agentClient struct {
 	// pooled or failed; nil otherwise.
 	refilled chan struct{}
 	closed   bool // close ran: nothing is pooled any more
+
+	// life is cancelled by close: it ends every operation still in flight (agentbound.go).
+	lifeOnce sync.Once
+	life     context.Context
+	endLife  context.CancelFunc
 }
 
 const maxIdle = 8
 
 type agentConn struct {
 	net.Conn
+	// raw is the TCP connection under TLS (abort).
+	raw net.Conn
 	r   *bufio.Reader
 	buf []byte
 	wmu sync.Mutex
@@ -128,7 +135,7 @@ func (a *agentClient) dialOnce(ctx context.Context) (*agentConn, error) {
 		return nil, a.lost(fmt.Errorf("what answers at %s did not prove it holds the sandbox's agent secret (a wrong secret, or another pod at the address): nothing was sent to it", a.addr))
 	}
 	raw.SetDeadline(time.Time{})
-	return &agentConn{Conn: nc, r: bufio.NewReaderSize(nc, 64<<10)}, nil
+	return &agentConn{Conn: nc, raw: raw, r: bufio.NewReaderSize(nc, 64<<10)}, nil
 }
 
 // tlsErr says why the TLS handshake with what answers at the pod's address failed.
@@ -212,12 +219,14 @@ func (a *agentClient) put(c *agentConn) {
 	c.Close()
 }
 
-// close drops the idle connections.
+// close drops the idle connections and ends the operations in flight.
 func (a *agentClient) close() {
+	a.lifeCtx()
+	a.endLife()
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for _, c := range a.idle {
-		c.Close()
+		c.abort()
 	}
 	a.idle = nil
 	a.closed = true
@@ -237,7 +246,7 @@ func (a *agentClient) refill() {
 	a.mu.Unlock()
 	go func() {
 		defer close(refilled)
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(a.lifeCtx(), 10*time.Second)
 		defer cancel()
 		c, err := a.dial(ctx)
 		if err == nil {
@@ -280,16 +289,22 @@ func (e *opError) Error() string { return e.e.Error() }
 func (e *opError) Unwrap() error { return e.e.AsError() }
 
 // unary runs one request/answer operation, on an idle connection when there is one. A stale idle
-// connection (the agent restarted) is retried once on a fresh one.
+// connection (the agent restarted) is retried once on a fresh one. It ends with the client (the
+// pod's end) and, when ctx has no deadline, after agentOpTimeout (agentbound.go).
 func (a *agentClient) unary(ctx context.Context, op string, args, out any) error {
 	raw, err := json.Marshal(args)
 	if err != nil {
 		return err
 	}
 	req, _ := json.Marshal(agent.Request{Op: op, Args: raw})
+	ctx, cancel := a.bound(ctx)
+	defer cancel()
 	for attempt := 0; ; attempt++ {
 		c, err := a.get(ctx)
 		if err != nil {
+			if ctx.Err() != nil {
+				return context.Cause(ctx)
+			}
 			return err
 		}
 		stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
@@ -310,9 +325,9 @@ func (a *agentClient) unary(ctx context.Context, op string, args, out any) error
 			}
 			return nil
 		}
-		c.Close()
+		c.abort()
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return context.Cause(ctx)
 		}
 		if attempt == 0 {
 			continue
@@ -443,21 +458,40 @@ func (f agentFiles) Move(a protocol.MoveArgs) error {
 	return f.a.unary(context.Background(), agent.OpMove, a, nil)
 }
 
+// Create starts a streamed write. It and each frame of it end with the pod, or when the agent
+// takes nothing for agentIdleTimeout.
 func (f agentFiles) Create(path, mode string) (sandbox.Upload, error) {
-	c, _, err := f.a.stream(context.Background(), agent.OpCreate, agent.CreateArgs{Path: path, Mode: mode})
+	c, _, err := f.start(agent.OpCreate, agent.CreateArgs{Path: path, Mode: mode})
 	if err != nil {
 		return nil, err
 	}
-	if _, err := started(c); err != nil {
-		c.Close()
-		return nil, err
+	return &upload{a: f.a, c: c, stop: f.a.watch(context.Background(), c)}, nil
+}
+
+// start begins a streamed operation that its caller gives no context (Create, OpenRead) and reads
+// its start, the wait bounded by agentIdleTimeout and the client's life.
+func (f agentFiles) start(op string, args any) (*agentConn, agent.Started, error) {
+	c, _, err := f.a.stream(f.a.lifeCtx(), op, args)
+	if err != nil {
+		return nil, agent.Started{}, err // the dial's own bounds, and the pod's end (lost)
 	}
-	return &upload{c: c}, nil
+	stop := f.a.watch(context.Background(), c)
+	defer stop()
+	c.SetReadDeadline(time.Now().Add(agentIdleTimeout))
+	s, err := started(c)
+	if err != nil {
+		c.abort()
+		return nil, agent.Started{}, f.a.streamErr(nil, err)
+	}
+	c.SetReadDeadline(time.Time{})
+	return c, s, nil
 }
 
 // upload is a streamed write through the agent.
 type upload struct {
+	a    *agentClient
 	c    *agentConn
+	stop func() // the watch that aborts c at the pod's end
 	done bool
 }
 
@@ -465,8 +499,8 @@ func (u *upload) Write(p []byte) (int, error) {
 	n := 0
 	for len(p) > 0 {
 		chunk := p[:min(len(p), 256<<10)]
-		if err := u.c.write(agent.FrameData, chunk); err != nil {
-			return n, err
+		if err := u.c.writeIdle(agent.FrameData, chunk); err != nil {
+			return n, u.a.streamErr(nil, err)
 		}
 		n += len(chunk)
 		p = p[len(chunk):]
@@ -480,16 +514,20 @@ func (u *upload) Commit() (protocol.WriteResult, error) {
 		return out, errors.New("upload already ended")
 	}
 	u.done = true
-	defer u.c.Close()
-	if err := u.c.write(agent.FrameEnd, nil); err != nil {
-		return out, err
+	defer u.stop()
+	defer u.c.abort()
+	if err := u.c.writeIdle(agent.FrameEnd, nil); err != nil {
+		return out, u.a.streamErr(nil, err)
 	}
-	err := result(u.c, &out)
+	err := resultIdle(u.c, &out)
 	var oe *opError
 	if errors.As(err, &oe) {
 		return out, agentErr(oe)
 	}
-	return out, err
+	if err != nil {
+		return out, u.a.streamErr(nil, err)
+	}
+	return out, nil
 }
 
 func (u *upload) Abort() error {
@@ -497,34 +535,34 @@ func (u *upload) Abort() error {
 		return nil
 	}
 	u.done = true
-	defer u.c.Close()
-	if err := u.c.write(agent.FrameAbort, nil); err != nil {
+	defer u.stop()
+	defer u.c.abort()
+	if err := u.c.writeIdle(agent.FrameAbort, nil); err != nil {
 		return nil
 	}
-	result(u.c, nil)
+	resultIdle(u.c, nil)
 	return nil
 }
 
+// OpenRead starts a streamed read. Its start and each of its frames end with the pod, or when the
+// agent sends nothing for agentIdleTimeout.
 func (f agentFiles) OpenRead(path string) (io.ReadCloser, protocol.FileInfo, error) {
-	c, _, err := f.a.stream(context.Background(), agent.OpOpen, agent.PathArgs{Path: path})
+	c, s, err := f.start(agent.OpOpen, agent.PathArgs{Path: path})
 	if err != nil {
-		return nil, protocol.FileInfo{}, err
-	}
-	s, err := started(c)
-	if err != nil {
-		c.Close()
 		return nil, protocol.FileInfo{}, err
 	}
 	var info protocol.FileInfo
 	if s.Info != nil {
 		info = *s.Info
 	}
-	return &download{c: c}, info, nil
+	return &download{a: f.a, c: c, stop: f.a.watch(context.Background(), c)}, info, nil
 }
 
 // download reads a file's data frames.
 type download struct {
+	a    *agentClient
 	c    *agentConn
+	stop func()
 	rest []byte
 	err  error
 }
@@ -534,10 +572,10 @@ func (d *download) Read(p []byte) (int, error) {
 		if d.err != nil {
 			return 0, d.err
 		}
-		typ, b, err := d.c.read()
+		typ, b, err := d.c.readIdle()
 		switch {
 		case err != nil:
-			d.err = err
+			d.err = d.a.streamErr(nil, err)
 		case typ == agent.FrameData:
 			d.rest = b
 		case typ == agent.FrameResult:
@@ -556,23 +594,29 @@ func (d *download) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-func (d *download) Close() error { return d.c.Close() }
+func (d *download) Close() error {
+	d.stop()
+	d.c.abort()
+	return nil
+}
 
+// Extract streams a tar into dir. It ends with ctx or the pod, or when the agent takes nothing for
+// agentIdleTimeout (time spent reading r does not count).
 func (f agentFiles) Extract(ctx context.Context, dir string, r io.Reader) (protocol.TreeResult, error) {
 	var out protocol.TreeResult
 	c, _, err := f.a.stream(ctx, agent.OpExtract, agent.PathArgs{Path: dir})
 	if err != nil {
 		return out, err
 	}
-	defer c.Close()
-	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
+	defer c.abort()
+	stop := f.a.watch(ctx, c)
 	defer stop()
 	buf := make([]byte, 256<<10)
 	for {
 		n, rerr := r.Read(buf)
 		if n > 0 {
-			if err := c.write(agent.FrameData, buf[:n]); err != nil {
-				return out, f.a.lost(err)
+			if err := c.writeIdle(agent.FrameData, buf[:n]); err != nil {
+				return out, f.a.streamErr(ctx, err)
 			}
 		}
 		if rerr == io.EOF {
@@ -582,30 +626,35 @@ func (f agentFiles) Extract(ctx context.Context, dir string, r io.Reader) (proto
 			return out, rerr
 		}
 	}
-	if err := c.write(agent.FrameEnd, nil); err != nil {
-		return out, f.a.lost(err)
+	if err := c.writeIdle(agent.FrameEnd, nil); err != nil {
+		return out, f.a.streamErr(ctx, err)
 	}
-	err = result(c, &out)
+	err = resultIdle(c, &out)
 	var oe *opError
 	if errors.As(err, &oe) {
 		return out, agentErr(oe)
 	}
-	return out, err
+	if err != nil {
+		return out, f.a.streamErr(ctx, err)
+	}
+	return out, nil
 }
 
+// Archive streams path as a tar to w. It ends with ctx or the pod, or when the agent sends nothing
+// for agentIdleTimeout (time spent writing to w does not count).
 func (f agentFiles) Archive(ctx context.Context, path string, w io.Writer) (protocol.TreeResult, error) {
 	var out protocol.TreeResult
 	c, _, err := f.a.stream(ctx, agent.OpArchive, agent.PathArgs{Path: path})
 	if err != nil {
 		return out, err
 	}
-	defer c.Close()
-	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
+	defer c.abort()
+	stop := f.a.watch(ctx, c)
 	defer stop()
 	for {
-		typ, b, err := c.read()
+		typ, b, err := c.readIdle()
 		if err != nil {
-			return out, f.a.lost(err)
+			return out, f.a.streamErr(ctx, err)
 		}
 		switch typ {
 		case agent.FrameData:

@@ -18,7 +18,8 @@ import (
 // detached from its request, the warm pool's discard) and a failed start's own cleanup: the API
 // calls are sent again for as long as their context lasts while the API server throttles
 // (throttle.go), so without a bound they would wait as long as the throttling does, holding the
-// sandbox's lifecycle lock. A stop is held to it too (instance.Stop).
+// sandbox's lifecycle lock. A stop is held to it too (instance.Stop), and so are the broker start's
+// listing and ending of pods left unclaimed (Unclaimed, EndRuntime), which would hold the start.
 var cleanupTimeout = time.Minute
 
 // deletePod deletes a pod and waits until it is gone.

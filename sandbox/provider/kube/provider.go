@@ -250,7 +250,13 @@ func (p *Provider) Runtimes(ctx context.Context) ([]provider.RuntimeRef, error) 
 
 // Unclaimed lists the sandboxes this broker has pods for that name no org: its warm pool's
 // (provider.Claimer).
+//
+// It runs at the broker's start (sandbox's recoverUnclaimed) with no deadline of its own, so it
+// is held to cleanupTimeout: a throttling API server is retried for as long as the context lasts
+// (throttle.go), and must not hold the broker's start for as long as the throttling does.
 func (p *Provider) Unclaimed(ctx context.Context) ([]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
+	defer cancel()
 	pods, err := p.cfg.Client.CoreV1().Pods(p.cfg.Namespace).List(ctx, metav1.ListOptions{
 		LabelSelector: LabelManaged + "=" + managedBy + "," + LabelBroker + "=" + labelValue(p.cfg.Broker),
 	})
@@ -266,8 +272,11 @@ func (p *Provider) Unclaimed(ctx context.Context) ([]string, error) {
 	return out, nil
 }
 
-// EndRuntime deletes a sandbox's pod; its claim stays (provider.Reconciler).
+// EndRuntime deletes a sandbox's pod; its claim stays (provider.Reconciler). Within cleanupTimeout:
+// the broker's start ends pods left unclaimed with no deadline of its own (recoverUnclaimed).
 func (p *Provider) EndRuntime(ctx context.Context, id string) error {
+	ctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
+	defer cancel()
 	return p.deletePod(ctx, PodName(id), 0)
 }
 

@@ -470,5 +470,29 @@ func TestThrottlingNeverHoldsACleanupForever(t *testing.T) {
 	case <-time.After(time.Until(tStart.Add(startTimeout + cleanupTimeout + slack))):
 		t.Fatalf("a failed start still waits on its cleanup %s after it began (its timeout %s), in endless throttling", time.Since(tStart).Round(time.Second), startTimeout)
 	}
+
+	// The broker's start lists the pooled pods an earlier broker left (sandbox's recoverUnclaimed)
+	// and ends those its data dir does not know, with no deadline of its own: under endless
+	// throttling neither may hold the broker's start.
+	for _, call := range []struct {
+		what string
+		fn   func() error
+	}{
+		{"listing the pods left unclaimed", func() error { _, err := p.Unclaimed(context.Background()); return err }},
+		{"ending a pod left unclaimed", func() error { return p.EndRuntime(context.Background(), spec.ID) }},
+	} {
+		ended := make(chan error, 1)
+		t0 := time.Now()
+		go func() { ended <- call.fn() }()
+		select {
+		case err := <-ended:
+			if !apierrors.IsTooManyRequests(err) {
+				t.Fatalf("%s under endless throttling: %v, want the API server's 429", call.what, err)
+			}
+			t.Logf("%s under endless throttling ended after %s: %v", call.what, time.Since(t0).Round(time.Millisecond), err)
+		case <-time.After(cleanupTimeout + slack):
+			t.Fatalf("%s without a deadline still waits %s into endless throttling", call.what, time.Since(t0).Round(time.Second))
+		}
+	}
 	throttle(false)
 }

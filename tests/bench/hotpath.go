@@ -141,6 +141,19 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 		return err
 	}
 	up := float64(size) / (1 << 20) / time.Since(t).Seconds()
+	// The first upload writes never-written space of the workspace's image, which the broker's writes
+	// meet far more slowly than rewrites (docs/ARCHITECTURE.md, hot path); uploads again over the
+	// space it freed show the steady state beside it.
+	var again []float64
+	for range 4 {
+		t = time.Now()
+		if _, err := r.Upload(ctx, "bulk.bin", bytes.NewReader(data)); err != nil {
+			return err
+		}
+		again = append(again, float64(size)/(1<<20)/time.Since(t).Seconds())
+	}
+	sort.Float64s(again)
+	upAgain := (again[1] + again[2]) / 2
 	t = time.Now()
 	if got, err := r.Download(ctx, "bulk.bin", io.Discard); err != nil || got != size {
 		return fmt.Errorf("download: %d bytes, %v", got, err)
@@ -150,8 +163,8 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 	toFile, fromFile := tcpFileBaselines(br.dir, size)
 	wsToFile, _ := tcpFileBaselines(wsFloor, size)
 	add(row{"100 MiB upload", fmt.Sprintf("%.0f MiB/s", up), ">= 80% of floor", "856", "282",
-		fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%), into one on the workspace's fs %.0f MiB/s (%.0f%%); broker peak RSS %d -> %d MiB",
-			toFile, 100*up/toFile, wsToFile, 100*up/wsToFile, rss0>>20, rss1>>20)})
+		fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%), into one on the workspace's fs %.0f MiB/s (%.0f%%); uploaded again over freed space (median of 4) %.0f MiB/s (%.0f%%, %.0f%%); broker peak RSS %d -> %d MiB",
+			toFile, 100*up/toFile, wsToFile, 100*up/wsToFile, upAgain, 100*upAgain/toFile, 100*upAgain/wsToFile, rss0>>20, rss1>>20)})
 	add(row{"100 MiB download", fmt.Sprintf("%.0f MiB/s", down), ">= 80% of floor", "1391", "1761",
 		fmt.Sprintf("file out over raw TCP %.0f MiB/s (%.0f%%)", fromFile, 100*down/fromFile)})
 

@@ -259,7 +259,8 @@ func (s *Server) handshake(raw net.Conn) (net.Conn, bool) {
 	return nc, raw.SetDeadline(time.Time{}) == nil
 }
 
-// serve runs one request; false ends the connection (streamed operations, errors on the wire).
+// serve runs one request; false ends the connection (streamed operations but an upload that ended
+// in step, errors on the wire).
 func (s *Server) serve(c *conn, req Request) bool {
 	ctx := context.Background()
 	unary := func(args any, fn func() (any, error)) bool {
@@ -322,10 +323,7 @@ func (s *Server) serve(c *conn, req Request) bool {
 		return false
 	case OpCreate:
 		var a CreateArgs
-		if json.Unmarshal(req.Args, &a) == nil {
-			s.create(c, a)
-		}
-		return false
+		return json.Unmarshal(req.Args, &a) == nil && s.create(c, a)
 	case OpOpen:
 		var a PathArgs
 		if json.Unmarshal(req.Args, &a) == nil {
@@ -368,22 +366,26 @@ func (w *frameWriter) Write(p []byte) (int, error) {
 	return n, nil
 }
 
-func (s *Server) create(c *conn, a CreateArgs) {
+// create runs a streamed write; true when it ended in step with the broker (its end or abort
+// frame taken, the result sent), so that the connection carries the broker's next request
+// (Started.Reuse): the dataplane's every write is one, and a connection per write would cost a
+// TLS handshake per write.
+func (s *Server) create(c *conn, a CreateArgs) bool {
 	up, err := s.ws.Create(a.Path, a.Mode)
 	if err != nil {
 		c.result(nil, err)
-		return
+		return false
 	}
-	if err := WriteJSON(c, FrameStarted, Started{}); err != nil {
+	if err := WriteJSON(c, FrameStarted, Started{Reuse: true}); err != nil {
 		up.Abort()
-		return
+		return false
 	}
 	var werr error
 	for {
 		typ, p, err := c.read()
 		if err != nil {
 			up.Abort()
-			return
+			return false
 		}
 		switch typ {
 		case FrameData:
@@ -393,16 +395,17 @@ func (s *Server) create(c *conn, a CreateArgs) {
 		case FrameEnd:
 			if werr != nil {
 				up.Abort()
-				c.result(nil, werr)
-				return
+				return c.result(nil, werr) == nil
 			}
 			res, err := up.Commit()
-			c.result(res, err)
-			return
-		default: // FrameAbort and anything else
+			return c.result(res, err) == nil
+		case FrameAbort:
+			up.Abort()
+			return c.result(nil, nil) == nil
+		default: // out of step: the connection ends
 			up.Abort()
 			c.result(nil, nil)
-			return
+			return false
 		}
 	}
 }

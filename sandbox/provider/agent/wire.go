@@ -180,6 +180,10 @@ type ExecResult struct {
 type Started struct {
 	Pid  int                `json:"pid,omitempty"`
 	Info *protocol.FileInfo `json:"info,omitempty"`
+	// Reuse says the agent takes further requests on the connection once this operation's result
+	// is sent (a create that ends with FrameEnd or FrameAbort); without it the agent closes the
+	// connection after the operation, as older agents do.
+	Reuse bool `json:"reuse,omitempty"`
 }
 
 // CreateArgs starts an upload.

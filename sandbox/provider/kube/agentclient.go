@@ -22,7 +22,8 @@ import (
 )
 
 // agentClient reaches one pod's agent (sandbox/provider/agent) over the pod network. Unary
-// operations reuse idle authenticated connections; exec and streamed operations take one each.
+// operations reuse idle authenticated connections; exec and streamed operations take one each,
+// and an upload that ends in step with the agent gives its back (agent.Started.Reuse).
 type agentClient struct {
 	addr   string
 	secret []byte
@@ -461,11 +462,11 @@ func (f agentFiles) Move(a protocol.MoveArgs) error {
 // Create starts a streamed write. It and each frame of it end with the pod, or when the agent
 // takes nothing for agentIdleTimeout.
 func (f agentFiles) Create(path, mode string) (sandbox.Upload, error) {
-	c, _, err := f.start(agent.OpCreate, agent.CreateArgs{Path: path, Mode: mode})
+	c, s, err := f.start(agent.OpCreate, agent.CreateArgs{Path: path, Mode: mode})
 	if err != nil {
 		return nil, err
 	}
-	return &upload{a: f.a, c: c, stop: f.a.watch(context.Background(), c)}, nil
+	return &upload{a: f.a, c: c, reuse: s.Reuse, stop: f.a.watch(context.Background(), c)}, nil
 }
 
 // start begins a streamed operation that its caller gives no context (Create, OpenRead) and reads
@@ -489,10 +490,26 @@ func (f agentFiles) start(op string, args any) (*agentConn, agent.Started, error
 
 // upload is a streamed write through the agent.
 type upload struct {
-	a    *agentClient
-	c    *agentConn
-	stop func() // the watch that aborts c at the pod's end
-	done bool
+	a *agentClient
+	c *agentConn
+	// reuse: the agent takes further requests on c once the upload's result is read
+	// (agent.Started.Reuse).
+	reuse bool
+	stop  func() // the watch that aborts c at the pod's end
+	done  bool
+}
+
+// end ends the upload's use of its connection once its result was read (err nil or the agent's
+// own error): the connection goes back to the pool when the agent keeps it (the next write does
+// not pay a TLS handshake), else it is closed.
+func (u *upload) end(err error) {
+	u.stop()
+	var oe *opError
+	if u.reuse && (err == nil || errors.As(err, &oe)) && u.a.lifeCtx().Err() == nil && u.c.SetDeadline(time.Time{}) == nil {
+		u.a.put(u.c)
+		return
+	}
+	u.c.abort()
 }
 
 func (u *upload) Write(p []byte) (int, error) {
@@ -514,12 +531,12 @@ func (u *upload) Commit() (protocol.WriteResult, error) {
 		return out, errors.New("upload already ended")
 	}
 	u.done = true
-	defer u.stop()
-	defer u.c.abort()
 	if err := u.c.writeIdle(agent.FrameEnd, nil); err != nil {
+		u.end(err)
 		return out, u.a.streamErr(nil, err)
 	}
 	err := resultIdle(u.c, &out)
+	u.end(err)
 	var oe *opError
 	if errors.As(err, &oe) {
 		return out, agentErr(oe)
@@ -535,12 +552,11 @@ func (u *upload) Abort() error {
 		return nil
 	}
 	u.done = true
-	defer u.stop()
-	defer u.c.abort()
 	if err := u.c.writeIdle(agent.FrameAbort, nil); err != nil {
+		u.end(err)
 		return nil
 	}
-	resultIdle(u.c, nil)
+	u.end(resultIdle(u.c, nil))
 	return nil
 }
 

@@ -340,7 +340,10 @@ func TestGvisorNetworkChecksumRewrite(t *testing.T) {
 			var targets []target
 			if tc.tmpl.Network.Allow == nil {
 				for _, h := range append([]string{"127.0.0.1"}, hostAddrs(t)...) {
-					addr, accepted := listenOn(t, net.JoinHostPort(h, "0"))
+					addr, accepted, ok := listenOnHost(t, h)
+					if !ok {
+						continue
+					}
 					targets = append(targets, target{"host " + h, addr, accepted})
 				}
 			} else {

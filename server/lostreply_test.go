@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -183,16 +184,29 @@ func TestCreateWhoseCallerHungUpAfterALostAnswer(t *testing.T) {
 	needRoot(t)
 	lossy := &redistest.LoseAnswers{Match: []byte("hung-up")}
 	uids := store.UIDRange{First: 237000, Last: 237999}
-	b := servertest.New(t, servertest.Options{Provider: "dir", RedisDialer: lossy.Dial, SandboxUIDs: &uids})
+	hungUp := &hangUpListener{seen: make(chan struct{}, 64)}
+	b := servertest.New(t, servertest.Options{Provider: "dir", RedisDialer: lossy.Dial, SandboxUIDs: &uids,
+		Listener: func(l net.Listener) net.Listener { hungUp.Listener = l; return hungUp }})
 	ctx := t.Context()
 	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "warm"}); err != nil {
 		t.Fatal(err)
 	}
 	hangUp, cancel := context.WithCancel(ctx)
 	defer cancel()
-	// The client hangs up while the answer is being lost; the pause lets the broker see it before
-	// the Redis client sends the call again.
-	lossy.Lost = func([]byte) { cancel(); time.Sleep(200 * time.Millisecond) }
+	// The client hangs up while the answer is being lost, and the answer is held until the broker
+	// has read the hang-up (net/http cancels the request's context as that read ends), so the
+	// Redis client's resend comes after it.
+	for len(hungUp.seen) > 0 { // ends read before this create are not its hang-up
+		<-hungUp.seen
+	}
+	lossy.Lost = func([]byte) {
+		cancel()
+		select {
+		case <-hungUp.seen:
+		case <-time.After(5 * time.Second):
+			t.Error("the broker never read the client's hang-up")
+		}
+	}
 	lossy.Lose.Store(1)
 	if _, err := b.Client.CreateSandbox(hangUp, protocol.CreateSandboxRequest{Name: "hung-up"}); err == nil {
 		t.Fatal("the create answered its caller after it hung up: the test did not test")
@@ -446,4 +460,34 @@ func TestCreateOrReuseResumeWhoseAnswersRedisLostIsSettled(t *testing.T) {
 	if got, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "reuse-lost"}); err != nil || got.Sandbox.Status != protocol.StatusRunning {
 		t.Fatalf("create-or-reuse again: %v %+v", err, got)
 	}
+}
+
+// hangUpListener's connections say on seen when the broker reads a client's end of stream.
+type hangUpListener struct {
+	net.Listener
+	seen chan struct{}
+}
+
+func (l *hangUpListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &hangUpConn{Conn: c, seen: l.seen}, nil
+}
+
+type hangUpConn struct {
+	net.Conn
+	seen chan struct{}
+}
+
+func (c *hangUpConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if err != nil {
+		select {
+		case c.seen <- struct{}{}:
+		default:
+		}
+	}
+	return n, err
 }

@@ -105,6 +105,9 @@ type Options struct {
 	// RedisDialer, when set, opens the broker's connections to Redis (a test's faulty network in
 	// front of the real server).
 	RedisDialer func(ctx context.Context, network, addr string) (net.Conn, error)
+	// Listener, when set, wraps the broker's API listener (a test that watches its clients'
+	// connections from the broker's side).
+	Listener func(net.Listener) net.Listener
 }
 
 // DefaultSandboxUIDs is cmd/broker's default --sandbox-uids, without its shared --sandbox-uid.
@@ -193,6 +196,9 @@ func New(t testing.TB, opts Options) *Broker {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
+	}
+	if opts.Listener != nil {
+		l = opts.Listener(l)
 	}
 	url := "http://" + l.Addr().String()
 	// The same wiring as cmd/broker; the sweeper is left to the test (SweepOnce on its clock).

@@ -72,6 +72,9 @@ func TestMetricsNameNoOrgWithoutTheOperatorsToken(t *testing.T) {
 		if status != want || strings.Contains(body, "acme") || strings.Contains(body, secret.APIKey()) || strings.Contains(body, token) {
 			t.Errorf("/metrics with %.12s...: %d %s, want %d naming no org and echoing no credential", auth, status, body, want)
 		}
+		if i == 2 && !strings.Contains(eb.Error.Message, "--metrics-token-file") {
+			t.Errorf("the refusal of a source past its failures should name the metrics token: %q", eb.Error.Message)
+		}
 		if i < 2 && eb.Error.Code != protocol.CodeUnauthenticated {
 			t.Errorf("/metrics with %.12s...: code %q, want %s", auth, eb.Error.Code, protocol.CodeUnauthenticated)
 		}

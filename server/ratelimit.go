@@ -304,10 +304,13 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 	if s.authGuard == nil {
 		return next
 	}
-	refuse := func(wait time.Duration) error {
+	refuse := func(path string, wait time.Duration) error {
+		with := "a valid API key (sbctl reads it from --api-key, SBX_API_KEY or its config file)"
+		if path == "/metrics" {
+			with = "the metrics token of the broker's --metrics-token-file, or no credentials"
+		}
 		return &retryError{after: wait, limit: limitAuthFailures, pe: protocol.Errorf(protocol.CodeRateLimited,
-			"too many failed authentications from this address: retry in %s s with a valid API key (sbctl reads it from --api-key, SBX_API_KEY or its config file)",
-			seconds(wait))}
+			"too many failed authentications from this address: retry in %s s with %s", seconds(wait), with)}
 	}
 	return func(c echo.Context) error {
 		r := c.Request()
@@ -316,7 +319,7 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 		}
 		src := sourceOf(r)
 		if wait, blocked := s.authGuard.blocked(src); blocked {
-			return refuse(wait)
+			return refuse(r.URL.Path, wait)
 		}
 		err := next(c)
 		status, guess := c.Response().Status, true
@@ -332,7 +335,7 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 					"source", src, "failures", s.authGuard.max, "retry_after_s", int(math.Ceil(wait.Seconds())), "request_id", requestID(c))
 			}
 			if over && !c.Response().Committed {
-				return refuse(wait)
+				return refuse(r.URL.Path, wait)
 			}
 		}
 		return err

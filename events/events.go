@@ -132,6 +132,12 @@ const closeWait = 5 * time.Second
 // batchSize bounds one pipeline.
 const batchSize = 256
 
+// linger is how long the writer lets events gather after the first of a batch. Every dataplane write
+// emits one, and written one by one each cost two Redis round trips (the append, then the wake-up)
+// and the wakeups of this goroutine and of Redis, on the path of the client's next request; gathered,
+// a busy connection pays them once per linger. Panes see events that much later.
+const linger = 2 * time.Millisecond
+
 // lostKey names the events lost for one sandbox of one org.
 type lostKey struct{ org, sandbox, name string }
 
@@ -206,6 +212,9 @@ func (w *Writer) run() {
 				return
 			}
 			p.add(q)
+			// Let the events that follow this one join its batch (see linger). The queue is not
+			// watched meanwhile: a receive would wake this goroutine for each of them.
+			time.Sleep(linger)
 		}
 		// Take what else is queued, without waiting.
 	drain:

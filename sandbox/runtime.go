@@ -21,7 +21,10 @@ import (
 type Runtime struct {
 	// Files are the sandbox's file operations, by sandbox path (/workspace/...).
 	Files Files
-	inst  provider.Instance
+	// LocalFiles says Files are system calls on this host's disk, never a round trip to another
+	// process or machine: a single file's operation ends in well under a millisecond.
+	LocalFiles bool
+	inst       provider.Instance
 }
 
 // Files are a sandbox's file operations (docs/dataplane.md, section 3). Paths are sandbox paths;
@@ -152,7 +155,7 @@ func (m *Manager) Runtime(rec store.Record) (*Runtime, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Runtime{Files: hostFiles{ws}, inst: h.inst}, nil
+	return &Runtime{Files: hostFiles{ws}, LocalFiles: true, inst: h.inst}, nil
 }
 
 // filesInstance is an instance that serves its own files: one of a provider.Remote, whose

@@ -43,23 +43,40 @@ func (h *hold) release() {
 }
 
 // holdHeavy takes a heavy slot for req on this connection and, when broker is set, one broker-wide
-// (within the org's share), waiting if none is free; they go with the request's answer and are
-// given back when it is written or dropped.
-func (c *dpConn) holdHeavy(ctx context.Context, req *request, broker bool) error {
+// (within the org's share); they go with the request's answer and are given back when it is
+// written or dropped. With wait it waits for them (held is false only with ctx's error); without,
+// it takes them only if both are free now, and otherwise takes nothing.
+func (c *dpConn) holdHeavy(ctx context.Context, req *request, broker, wait bool) (held bool, err error) {
+	if !wait {
+		select {
+		case c.heavy <- struct{}{}:
+		default:
+			return false, nil
+		}
+		if broker && !c.s.dpHeavy.tryAcquire(c.org, 1) {
+			<-c.heavy
+			return false, nil
+		}
+		req.hold.add(func() { <-c.heavy })
+		if broker {
+			req.hold.add(func() { c.s.dpHeavy.release(c.org, 1) })
+		}
+		return true, nil
+	}
 	select {
 	case c.heavy <- struct{}{}:
 	case <-ctx.Done():
-		return ctx.Err()
+		return false, ctx.Err()
 	}
 	req.hold.add(func() { <-c.heavy })
 	if !broker {
-		return nil
+		return true, nil
 	}
 	if err := c.s.dpHeavy.acquire(ctx, c.org, 1); err != nil {
-		return err
+		return false, err
 	}
 	req.hold.add(func() { c.s.dpHeavy.release(c.org, 1) })
-	return nil
+	return true, nil
 }
 
 // execOutput is what one non-streamed exec holds of the broker-wide output budget: the capacity of

@@ -654,20 +654,46 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 		return
 	}
 	c.running.Add(1)
-	go func() {
-		defer c.running.Done()
-		res, err := c.run(ctx, req, o, args)
-		req.body = nil
-		put()
-		resp := protocol.Response{ID: id, Result: res}
-		if err != nil {
-			if ctx.Err() != nil && c.ctx.Err() == nil {
-				err = context.Canceled
-			}
-			resp = c.errorResponse(id, err)
+	if c.onReader(o) && c.perform(ctx, req, o, args, put, false) {
+		return
+	}
+	go c.perform(ctx, req, o, args, put, true)
+}
+
+// onReader says whether op o may run on the reader's goroutine: a one-file operation on local
+// files, when no other request is in flight. Handing it to a goroutine of its own would wake
+// another thread to take it (the Go scheduler does, to spread new goroutines), and each wakeup of
+// an idle CPU costs more than the operation on a virtual machine; run here, a lone client's write
+// or read costs one wakeup less each. Nothing waits behind it: requests sent meanwhile are read
+// when it ends, well under a millisecond later.
+func (c *dpConn) onReader(o dpOp) bool {
+	if !o.oneFile || !c.rt.LocalFiles {
+		return false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.inflight) == 1
+}
+
+// perform runs req and queues its answer; c.running counted it. Without wait (on the reader's
+// goroutine) it does nothing and answers false when the op would wait for a slot.
+func (c *dpConn) perform(ctx context.Context, req *request, o dpOp, args json.RawMessage, put func(), wait bool) bool {
+	res, err, ran := c.run(ctx, req, o, args, wait)
+	if !ran {
+		return false
+	}
+	defer c.running.Done()
+	req.body = nil
+	put()
+	resp := protocol.Response{ID: req.id, Result: res}
+	if err != nil {
+		if ctx.Err() != nil && c.ctx.Err() == nil {
+			err = context.Canceled
 		}
-		c.answer(id, req, resp)
-	}()
+		resp = c.errorResponse(req.id, err)
+	}
+	c.answer(req.id, req, resp)
+	return true
 }
 
 // admit applies the op table's policy to request id, the one place every front end's requests pass

@@ -16,20 +16,20 @@ var dpOps = map[string]dpOp{
 	protocol.OpCancel: {class: opInline, inline: (*dpConn).cancelRequest},
 
 	protocol.OpEnv:      op(protocol.ScopeFSRead, opLight, opEnv),
-	protocol.OpStat:     op(protocol.ScopeFSRead, opLight, opStat),
+	protocol.OpStat:     op(protocol.ScopeFSRead, opLight, opStat).onOneFile(),
 	protocol.OpLs:       op(protocol.ScopeFSRead, opHeavy, opLs),
-	protocol.OpRead:     op(protocol.ScopeFSRead, opHeavy, opRead),
+	protocol.OpRead:     op(protocol.ScopeFSRead, opHeavy, opRead).onOneFile(),
 	protocol.OpGlob:     op(protocol.ScopeFSRead, opHeavy, opGlob),
 	protocol.OpGrep:     op(protocol.ScopeFSRead, opHeavy, opGrep),
 	protocol.OpDownload: op(protocol.ScopeFSRead, opStreamed, opDownload),
 	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar),
 	protocol.OpChanges:  op(protocol.ScopeFSRead, opHeavy, opChanges),
 
-	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite).withBody(),
-	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit),
+	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite).withBody().onOneFile(),
+	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit).onOneFile(),
 	protocol.OpDelete: op(protocol.ScopeFSWrite, opLight, opDelete),
-	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir),
-	protocol.OpMove:   op(protocol.ScopeFSWrite, opLight, opMove),
+	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir).onOneFile(),
+	protocol.OpMove:   op(protocol.ScopeFSWrite, opLight, opMove).onOneFile(),
 	protocol.OpUpload: op(protocol.ScopeFSWrite, opUpload, opUploadOpen),
 	protocol.OpUntar:  op(protocol.ScopeFSWrite, opUpload, opUntarOpen),
 
@@ -56,6 +56,9 @@ type dpOp struct {
 	// it then must; no other op takes one. An op answers with a body (protocol.FrameAnswerBody) by
 	// returning a *bodyAnswer (read).
 	bodyIn bool
+	// oneFile marks an op that touches one file or directory entry, a bounded amount of work: on a
+	// sandbox whose files are local it may run on the reader's goroutine (dpConn.onReader).
+	oneFile bool
 }
 
 // withPrepare gives an op a step run on the reader's goroutine as its request starts.
@@ -63,6 +66,9 @@ func (o dpOp) withPrepare(prepare func(c *dpConn, ctx context.Context, r *reques
 	o.prepare = prepare
 	return o
 }
+
+// onOneFile marks an op whose work is one file's (see dpOp.oneFile).
+func (o dpOp) onOneFile() dpOp { o.oneFile = true; return o }
 
 // withBody marks an op whose content comes as the body of its request frame.
 func (o dpOp) withBody() dpOp { o.bodyIn = true; return o }
@@ -100,17 +106,15 @@ func op[A any](scope string, class opClass, handle func(ctx context.Context, c *
 	}}
 }
 
-// run performs one operation in the request's goroutine, holding what its class holds.
-func (c *dpConn) run(ctx context.Context, r *request, o dpOp, raw json.RawMessage) (any, error) {
+// run performs one operation, holding what its class holds. Without wait it does nothing and
+// answers ran false when what the class holds is not free at once.
+func (c *dpConn) run(ctx context.Context, r *request, o dpOp, raw json.RawMessage, wait bool) (res any, err error, ran bool) {
 	switch o.class {
-	case opHeavy:
-		if err := c.holdHeavy(ctx, r, true); err != nil {
-			return nil, err
-		}
-	case opStreamed:
-		if err := c.holdHeavy(ctx, r, false); err != nil {
-			return nil, err
+	case opHeavy, opStreamed:
+		if held, err := c.holdHeavy(ctx, r, o.class == opHeavy, wait); !held {
+			return nil, err, err != nil
 		}
 	}
-	return o.run(ctx, c, r, raw)
+	res, err = o.run(ctx, c, r, raw)
+	return res, err, true
 }

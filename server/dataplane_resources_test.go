@@ -310,6 +310,36 @@ func TestDataplaneHeavySlotsSharedFairly(t *testing.T) {
 	}
 }
 
+// A read alone on its connection runs on the connection's reader (dpConn.onReader) only when it
+// need not wait for a heavy slot: one that must wait does so on its own goroutine, and the reader
+// goes on serving the connection (a ping, the read's own cancel).
+func TestDataplaneLoneReadWaitingForASlotLeavesTheReaderFree(t *testing.T) {
+	// Not parallel: it fills the org's broker-wide slots on purpose.
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	id, url := newSandbox(t, b, "lone")
+	big := bytes.Repeat([]byte("0123456789abcdef"), 4<<20/16)
+	if err := os.WriteFile(filepath.Join(workspaceDir(b, id), "big.txt"), big, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	key := b.Client.APIKey()
+	for i := 0; i < 2; i++ { // two connections that do not read hold the org's four slots
+		c := dialRaw(t, url, key)
+		for j := uint32(1); j <= 4; j++ {
+			c.sendJSON(protocol.Request{ID: j, Op: "read", Args: map[string]any{"path": "big.txt"}})
+		}
+	}
+	wait.Eventually(t, 10*time.Second, func() bool { return server.OrgUsage(b.Server, b.Org).HeavySlots >= 4 },
+		"the connections that do not read holding the org's four heavy slots")
+
+	c := dialRaw(t, url, key)
+	c.sendJSON(protocol.Request{ID: 1, Op: "read", Args: map[string]any{"path": "big.txt"}})
+	c.ping() // within 20 s: the reader is not waiting with the read
+	c.sendJSON(protocol.Request{ID: 1, Op: "cancel"})
+	if got := c.await(1); got.code() != "cancelled" {
+		t.Fatalf("the read waiting for a slot, cancelled: %s", got)
+	}
+}
+
 // dialRefusal tries an upgrade with cred and returns the refusal's status, Retry-After and body
 // (101 when it was accepted; that connection is closed when t ends).
 func dialRefusal(t testing.TB, url, cred string) (int, string, protocol.ErrorBody) {

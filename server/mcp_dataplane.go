@@ -115,7 +115,7 @@ func (l *localConn) Call(ctx context.Context, op string, args any) (json.RawMess
 	// The caller's cancellation cancels the request, as a cancel frame would.
 	stop := context.AfterFunc(ctx, req.cancel)
 	defer stop()
-	res, err := c.run(rctx, req, o, raw)
+	res, err, _ := c.run(rctx, req, o, raw, true)
 	req.body = nil
 	var b []byte
 	if ans, ok := res.(*bodyAnswer); ok && err == nil {

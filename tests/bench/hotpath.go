@@ -56,7 +56,7 @@ func loadAvg() string {
 // hotpath measures the dataplane's hot path (issue 17) and prints each figure beside its floor in
 // this run and the peers' figures from the issue (E2B envd and the Daytona daemon built from their
 // sources, run without isolation, on this machine type).
-func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protocol.SandboxBlock, tcp, bare samples, n int) error {
+func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protocol.SandboxBlock, tcp, tcpAcross, bare samples, n int) error {
 	fmt.Fprintln(os.Stderr, "hot path (issue 17)...")
 	var rows []row
 	add := func(r row) { rows = append(rows, r); fmt.Fprintf(os.Stderr, "  %s: %s\n", r.metric, r.ours) }
@@ -121,7 +121,8 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 	})
 	add(row{"4 KiB write+read", p50p99(rw), "p50 < 0.25 ms", "0.73", "", ""})
 	ping := sample(n*3, func() error { return r.Ping(ctx) })
-	add(row{"dataplane ping", p50p99(ping), "<= 3x TCP round trip", "0.158", "0.190", "TCP round trip " + p50p99(tcp) + ratio(ping, tcp)})
+	add(row{"dataplane ping", p50p99(ping), "<= 3x TCP round trip", "0.158", "0.190", "TCP round trip to another process " + p50p99(tcpAcross) + ratio(ping, tcpAcross) +
+		"; within one process " + p50p99(tcp) + ratio(ping, tcp)})
 	execTrue := sample(n, func() error {
 		res, err := r.Exec(ctx, backend.ExecRequest{ExecArgs: protocol.ExecArgs{Argv: []string{"true"}}})
 		if err == nil && res.ExitCode != 0 {

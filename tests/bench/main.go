@@ -49,6 +49,10 @@ var quick = goflag.Bool("quick", false, "fewer samples, shorter runs")
 func flag(name, usage string) *bool { return goflag.Bool(name, false, usage) }
 
 func main() {
+	if os.Getenv(tcpEchoEnv) != "" {
+		tcpEcho()
+		return
+	}
 	goflag.Parse()
 	undoOnInterrupt()
 	err := run()
@@ -78,6 +82,10 @@ func run() error {
 	fmt.Fprintln(os.Stderr, "baselines...")
 	bare := sample(n/3, func() error { return exec.Command("true").Run() })
 	tcp, err := tcpRoundTrips(n * 3)
+	if err != nil {
+		return err
+	}
+	tcpAcross, err := tcpRoundTripsAcross(n * 3)
 	if err != nil {
 		return err
 	}
@@ -139,7 +147,7 @@ func run() error {
 	if *clientsOnly {
 		return clientsRows(ctx, m.Sandbox)
 	}
-	if err := hotpath(ctx, r, br, m.Sandbox, tcp, bare, n); *hotpathOnly || err != nil {
+	if err := hotpath(ctx, r, br, m.Sandbox, tcp, tcpAcross, bare, n); *hotpathOnly || err != nil {
 		return err
 	}
 
@@ -166,7 +174,7 @@ func run() error {
 		}
 		return err
 	})
-	add(row{"dataplane ping", ping.ms(), "p50 < 0.040 ms", "0.049", "0.088", "TCP round trip " + tcp.ms()})
+	add(row{"dataplane ping", ping.ms(), "p50 < 0.040 ms", "0.049", "0.088", "TCP round trip to another process " + tcpAcross.ms() + "; within one process " + tcp.ms()})
 	add(row{"exec `true` (" + sb.Sandbox.Provider + " sandbox)", execTrue.ms(), "p50 < 1.0 ms", "2.12", "2.20", "os/exec " + bare.ms() + "; bwrap per command ~3.9"})
 	add(row{"4 KiB write+read", rw.ms(), "p50 < 0.2 ms", "0.30", "0.38", ""})
 
@@ -322,6 +330,79 @@ func tcpRoundTrips(n int) (samples, error) {
 		_, err := c.Read(b)
 		return err
 	}), nil
+}
+
+// tcpEchoEnv makes the bench's binary a TCP echo server (tcpRoundTripsAcross).
+const tcpEchoEnv = "SBX_BENCH_TCP_ECHO"
+
+// tcpRoundTripsAcross measures a 1-byte ping-pong over loopback TCP with another process: the floor
+// under any dataplane round trip, which always crosses from the client's process to the broker's.
+// Each way wakes a thread of the other process, on this virtual machine often on an idle vCPU;
+// tcpRoundTrips' two goroutines of one process can hand the byte over on one thread.
+func tcpRoundTripsAcross(n int) (samples, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return samples{}, err
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), tcpEchoEnv+"=1")
+	stdin, err := cmd.StdinPipe() // the echo server ends when the bench closes it, or exits
+	if err != nil {
+		return samples{}, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return samples{}, err
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return samples{}, err
+	}
+	defer cmd.Wait()
+	defer stdin.Close()
+	var addr string
+	if _, err := fmt.Fscanln(stdout, &addr); err != nil {
+		return samples{}, fmt.Errorf("the TCP echo process: %w", err)
+	}
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return samples{}, err
+	}
+	defer c.Close()
+	b := make([]byte, 1)
+	return sample(n, func() error {
+		if _, err := c.Write(b); err != nil {
+			return err
+		}
+		_, err := c.Read(b)
+		return err
+	}), nil
+}
+
+// tcpEcho serves tcpRoundTripsAcross: it prints its address, echoes each byte of one connection,
+// and exits when its standard input closes.
+func tcpEcho() {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "tcp echo:", err)
+		os.Exit(1)
+	}
+	fmt.Println(l.Addr().String())
+	go func() {
+		io.Copy(io.Discard, os.Stdin)
+		os.Exit(0)
+	}()
+	c, err := l.Accept()
+	if err != nil {
+		os.Exit(1)
+	}
+	b := make([]byte, 1)
+	for {
+		if _, err := c.Read(b); err != nil {
+			os.Exit(0)
+		}
+		c.Write(b)
+	}
 }
 
 // tcpFileBaselines measures the floor under uploads and downloads on this machine: raw loopback TCP

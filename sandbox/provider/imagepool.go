@@ -19,11 +19,11 @@ import (
 //
 // The images wait in <DataDir>/disk-images/pool, mounted on directories in its mnt/, which is made a
 // private mount of itself: the kernel refuses to move a mount whose parent mount is shared (the
-// data dir's often is, under systemd), and nothing made there needs to be seen elsewhere. The
-// image files stay outside that mount, on the data dir's, where a rename can reach the sandbox's
-// directory. It holds imagePoolSize images of the size the
-// last create asked for, and is refilled in the background after each create that took one. What a
-// stopped or crashed broker left there (mounts, images) is removed at the next start.
+// data dir's often is, under systemd), and nothing made there needs to be seen elsewhere. The image
+// files stay outside that mount, on the data dir's, where a rename reaches the sandbox's directory.
+// The pool holds imagePoolSize images of the size the last create asked for, and is refilled in the
+// background after each create. What a stopped or crashed broker left there (mounts, images) is
+// removed at the next start.
 const imagePoolSize = 2
 
 type imagePool struct {
@@ -35,15 +35,12 @@ type imagePool struct {
 	seq     int
 	filling bool
 	closed  bool
-	staged  bool          // dir is the private mount
-	idle    chan struct{} // closed when no fill runs; nil while one does
+	staged  bool          // mnts() is the private mount
+	idle    chan struct{} // closed when the last fill started has ended; nil before the first
 }
 
 // pooledImage is an image file in the pool and the directory its filesystem is mounted on.
-type pooledImage struct {
-	img, mnt string
-	size     ByteSize
-}
+type pooledImage struct{ img, mnt string }
 
 // pools are the live pools by directory, for UnmountUnder: whoever removes a data dir stops its pool
 // first, so that no fill mounts an image in it while it goes.
@@ -79,7 +76,7 @@ func (p *imagePool) take(size ByteSize) (pooledImage, bool) {
 	return pi, true
 }
 
-// refill tops the pool up to imagePoolSize images of size in the background; a pool of another
+// refillPool tops the pool up to imagePoolSize images of size in the background; a pool of another
 // size is emptied first. At most one fill runs at a time.
 func (n *Namespace) refillPool(size ByteSize) {
 	p := n.vol.pool
@@ -104,6 +101,7 @@ func (n *Namespace) refillPool(size ByteSize) {
 	go n.fillPool(p, p.idle)
 }
 
+// fillPool makes images until the pool is full, closed, or a make fails; it closes idle when it ends.
 func (n *Namespace) fillPool(p *imagePool, idle chan struct{}) {
 	defer close(idle)
 	for {
@@ -118,7 +116,7 @@ func (n *Namespace) fillPool(p *imagePool, idle chan struct{}) {
 		p.mu.Unlock()
 		pi, err := n.poolImage(p, size, seq)
 		p.mu.Lock()
-		if err != nil || p.closed || size != p.size {
+		if err != nil || p.closed {
 			p.filling = false
 			p.mu.Unlock()
 			if err == nil {
@@ -128,6 +126,12 @@ func (n *Namespace) fillPool(p *imagePool, idle chan struct{}) {
 				n.vol.log.Debug("disk image pool: not refilled", "err", err)
 			}
 			return
+		}
+		if size != p.size {
+			// A create asked for another size meanwhile: the pool makes that one now.
+			p.mu.Unlock()
+			discardPooled(pi)
+			continue
 		}
 		p.ready = append(p.ready, pi)
 		p.mu.Unlock()
@@ -149,7 +153,7 @@ func (n *Namespace) poolImage(p *imagePool, size ByteSize, seq int) (pooledImage
 		return pooledImage{}, err
 	}
 	name := strconv.Itoa(seq)
-	pi := pooledImage{img: filepath.Join(p.dir, name+".img"), mnt: filepath.Join(p.mnts(), name), size: size}
+	pi := pooledImage{img: filepath.Join(p.dir, name+".img"), mnt: filepath.Join(p.mnts(), name)}
 	if err := copySparse(base, pi.img, int64(size)); err != nil {
 		os.Remove(pi.img)
 		return pooledImage{}, err

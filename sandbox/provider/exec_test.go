@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -255,6 +256,15 @@ func TestExecSemantics(t *testing.T) {
 				}
 				if env["PATH"] != basePath || env["HOME"] != home || env["TMPL_VAR"] != "from-template" || env["LANG"] != "C.UTF-8" {
 					t.Errorf("environment %v", env)
+				}
+				// The snapshot is taken from the init's config, not from a command: it must be
+				// exactly what a command gets.
+				var out bytes.Buffer
+				if res, err := in.Exec(context.Background(), ExecRequest{Argv: []string{"env", "-0"}, Stdout: &out}); err != nil || res.ExitCode != 0 {
+					t.Fatal(res, err)
+				}
+				if got := parseEnv0(out.Bytes()); !maps.Equal(got, env) {
+					t.Errorf("a command's environment %v, the snapshot %v", got, env)
 				}
 				// Nothing of the broker's own environment or of the init's invocation leaks in.
 				allowed := map[string]bool{"PATH": true, "HOME": true, "USER": true, "LOGNAME": true, "LANG": true, "TERM": true, "SHELL": true, "HOSTNAME": true, "TMPL_VAR": true}

@@ -309,20 +309,10 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 	}
 	go in.readLoop()
 
-	// The snapshot goes through the normal exec path, so it is what a command really gets.
-	var out bytes.Buffer
-	res, err := in.Exec(ctx, ExecRequest{Argv: []string{"env", "-0"}, Stdout: &out, Stderr: io.Discard, Timeout: 10 * time.Second})
-	switch {
-	case err != nil:
-		return abort(fmt.Errorf("start sandbox: environment snapshot: %w", err))
-	case res.ExitCode == 127:
-		// A rootfs without env(1): commands get exactly the init's environment, so use that.
-		in.env = parseEnv0([]byte(strings.Join(ls.config.Env, "\x00")))
-	case res.ExitCode != 0:
-		return abort(fmt.Errorf("start sandbox: environment snapshot: env -0 exited %d", res.ExitCode))
-	default:
-		in.env = parseEnv0(out.Bytes())
-	}
+	// The environment snapshot is the config's: the init starts every command with exactly that
+	// environment (plus what the request adds), so it needs no round trip. It was `env -0` through
+	// the init, ~2 ms of every cold start for the same list.
+	in.env = parseEnv0([]byte(strings.Join(ls.config.Env, "\x00")))
 	return in, nil
 }
 

@@ -262,6 +262,10 @@ func TestBrokerCrashLeavesNoStrays(t *testing.T) {
 			if len(left) > 0 {
 				t.Errorf("cgroups of the crashed broker's sandbox not swept: %v", left)
 			}
+			// The crashed broker's image pool (its images mounted ahead) is gone too.
+			if pool := filepath.Join(data, "disk-images", "pool"); mountedHere(t, pool+"/") {
+				t.Errorf("the crashed broker's pooled images are still mounted under %s", pool)
+			}
 		})
 	}
 }

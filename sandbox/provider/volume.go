@@ -120,6 +120,7 @@ type volumes struct {
 	// provider's, so that a broker start makes the default one once for the data dir.
 	imagesDir string
 	legacy    map[string]struct{} // sandboxes already logged as having no image
+	pool      *imagePool          // images made ahead (imagepool.go); nil without quotas
 }
 
 var warnNoQuotaOnce sync.Once
@@ -144,6 +145,7 @@ func (n *Namespace) initVolumes() error {
 		case err == nil:
 			f.Close()
 			v.enabled, v.mkfs = true, mkfs
+			n.initImagePool()
 		case errors.Is(err, unix.EMFILE), errors.Is(err, unix.ENFILE), errors.Is(err, unix.ENOMEM):
 			return fmt.Errorf("disk quotas: %w", err)
 		default:
@@ -223,6 +225,14 @@ func (n *Namespace) createVolume(id string, size ByteSize, uid, gid int) error {
 	}
 	if size == 0 {
 		size = DefaultDisk
+	}
+	defer n.refillPool(size)
+	if pi, ok := n.vol.pool.take(size); ok {
+		err := n.adoptPooled(id, pi)
+		if err == nil {
+			return n.layout.secure(id, uid, gid)
+		}
+		n.vol.log.Warn("disk image pool: a pooled image could not be used; making one", "sandbox_id", id, "err", err)
 	}
 	tmp := img + ".tmp"
 	base, err := n.baseImage(size)
@@ -434,9 +444,8 @@ func copySparse(src, dst string, size int64) error {
 // reuses that filesystem, whose files are all there. fresh: img was made just now and is attached
 // nowhere.
 func loopMount(img, dir string, fresh bool) error {
-	const flags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOATIME
 	if fresh {
-		return loopAttachMount(img, dir, flags)
+		return loopAttachMount(img, dir, volumeFlags)
 	}
 	for deadline := time.Now().Add(loopBusyWait); ; {
 		dev, err := boundLoop(img)
@@ -444,9 +453,9 @@ func loopMount(img, dir string, fresh bool) error {
 			return err
 		}
 		if dev == "" {
-			return loopAttachMount(img, dir, flags)
+			return loopAttachMount(img, dir, volumeFlags)
 		}
-		err = unix.Mount(dev, dir, "ext4", flags, "noinit_itable")
+		err = unix.Mount(dev, dir, "ext4", volumeFlags, "noinit_itable")
 		if err == nil {
 			return nil
 		}
@@ -458,6 +467,9 @@ func loopMount(img, dir string, fresh bool) error {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// volumeFlags are a workspace mount's flags.
+const volumeFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOATIME
 
 // loopBusyWait bounds how long loopMount keeps finding the image on a loop device it cannot mount.
 const loopBusyWait = 10 * time.Second
@@ -543,8 +555,10 @@ func loopAttachMount(img, dir string, flags uintptr) error {
 
 // UnmountUnder detaches every mount under dir, deepest first. A broker that stops leaves its
 // sandboxes' disk images mounted for its next start; whoever removes a data dir (tests, benchmarks,
-// an operator's tooling) detaches them first, or each keeps its image and a loop device.
+// an operator's tooling) detaches them first, or each keeps its image and a loop device. The image
+// pools of providers on dir in this process stop first.
 func UnmountUnder(dir string) {
+	stopPoolsUnder(dir) // no image pool of a provider on it mounts anything meanwhile
 	b, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
 		return

@@ -306,3 +306,74 @@ func waitFor(t *testing.T, limit time.Duration, what string, cond func() bool) {
 		}
 	}
 }
+
+// A create takes a workspace image the pool made ahead: its own filesystem of the size asked for,
+// mounted nosuid,nodev, empty, the sandbox's, on one loop device bound to the sandbox's image file.
+// The pool keeps the size the last create asked for, and a broker's next start removes it.
+func TestDiskImagePool(t *testing.T) {
+	n := newNamespace(t, Config{})
+	requireQuotas(t, n)
+	pool := n.vol.pool
+	startSandbox(t, n, Template{Disk: 16 << 20}) // made on its path; the pool fills behind it
+	pool.settle()
+	pool.mu.Lock()
+	ready := append([]pooledImage(nil), pool.ready...)
+	pool.mu.Unlock()
+	if len(ready) != imagePoolSize {
+		t.Fatalf("the pool holds %d images; want %d", len(ready), imagePoolSize)
+	}
+	taken := ready[len(ready)-1]
+
+	in, spec := startSandbox(t, n, Template{Disk: 16 << 20})
+	if _, err := os.Stat(taken.img); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the pooled image %s is still in the pool: %v", taken.img, err)
+	}
+	img, ws := n.layout.diskImage(spec.ID), n.WorkspaceDir(spec)
+	if devs := loopsFor(t, img); len(devs) != 1 {
+		t.Fatalf("the sandbox's image is attached to %v; want one loop device", devs)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(ws, &st); err != nil {
+		t.Fatal(err)
+	}
+	if uid, gid := n.ids(spec); int(st.Uid) != uid || int(st.Gid) != gid || st.Mode&0o777 != 0o700 {
+		t.Fatalf("the workspace is %d:%d %o; want %d:%d 700", st.Uid, st.Gid, st.Mode&0o777, uid, gid)
+	}
+	res, out := sh(t, in, "ls -A; grep ' /workspace ' /proc/self/mountinfo; df -k /workspace | tail -1")
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if res.ExitCode != 0 || len(lines) != 2 {
+		t.Fatalf("a pooled workspace inside (want empty): exit %d, %q", res.ExitCode, out)
+	}
+	if opts := strings.Fields(lines[0]); len(opts) < 6 || !strings.Contains(opts[5], "nosuid") || !strings.Contains(opts[5], "nodev") {
+		t.Fatalf("the /workspace mount: %q; want nosuid,nodev", lines[0])
+	}
+	if f := strings.Fields(lines[1]); len(f) < 2 || len(f[1]) > 5 {
+		t.Fatalf("/workspace is not the 16 MiB image: %q", lines[1])
+	}
+	if res, out := sh(t, in, "dd if=/dev/zero of=big bs=1M count=32 2>&1"); res.ExitCode == 0 || !strings.Contains(out, "No space left") {
+		t.Fatalf("writing 32 MiB in a 16 MiB pooled workspace: exit %d, %q; want ENOSPC", res.ExitCode, out)
+	}
+
+	// Another size: made on its path, and the pool turns to it.
+	startSandbox(t, n, Template{Disk: 32 << 20})
+	pool.settle()
+	pool.mu.Lock()
+	size, count := pool.size, len(pool.ready)
+	pool.mu.Unlock()
+	if size != 32<<20 || count != imagePoolSize {
+		t.Fatalf("after a 32 MiB create the pool holds %d images of %v", count, size)
+	}
+
+	// The next broker on the data dir starts from an empty pool: nothing of this one stays mounted.
+	restarted := newNamespace(t, Config{DataDir: n.cfg.DataDir})
+	if mountedHere(t, pool.dir+"/") {
+		t.Fatalf("the old pool's images are still mounted under %s", pool.dir)
+	}
+	if entries, _ := os.ReadDir(pool.dir); len(entries) != 0 {
+		t.Fatalf("the old pool's files are still there: %v", entries)
+	}
+	in2, _ := startSandbox(t, restarted, Template{Disk: 16 << 20})
+	if res, _ := sh(t, in2, "touch /workspace/ok"); res.ExitCode != 0 {
+		t.Fatal("a create after the restart")
+	}
+}

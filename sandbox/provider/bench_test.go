@@ -118,6 +118,41 @@ func BenchmarkExecNamespace(b *testing.B) { benchExec(b, newNamespace(b, Config{
 
 func BenchmarkExecDir(b *testing.B) { benchExec(b, newDir(b)) }
 
+// BenchmarkExecVsBare is issue 17's exec row at the provider: exec `true` through the namespace
+// level's init with its output taken as the dataplane takes it (stdout and stderr apart), and a
+// bare os/exec of `true` from this process, one after the other in each iteration so that both see
+// the same load. It reports both medians, their ratio (the target: 1.3 at most) and the load.
+func BenchmarkExecVsBare(b *testing.B) {
+	in, _ := startSandbox(b, newNamespace(b, Config{}), Template{})
+	req := ExecRequest{Argv: []string{"true"}, Stdout: io.Discard, Stderr: io.Discard}
+	ctx := context.Background()
+	bare := func() {
+		if err := exec.Command("true").Run(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for range 20 {
+		in.Exec(ctx, req)
+		bare()
+	}
+	load := loadAverage()
+	var pn, pb percentiles
+	for b.Loop() {
+		pn.time(func() {
+			if res, err := in.Exec(ctx, req); err != nil || res.ExitCode != 0 {
+				b.Fatal(res, err)
+			}
+		})
+		pb.time(bare)
+	}
+	b.StopTimer()
+	n, bb := pn.p50(), pb.p50()
+	b.ReportMetric(n, "ns-p50-ms")
+	b.ReportMetric(bb, "bare-p50-ms")
+	b.ReportMetric(n/bb, "ns/bare")
+	b.ReportMetric((load+loadAverage())/2, "load")
+}
+
 // BenchmarkExecGvisor is the same exec at the gvisor level: its request, its output's channel and
 // its reply ride the bridge's one stream (gvisor_relay.go).
 func BenchmarkExecGvisor(b *testing.B) { benchExecIn(b, newGvisor(b), gvisorTemplate) }

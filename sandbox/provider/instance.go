@@ -49,8 +49,13 @@ type instance struct {
 	release func()
 	lostWhy func() string // see launchSpec.lostWhy
 
-	mu      sync.Mutex
-	calls   map[uint64]*call
+	mu    sync.Mutex
+	calls map[uint64]*call
+	// pids is where the init writes each command's pid (sbxinit.PidTable), nil at the gvisor
+	// level; slots maps each of its slots taken by a call in flight to the call's id, so that no
+	// two calls in flight share one.
+	pids    *sbxinit.PidTable
+	slots   map[uint64]uint64
 	nextID  uint64
 	deadErr error
 	initPid int    // host pid of the init
@@ -86,7 +91,8 @@ type call struct {
 	rep    reply
 	err    error
 	reason string // set when we asked the init to kill it
-	// pid is the command's pid as the init sees it (its process group too), 0 until the init said.
+	// pid is a terminal command's pid as the init sees it (its process group too), from the forked
+	// reply; 0 until the init said. Other commands' pids are in the instance's pid table.
 	pid int
 	// outside ends the command from the broker's side if the init has not, killGrace after reason
 	// was set (outside.go).
@@ -161,6 +167,18 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		return fail(fmt.Errorf("control socket: %w", err))
 	}
 	initEnd := os.NewFile(uintptr(pair[1]), "sandbox-ctl-init")
+	var pids *sbxinit.PidTable
+	var configFDs []int
+	if !ls.relay {
+		var fd int
+		if pids, fd, err = sbxinit.NewPidTable(); err != nil {
+			initEnd.Close()
+			ctl.close()
+			return fail(err)
+		}
+		defer unix.Close(fd) // the init has its own once the config is sent
+		configFDs = []int{fd}
+	}
 	in := &instance{
 		kind:    ls.kind,
 		ctl:     ctl,
@@ -172,6 +190,8 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 		release: ls.release,
 		lostWhy: ls.lostWhy,
 		calls:   make(map[uint64]*call),
+		pids:    pids,
+		slots:   make(map[uint64]uint64),
 		done:    make(chan struct{}),
 	}
 	var afterSpawn func()
@@ -188,9 +208,12 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 	in.cmd.WaitDelay = time.Second
 	// The config waits in the socket buffer until the init reads it, so it costs no round trip.
 	cfg, _ := json.Marshal(&ls.config)
-	if err := ctl.send(cfg, nil); err != nil {
+	if err := ctl.send(cfg, configFDs); err != nil {
 		initEnd.Close()
 		ctl.close()
+		if pids != nil {
+			pids.Close()
+		}
 		return fail(fmt.Errorf("send init config: %w", err))
 	}
 	if ls.placed {
@@ -205,6 +228,9 @@ func launch(ctx context.Context, ls launchSpec) (*instance, error) {
 	}
 	if err != nil {
 		ctl.close()
+		if pids != nil {
+			pids.Close()
+		}
 		if ls.info != nil {
 			ls.info.Close()
 		}
@@ -420,6 +446,10 @@ func (in *instance) wait() {
 		unix.Close(in.pidfd)
 		in.pidfd = 0
 	}
+	if in.pids != nil {
+		in.pids.Close()
+		in.pids = nil
+	}
 	netStop, oomStop := in.netStop, in.oomStop
 	in.netStop, in.oomStop, in.ended = nil, nil, true
 	in.mu.Unlock()
@@ -521,7 +551,9 @@ func (in *instance) readLoop() {
 		}
 		in.mu.Lock()
 		c := in.calls[r.ID]
-		delete(in.calls, r.ID)
+		if c != nil {
+			in.forgetLocked(c)
+		}
 		in.mu.Unlock()
 		if c != nil {
 			c.complete(r)
@@ -572,6 +604,7 @@ func (in *instance) fail(err error) {
 	in.deadErr = err
 	calls := in.calls
 	in.calls = map[uint64]*call{}
+	in.slots = map[uint64]uint64{}
 	in.mu.Unlock()
 	for _, c := range calls {
 		c.mu.Lock()
@@ -596,6 +629,19 @@ func (in *instance) register(c *call) error {
 		return in.deadErr
 	}
 	in.nextID++
+	if in.pids != nil {
+		if len(in.slots) >= sbxinit.PidSlots {
+			return &BusyError{Reason: fmt.Sprintf("%d commands are in flight", len(in.slots))}
+		}
+		// A slot still held by a call in flight (a long-running command) is skipped.
+		for {
+			if _, taken := in.slots[sbxinit.PidSlot(in.nextID)]; !taken {
+				break
+			}
+			in.nextID++
+		}
+		in.slots[sbxinit.PidSlot(in.nextID)] = in.nextID
+	}
 	c.id = in.nextID
 	in.calls[c.id] = c
 	return nil
@@ -603,8 +649,36 @@ func (in *instance) register(c *call) error {
 
 func (in *instance) unregister(c *call) {
 	in.mu.Lock()
-	delete(in.calls, c.id)
+	in.forgetLocked(c)
 	in.mu.Unlock()
+}
+
+// forgetLocked takes c off the calls in flight (in.mu held), freeing its pid table slot.
+func (in *instance) forgetLocked(c *call) {
+	if in.calls[c.id] != c {
+		return
+	}
+	delete(in.calls, c.id)
+	if slot := sbxinit.PidSlot(c.id); in.slots[slot] == c.id {
+		delete(in.slots, slot)
+	}
+}
+
+// commandPid is the pid (and process group) of call c's command as the sandbox sees it, 0 if the
+// init has not forked it.
+func (in *instance) commandPid(c *call) int {
+	c.mu.Lock()
+	pid := c.pid
+	c.mu.Unlock()
+	if pid > 0 {
+		return pid
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.pids != nil {
+		pid, _ = in.pids.Get(c.id)
+	}
+	return pid
 }
 
 // send marshals and sends one request, giving up after within if the init does not take it.

@@ -34,8 +34,9 @@ const gvisorWedged = 10 * time.Second
 // orphan is reparented to the init (pid 1), and in the dir provider the init is their subreaper.
 // Nothing else is ever signalled, and never the init itself.
 func (in *instance) killOutside(c *call) {
+	pid := in.commandPid(c)
 	c.mu.Lock()
-	exited, pid := c.exited, c.pid
+	exited := c.exited
 	var pipes []string
 	for _, f := range c.outs {
 		// Through SyscallConn, not Fd: Fd would put the pipe in blocking mode, and drain's
@@ -88,9 +89,7 @@ func (in *instance) killOutside(c *call) {
 	case <-time.After(outsideReport):
 	}
 	in.mu.Lock()
-	if in.calls[c.id] == c {
-		delete(in.calls, c.id)
-	}
+	in.forgetLocked(c)
 	in.mu.Unlock()
 	c.complete(reply{Op: opExit, ID: c.id, Signal: int(unix.SIGKILL)})
 }

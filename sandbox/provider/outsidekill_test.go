@@ -72,6 +72,46 @@ func TestTimeoutFiresWithoutTheInit(t *testing.T) {
 	}
 }
 
+// TestTimeoutFindsACommandByItsGroup: a command that let go of its output pipes is found from
+// outside only by its process group, the pid the init wrote to the pid table as it forked it (no
+// message carries it): with the init frozen, the timeout still ends it.
+func TestTimeoutFindsACommandByItsGroup(t *testing.T) {
+	for _, p := range providers(t) {
+		t.Run(p.Name(), func(t *testing.T) {
+			t.Parallel()
+			in, _ := startSandbox(t, p, Template{})
+			inst := in.(*instance)
+			main := marker()
+			cmd := fmt.Sprintf("exec >/dev/null 2>&1 </dev/null; trap '' TERM INT HUP; %s; true", main)
+			done := make(chan ExecResult, 1)
+			go func() {
+				res, err := in.Exec(context.Background(), ExecRequest{Command: cmd, Stdout: &bytes.Buffer{}, Timeout: 700 * time.Millisecond})
+				if err != nil {
+					t.Errorf("exec: %v", err)
+				}
+				done <- res
+			}()
+			waitHostRunning(t, main)
+			inst.mu.Lock()
+			initPid := inst.initPid
+			inst.mu.Unlock()
+			if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Kill(initPid, unix.SIGCONT)
+			select {
+			case res := <-done:
+				if res.Reason != ReasonTimeout || res.Signal != "KILL" {
+					t.Errorf("result %+v, want a KILL for timeout", res)
+				}
+			case <-time.After(15 * time.Second):
+				t.Fatal("the exec did not end at its timeout while the init was frozen")
+			}
+			waitHostGone(t, main)
+		})
+	}
+}
+
 // TestRequestsToAFrozenInitEnd: requests that the init cannot take (it stopped reading, so its end of
 // the socket is full) end at their timeout with an error rather than block their caller for good.
 func TestRequestsToAFrozenInitEnd(t *testing.T) {

@@ -185,7 +185,7 @@ type bridgedRequest struct {
 // trap into the sentry, and a socket between two goroutines of one process bought nothing.
 func (b *bridge) serveInit() error {
 	r := <-b.reqs
-	p, err := startInit(r.msg, b.send)
+	p, err := startInit(r.msg, b.send, nil)
 	CloseFDs(r.fds)
 	if err != nil {
 		return err

@@ -59,6 +59,9 @@ type initProc struct {
 	oomBase []byte
 	// spawn: commands without a terminal start with spawn, not syscall.ForkExec (see bridged).
 	spawn bool
+	// pids is where a command's pid goes as it is forked, for the broker to end it without us
+	// (PidTable); nil behind the bridge, where no fd passes in from the host.
+	pids *PidTable
 
 	// mu is held across fork+register and across every reap, so the reaper never reaps a child it
 	// does not know yet (and so a pid is never reused under a registered command).
@@ -85,11 +88,21 @@ func runInit() error {
 	ctl := newBlockingCtlConn(ctlFD)
 	buf := make([]byte, MaxMessage+4096)
 	oob := make([]byte, unix.CmsgSpace(8*4)) // the broker sends at most 3 fds; room to spare
-	n, _, _, err := ctl.recv(buf, oob)
+	n, oobn, _, err := ctl.recv(buf, oob)
 	if err != nil || n == 0 {
 		return fmt.Errorf("read config: %v", err)
 	}
-	p, err := startInit(buf[:n], ctl.send)
+	// The config brings the pid table (PidTable), if any.
+	fds, _ := ParseRights(oob[:oobn])
+	var pids *PidTable
+	if len(fds) == 1 {
+		pids, err = OpenPidTable(fds[0])
+		if err != nil {
+			return err
+		}
+	}
+	CloseFDs(fds)
+	p, err := startInit(buf[:n], ctl.send, pids)
 	if err != nil {
 		return err
 	}
@@ -114,8 +127,8 @@ func runInit() error {
 }
 
 // startInit sets the init up from its config message, starts its reaper and sends ready; replies
-// go through send.
-func startInit(msg []byte, send func(msg []byte, fds []int) error) (*initProc, error) {
+// go through send. pids, when not nil, is where commands' pids go instead of a forked reply.
+func startInit(msg []byte, send func(msg []byte, fds []int) error, pids *PidTable) (*initProc, error) {
 	var cfg Request
 	if err := json.Unmarshal(msg, &cfg); err != nil || cfg.Op != OpConfig {
 		return nil, fmt.Errorf("bad config message")
@@ -129,6 +142,7 @@ func startInit(msg []byte, send func(msg []byte, fds []int) error) (*initProc, e
 	}
 	p := &initProc{
 		sendMsg: send,
+		pids:    pids,
 		env:     cfg.Env,
 		devnull: devnull,
 		host:    cfg.Host,
@@ -358,6 +372,11 @@ func (p *initProc) exec(req *Request, fds []int) {
 		}
 		if err == nil {
 			c := &initChild{id: req.ID, pid: pid, bg: req.Bg, tty: req.TTY}
+			if p.pids != nil && !req.Bg {
+				// Written before the command can be waited for: the broker may have to end
+				// it from outside from now on.
+				p.pids.Put(req.ID, pid)
+			}
 			p.byPid[pid] = c
 			if !req.Bg {
 				p.byID[req.ID] = c
@@ -406,17 +425,14 @@ func (p *initProc) exec(req *Request, fds []int) {
 	if req.TTY {
 		return // forked was sent with the master
 	}
-	if bridged {
-		// Behind the bridge the broker cannot end a command without us but by ending the whole
-		// sandbox (the sentry's processes are not the host's), so it has no use for the pid
-		// before the exit, which carries it too. Not sending it spares a frame each way of
-		// every exec, and its trap into the sentry.
-		return
-	}
 	// The broker enforces the command's timeout itself when we do not answer (we may be stopped,
 	// hung or starved): it needs the pid, which is the command's process group, to find what to
-	// end from outside.
-	p.reply(&Reply{Op: OpForked, ID: req.ID, Pid: pid})
+	// end from outside. It has it from the pid table, written above; the exit carries it too.
+	// Behind the bridge it has no use for it: it cannot end a command without us but by ending
+	// the whole sandbox (the sentry's processes are not the host's).
+	if p.pids == nil && !bridged {
+		p.reply(&Reply{Op: OpForked, ID: req.ID, Pid: pid})
+	}
 }
 
 // notRunnable reports a program that cannot be run the way a shell does: a message on the command's

@@ -13,7 +13,7 @@ const (
 const (
 	OpReady   = "ready"   // the init is set up; sent once, after config
 	OpStarted = "started" // a background command started (Pid)
-	OpForked  = "forked"  // a foreground command started (Pid), so the broker can end it without us; with TTY, the terminal's master rides along. Behind the bridge only with TTY (the broker ends a gvisor command without the init only by ending the sandbox)
+	OpForked  = "forked"  // a command on a terminal started (Pid), its master riding along; for one without a terminal only from an init given no PidTable and not behind the bridge (the broker needs the pid to end a command without us)
 	OpExit    = "exit"    // a foreground command ended (Code or Signal)
 	OpError   = "error"   // a command could not start (Err, Kind)
 )

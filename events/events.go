@@ -8,7 +8,6 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -133,9 +132,9 @@ const closeWait = 5 * time.Second
 const batchSize = 256
 
 // linger is how long the writer lets events gather after the first of a batch. Every dataplane write
-// emits one, and written one by one each cost two Redis round trips (the append, then the wake-up)
-// and the wakeups of this goroutine and of Redis, on the path of the client's next request; gathered,
-// a busy connection pays them once per linger. Panes see events that much later.
+// emits one, and written one by one each cost a Redis round trip and the wakeups of this goroutine
+// and of Redis, on the path of the client's next request; gathered, a busy connection pays them once
+// per linger. Panes see events that much later.
 const linger = 2 * time.Millisecond
 
 // lostKey names the events lost for one sandbox of one org.
@@ -279,31 +278,19 @@ func (w *Writer) write(batch []queued) []queued {
 		data, _ := json.Marshal(q.e)
 		add[i] = store.StreamAppend{Org: q.org, Data: data}
 	}
-	ok, err := w.store.AppendEvents(ctx, add, StreamMaxLen)
-	var appended []string
+	ok, err := w.store.AppendEventsAndWake(ctx, add, StreamMaxLen, store.EventsChannel)
 	var failed []queued
 	for i, q := range batch {
 		if !ok[i] {
 			failed = append(failed, q)
-		} else if !slices.Contains(appended, q.org) {
-			appended = append(appended, q.org)
 		}
 	}
 	if len(failed) > 0 {
 		w.log.Debug("event log write failed; kept for a retry", "events", len(failed), "err", err)
-	}
-	w.wake(ctx, appended)
-	return failed
-}
-
-// wake tells every broker's event readers which org streams grew (store.EventsChannel). It is sent
-// after the appends have returned: on Cluster a pipeline's commands run on several nodes at once, and
-// a wake-up that overtook its append would find nothing new. A lost wake-up delays events by the
-// readers' poll interval at most.
-func (w *Writer) wake(ctx context.Context, orgs []string) {
-	if err := w.store.Publish(ctx, store.EventsChannel, orgs...); err != nil {
+	} else if err != nil {
 		w.log.Warn("event wake-up failed; readers will find the events on their next poll", "err", err)
 	}
+	return failed
 }
 
 // Dropped is how many events were lost: queue full, Redis failing past the retries, or emitted

@@ -279,6 +279,36 @@ func testEventStream(t *testing.T, s *store.Store, clk *clock) {
 	if err != nil || info.FirstID != all[0].ID || info.LastGeneratedID != all[2].ID || info.Length != 3 || info.EntriesAdded != 3 {
 		t.Fatalf("info of org a: %+v %v", info, err)
 	}
+	// AppendEventsAndWake wakes the followers of a channel with each org appended to, once per
+	// org, never before its append: a follower that reads the stream on its wake-up finds the event.
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	woken := make(chan string, 8)
+	channel := "sbx:test:events:wake"
+	if err := s.Follow(wctx, channel, func(org string) {
+		got, err := s.EventsAfter(wctx, org, "0-0", 0)
+		woken <- fmt.Sprint(org, " ", len(got), " ", err)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	batch = []store.StreamAppend{{Org: "ev-w1", Data: []byte("a")}, {Org: "ev-w2", Data: []byte("b")}, {Org: "ev-w1", Data: []byte("c")}}
+	if ok, err := s.AppendEventsAndWake(ctx, batch, 1000, channel); err != nil || !ok[0] || !ok[1] || !ok[2] {
+		t.Fatal(ok, err)
+	}
+	var wakes []string
+	for range 2 {
+		select {
+		case w := <-woken:
+			wakes = append(wakes, w)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("wake-ups after the append: %q, want one per org", wakes)
+		}
+	}
+	slices.Sort(wakes)
+	if want := []string{"ev-w1 2 <nil>", "ev-w2 1 <nil>"}; !slices.Equal(wakes, want) {
+		t.Fatalf("wake-ups (org, entries found then): %q, want %q", wakes, want)
+	}
+
 	// Trimmed to about maxLen: fewer held than added, the oldest gone.
 	batch = batch[:0]
 	for i := range 500 {

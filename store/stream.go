@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
@@ -29,10 +30,46 @@ type StreamAppend struct {
 // goes away the batch's tail fails and may be retried (what was appended must not be, or it would be
 // there twice). err is the batch's first error, if any.
 func (s *Store) AppendEvents(ctx context.Context, batch []StreamAppend, maxLen int64) (appended []bool, err error) {
+	return s.appendEvents(ctx, batch, maxLen, "")
+}
+
+// AppendEventsAndWake is AppendEvents followed by a publish on channel of the names of the orgs
+// appended to, which wakes every broker's readers of those streams. On one Redis server both go in
+// one pipeline: the server runs its commands in order, so the wake-up never overtakes an append,
+// and the batch costs one round trip. On Cluster a pipeline's commands run on several nodes at
+// once, so the wake-up is sent after the appends have returned. A wake-up for an append that
+// failed finds nothing new; a lost one delays events by the readers' poll interval at most.
+func (s *Store) AppendEventsAndWake(ctx context.Context, batch []StreamAppend, maxLen int64, channel string) (appended []bool, err error) {
+	if _, cluster := s.rdb.(*redis.ClusterClient); !cluster {
+		return s.appendEvents(ctx, batch, maxLen, channel)
+	}
+	appended, err = s.appendEvents(ctx, batch, maxLen, "")
+	var orgs []string
+	for i, a := range batch {
+		if appended[i] && !slices.Contains(orgs, a.Org) {
+			orgs = append(orgs, a.Org)
+		}
+	}
+	if perr := s.Publish(ctx, channel, orgs...); perr != nil && err == nil {
+		err = perr
+	}
+	return appended, err
+}
+
+// appendEvents appends batch in one pipeline and, when channel is set, publishes on it the names of
+// the orgs of the batch, in the same pipeline after the appends.
+func (s *Store) appendEvents(ctx context.Context, batch []StreamAppend, maxLen int64, channel string) (appended []bool, err error) {
 	pipe := s.rdb.Pipeline()
 	cmds := make([]*redis.StringCmd, len(batch))
+	var orgs []string
 	for i, a := range batch {
 		cmds[i] = pipe.XAdd(ctx, &redis.XAddArgs{Stream: EventsKey(a.Org), MaxLen: maxLen, Approx: true, Values: []any{"data", a.Data}})
+		if channel != "" && !slices.Contains(orgs, a.Org) {
+			orgs = append(orgs, a.Org)
+		}
+	}
+	for _, org := range orgs {
+		pipe.Publish(ctx, channel, org)
 	}
 	_, err = pipe.Exec(ctx)
 	appended = make([]bool, len(batch))

@@ -136,6 +136,9 @@ func run() error {
 	if *mcpOnly {
 		return mcpOnlyRun(ctx, m, n, br)
 	}
+	if *bulkOnly {
+		return bulkReport(ctx, r, br, workspaceDir(br.dir, sb.Sandbox.ID))
+	}
 	if *clientsOnly {
 		return clientsRows(ctx, m.Sandbox)
 	}

@@ -4,13 +4,17 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
 	"time"
+
+	"github.com/gorilla/websocket"
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/protocol"
@@ -19,14 +23,14 @@ import (
 var bulkOnly = flag("bulk-only", "only the 100 MiB upload and download rows of issue 17, beside their floors, warm and cold")
 
 // bulkReport prints the bulk rows alone.
-func bulkReport(ctx context.Context, r *backend.Remote, br *brokerProc, wsDir string) error {
+func bulkReport(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock, br *brokerProc, wsDir string) error {
 	fmt.Fprintln(os.Stderr, "bulk (issue 17)...")
 	wsFloor, err := os.MkdirTemp(wsDir, ".floor-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(wsFloor)
-	rows, err := bulkRows(ctx, r, br, wsDir, wsFloor)
+	rows, err := bulkRows(ctx, r, blk, br, wsDir, wsFloor)
 	if err != nil {
 		return err
 	}
@@ -40,28 +44,29 @@ func bulkReport(ctx context.Context, r *backend.Remote, br *brokerProc, wsDir st
 // coldRounds how many such rounds the cold figures are the medians of.
 const (
 	coldSettle = 15 * time.Second
-	coldRounds = 3
+	coldRounds = 4
 )
 
 // bulkRounds is how many interleaved rounds the warm bulk figures are the medians of.
 const bulkRounds = 5
 
 // bulkRows measures 100 MiB uploads and downloads (issue 17) beside raw-TCP floors taken under the
-// same conditions. On these VMs the conditions are most of the figure: the guest's balloon reports
-// freed memory to the host (free page reporting), so a page the guest has not touched for a few
-// seconds costs a host fault on its first touch, and writing 100 MiB into new page cache runs at a
-// fraction of the speed of writing it into pages a file freed just before (docs/ARCHITECTURE.md, hot
-// path). So the rows are measured in two ways, each beside floors that met the same memory:
-//   - warm: rounds of floor, floor on the workspace's file system, upload, download and its floor,
-//     one right after the other, each over the memory the one before freed; medians;
-//   - cold: rounds that first wait for freed memory to be reported, then write the floors' files
-//     and upload, in a different order each round, each keeping its file until the round ends so
-//     that every one of them takes memory nothing freed recently; medians.
+// same conditions, and the upload both ways the broker takes it: backend.Remote.Upload (the HTTP
+// door) and the upload operation over the WebSocket (wsUpload, what Remote.Upload sent before). On
+// these VMs the conditions are most of the figure: the guest's balloon reports freed memory to the
+// host (free page reporting), so a page the guest has not touched for a few seconds costs a host
+// fault on its first touch, and writing 100 MiB into new page cache runs at a fraction of the speed
+// of writing it into pages a file freed just before (docs/ARCHITECTURE.md, hot path). So:
+//   - warm: rounds of the four ways in (floor, floor on the workspace's file system, upload,
+//     upload over the WebSocket) in an order that rotates, each right after the step before and
+//     over the memory it freed; the download and its floor follow the upload; medians;
+//   - cold: rounds that first wait for freed memory to be reported, then run the four ways in a
+//     rotating order, each keeping its file until the round ends so that none of them takes memory
+//     another freed; medians.
 //
-// Every upload and floor sends the same 100 MiB from the same memory, in 1 MiB writes, into a new
-// file that is deleted after its round (replacing a file would also free the old one's pages
-// inside the upload).
-func bulkRows(ctx context.Context, r *backend.Remote, br *brokerProc, wsDir, wsFloor string) ([]row, error) {
+// Every upload and floor sends the same 100 MiB from the same memory into a new file, deleted
+// after its step (replacing a file would also free the old one's pages inside the upload).
+func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock, br *brokerProc, wsDir, wsFloor string) ([]row, error) {
 	const size = 100 << 20
 	data := make([]byte, size)
 	rand.Read(data)
@@ -70,100 +75,163 @@ func bulkRows(ctx context.Context, r *backend.Remote, br *brokerProc, wsDir, wsF
 	floorFile, wsFloorFile := filepath.Join(br.dir, "floor.bin"), filepath.Join(wsFloor, "floor.bin")
 	defer os.Remove(floorFile)
 	defer os.Remove(wsFloorFile)
-	floor := func() (float64, error) { return tcpIntoFile(floorFile, data) }
-	wsFloorUp := func() (float64, error) { return tcpIntoFile(wsFloorFile, data) }
-	upload := func() (float64, error) {
+	timed := func(f func() error) (float64, error) {
 		t := time.Now()
-		if _, err := r.Upload(ctx, "bulk.bin", bytes.NewReader(data)); err != nil {
+		if err := f(); err != nil {
 			return 0, err
 		}
 		return mibps(size, time.Since(t)), nil
 	}
-	clean := func() error {
-		os.Remove(floorFile)
-		os.Remove(wsFloorFile)
-		return r.Delete(ctx, protocol.DeleteArgs{Path: "bulk.bin"})
+	// The four ways in, each keeping its file until deleted.
+	ways := []func() (float64, error){
+		func() (float64, error) { return tcpIntoFile(floorFile, data) },
+		func() (float64, error) { return tcpIntoFile(wsFloorFile, data) },
+		func() (float64, error) {
+			return timed(func() error { _, err := r.Upload(ctx, "bulk.bin", bytes.NewReader(data)); return err })
+		},
+		// The upload operation over the WebSocket, as the Go client sent it before the HTTP door.
+		func() (float64, error) { return timed(func() error { return wsUpload(ctx, blk, "bulk-ws.bin", data) }) },
+	}
+	const floorWay, wsFloorWay, httpWay, wsWay = 0, 1, 2, 3
+	del := func(way int) error {
+		switch way {
+		case floorWay:
+			return os.Remove(floorFile)
+		case wsFloorWay:
+			return os.Remove(wsFloorFile)
+		case httpWay:
+			return r.Delete(ctx, protocol.DeleteArgs{Path: "bulk.bin"})
+		}
+		return r.Delete(ctx, protocol.DeleteArgs{Path: "bulk-ws.bin"})
 	}
 
-	var floors, wsFloors, ups, downs, downFloors []float64
-	for range bulkRounds {
-		f, err := floor()
-		if err != nil {
-			return nil, err
+	var warm [4][]float64
+	var downs, downFloors []float64
+	for i := range bulkRounds {
+		var got [4]float64
+		for j := range 4 {
+			way := (i + j) % 4
+			v, err := ways[way]()
+			if err != nil {
+				return nil, err
+			}
+			got[way] = v
+			if way == httpWay {
+				t := time.Now()
+				if n, err := r.Download(ctx, "bulk.bin", io.Discard); err != nil || n != size {
+					return nil, fmt.Errorf("download: %d bytes, %v", n, err)
+				}
+				downs = append(downs, mibps(size, time.Since(t)))
+				// The floor sends the very file the download read, from the same page cache.
+				df, err := fileOutTCP(filepath.Join(wsDir, "bulk.bin"))
+				if err != nil {
+					return nil, err
+				}
+				downFloors = append(downFloors, df)
+			}
+			if err := del(way); err != nil {
+				return nil, err
+			}
 		}
-		os.Remove(floorFile)
-		wf, err := wsFloorUp()
-		if err != nil {
-			return nil, err
+		fmt.Fprintf(os.Stderr, "  warm: floor %.0f, on the workspace's fs %.0f, upload %.0f, over the WebSocket %.0f, download %.0f, its floor %.0f MiB/s\n",
+			got[0], got[1], got[2], got[3], downs[i], downFloors[i])
+		for way, v := range got {
+			warm[way] = append(warm[way], v)
 		}
-		os.Remove(wsFloorFile)
-		u, err := upload()
-		if err != nil {
-			return nil, err
-		}
-		t := time.Now()
-		if got, err := r.Download(ctx, "bulk.bin", io.Discard); err != nil || got != size {
-			return nil, fmt.Errorf("download: %d bytes, %v", got, err)
-		}
-		d := mibps(size, time.Since(t))
-		// The floor sends the very file the download read, from the same page cache.
-		df, err := fileOutTCP(filepath.Join(wsDir, "bulk.bin"))
-		if err != nil {
-			return nil, err
-		}
-		if err := clean(); err != nil {
-			return nil, err
-		}
-		fmt.Fprintf(os.Stderr, "  warm: floor %.0f, on the workspace's fs %.0f, upload %.0f, download %.0f, its floor %.0f MiB/s\n", f, wf, u, d, df)
-		floors, wsFloors, ups = append(floors, f), append(wsFloors, wf), append(ups, u)
-		downs, downFloors = append(downs, d), append(downFloors, df)
 	}
 	rss1 := br.peakRSS()
 	load1 := loadAvg()
 
 	// Memory freed in the last seconds is still warm; the guest reports it to the host within
 	// seconds (a rewrite 5 s after a delete already ran at a quarter of the speed, 20 s after at a
-	// seventh), so each cold round first lets that happen.
-	var coldFloors, coldWsFloors, coldUps []float64
+	// seventh), so each cold round first lets that happen, and keeps every file until its end.
+	var cold [4][]float64
 	for i := range coldRounds {
 		time.Sleep(coldSettle)
-		got := [3]float64{}
-		for j := range 3 {
-			k := (i + j) % 3
-			var err error
-			switch k {
-			case 0:
-				got[k], err = floor()
-			case 1:
-				got[k], err = wsFloorUp()
-			case 2:
-				got[k], err = upload()
-			}
+		var got [4]float64
+		for j := range 4 {
+			way := (i + j) % 4
+			v, err := ways[way]()
 			if err != nil {
 				return nil, err
 			}
+			got[way] = v
 		}
-		if err := clean(); err != nil {
-			return nil, err
+		for way := range 4 {
+			if err := del(way); err != nil {
+				return nil, err
+			}
 		}
-		fmt.Fprintf(os.Stderr, "  cold: floor %.0f, on the workspace's fs %.0f, upload %.0f MiB/s\n", got[0], got[1], got[2])
-		coldFloors, coldWsFloors, coldUps = append(coldFloors, got[0]), append(coldWsFloors, got[1]), append(coldUps, got[2])
+		fmt.Fprintf(os.Stderr, "  cold: floor %.0f, on the workspace's fs %.0f, upload %.0f, over the WebSocket %.0f MiB/s\n", got[0], got[1], got[2], got[3])
+		for way, v := range got {
+			cold[way] = append(cold[way], v)
+		}
 	}
 	load2 := loadAvg()
 
-	fl, wsFl, up := median(floors), median(wsFloors), median(ups)
+	upRow := func(metric string, m [4][]float64, how string) row {
+		fl, wsFl, up, ws := median(m[floorWay]), median(m[wsFloorWay]), median(m[httpWay]), median(m[wsWay])
+		return row{metric, fmt.Sprintf("%.0f MiB/s", up), ">= 80% of floor", "856", "282",
+			fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%), on the workspace's fs %.0f MiB/s (%.0f%%); the upload over the WebSocket %.0f MiB/s (%.0f%%, %.0f%%); %s; upload %s",
+				fl, 100*up/fl, wsFl, 100*up/wsFl, ws, 100*ws/fl, 100*ws/wsFl, how, spread(m[httpWay]))}
+	}
+	warmRow := upRow("100 MiB upload", warm, fmt.Sprintf("medians of %d interleaved rounds over memory the step before freed; broker peak RSS %d -> %d MiB; load %s -> %s",
+		bulkRounds, rss0>>20, rss1>>20, load0, load1))
+	coldRow := upRow("100 MiB upload, cold memory", cold, fmt.Sprintf("medians of %d rounds, each after %s for freed memory to go cold; load %s", coldRounds, coldSettle, load2))
+	coldRow.e2b, coldRow.daytona = "", ""
 	down, downFloor := median(downs), median(downFloors)
-	cfl, cwsFl, cup := median(coldFloors), median(coldWsFloors), median(coldUps)
-	return []row{
-		{"100 MiB upload", fmt.Sprintf("%.0f MiB/s", up), ">= 80% of floor", "856", "282",
-			fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%), on the workspace's fs %.0f MiB/s (%.0f%%); medians of %d interleaved rounds over memory the round before freed; upload %s; broker peak RSS %d -> %d MiB; load %s -> %s",
-				fl, 100*up/fl, wsFl, 100*up/wsFl, bulkRounds, spread(ups), rss0>>20, rss1>>20, load0, load1)},
-		{"100 MiB upload, cold memory", fmt.Sprintf("%.0f MiB/s", cup), ">= 80% of floor", "", "",
-			fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%), on the workspace's fs %.0f MiB/s (%.0f%%); medians of %d rounds, each after %s for freed memory to go cold; upload %s; load %s",
-				cfl, 100*cup/cfl, cwsFl, 100*cup/cwsFl, coldRounds, coldSettle, spread(coldUps), load2)},
+	return []row{warmRow, coldRow,
 		{"100 MiB download", fmt.Sprintf("%.0f MiB/s", down), ">= 80% of floor", "1391", "1761",
 			fmt.Sprintf("the same file out over raw TCP %.0f MiB/s (%.0f%%); medians of %d interleaved rounds; download %s", downFloor, 100*down/downFloor, bulkRounds, spread(downs))},
 	}, nil
+}
+
+// wsUpload sends data to path with the dataplane's upload operation over a WebSocket of its own, as
+// backend.Remote did before the HTTP door: 1 MiB data frames, each copied from the source into a
+// buffer, then into gorilla's write buffer, where it is masked (RFC 6455).
+func wsUpload(ctx context.Context, blk protocol.SandboxBlock, path string, data []byte) error {
+	d := websocket.Dialer{Subprotocols: []string{protocol.Subprotocol}, ReadBufferSize: 64 << 10, WriteBufferSize: 1<<20 + 64<<10 + 64}
+	ws, _, err := d.DialContext(ctx, blk.DataplaneURL, http.Header{"Authorization": {"Bearer " + blk.Credential}})
+	if err != nil {
+		return err
+	}
+	defer ws.Close()
+	if _, _, err := ws.ReadMessage(); err != nil { // hello
+		return err
+	}
+	req, _ := json.Marshal(protocol.Request{ID: 1, Op: protocol.OpUpload, Args: protocol.UploadArgs{Path: path}})
+	if err := ws.WriteMessage(websocket.TextMessage, req); err != nil {
+		return err
+	}
+	src := bytes.NewReader(data)
+	buf := make([]byte, protocol.FrameHeaderLen+1<<20)
+	for {
+		n, err := io.ReadFull(src, buf[protocol.FrameHeaderLen:])
+		if n > 0 {
+			protocol.PutFrameHeader(buf, protocol.FrameData, 1)
+			if err := ws.WriteMessage(websocket.BinaryMessage, buf[:protocol.FrameHeaderLen+n]); err != nil {
+				return err
+			}
+		}
+		if err != nil {
+			break
+		}
+	}
+	protocol.PutFrameHeader(buf, protocol.FrameEnd, 1)
+	if err := ws.WriteMessage(websocket.BinaryMessage, buf[:protocol.FrameHeaderLen]); err != nil {
+		return err
+	}
+	_, answer, err := ws.ReadMessage()
+	if err != nil {
+		return err
+	}
+	var resp struct {
+		Error *protocol.Error `json:"error"`
+	}
+	if json.Unmarshal(answer, &resp) != nil || resp.Error != nil {
+		return fmt.Errorf("upload over the WebSocket: %s", answer)
+	}
+	return nil
 }
 
 func mibps(size int, d time.Duration) float64 { return float64(size) / (1 << 20) / d.Seconds() }

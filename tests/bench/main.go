@@ -137,7 +137,7 @@ func run() error {
 		return mcpOnlyRun(ctx, m, n, br)
 	}
 	if *bulkOnly {
-		return bulkReport(ctx, r, br, workspaceDir(br.dir, sb.Sandbox.ID))
+		return bulkReport(ctx, r, m.Sandbox, br, workspaceDir(br.dir, sb.Sandbox.ID))
 	}
 	if *clientsOnly {
 		return clientsRows(ctx, m.Sandbox)

@@ -60,9 +60,9 @@ const bulkRounds = 5
 //   - warm: rounds of the four ways in (floor, floor on the workspace's file system, upload,
 //     upload over the WebSocket) in an order that rotates, each right after the step before and
 //     over the memory it freed; the download and its floor follow the upload; medians;
-//   - cold: rounds that first wait for freed memory to be reported, then run the four ways in a
-//     rotating order, each keeping its file until the round ends so that none of them takes memory
-//     another freed; medians.
+//   - cold: rounds that first wait for freed memory to be reported, then run the four ways and a
+//     plain write of the same bytes into a new file (no socket) in a rotating order, each keeping
+//     its file until the round ends so that none of them takes memory another freed; medians.
 //
 // Every upload and floor sends the same 100 MiB from the same memory into a new file, deleted
 // after its step (replacing a file would also free the old one's pages inside the upload).
@@ -73,8 +73,10 @@ func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock,
 	load0 := loadAvg()
 	rss0 := br.peakRSS()
 	floorFile, wsFloorFile := filepath.Join(br.dir, "floor.bin"), filepath.Join(wsFloor, "floor.bin")
+	plainFile := filepath.Join(wsFloor, "plain.bin")
 	defer os.Remove(floorFile)
 	defer os.Remove(wsFloorFile)
+	defer os.Remove(plainFile)
 	timed := func(f func() error) (float64, error) {
 		t := time.Now()
 		if err := f(); err != nil {
@@ -91,8 +93,10 @@ func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock,
 		},
 		// The upload operation over the WebSocket, as the Go client sent it before the HTTP door.
 		func() (float64, error) { return timed(func() error { return wsUpload(ctx, blk, "bulk-ws.bin", data) }) },
+		// No socket at all: the same bytes written into a new file on the workspace's fs.
+		func() (float64, error) { return timed(func() error { return writeFile(plainFile, data) }) },
 	}
-	const floorWay, wsFloorWay, httpWay, wsWay = 0, 1, 2, 3
+	const floorWay, wsFloorWay, httpWay, wsWay, plainWay = 0, 1, 2, 3, 4
 	del := func(way int) error {
 		switch way {
 		case floorWay:
@@ -101,6 +105,8 @@ func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock,
 			return os.Remove(wsFloorFile)
 		case httpWay:
 			return r.Delete(ctx, protocol.DeleteArgs{Path: "bulk.bin"})
+		case plainWay:
+			return os.Remove(plainFile)
 		}
 		return r.Delete(ctx, protocol.DeleteArgs{Path: "bulk-ws.bin"})
 	}
@@ -145,39 +151,40 @@ func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock,
 	// Memory freed in the last seconds is still warm; the guest reports it to the host within
 	// seconds (a rewrite 5 s after a delete already ran at a quarter of the speed, 20 s after at a
 	// seventh), so each cold round first lets that happen, and keeps every file until its end.
-	var cold [4][]float64
+	var cold [5][]float64
 	for i := range coldRounds {
 		time.Sleep(coldSettle)
-		var got [4]float64
-		for j := range 4 {
-			way := (i + j) % 4
+		var got [5]float64
+		for j := range 5 {
+			way := (i + j) % 5
 			v, err := ways[way]()
 			if err != nil {
 				return nil, err
 			}
 			got[way] = v
 		}
-		for way := range 4 {
+		for way := range 5 {
 			if err := del(way); err != nil {
 				return nil, err
 			}
 		}
-		fmt.Fprintf(os.Stderr, "  cold: floor %.0f, on the workspace's fs %.0f, upload %.0f, over the WebSocket %.0f MiB/s\n", got[0], got[1], got[2], got[3])
+		fmt.Fprintf(os.Stderr, "  cold: floor %.0f, on the workspace's fs %.0f, upload %.0f, over the WebSocket %.0f, a plain write %.0f MiB/s\n", got[0], got[1], got[2], got[3], got[4])
 		for way, v := range got {
 			cold[way] = append(cold[way], v)
 		}
 	}
 	load2 := loadAvg()
 
-	upRow := func(metric string, m [4][]float64, how string) row {
+	upRow := func(metric string, m [][]float64, how string) row {
 		fl, wsFl, up, ws := median(m[floorWay]), median(m[wsFloorWay]), median(m[httpWay]), median(m[wsWay])
 		return row{metric, fmt.Sprintf("%.0f MiB/s", up), ">= 80% of floor", "856", "282",
 			fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%), on the workspace's fs %.0f MiB/s (%.0f%%); the upload over the WebSocket %.0f MiB/s (%.0f%%, %.0f%%); %s; upload %s",
 				fl, 100*up/fl, wsFl, 100*up/wsFl, ws, 100*ws/fl, 100*ws/wsFl, how, spread(m[httpWay]))}
 	}
-	warmRow := upRow("100 MiB upload", warm, fmt.Sprintf("medians of %d interleaved rounds over memory the step before freed; broker peak RSS %d -> %d MiB; load %s -> %s",
+	warmRow := upRow("100 MiB upload", warm[:], fmt.Sprintf("medians of %d interleaved rounds over memory the step before freed; broker peak RSS %d -> %d MiB; load %s -> %s",
 		bulkRounds, rss0>>20, rss1>>20, load0, load1))
-	coldRow := upRow("100 MiB upload, cold memory", cold, fmt.Sprintf("medians of %d rounds, each after %s for freed memory to go cold; load %s", coldRounds, coldSettle, load2))
+	coldRow := upRow("100 MiB upload, cold memory", cold[:], fmt.Sprintf("a plain write of the same bytes into a new file on the workspace's fs, no socket, %.0f MiB/s; medians of %d rounds, each after %s for freed memory to go cold; load %s",
+		median(cold[plainWay]), coldRounds, coldSettle, load2))
 	coldRow.e2b, coldRow.daytona = "", ""
 	down, downFloor := median(downs), median(downFloors)
 	return []row{warmRow, coldRow,
@@ -232,6 +239,21 @@ func wsUpload(ctx context.Context, blk protocol.SandboxBlock, path string, data 
 		return fmt.Errorf("upload over the WebSocket: %s", answer)
 	}
 	return nil
+}
+
+// writeFile writes data into a new file at path in 1 MiB writes.
+func writeFile(path string, data []byte) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	for off := 0; off < len(data); off += 1 << 20 {
+		if _, err := f.Write(data[off:min(off+1<<20, len(data))]); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	return f.Close()
 }
 
 func mibps(size int, d time.Duration) float64 { return float64(size) / (1 << 20) / d.Seconds() }

@@ -41,7 +41,7 @@ func (r *Remote) Upload(ctx context.Context, p string, src io.Reader) (protocol.
 	if err != nil {
 		return out, err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPut, u, uploadBody{src})
+	req, err := http.NewRequestWithContext(ctx, http.MethodPut, u, uploadBody{ctx, src})
 	if err != nil {
 		return out, protocol.Errorf(protocol.CodeInvalidArgument, "upload: %v", err)
 	}
@@ -105,10 +105,20 @@ func uploadURL(dp, p string) (string, error) {
 // uploadBody is an upload's source as a request body of unknown length, which the HTTP client
 // sends chunked, one chunk per write of WriteTo: a source held in memory in one write, any other in
 // writes of 1 MiB. (With a known length the client copies the body 32 KiB at a time.) A source's
-// error fails the request before its last chunk, so the broker never commits a cut file.
-type uploadBody struct{ src io.Reader }
+// error fails the request before its last chunk, so the broker never commits a cut file; so does
+// the call's cancellation, however the source ended.
+type uploadBody struct {
+	ctx context.Context
+	src io.Reader
+}
 
-func (b uploadBody) Read(p []byte) (int, error) { return b.src.Read(p) }
+func (b uploadBody) Read(p []byte) (int, error) {
+	n, err := b.src.Read(p)
+	if err == io.EOF && b.ctx.Err() != nil {
+		return n, b.ctx.Err()
+	}
+	return n, err
+}
 
 func (b uploadBody) WriteTo(w io.Writer) (int64, error) {
 	switch s := b.src.(type) {
@@ -130,6 +140,9 @@ func (b uploadBody) WriteTo(w io.Writer) (int64, error) {
 			if werr != nil {
 				return n, werr
 			}
+		}
+		if err == io.EOF && b.ctx.Err() != nil {
+			return n, b.ctx.Err()
 		}
 		if err == io.EOF {
 			return n, nil

@@ -34,6 +34,9 @@ import (
 // body before answering.
 const dpDrainFor = 30 * time.Second
 
+// putConn and putAgain name the door's connection and what to do when it ends (endedErr).
+const putConn, putAgain = "the upload's connection", "send the upload again"
+
 // uploadID is the one request id of a door's connection.
 const uploadID = 1
 
@@ -89,7 +92,7 @@ func (s *Server) uploadPut(c echo.Context) error {
 		if refusal.Error != nil {
 			return refusal.Error
 		}
-		return conn.endedErr()
+		return conn.endedErr(putConn, putAgain)
 	}
 	if _, err := o.run(ctx, conn, req, args); err != nil {
 		conn.finish(uploadID)
@@ -119,7 +122,7 @@ func (c *dpConn) receive(ctx context.Context, req *request, w http.ResponseWrite
 		c.finish(uploadID)
 		req.upload.Abort()
 		if ended {
-			return nil, c.endedErr()
+			return nil, c.endedErr(putConn, putAgain)
 		}
 		return nil, err
 	}
@@ -181,7 +184,8 @@ func fill(r io.Reader, p []byte) (int, error) {
 }
 
 // endedErr is why the connection ended (it has, or is ending): the reason shutdown was given.
-func (c *dpConn) endedErr() *protocol.Error {
+// what names the connection and again says what to do next, for the ends that are not final.
+func (c *dpConn) endedErr(what, again string) *protocol.Error {
 	c.mu.Lock()
 	code, reason := c.endCode, c.endReason
 	c.mu.Unlock()
@@ -189,7 +193,7 @@ func (c *dpConn) endedErr() *protocol.Error {
 	case protocol.CloseCredentialEnded, protocol.CloseSandboxGone:
 		return &protocol.Error{Code: reason, Message: endMessage(reason)}
 	case websocket.CloseGoingAway:
-		return protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: send the upload again (the sandbox's broker will be back)")
+		return protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: %s (the sandbox's broker will be back)", again)
 	}
-	return protocol.Errorf(protocol.CodeUnavailable, "the upload's connection was closed: send it again")
+	return protocol.Errorf(protocol.CodeUnavailable, "%s was closed: %s", what, again)
 }

@@ -25,12 +25,7 @@ var bulkOnly = flag("bulk-only", "only the 100 MiB upload and download rows of i
 // bulkReport prints the bulk rows alone.
 func bulkReport(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock, br *brokerProc, wsDir string) error {
 	fmt.Fprintln(os.Stderr, "bulk (issue 17)...")
-	wsFloor, err := os.MkdirTemp(wsDir, ".floor-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(wsFloor)
-	rows, err := bulkRows(ctx, r, blk, br, wsDir, wsFloor)
+	rows, err := bulkRows(ctx, r, blk, br, wsDir)
 	if err != nil {
 		return err
 	}
@@ -59,21 +54,24 @@ const bulkRounds = 5
 // of writing it into pages a file freed just before (docs/ARCHITECTURE.md, hot path). So:
 //   - warm: rounds of the four ways in (floor, floor on the workspace's file system, upload,
 //     upload over the WebSocket) in an order that rotates, each right after the step before and
-//     over the memory it freed; the download and its floor follow the upload; medians;
+//     over the memory it freed; the download and its floor follow the upload; medians, after a
+//     first round that is not counted;
 //   - cold: rounds that first wait for freed memory to be reported, then run the four ways and a
 //     plain write of the same bytes into a new file (no socket) in a rotating order, each keeping
 //     its file until the round ends so that none of them takes memory another freed; medians.
 //
 // Every upload and floor sends the same 100 MiB from the same memory into a new file, deleted
 // after its step (replacing a file would also free the old one's pages inside the upload).
-func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock, br *brokerProc, wsDir, wsFloor string) ([]row, error) {
+func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock, br *brokerProc, wsDir string) ([]row, error) {
 	const size = 100 << 20
 	data := make([]byte, size)
 	rand.Read(data)
 	load0 := loadAvg()
 	rss0 := br.peakRSS()
-	floorFile, wsFloorFile := filepath.Join(br.dir, "floor.bin"), filepath.Join(wsFloor, "floor.bin")
-	plainFile := filepath.Join(wsFloor, "plain.bin")
+	// The files on the workspace's fs are in the directory the uploads write to, as ext4 places a
+	// file's blocks near its directory's.
+	floorFile, wsFloorFile := filepath.Join(br.dir, "floor.bin"), filepath.Join(wsDir, ".floor.bin")
+	plainFile := filepath.Join(wsDir, ".plain.bin")
 	defer os.Remove(floorFile)
 	defer os.Remove(wsFloorFile)
 	defer os.Remove(plainFile)
@@ -113,8 +111,11 @@ func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock,
 
 	var warm [4][]float64
 	var downs, downFloors []float64
-	for i := range bulkRounds {
+	// Round 0 warms up and is not counted: whichever way first writes a region of the workspace's
+	// image that was never written pays for it (and the cold rows show what first writes cost).
+	for i := range bulkRounds + 1 {
 		var got [4]float64
+		var down, downFloor float64
 		for j := range 4 {
 			way := (i + j) % 4
 			v, err := ways[way]()
@@ -127,20 +128,22 @@ func bulkRows(ctx context.Context, r *backend.Remote, blk protocol.SandboxBlock,
 				if n, err := r.Download(ctx, "bulk.bin", io.Discard); err != nil || n != size {
 					return nil, fmt.Errorf("download: %d bytes, %v", n, err)
 				}
-				downs = append(downs, mibps(size, time.Since(t)))
+				down = mibps(size, time.Since(t))
 				// The floor sends the very file the download read, from the same page cache.
-				df, err := fileOutTCP(filepath.Join(wsDir, "bulk.bin"))
-				if err != nil {
+				if downFloor, err = fileOutTCP(filepath.Join(wsDir, "bulk.bin")); err != nil {
 					return nil, err
 				}
-				downFloors = append(downFloors, df)
 			}
 			if err := del(way); err != nil {
 				return nil, err
 			}
 		}
 		fmt.Fprintf(os.Stderr, "  warm: floor %.0f, on the workspace's fs %.0f, upload %.0f, over the WebSocket %.0f, download %.0f, its floor %.0f MiB/s\n",
-			got[0], got[1], got[2], got[3], downs[i], downFloors[i])
+			got[0], got[1], got[2], got[3], down, downFloor)
+		if i == 0 {
+			continue
+		}
+		downs, downFloors = append(downs, down), append(downFloors, downFloor)
 		for way, v := range got {
 			warm[way] = append(warm[way], v)
 		}

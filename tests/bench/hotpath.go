@@ -131,7 +131,7 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 	add(row{"exec `true`", p50p99(execTrue), "<= 1.3x os/exec", "3.4", "", "bare os/exec " + p50p99(bare) + ratio(execTrue, bare)})
 
 	// Bulk: 100 MiB each way, beside floors that met the same memory (bulk.go).
-	bulk, err := bulkRows(ctx, r, blk, br, wsDir, wsFloor)
+	bulk, err := bulkRows(ctx, r, blk, br, wsDir)
 	if err != nil {
 		return err
 	}

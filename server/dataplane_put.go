@@ -46,6 +46,7 @@ var putBuffers = sync.Pool{New: func() any { b := make([]byte, dpChunkBytes); re
 // errBodyCut ends an upload whose body ended before its Content-Length, or broke.
 var errBodyCut = protocol.Errorf(protocol.CodeInvalidArgument, "the upload's body was cut short: nothing was written; send it again")
 
+// uploadPut serves the door: an upgrade's checks, then one upload request fed by the body.
 func (s *Server) uploadPut(c echo.Context) error {
 	r := c.Request()
 	// Counted from here, before any work, as an upgrade is.

@@ -127,11 +127,10 @@ func (c *dpConn) receive(ctx context.Context, req *request, w http.ResponseWrite
 		}
 		return nil, err
 	}
+	idle := c.s.uploadIdle
+	in := idleBody{ctx: ctx, body: body, rc: rc, idle: idle}
 	for {
-		// A client that stops sending for as long as a WebSocket peer may stay silent loses the
-		// upload, and its place.
-		rc.SetReadDeadline(time.Now().Add(dpPongWait))
-		n, err := fill(body, buf)
+		n, err := fill(in, buf)
 		if ctx.Err() != nil {
 			return fail(ctx.Err())
 		}
@@ -154,7 +153,7 @@ func (c *dpConn) receive(ctx context.Context, req *request, w http.ResponseWrite
 		}
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
-				return fail(protocol.Errorf(protocol.CodeInvalidArgument, "the upload's body stalled for %s: nothing was written", dpPongWait))
+				return fail(protocol.Errorf(protocol.CodeInvalidArgument, "the upload's body sent nothing for %s: nothing was written", idle))
 			}
 			return fail(errBodyCut)
 		}
@@ -168,6 +167,26 @@ func (c *dpConn) receive(ctx context.Context, req *request, w http.ResponseWrite
 		c.emitPath(protocol.EventFileWritten, written)
 	}
 	return res, nil
+}
+
+// idleBody is an upload's body read with an idle deadline, not a rate: a client may take as long
+// as it likes to send, as long as it never stays silent for idle, as a WebSocket peer may not.
+// (A deadline per buffer of 1 MiB would cut off any link slower than 14 KB/s.)
+type idleBody struct {
+	ctx  context.Context
+	body io.Reader
+	rc   *http.ResponseController
+	idle time.Duration
+}
+
+func (b idleBody) Read(p []byte) (int, error) {
+	b.rc.SetReadDeadline(time.Now().Add(b.idle))
+	// Checked after the deadline is set: a cancellation from now on sets its own, in the past,
+	// after this one; one before it would otherwise be overwritten and wait out the idle time.
+	if err := b.ctx.Err(); err != nil {
+		return 0, err
+	}
+	return b.body.Read(p)
 }
 
 // fill reads r into p until p is full or r ends (io.EOF). Unlike io.ReadFull it passes r's own

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -359,5 +360,62 @@ func TestUploadPutLimits(t *testing.T) {
 	}
 	if status, code, _ := putUpload(t, b, m.Sandbox.SandboxID, "path=a.txt", m.Token, strings.NewReader("x")); status != 429 || code != protocol.CodeRateLimited {
 		t.Errorf("after failed authentications, even a good token from that address: %d %s", status, code)
+	}
+}
+
+// The 75 s rule is an idle rule, as on the WebSocket: a client on a slow link that keeps sending
+// keeps its upload however long it takes, while one that goes silent loses it (here with the
+// rule shortened to 2 s). It used to be a rate: each 1 MiB buffer had to fill within the 75 s,
+// cutting off any link slower than 14 KB/s.
+func TestUploadPutIdleBody(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	const idle = 2 * time.Second
+	server.SetUploadIdle(b.Server, idle)
+	m := mintFor(t, b, "door-slow", "fs:write")
+	ws := workspaceDir(b, m.Sandbox.SandboxID)
+
+	// A byte every tenth of the idle time, for over twice the idle time.
+	pr, pw := io.Pipe()
+	const sends = 25
+	go func() {
+		tick := time.NewTicker(idle / 10)
+		defer tick.Stop()
+		for range sends {
+			<-tick.C
+			if _, err := pw.Write([]byte("s")); err != nil {
+				return
+			}
+		}
+		pw.Close()
+	}()
+	status, code, res := putUpload(t, b, m.Sandbox.SandboxID, "path=slow.txt", m.Token, pr)
+	if status != 200 || res.Size != sends {
+		t.Fatalf("a slow but steady body: %d %s %+v", status, code, res)
+	}
+
+	// A body that goes silent is refused once the idle time has passed, and writes nothing.
+	os.WriteFile(filepath.Join(ws, "silent.txt"), []byte("before"), 0o644)
+	c, err := net.Dial("tcp", strings.TrimPrefix(b.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	io.WriteString(c, "PUT /v1/sandboxes/"+m.Sandbox.SandboxID+"/dataplane/upload?path=silent.txt HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "+m.Token+"\r\nContent-Length: 100\r\n\r\nsome")
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var eb protocol.ErrorBody
+	json.NewDecoder(resp.Body).Decode(&eb)
+	resp.Body.Close()
+	if resp.StatusCode != 400 || eb.Error.Code != protocol.CodeInvalidArgument || !strings.Contains(eb.Error.Message, "sent nothing") {
+		t.Errorf("a silent body: %d %+v", resp.StatusCode, eb.Error)
+	}
+	if got, _ := os.ReadFile(filepath.Join(ws, "silent.txt")); string(got) != "before" {
+		t.Errorf("a silent body replaced the file: %q", got)
+	}
+	if left := tempFiles(t, ws); len(left) != 0 {
+		t.Errorf("temporary files left: %v", left)
 	}
 }

@@ -37,6 +37,9 @@ const dpDrainFor = 30 * time.Second
 // putConn and putAgain name the door's connection and what to do when it ends (endedErr).
 const putConn, putAgain = "the upload's connection", "send the upload again"
 
+// uploadRoute is the door's route.
+const uploadRoute = "/v1/sandboxes/:ref/dataplane/upload"
+
 // uploadID is the one request id of a door's connection.
 const uploadID = 1
 
@@ -187,6 +190,17 @@ func (b idleBody) Read(p []byte) (int, error) {
 		return 0, err
 	}
 	return b.body.Read(p)
+}
+
+// refuseBody readies the answer to a refused upload (errorHandler), whose body may still be coming:
+// net/http would read up to 256 KiB more of it before writing the answer, with no deadline, so a
+// client that sends slowly, or nothing more, would get no answer and hold the connection. The
+// answer goes at once and the connection closes after it; the rest of the body is read meanwhile
+// (up to 256 KiB, for dpDrainFor at most), so that a client still sending gets the answer, not a
+// reset.
+func refuseBody(c echo.Context) {
+	c.Response().Header().Set(echo.HeaderConnection, "close")
+	http.NewResponseController(c.Response()).SetReadDeadline(time.Now().Add(dpDrainFor))
 }
 
 // fill reads r into p until p is full or r ends (io.EOF). Unlike io.ReadFull it passes r's own

@@ -419,3 +419,48 @@ func TestUploadPutIdleBody(t *testing.T) {
 		t.Errorf("temporary files left: %v", left)
 	}
 }
+
+// A refused upload is answered at once, whatever its body does: net/http would otherwise read up
+// to 256 KiB more of an unread body before it writes the answer, so a client streaming slowly (or
+// a hostile one sending nothing more) got no answer at all, and held the connection meanwhile.
+func TestUploadPutRefusalAnswersAtOnce(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	reader := mintFor(t, b, "door-refused", "fs:read")
+	writer := mintFor(t, b, "door-refused", "fs:write")
+	id := reader.Sandbox.SandboxID
+	cases := []struct {
+		name, query, cred, code string
+	}{
+		{"the scope (the handler)", "path=a.txt", reader.Token, protocol.CodeScopeDenied},
+		{"a path out", "path=../a.txt", writer.Token, protocol.CodeInvalidPath},
+		{"an unknown parameter (the query check)", "path=a.txt&x=1", writer.Token, protocol.CodeInvalidArgument},
+		{"no credential", "path=a.txt", "", protocol.CodeUnauthenticated},
+	}
+	for _, c := range cases {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(b.URL, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		auth := ""
+		if c.cred != "" {
+			auth = "Authorization: Bearer " + c.cred + "\r\n"
+		}
+		// The first chunk of a body whose next ones never come.
+		io.WriteString(conn, "PUT /v1/sandboxes/"+id+"/dataplane/upload?"+c.query+" HTTP/1.1\r\nHost: x\r\n"+auth+"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+		conn.SetReadDeadline(time.Now().Add(20 * time.Second)) // a bound for the failure, not a wait
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Errorf("%s: no answer: %v", c.name, err)
+			conn.Close()
+			continue
+		}
+		var eb protocol.ErrorBody
+		json.NewDecoder(resp.Body).Decode(&eb)
+		resp.Body.Close()
+		conn.Close()
+		if eb.Error.Code != c.code || !resp.Close {
+			t.Errorf("%s: %d %s (closing: %v), want %s and the connection closed", c.name, resp.StatusCode, eb.Error.Code, resp.Close, c.code)
+		}
+	}
+}

@@ -250,7 +250,7 @@ func New(cfg Config) *Server {
 	// The dataplane authenticates API keys and delegation tokens itself (docs/dataplane.md).
 	e.GET("/v1/sandboxes/:ref/dataplane", s.dataplane)
 	// Its upload operation over plain HTTP, for bulk bytes (dataplane_put.go).
-	e.PUT("/v1/sandboxes/:ref/dataplane/upload", s.uploadPut)
+	e.PUT(uploadRoute, s.uploadPut)
 	// MCP (Streamable HTTP) takes a delegation token only, checked by its handler (mcp.go).
 	e.POST("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
 	e.GET("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)

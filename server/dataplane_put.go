@@ -84,6 +84,11 @@ func (s *Server) uploadPut(c echo.Context) error {
 		return err
 	}
 	defer releaseShare()
+	if conn.claims == nil {
+		// An owner: the access log names the key, and a 401 from here on (the key revoked while
+		// the body comes) is not a guess (guardAuth).
+		c.Set(ctxPrincipal, Principal{Org: conn.org, KeyID: conn.keyID})
+	}
 	_, unregister := conn.open(requestID(c))
 	defer func() {
 		conn.shutdown(websocket.CloseNormalClosure, "")

@@ -464,3 +464,44 @@ func TestUploadPutRefusalAnswersAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// An owner's upload ended by its key's revocation answers unauthenticated, but the request had
+// authenticated: it is not a guessed credential, and must not count toward its address's
+// failed-authentication limit (a host running many uploads with a key that gets rotated would
+// otherwise lock out every other client behind its address). The access log names the key.
+func TestUploadPutKeyRevokedMidUploadIsNoGuess(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir", AuthFailures: 1, AuthFailureWindow: time.Hour})
+	m := mintFor(t, b, "door-key", "fs:write")
+	id := m.Sandbox.SandboxID
+	ws := workspaceDir(b, id)
+	key, k, err := b.Store.CreateAPIKey(t.Context(), b.Org, "ci", time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := net.Dial("tcp", strings.TrimPrefix(b.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	io.WriteString(conn, "PUT /v1/sandboxes/"+id+"/dataplane/upload?path=k.txt HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "+key+"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+	if !wait.Until(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 1 }) {
+		t.Fatal("the upload never started")
+	}
+	if _, err := b.Store.RevokeAPIKey(t.Context(), k.ID, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 401 {
+		t.Errorf("the upload of a revoked key: %d", resp.StatusCode)
+	}
+	for range 2 { // the limit allows one failure: a second would show
+		if status, code, _ := putUpload(t, b, id, "path=after.txt", m.Token, strings.NewReader("x")); status != 200 {
+			t.Fatalf("a good token from the same address after the revocation: %d %s", status, code)
+		}
+	}
+}

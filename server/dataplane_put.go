@@ -84,10 +84,13 @@ func (s *Server) uploadPut(c echo.Context) error {
 		return err
 	}
 	defer releaseShare()
+	// The access log names the credential, as the WebSocket's connection log does. An owner's key
+	// as its principal: a 401 from here on (the key revoked while the body comes) is not a guess
+	// (guardAuth).
 	if conn.claims == nil {
-		// An owner: the access log names the key, and a 401 from here on (the key revoked while
-		// the body comes) is not a guess (guardAuth).
 		c.Set(ctxPrincipal, Principal{Org: conn.org, KeyID: conn.keyID})
+	} else {
+		c.Set(ctxJTI, conn.claims.ID)
 	}
 	_, unregister := conn.open(requestID(c))
 	defer func() {

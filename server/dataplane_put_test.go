@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -503,5 +504,29 @@ func TestUploadPutKeyRevokedMidUploadIsNoGuess(t *testing.T) {
 		if status, code, _ := putUpload(t, b, id, "path=after.txt", m.Token, strings.NewReader("x")); status != 200 {
 			t.Fatalf("a good token from the same address after the revocation: %d %s", status, code)
 		}
+	}
+}
+
+// The access log line of an upload names who sent it, as the WebSocket's connection log does: the
+// token by its jti (a refused upload leaves no event), never the token itself.
+func TestUploadPutAccessLogNamesTheToken(t *testing.T) {
+	t.Parallel()
+	var logs lockedBuffer
+	b := servertest.New(t, servertest.Options{Provider: "dir", Log: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	reader := mintFor(t, b, "door-log", "fs:read")
+	if status, code, _ := putUpload(t, b, reader.Sandbox.SandboxID, "path=a.txt", reader.Token, strings.NewReader("x")); status != 403 {
+		t.Fatalf("a token without fs:write: %d %s", status, code)
+	}
+	var line string
+	for l := range strings.SplitSeq(logs.String(), "\n") {
+		if strings.Contains(l, "dataplane/upload") && strings.Contains(l, "status=403") {
+			line = l
+		}
+	}
+	if !strings.Contains(line, "jti="+reader.JTI) {
+		t.Errorf("the refused upload's access log line does not name the token's jti: %q", line)
+	}
+	if strings.Contains(logs.String(), reader.Token) {
+		t.Errorf("the log holds the token")
 	}
 }

@@ -159,7 +159,11 @@ func (c *dpConn) receive(ctx context.Context, req *request, w http.ResponseWrite
 			}
 		}
 		if err == io.EOF {
-			stop()
+			if !stop() {
+				// Ended as the body did: the deadline it sets could land on the connection's next
+				// request, and the upload was aborted or is being.
+				return fail(ctx.Err())
+			}
 			break
 		}
 		if err != nil {
@@ -172,6 +176,9 @@ func (c *dpConn) receive(ctx context.Context, req *request, w http.ResponseWrite
 	c.finish(uploadID)
 	res, written, err := req.upload.end()
 	if err != nil {
+		if c.ctx.Err() != nil { // shutdown aborted it before it could commit: say why
+			return nil, c.endedErr(putConn, putAgain)
+		}
 		return nil, err
 	}
 	if written != "" {

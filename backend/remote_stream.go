@@ -1,9 +1,16 @@
 package backend
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -12,21 +19,138 @@ import (
 // and TarFiles write theirs to a writer as they come. None is retried: by the time the connection
 // breaks, the reader or the writer has been used in part.
 
-// Upload streams r into path (atomically replaced when the upload completes).
+// Upload streams src into path (atomically replaced when the upload completes). The bytes go
+// through the dataplane's upload door, an HTTP PUT beside the WebSocket with the same credential
+// and checks (docs/dataplane.md, "Uploads over HTTP"): a WebSocket client must mask every byte it
+// sends, which with the copies around it cost half the upload's speed.
 func (r *Remote) Upload(ctx context.Context, p string, src io.Reader) (protocol.WriteResult, error) {
-	if err := validPaths(p); err != nil {
-		return protocol.WriteResult{}, err
-	}
-	c, err := r.connection(ctx)
-	if err != nil {
-		return protocol.WriteResult{}, err
-	}
-	cl := &call{}
 	var out protocol.WriteResult
-	if err := c.roundTrip(ctx, protocol.OpUpload, protocol.UploadArgs{Path: p}, cl, src); err != nil {
+	if err := validPaths(p); err != nil {
 		return out, err
 	}
-	return out, json.Unmarshal(cl.result, &out)
+	r.mu.Lock()
+	closed, ended := r.closed, r.ended
+	r.mu.Unlock()
+	switch {
+	case closed:
+		return out, protocol.Errorf(protocol.CodeInvalidArgument, "the backend is closed")
+	case ended != nil:
+		return out, ended
+	}
+	u, err := uploadURL(r.cfg.URL, p)
+	if err != nil {
+		return out, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPut, u, uploadBody{ctx, src})
+	if err != nil {
+		return out, protocol.Errorf(protocol.CodeInvalidArgument, "upload: %v", err)
+	}
+	req.Header.Set("Authorization", "Bearer "+r.cfg.Credential)
+	// A refusal (scope, path, credential) comes before any byte of the body is sent.
+	req.Header.Set("Expect", "100-continue")
+	resp, err := uploadClient.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return out, ctx.Err()
+		}
+		var pe *protocol.Error
+		if errors.As(err, &pe) {
+			return out, pe
+		}
+		return out, unreachable("the upload to %s failed: %v", protocol.RedactURL(r.cfg.URL), errors.Unwrap(err))
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		var eb protocol.ErrorBody
+		if json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&eb) == nil && eb.Error.Code != "" {
+			eb.Error.Status = resp.StatusCode
+			return out, &eb.Error
+		}
+		return out, unreachable("the upload was answered %s", resp.Status)
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&out); err != nil {
+		return out, unreachable("the upload's answer is not a result: %v", err)
+	}
+	return out, nil
+}
+
+// uploadClient sends uploads. Its connections are kept between uploads; like the WebSocket's
+// dialer it uses no proxy, and it speaks HTTP/1.1, whose body is the socket's bytes.
+var uploadClient = &http.Client{Transport: &http.Transport{
+	DialContext:           (&net.Dialer{Timeout: 10 * time.Second}).DialContext,
+	TLSHandshakeTimeout:   10 * time.Second,
+	ExpectContinueTimeout: 10 * time.Second,
+	MaxIdleConnsPerHost:   4,
+	IdleConnTimeout:       30 * time.Second,
+}}
+
+// uploadURL is the upload door beside the dataplane URL dp (ws://host/v1/sandboxes/<id>/dataplane).
+func uploadURL(dp, p string) (string, error) {
+	u, err := url.Parse(dp)
+	if err != nil {
+		return "", protocol.Errorf(protocol.CodeInvalidArgument, "dataplane_url %q is not a URL", protocol.RedactURL(dp))
+	}
+	switch u.Scheme {
+	case "ws":
+		u.Scheme = "http"
+	case "wss":
+		u.Scheme = "https"
+	}
+	u.Path = strings.TrimSuffix(u.Path, "/") + "/upload"
+	u.RawPath = ""
+	u.RawQuery = url.Values{"path": {p}}.Encode()
+	return u.String(), nil
+}
+
+// uploadBody is an upload's source as a request body of unknown length, which the HTTP client
+// sends chunked, one chunk per write of WriteTo: a source held in memory in one write, any other in
+// writes of 1 MiB. (With a known length the client copies the body 32 KiB at a time.) A source's
+// error fails the request before its last chunk, so the broker never commits a cut file; so does
+// the call's cancellation, however the source ended.
+type uploadBody struct {
+	ctx context.Context
+	src io.Reader
+}
+
+func (b uploadBody) Read(p []byte) (int, error) {
+	n, err := b.src.Read(p)
+	if err == io.EOF && b.ctx.Err() != nil {
+		return n, b.ctx.Err()
+	}
+	return n, err
+}
+
+func (b uploadBody) WriteTo(w io.Writer) (int64, error) {
+	switch s := b.src.(type) {
+	case *bytes.Reader:
+		return s.WriteTo(w)
+	case *bytes.Buffer:
+		return s.WriteTo(w)
+	case *strings.Reader:
+		return s.WriteTo(w)
+	}
+	bp := readBuffers.Get().(*[]byte)
+	defer readBuffers.Put(bp)
+	var n int64
+	for {
+		m, err := fill(b.src, *bp)
+		if m > 0 {
+			k, werr := w.Write((*bp)[:m])
+			n += int64(k)
+			if werr != nil {
+				return n, werr
+			}
+		}
+		if err == io.EOF && b.ctx.Err() != nil {
+			return n, b.ctx.Err()
+		}
+		if err == io.EOF {
+			return n, nil
+		}
+		if err != nil {
+			return n, err
+		}
+	}
 }
 
 // Download streams path's bytes into w.

@@ -76,6 +76,9 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 	if c.Response().Committed {
 		return
 	}
+	if c.Path() == uploadRoute {
+		refuseBody(c)
+	}
 	status, pe := apiError(err)
 	pe.RequestID = requestID(c)
 	if status >= 500 {

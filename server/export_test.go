@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"net/http"
+	"time"
 )
 
 // AppendLease exposes appendLease to the package's external tests.
@@ -62,3 +63,7 @@ func AuthorizeThenOpen(s *Server, cred, ref string, between func()) (<-chan stru
 
 // RevocationsMissed runs what a revocation resubscription runs (Server.revocationsMissed).
 func RevocationsMissed(s *Server) { s.revocationsMissed() }
+
+// SetUploadIdle sets how long an upload's body may send nothing (default 75 s); call it before
+// the broker serves uploads.
+func SetUploadIdle(s *Server, d time.Duration) { s.uploadIdle = d }

@@ -145,17 +145,7 @@ func (l *localConn) Call(ctx context.Context, op string, args any) (json.RawMess
 
 // err is why the connection ended (it has, or is ending): the reason shutdown was given.
 func (l *localConn) err() *protocol.Error {
-	c := l.c
-	c.mu.Lock()
-	code, reason := c.endCode, c.endReason
-	c.mu.Unlock()
-	switch code {
-	case protocol.CloseCredentialEnded, protocol.CloseSandboxGone:
-		return &protocol.Error{Code: reason, Message: endMessage(reason)}
-	case websocket.CloseGoingAway:
-		return protocol.Errorf(protocol.CodeUnavailable, "the broker is shutting down: open a new session (the sandbox's broker will be back)")
-	}
-	return protocol.Errorf(protocol.CodeUnavailable, "this session's dataplane connection was closed: open a new session")
+	return l.c.endedErr("this session's dataplane connection", "open a new session")
 }
 
 func (l *localConn) ended() {

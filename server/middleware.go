@@ -23,6 +23,8 @@ const (
 	ctxPrincipal = "sbx.principal"
 	ctxSandbox   = "sbx.sandbox"
 	ctxErrCode   = "sbx.err_code"
+	// ctxJTI is the delegation token a request authenticated with, for its access log line.
+	ctxJTI = "sbx.jti"
 )
 
 // Principal is who is calling.
@@ -83,6 +85,9 @@ func (s *Server) withAccessLog(next echo.HandlerFunc) echo.HandlerFunc {
 		}
 		if r := sandboxOf(c); r.ID != "" {
 			attrs = append(attrs, "sandbox_id", r.ID)
+		}
+		if jti, _ := c.Get(ctxJTI).(string); jti != "" {
+			attrs = append(attrs, "jti", jti)
 		}
 		if code, ok := c.Get(ctxErrCode).(string); ok {
 			attrs = append(attrs, "code", code)

@@ -42,6 +42,7 @@ var queryParams = map[string][]string{
 	"POST /v1/tokens/introspect":                 nil,
 	"GET /v1/orphans":                            nil,
 	"GET /v1/limits":                             nil,
+	"PUT /v1/sandboxes/:ref/dataplane/upload":    {"path", "mode"},
 }
 
 // checkQuery refuses a query that is malformed, too long, or not what the route takes, before any

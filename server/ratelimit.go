@@ -328,7 +328,8 @@ func (s *Server) guardAuth(next echo.HandlerFunc) echo.HandlerFunc {
 			status, pe = apiError(err)
 			guess = !provenToken[pe.Code]
 		}
-		if status == http.StatusUnauthorized && guess {
+		// A request whose key was accepted (a principal) was not guessing, whatever ended it.
+		if status == http.StatusUnauthorized && guess && principal(c).Org == "" {
 			wait, over, crossed := s.authGuard.failed(src)
 			if crossed {
 				s.log.Warn("too many failed authentications: refusing the source until its window ends",

@@ -175,6 +175,9 @@ type Server struct {
 	routes map[string]bool
 	// dpLimits bound open dataplane connections (counted by hub).
 	dpLimits DataplaneLimits
+	// uploadIdle is how long an upload's body may send nothing (dataplane_put.go): dpPongWait,
+	// shorter in tests.
+	uploadIdle time.Duration
 
 	// dataplaneURL is Config.DataplaneURL.
 	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
@@ -193,7 +196,7 @@ func New(cfg Config) *Server {
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store, cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(cmp.Or(max(cfg.EventStreamsPerKey, 0), DefaultEventStreamsPerKey)), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
-		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults()}
+		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults(), uploadIdle: dpPongWait}
 	s.dataplaneURL = cfg.DataplaneURL
 	s.newMCP()
 	s.metrics.reg.MustRegister(s.dataplaneGauges()...)
@@ -246,6 +249,8 @@ func New(cfg Config) *Server {
 	e.POST("/v1/tokens/introspect", s.introspect, owner...)
 	// The dataplane authenticates API keys and delegation tokens itself (docs/dataplane.md).
 	e.GET("/v1/sandboxes/:ref/dataplane", s.dataplane)
+	// Its upload operation over plain HTTP, for bulk bytes (dataplane_put.go).
+	e.PUT(uploadRoute, s.uploadPut)
 	// MCP (Streamable HTTP) takes a delegation token only, checked by its handler (mcp.go).
 	e.POST("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
 	e.GET("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -132,42 +131,14 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 	})
 	add(row{"exec `true`", p50p99(execTrue), "<= 1.3x os/exec", "3.4", "", "bare os/exec " + p50p99(bare) + ratio(execTrue, bare)})
 
-	// Bulk: 100 MiB each way, with the broker's peak RSS before and after.
-	const size = 100 << 20
-	data := make([]byte, size)
-	rand.Read(data)
-	rss0 := br.peakRSS()
-	t := time.Now()
-	if _, err := r.Upload(ctx, "bulk.bin", bytes.NewReader(data)); err != nil {
+	// Bulk: 100 MiB each way, beside floors that met the same memory (bulk.go).
+	bulk, err := bulkRows(ctx, r, blk, br, wsDir)
+	if err != nil {
 		return err
 	}
-	up := float64(size) / (1 << 20) / time.Since(t).Seconds()
-	// The first upload writes never-written space of the workspace's image, which the broker's writes
-	// meet far more slowly than rewrites (docs/ARCHITECTURE.md, hot path); uploads again over the
-	// space it freed show the steady state beside it.
-	var again []float64
-	for range 4 {
-		t = time.Now()
-		if _, err := r.Upload(ctx, "bulk.bin", bytes.NewReader(data)); err != nil {
-			return err
-		}
-		again = append(again, float64(size)/(1<<20)/time.Since(t).Seconds())
+	for _, b := range bulk {
+		add(b)
 	}
-	sort.Float64s(again)
-	upAgain := (again[1] + again[2]) / 2
-	t = time.Now()
-	if got, err := r.Download(ctx, "bulk.bin", io.Discard); err != nil || got != size {
-		return fmt.Errorf("download: %d bytes, %v", got, err)
-	}
-	down := float64(size) / (1 << 20) / time.Since(t).Seconds()
-	rss1 := br.peakRSS()
-	toFile, fromFile := tcpFileBaselines(br.dir, size)
-	wsToFile, _ := tcpFileBaselines(wsFloor, size)
-	add(row{"100 MiB upload", fmt.Sprintf("%.0f MiB/s", up), ">= 80% of floor", "856", "282",
-		fmt.Sprintf("raw TCP into a file %.0f MiB/s (%.0f%%), into one on the workspace's fs %.0f MiB/s (%.0f%%); uploaded again over freed space (median of 4) %.0f MiB/s (%.0f%%, %.0f%%); broker peak RSS %d -> %d MiB",
-			toFile, 100*up/toFile, wsToFile, 100*up/wsToFile, upAgain, 100*upAgain/toFile, 100*upAgain/wsToFile, rss0>>20, rss1>>20)})
-	add(row{"100 MiB download", fmt.Sprintf("%.0f MiB/s", down), ">= 80% of floor", "1391", "1761",
-		fmt.Sprintf("file out over raw TCP %.0f MiB/s (%.0f%%)", fromFile, 100*down/fromFile)})
 
 	fmt.Fprintln(os.Stderr, "  1000 concurrent clients...")
 	cd, cw, cr, ce, errs, took := concurrentClients(ctx, blk, 1000, 3)

@@ -144,6 +144,9 @@ func run() error {
 	if *mcpOnly {
 		return mcpOnlyRun(ctx, m, n, br)
 	}
+	if *bulkOnly {
+		return bulkReport(ctx, r, m.Sandbox, br, workspaceDir(br.dir, sb.Sandbox.ID))
+	}
 	if *clientsOnly {
 		return clientsRows(ctx, m.Sandbox)
 	}

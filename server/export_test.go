@@ -67,3 +67,7 @@ func RevocationsMissed(s *Server) { s.revocationsMissed() }
 // SetUploadIdle sets how long an upload's body may send nothing (default 75 s); call it before
 // the broker serves uploads.
 func SetUploadIdle(s *Server, d time.Duration) { s.uploadIdle = d }
+
+// SetBodyWait sets how long a REST request's body may take to arrive (default bodyWait); call it
+// before any request.
+func SetBodyWait(s *Server, d time.Duration) { s.bodyWait = d }

@@ -25,6 +25,8 @@ const (
 	ctxErrCode   = "sbx.err_code"
 	// ctxJTI is the delegation token a request authenticated with, for its access log line.
 	ctxJTI = "sbx.jti"
+	// ctxBodyWait is the body wait set on the request (boundBody), for the message when it passes.
+	ctxBodyWait = "sbx.body_wait"
 )
 
 // Principal is who is calling.

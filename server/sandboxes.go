@@ -30,6 +30,11 @@ func decodeJSON(c echo.Context, v any) error {
 		if errors.As(err, &mbe) {
 			return protocol.Errorf(protocol.CodeTooLarge, "request body is over %d bytes", maxBody)
 		}
+		if bodyLate(err) {
+			// The connection cannot be read any more: it closes after this answer.
+			c.Response().Header().Set("Connection", "close")
+			return protocol.Errorf(protocol.CodeInvalidArgument, "the request body did not arrive in full within %s; send the whole body at once", c.Get(ctxBodyWait))
+		}
 		return protocol.Errorf(protocol.CodeInvalidJSON, "could not read the request body")
 	}
 	if len(bytes.TrimSpace(body)) == 0 {

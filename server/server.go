@@ -178,6 +178,9 @@ type Server struct {
 	// uploadIdle is how long an upload's body may send nothing (dataplane_put.go): dpPongWait,
 	// shorter in tests.
 	uploadIdle time.Duration
+	// bodyWait is how long a request's body may take to arrive (bodywait.go): bodyWait, shorter in
+	// tests.
+	bodyWait time.Duration
 
 	// dataplaneURL is Config.DataplaneURL.
 	dataplaneURL func(ctx context.Context, rec store.Record) (string, error)
@@ -196,7 +199,7 @@ func New(cfg Config) *Server {
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store, cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(cmp.Or(max(cfg.EventStreamsPerKey, 0), DefaultEventStreamsPerKey)), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
-		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults(), uploadIdle: dpPongWait}
+		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults(), uploadIdle: dpPongWait, bodyWait: bodyWait}
 	s.dataplaneURL = cfg.DataplaneURL
 	s.newMCP()
 	s.metrics.reg.MustRegister(s.dataplaneGauges()...)
@@ -211,7 +214,7 @@ func New(cfg Config) *Server {
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler
-	e.Use(withRequestID, s.withAccessLog, s.recoverPanics, s.guardAuth, checkQuery)
+	e.Use(withRequestID, s.boundBody, s.withAccessLog, s.recoverPanics, s.guardAuth, checkQuery)
 	s.e = e
 	s.bgCtx, s.stopBackground = context.WithCancel(context.Background())
 	s.http = &http.Server{

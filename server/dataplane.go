@@ -95,11 +95,9 @@ func (s *Server) dataplane(c echo.Context) error {
 	if r.URL.RawQuery != "" {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane takes no query parameters (and never credentials in the URL): send Authorization: Bearer, or the %s<credential> subprotocol", protocol.BearerSubprotocolPrefix)
 	}
-	// Counted from here, before any work, so that concurrent upgrades cannot overshoot the bound.
-	release, ok := s.hub.reserve(s.dpLimits.MaxConnections)
-	if !ok {
-		c.Response().Header().Set("Retry-After", dpRetryAfter)
-		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.dpLimits.MaxConnections)
+	release, err := s.reserveConnection(c)
+	if err != nil {
+		return err
 	}
 	defer release()
 	if err := s.checkOrigin(r); err != nil {
@@ -134,6 +132,17 @@ func (s *Server) dataplane(c echo.Context) error {
 	c.Response().Committed = true
 	conn.serve(ws, requestID(c))
 	return nil
+}
+
+// reserveConnection counts a dataplane connection (an upgrade, an upload over HTTP) against the
+// broker's bound before any work, so that concurrent ones cannot overshoot it; release gives it back.
+func (s *Server) reserveConnection(c echo.Context) (release func(), err error) {
+	release, ok := s.hub.reserve(s.dpLimits.MaxConnections)
+	if !ok {
+		c.Response().Header().Set("Retry-After", dpRetryAfter)
+		return nil, protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.dpLimits.MaxConnections)
+	}
+	return release, nil
 }
 
 // authorizeConn authenticates cred for a dataplane connection to the sandbox ref, counts it

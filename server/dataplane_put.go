@@ -52,11 +52,9 @@ var errBodyCut = protocol.Errorf(protocol.CodeInvalidArgument, "the upload's bod
 // uploadPut serves the door: an upgrade's checks, then one upload request fed by the body.
 func (s *Server) uploadPut(c echo.Context) error {
 	r := c.Request()
-	// Counted from here, before any work, as an upgrade is.
-	release, ok := s.hub.reserve(s.dpLimits.MaxConnections)
-	if !ok {
-		c.Response().Header().Set("Retry-After", dpRetryAfter)
-		return protocol.Errorf(protocol.CodeUnavailable, "this broker has %d dataplane connections open, its maximum; retry shortly", s.dpLimits.MaxConnections)
+	release, err := s.reserveConnection(c)
+	if err != nil {
+		return err
 	}
 	defer release()
 	if err := s.checkOrigin(r); err != nil {

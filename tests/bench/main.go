@@ -325,6 +325,11 @@ func tcpRoundTrips(n int) (samples, error) {
 		return samples{}, err
 	}
 	defer c.Close()
+	return pingPong(c, n), nil
+}
+
+// pingPong times n one-byte round trips on c.
+func pingPong(c net.Conn, n int) samples {
 	b := make([]byte, 1)
 	return sample(n, func() error {
 		if _, err := c.Write(b); err != nil {
@@ -332,7 +337,7 @@ func tcpRoundTrips(n int) (samples, error) {
 		}
 		_, err := c.Read(b)
 		return err
-	}), nil
+	})
 }
 
 // tcpEchoEnv makes the bench's binary a TCP echo server (tcpRoundTripsAcross).
@@ -372,14 +377,7 @@ func tcpRoundTripsAcross(n int) (samples, error) {
 		return samples{}, err
 	}
 	defer c.Close()
-	b := make([]byte, 1)
-	return sample(n, func() error {
-		if _, err := c.Write(b); err != nil {
-			return err
-		}
-		_, err := c.Read(b)
-		return err
-	}), nil
+	return pingPong(c, n), nil
 }
 
 // tcpEcho serves tcpRoundTripsAcross: it prints its address, echoes each byte of one connection,

@@ -134,8 +134,11 @@ const batchSize = 256
 // linger is how long the writer lets events gather after the first of a batch. Every dataplane write
 // emits one, and written one by one each cost a Redis round trip and the wakeups of this goroutine
 // and of Redis, on the path of the client's next request; gathered, a busy connection pays them once
-// per linger. Panes see events that much later.
-const linger = 2 * time.Millisecond
+// per linger. Panes see events that much later: 20 ms is below what a person watching one notices.
+// Measured (broker throughput over 8 s loops, two runs each, interleaved): 4 KiB write+read and
+// exec `true` are as fast or faster with 20 ms than with 2 ms, and both slower with none (each
+// event its own round trip); Redis's CPU per operation falls with each step.
+const linger = 20 * time.Millisecond
 
 // lostKey names the events lost for one sandbox of one org.
 type lostKey struct{ org, sandbox, name string }

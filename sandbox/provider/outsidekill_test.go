@@ -152,3 +152,60 @@ func TestRequestsToAFrozenInitEnd(t *testing.T) {
 		t.Error("every request fitted in the socket: the test sent too little to fill it")
 	}
 }
+
+// TestHostilePidTableSignalsNothingOutside: the pid table is writable by the sandbox's init, which
+// a tenant may control; the broker reads a command's group from it only to end the command from
+// outside. A table naming another sandbox's command (its host pid, which in the dir provider is also
+// its group) or the init itself makes the broker signal nothing outside the sandbox, nor its init.
+func TestHostilePidTableSignalsNothingOutside(t *testing.T) {
+	for _, p := range providers(t) {
+		t.Run(p.Name(), func(t *testing.T) {
+			t.Parallel()
+			victimIn, _ := startSandbox(t, p, Template{})
+			victim := marker()
+			go victimIn.Exec(context.Background(), ExecRequest{Argv: strings.Fields(victim), Timeout: time.Minute})
+			waitHostRunning(t, victim)
+			victimPid := hostPids(victim)[0]
+
+			in, _ := startSandbox(t, p, Template{})
+			inst := in.(*instance)
+			for _, forged := range []int{victimPid, 1} {
+				main := marker()
+				cmd := fmt.Sprintf("exec >/dev/null 2>&1 </dev/null; trap '' TERM INT HUP; %s; true", main)
+				done := make(chan ExecResult, 1)
+				go func() {
+					res, _ := in.Exec(context.Background(), ExecRequest{Command: cmd, Stdout: &bytes.Buffer{}, Timeout: 700 * time.Millisecond})
+					done <- res
+				}()
+				waitHostRunning(t, main)
+				inst.mu.Lock()
+				initPid := inst.initPid
+				if forged == 1 {
+					forged = initPid // the init's own host pid (its group in the dir provider)
+				}
+				for id := range inst.calls {
+					inst.pids.Put(id, forged) // after the init wrote the real one
+				}
+				inst.mu.Unlock()
+				if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
+					t.Fatal(err)
+				}
+				select {
+				case <-done:
+				case <-time.After(15 * time.Second):
+					t.Fatal("the exec did not end at its timeout while the init was frozen")
+				}
+				unix.Kill(initPid, unix.SIGCONT)
+				if len(hostPids(victim)) == 0 {
+					t.Fatalf("a forged pid table entry (%d) killed another sandbox's command", forged)
+				}
+				if res, out := sh(t, in, "echo alive"); out != "alive\n" || res.ExitCode != 0 {
+					t.Fatalf("after a forged pid table entry (%d) the init is gone: %+v %q", forged, res, out)
+				}
+				for _, pid := range hostPids(main) {
+					unix.Kill(pid, unix.SIGKILL) // the forged entry hid it: the tenant's own loss
+				}
+			}
+		})
+	}
+}

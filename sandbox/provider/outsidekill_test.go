@@ -5,7 +5,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -204,6 +207,75 @@ func TestHostilePidTableSignalsNothingOutside(t *testing.T) {
 				}
 				for _, pid := range hostPids(main) {
 					unix.Kill(pid, unix.SIGKILL) // the forged entry hid it: the tenant's own loss
+				}
+			}
+		})
+	}
+}
+
+// TestKillOutsideSparesAReusedPid: between the broker's scan of /proc and its signals, a process of
+// the sandbox can exit and be reaped (a tenant decides when) and its pid be taken by any host
+// process: the broker is root, and a signal by pid would reach that process. Here the scan reports
+// a host process outside every sandbox as a child of the init in the command's group, as a scan
+// just before such a reuse would; the kill from outside must leave it alone.
+func TestKillOutsideSparesAReusedPid(t *testing.T) {
+	for _, p := range providers(t) {
+		t.Run(p.Name(), func(t *testing.T) {
+			in, _ := startSandbox(t, p, Template{})
+			inst := in.(*instance)
+			outside := exec.Command("sleep", "300")
+			outside.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+			if err := outside.Start(); err != nil {
+				t.Fatal(err)
+			}
+			exited := make(chan error, 1)
+			go func() { exited <- outside.Wait() }()
+			t.Cleanup(func() { outside.Process.Kill(); <-exited })
+			inst.mu.Lock()
+			initPid := inst.initPid
+			inst.mu.Unlock()
+			scanProcs = func() []hostProc {
+				procs := scanHostProcs()
+				for _, pr := range procs {
+					if pr.ppid == initPid && pr.pid != outside.Process.Pid {
+						// The host process, seen as if it had taken a command's pid.
+						return append(procs, hostProc{pid: outside.Process.Pid, ppid: initPid, pgid: pr.pgid})
+					}
+				}
+				return procs
+			}
+			t.Cleanup(func() { scanProcs = scanHostProcs })
+
+			main := marker()
+			cmd := fmt.Sprintf("exec >/dev/null 2>&1 </dev/null; trap '' TERM INT HUP; %s; true", main)
+			done := make(chan ExecResult, 1)
+			go func() {
+				res, _ := in.Exec(context.Background(), ExecRequest{Command: cmd, Stdout: &bytes.Buffer{}, Timeout: 700 * time.Millisecond})
+				done <- res
+			}()
+			waitHostRunning(t, main)
+			if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Kill(initPid, unix.SIGCONT)
+			select {
+			case res := <-done:
+				if res.Reason != ReasonTimeout || res.Signal != "KILL" {
+					t.Errorf("result %+v, want a KILL for timeout", res)
+				}
+			case <-time.After(15 * time.Second):
+				t.Fatal("the exec did not end at its timeout while the init was frozen")
+			}
+			waitHostGone(t, main)
+			select {
+			case err := <-exited:
+				exited <- err
+				t.Fatalf("the kill from outside signalled a host process that held a pid its scan saw in the sandbox: %v", err)
+			default:
+			}
+			if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", outside.Process.Pid)); err == nil {
+				if f := strings.Fields(string(b)); len(f) > 2 && f[2] == "T" {
+					t.Fatal("the kill from outside stopped a host process that held a pid its scan saw in the sandbox")
 				}
 			}
 		})

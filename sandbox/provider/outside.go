@@ -104,14 +104,18 @@ type hostProc struct {
 // group pgid as the sandbox sees it (0: none) or hold one of the pipes ("pipe:[inode]"), and all
 // their descendants. alive says whether initPid is still the sandbox's init: once it is not (reaped,
 // its pid free for any host process to take), no more of its "children" are looked for. Like
-// sbxinit.KillTree it stops what it finds first (a stopped process cannot
-// fork, exit or be reaped, so no pid is reused under us), rescans until nothing new appears, then
-// kills the lot.
+// sbxinit.KillTree it stops what it finds first, rescans until nothing new appears, then kills the
+// lot. Every signal goes through a pidfd pinned on the process the scan saw (sandboxPins): the
+// broker is root, and a process of the sandbox can exit and be reaped (by another, when the tenant
+// chooses) between the scan and a signal, or be killed while stopped, and its pid taken by any host
+// process.
 func killGroupOutside(initPid, pgid int, pipes []string, alive func() bool) {
 	stopped := map[int]bool{}
+	pins := sandboxPins{initPid: initPid, alive: alive, fds: map[int]int{}}
+	defer pins.close()
 	self := os.Getpid()
 	for round := 0; round < 100 && alive(); round++ {
-		procs := scanHostProcs()
+		procs := scanProcs()
 		children := make(map[int][]int, len(procs))
 		byPid := make(map[int]hostProc, len(procs))
 		for _, p := range procs {
@@ -148,11 +152,16 @@ func killGroupOutside(initPid, pgid int, pipes []string, alive func() bool) {
 		}
 		var fresh []int
 		for pid := range target {
-			if !stopped[pid] {
-				stopped[pid] = true
-				unix.Kill(pid, unix.SIGSTOP)
-				fresh = append(fresh, pid)
+			if stopped[pid] {
+				continue
 			}
+			fd, ok := pins.pin(pid, 0)
+			if !ok {
+				continue // gone, or no longer the process the scan saw
+			}
+			stopped[pid] = true
+			unix.PidfdSendSignal(fd, unix.SIGSTOP, nil, 0)
+			fresh = append(fresh, pid)
 		}
 		if len(fresh) == 0 {
 			break
@@ -160,9 +169,79 @@ func killGroupOutside(initPid, pgid int, pipes []string, alive func() bool) {
 		sbxinit.WaitStopped(fresh) // the host's /proc here: the same pids the broker signalled
 	}
 	for pid := range stopped {
-		unix.Kill(pid, unix.SIGKILL)
+		unix.PidfdSendSignal(pins.fds[pid], unix.SIGKILL, nil, 0)
 	}
 }
+
+// sandboxPins holds pidfds on processes below a sandbox's init, each confirmed to be below it while
+// the fd named it.
+type sandboxPins struct {
+	initPid int
+	alive   func() bool // the init is still the sandbox's
+	fds     map[int]int // pid → pidfd, confirmed
+}
+
+// maxPinDepth bounds the walk from a process up to the init.
+const maxPinDepth = 1 << 16
+
+// pin returns a pidfd on pid once it has confirmed that the process the fd names is below the init:
+// its parent, read again once that parent is pinned the same way, is still that parent, and the
+// process, then its parent (or the init), are still alive after that read. A live process's pid
+// names no other, so the parent read is the pinned one; a pid that changed hands fails.
+func (s *sandboxPins) pin(pid, depth int) (int, bool) {
+	if fd, ok := s.fds[pid]; ok {
+		return fd, true
+	}
+	if depth > maxPinDepth {
+		return -1, false
+	}
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return -1, false
+	}
+	ppid := parentOf(pid)
+	ok := ppid > 0
+	pfd := -1
+	if ok && ppid != s.initPid {
+		pfd, ok = s.pin(ppid, depth+1)
+	}
+	ok = ok && parentOf(pid) == ppid && unix.PidfdSendSignal(fd, 0, nil, 0) == nil
+	if ok && ppid == s.initPid {
+		ok = s.alive()
+	} else if ok {
+		ok = unix.PidfdSendSignal(pfd, 0, nil, 0) == nil
+	}
+	if !ok {
+		unix.Close(fd)
+		return -1, false
+	}
+	s.fds[pid] = fd
+	return fd, true
+}
+
+func (s *sandboxPins) close() {
+	for _, fd := range s.fds {
+		unix.Close(fd)
+	}
+}
+
+// parentOf is the PPid in /proc/<pid>/status, 0 if the process is gone.
+func parentOf(pid int) int {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return 0
+	}
+	_, rest, ok := bytes.Cut(b, []byte("\nPPid:"))
+	if !ok {
+		return 0
+	}
+	line, _, _ := bytes.Cut(rest, []byte("\n"))
+	ppid, _ := strconv.Atoi(string(bytes.TrimSpace(line)))
+	return ppid
+}
+
+// scanProcs is scanHostProcs; tests make it see what a scan racing a pid's reuse would.
+var scanProcs = scanHostProcs
 
 // scanHostProcs reads every process's parent and (innermost) process group from /proc/<pid>/status.
 func scanHostProcs() []hostProc {

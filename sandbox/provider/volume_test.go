@@ -377,3 +377,83 @@ func TestDiskImagePool(t *testing.T) {
 		t.Fatal("a create after the restart")
 	}
 }
+
+// TestDiskImagePoolSharedDataDir: on a data dir whose mount is shared (systemd makes / shared;
+// this machine's is not, so TestDiskImagePool alone never sees it) a create still takes a pooled
+// image, the pool's images show in no other view of the data dir (its staging mount is private: a
+// copy propagated there would keep a taken image's filesystem and loop device alive after its
+// sandbox's destroy), the sandbox sees none of the pool, and its destroy frees the loop device.
+func TestDiskImagePoolSharedDataDir(t *testing.T) {
+	dir := testDataDir(t)
+	if err := unix.Mount(dir, dir, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		UnmountUnder(dir)
+		unix.Unmount(dir, unix.MNT_DETACH)
+	})
+	if err := unix.Mount("", dir, "", unix.MS_SHARED, ""); err != nil {
+		t.Fatal(err)
+	}
+	// A second view of the data dir, in its peer group: what is mounted in one shows in the other.
+	peer := t.TempDir()
+	if err := unix.Mount(dir, peer, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		UnmountUnder(peer)
+		unix.Unmount(peer, unix.MNT_DETACH)
+	})
+	n := newNamespace(t, Config{DataDir: dir})
+	requireQuotas(t, n)
+	pool := n.vol.pool
+	startSandbox(t, n, Template{Disk: 16 << 20})
+	pool.settle()
+	pool.mu.Lock()
+	ready := append([]pooledImage(nil), pool.ready...)
+	pool.mu.Unlock()
+	if len(ready) == 0 {
+		t.Fatal("the pool made no image on a shared data dir")
+	}
+	taken := ready[len(ready)-1]
+	pooledDev := loopsFor(t, taken.img)
+	// (The empty staging mount itself shows there: made under a shared parent, it propagated before
+	// it was made private. It holds no image.)
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], filepath.Join(peer, "disk-images")+"/") && strings.Contains(line, " /dev/loop") {
+			t.Fatalf("a pooled image shows in another view of the data dir, where nothing unmounts it: %s", line)
+		}
+	}
+
+	ctx := context.Background()
+	spec := Spec{ID: NewID(), Template: Template{Name: "test", Disk: 16 << 20}}
+	if err := n.Create(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	img := n.layout.diskImage(spec.ID)
+	dev := loopsFor(t, img)
+	if len(dev) != 1 || len(pooledDev) != 1 || dev[0] != pooledDev[0] {
+		t.Fatalf("the sandbox's image is on %v, the pooled one was on %v: the pooled image was not taken", dev, pooledDev)
+	}
+	in, err := n.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, out := sh(t, in, "grep -c disk-images /proc/self/mountinfo; ls -A /workspace"); res.ExitCode != 0 || out != "0\n" {
+		t.Fatalf("the sandbox sees the pool or a non-empty workspace: exit %d, %q", res.ExitCode, out)
+	}
+	if err := in.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Destroy(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the destroyed sandbox's loop device to be detached", func() bool {
+		b, err := os.ReadFile(filepath.Join("/sys/block", dev[0], "loop", "backing_file"))
+		return err != nil || !strings.Contains(string(b), spec.ID)
+	})
+}

@@ -670,7 +670,7 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 // once per level, seconds for thousands of levels, which would hold up the connection's pings and
 // cancels; such an op runs on its own goroutine.
 func (c *dpConn) onReader(o dpOp, args json.RawMessage) bool {
-	if !o.oneFile || !c.rt.LocalFiles || pathSeparators(args) > dpReaderPathDepth {
+	if !o.oneFile || !c.rt.LocalFiles || o.makesParents && pathSeparators(args) > dpReaderPathDepth {
 		return false
 	}
 	c.mu.Lock()
@@ -678,7 +678,8 @@ func (c *dpConn) onReader(o dpOp, args json.RawMessage) bool {
 	return len(c.inflight) == 1
 }
 
-// dpReaderPathDepth bounds the path separators in the args of an op run on the reader.
+// dpReaderPathDepth bounds the path separators in the args of an op that creates parents, run on
+// the reader.
 const dpReaderPathDepth = 64
 
 // pathSeparators counts what may be a path separator in raw JSON args: a '/' or any escape (a

@@ -556,8 +556,14 @@ func TestDataplaneDeepPathLeavesTheReaderFree(t *testing.T) {
 	}{
 		{"mkdir", protocol.MkdirArgs{Path: "m/" + deep, Parents: true}},
 		{"write", map[string]any{"path": "w/" + deep + "/f", "content": "x"}},
+		{"move", protocol.MoveArgs{From: "src", To: "v/" + deep + "/f"}},
 	} {
 		c := dialRaw(t, url, b.Client.APIKey())
+		if tc.op == "move" {
+			if got := c.call(2, "write", map[string]any{"path": "src", "content": "x"}); got.Error != nil {
+				t.Fatalf("write src: %s", got)
+			}
+		}
 		c.sendJSON(protocol.Request{ID: 1, Op: tc.op, Args: tc.args})
 		c.sendJSON(protocol.Request{ID: pingID, Op: "ping"})
 		for len(c.answers[pingID]) == 0 {

@@ -150,3 +150,36 @@ func TestBodyWaitSparesLongHandlers(t *testing.T) {
 		t.Errorf("%d connections opened, want the one kept alive throughout", n)
 	}
 }
+
+// Every route with a body is bound by the body wait: an MCP request and a batch of heartbeats whose
+// bodies stop arriving are answered 400, and their connections closed.
+func TestSlowBodyBoundOnEveryRoute(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	server.SetBodyWait(b.Server, time.Second)
+	id, _ := newSandbox(t, b, "slow-routes")
+	m, err := b.Client.Delegate(t.Context(), id, protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mcpPath := strings.TrimPrefix(m.Sandbox.MCPURL, b.URL)
+	for _, head := range []string{
+		"POST " + mcpPath + " HTTP/1.1\r\nHost: broker\r\nAccept: application/json, text/event-stream\r\nAuthorization: Bearer " + m.Token + "\r\n",
+		"POST /v1/heartbeats HTTP/1.1\r\nHost: broker\r\nAuthorization: Bearer " + b.Client.APIKey() + "\r\n",
+	} {
+		c, r := slowBody(t, b, head)
+		c.SetReadDeadline(time.Now().Add(15 * time.Second))
+		resp, err := http.ReadResponse(r, nil)
+		if err != nil {
+			t.Fatalf("%s: %v", head[:30], err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 400 {
+			t.Errorf("%s: a body that stopped arriving: %d, want 400", head[:30], resp.StatusCode)
+		}
+		if _, err := r.ReadByte(); !errors.Is(err, io.EOF) {
+			t.Errorf("%s: after the answer: %v, want the connection closed by the broker", head[:30], err)
+		}
+	}
+}

@@ -322,3 +322,37 @@ func TestWriterEmitAfterClose(t *testing.T) {
 		t.Fatalf("events queued before Close were not written: %d %v", n, err)
 	}
 }
+
+// Close writes every event emitted before it, each once and in the order emitted, also those that
+// arrive while the writer lingers over a batch's first event, and across orgs.
+func TestWriterCloseFlushesInOrder(t *testing.T) {
+	t.Parallel()
+	rdb := redistest.Start(t).Client(t)
+	w := events.NewWriter(storeOf(t, rdb), quiet)
+	const n = 3000 // more than one pipeline's batch
+	for i := range n {
+		w.Emit([]string{"acme", "beta"}[i%2], protocol.Event{Type: protocol.EventFileWritten, SandboxID: "sb_1", Path: fmt.Sprint(i)})
+	}
+	w.Close()
+	for o, org := range []string{"acme", "beta"} {
+		msgs, err := rdb.XRange(t.Context(), store.EventsKey(org), "-", "+").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(msgs) != n/2 {
+			t.Fatalf("%s: %d events written by Close, want %d", org, len(msgs), n/2)
+		}
+		for j, m := range msgs {
+			var e protocol.Event
+			if err := json.Unmarshal([]byte(m.Values["data"].(string)), &e); err != nil {
+				t.Fatal(err)
+			}
+			if want := fmt.Sprint(2*j + o); e.Path != want {
+				t.Fatalf("%s: event %d is %s, want %s: out of order or repeated", org, j, e.Path, want)
+			}
+		}
+	}
+	if d := w.Dropped(); d != 0 {
+		t.Fatalf("%d events dropped with Redis up", d)
+	}
+}

@@ -654,7 +654,7 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 		return
 	}
 	c.running.Add(1)
-	if c.onReader(o) && c.perform(ctx, req, o, args, put, false) {
+	if c.onReader(o, args) && c.perform(ctx, req, o, args, put, false) {
 		return
 	}
 	go c.perform(ctx, req, o, args, put, true)
@@ -665,14 +665,27 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 // another thread to take it (the Go scheduler does, to spread new goroutines), and each wakeup of
 // an idle CPU costs more than the operation on a virtual machine; run here, a lone client's write
 // or read costs one wakeup less each. Nothing waits behind it: requests sent meanwhile are read
-// when it ends, well under a millisecond later.
-func (c *dpConn) onReader(o dpOp) bool {
-	if !o.oneFile || !c.rt.LocalFiles {
+// when it ends, well under a millisecond later. A deep path is not bounded work: creating its
+// missing parents (mkdir, a move's or a write's destination) walks it from the workspace's root
+// once per level, seconds for thousands of levels, which would hold up the connection's pings and
+// cancels; such an op runs on its own goroutine.
+func (c *dpConn) onReader(o dpOp, args json.RawMessage) bool {
+	if !o.oneFile || !c.rt.LocalFiles || o.makesParents && pathSeparators(args) > dpReaderPathDepth {
 		return false
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return len(c.inflight) == 1
+}
+
+// dpReaderPathDepth bounds the path separators in the args of an op that creates parents, run on
+// the reader.
+const dpReaderPathDepth = 64
+
+// pathSeparators counts what may be a path separator in raw JSON args: a '/' or any escape (a
+// separator can be written "\/" or "\u002f"), without decoding them.
+func pathSeparators(args json.RawMessage) int {
+	return bytes.Count(args, []byte{'/'}) + bytes.Count(args, []byte{'\\'})
 }
 
 // perform runs req and queues its answer; c.running counted it. Without wait (on the reader's

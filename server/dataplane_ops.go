@@ -25,11 +25,11 @@ var dpOps = map[string]dpOp{
 	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar),
 	protocol.OpChanges:  op(protocol.ScopeFSRead, opHeavy, opChanges),
 
-	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite).withBody().onOneFile(),
+	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite).withBody().onOneFile().makingParents(),
 	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit).onOneFile(),
 	protocol.OpDelete: op(protocol.ScopeFSWrite, opLight, opDelete),
-	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir).onOneFile(),
-	protocol.OpMove:   op(protocol.ScopeFSWrite, opLight, opMove).onOneFile(),
+	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir).onOneFile().makingParents(),
+	protocol.OpMove:   op(protocol.ScopeFSWrite, opLight, opMove).onOneFile().makingParents(),
 	protocol.OpUpload: op(protocol.ScopeFSWrite, opUpload, opUploadOpen),
 	protocol.OpUntar:  op(protocol.ScopeFSWrite, opUpload, opUntarOpen),
 
@@ -59,6 +59,9 @@ type dpOp struct {
 	// oneFile marks an op that touches one file or directory entry, a bounded amount of work: on a
 	// sandbox whose files are local it may run on the reader's goroutine (dpConn.onReader).
 	oneFile bool
+	// makesParents marks a one-file op that creates its path's missing parents, at a cost that
+	// grows with the square of the path's depth: a deep one does not run on the reader.
+	makesParents bool
 }
 
 // withPrepare gives an op a step run on the reader's goroutine as its request starts.
@@ -69,6 +72,9 @@ func (o dpOp) withPrepare(prepare func(c *dpConn, ctx context.Context, r *reques
 
 // onOneFile marks an op whose work is one file's (see dpOp.oneFile).
 func (o dpOp) onOneFile() dpOp { o.oneFile = true; return o }
+
+// makingParents marks an op that creates missing parents (see dpOp.makesParents).
+func (o dpOp) makingParents() dpOp { o.makesParents = true; return o }
 
 // withBody marks an op whose content comes as the body of its request frame.
 func (o dpOp) withBody() dpOp { o.bodyIn = true; return o }

@@ -540,3 +540,42 @@ func TestDataplaneAccountingMetrics(t *testing.T) {
 		t.Error("the queued bytes stay after the client left")
 	}
 }
+
+// A one-file op whose path is deep does not run on the connection's reader: creating missing
+// parents walks the path from the workspace's root once per level (thousands of path walks for a
+// path of thousands of levels, seconds of work), and on the reader it would hold up everything
+// else the connection sends meanwhile (a ping here, a cancel). The ping is answered first.
+func TestDataplaneDeepPathLeavesTheReaderFree(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	_, url := newSandbox(t, b, "deep")
+	deep := strings.TrimSuffix(strings.Repeat("d/", 1000), "/")
+	for _, tc := range []struct {
+		op   string
+		args any
+	}{
+		{"mkdir", protocol.MkdirArgs{Path: "m/" + deep, Parents: true}},
+		{"write", map[string]any{"path": "w/" + deep + "/f", "content": "x"}},
+		{"move", protocol.MoveArgs{From: "src", To: "v/" + deep + "/f"}},
+	} {
+		c := dialRaw(t, url, b.Client.APIKey())
+		if tc.op == "move" {
+			if got := c.call(2, "write", map[string]any{"path": "src", "content": "x"}); got.Error != nil {
+				t.Fatalf("write src: %s", got)
+			}
+		}
+		c.sendJSON(protocol.Request{ID: 1, Op: tc.op, Args: tc.args})
+		c.sendJSON(protocol.Request{ID: pingID, Op: "ping"})
+		for len(c.answers[pingID]) == 0 {
+			if err := c.readOne(60 * time.Second); err != nil {
+				t.Fatalf("%s: waiting for the ping's answer: %v", tc.op, err)
+			}
+		}
+		if len(c.answers[1]) > 0 {
+			t.Errorf("%s of a path %d levels deep was answered before a ping sent after it: it held the reader", tc.op, 1001)
+		}
+		if got := c.await(1); got.Error != nil {
+			t.Fatalf("%s: %s", tc.op, got)
+		}
+	}
+}

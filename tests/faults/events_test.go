@@ -177,6 +177,12 @@ func TestEventsPastTheBufferLeaveAGap(t *testing.T) {
 	c := b.client(key)
 	sb := create(t, c, "dev", time.Hour)
 	agent := agentOn(t, c, "dev")
+	// The events before the outage must be written before it: the writer lingers over a batch's
+	// first event, and ones still waiting when Redis goes take room in the buffer that the count
+	// below gives to the outage's.
+	eventually(t, 20*time.Second, "the connection's event was not written before the outage", func() bool {
+		return len(of(r.orgEvents("acme"), sb.ID, protocol.EventConnected)) > 0
+	})
 	r.stop()
 	for i := 0; i < writes; i++ {
 		write(t, agent, fmt.Sprintf("/workspace/outage-%02d", i))

@@ -191,16 +191,20 @@ func StartCluster(t testing.TB) redis.UniversalClient {
 		c := redis.NewClient(&redis.Options{Addr: n.Addr})
 		from, to := i*slots/len(nodes), (i+1)*slots/len(nodes)-1
 		err := c.Do(ctx, "CLUSTER", "ADDSLOTSRANGE", from, to).Err()
-		if err == nil && i > 0 {
-			host, port, _ := net.SplitHostPort(nodes[0].Addr)
-			err = c.ClusterMeet(ctx, host, port).Err()
+		// Each node meets every other, so that none waits on gossip to learn of a third: a CI run
+		// found one node still knowing only two after 10 s when each had met the first alone.
+		for j, other := range nodes {
+			if err == nil && j != i {
+				host, port, _ := net.SplitHostPort(other.Addr)
+				err = c.ClusterMeet(ctx, host, port).Err()
+			}
 		}
 		c.Close()
 		if err != nil {
 			t.Fatalf("redistest: form the cluster at %s: %v", n.Addr, err)
 		}
 	}
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(30 * time.Second)
 	for _, n := range nodes {
 		c := redis.NewClient(&redis.Options{Addr: n.Addr})
 		for {
@@ -210,7 +214,7 @@ func StartCluster(t testing.TB) redis.UniversalClient {
 			}
 			if time.Now().After(deadline) {
 				c.Close()
-				t.Fatalf("redistest: cluster at %s not ready after 10s: %v %s", n.Addr, err, info)
+				t.Fatalf("redistest: cluster at %s not ready after 30s: %v %s", n.Addr, err, info)
 			}
 			time.Sleep(20 * time.Millisecond)
 		}

@@ -18,8 +18,9 @@ import (
 // belongs to nobody until a create takes it, and gets its owner (secure) there, as a fresh one does.
 //
 // The images wait in <DataDir>/disk-images/pool, mounted on directories in its mnt/, which is made a
-// private mount of itself: the kernel refuses to move a mount whose parent mount is shared (the
-// data dir's often is, under systemd), and nothing made there needs to be seen elsewhere. The image
+// private mount of itself: on a shared data dir (systemd's default) a pooled image would otherwise
+// propagate into every other view of it (TestDiskImagePoolSharedDataDir), and mount(2) documents
+// that a mount under a shared parent cannot be moved (6.18 moves it anyway). The image
 // files stay outside that mount, on the data dir's, where a rename reaches the sandbox's directory.
 // The pool holds imagePoolSize images of the size the last create asked for, and is refilled in the
 // background after each create. What a stopped or crashed broker left there (mounts, images) is

@@ -80,7 +80,10 @@ type Cluster struct {
 }
 
 // hostDirs are the host directories the cluster writes into outside its state directory.
-var hostDirs = []string{"/var/log/pods", "/var/log/containers", "/var/run/netns"}
+var hostDirs = []string{"/var/log/pods", "/var/log/containers", netnsDir}
+
+// netnsDir holds the named network namespaces: the CNI plugin's pods' and any other program's.
+const netnsDir = "/var/run/netns"
 
 func listDir(d string) map[string]bool {
 	m := map[string]bool{}

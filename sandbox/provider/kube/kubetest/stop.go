@@ -75,7 +75,10 @@ func (c *Cluster) Stop() error {
 	os.Remove("/tmp/hostpath_pv") // the provisioner's parent directory, when nothing else is in it
 	for d, before := range c.hostDirs {
 		for name := range listDir(d) {
-			if !before[name] {
+			// Of the network namespaces, only the CNI plugin's (cni-<id>) are the cluster's: one
+			// another test made meanwhile (`ip netns add`) is not, and removing it took that test's
+			// veth, and its host address, away under it.
+			if !before[name] && (d != netnsDir || strings.HasPrefix(name, "cni-")) {
 				p := filepath.Join(d, name)
 				syscall.Unmount(p, syscall.MNT_DETACH) // a network namespace is a bind mount
 				os.RemoveAll(p)

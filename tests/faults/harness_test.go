@@ -222,7 +222,8 @@ func startBroker(t *testing.T, r *redisProc, node string, extra ...string) *brok
 	home := searchableDir(t)
 	b := &broker{t: t, URL: "http://" + freeAddr(t), DataDir: filepath.Join(home, "data"), Node: node, redis: r, args: extra}
 	t.Cleanup(func() { provider.UnmountUnder(home) }) // runs after b.stop, before TempDir's removal
-	t.Cleanup(func() { // after b.stop: a failed test shows why, from the broker's side
+	// Runs after b.stop: a failed test shows why, from the broker's side.
+	t.Cleanup(func() {
 		if t.Failed() {
 			log := b.Log()
 			if len(log) > 32<<10 {

@@ -1,0 +1,176 @@
+package main
+
+// The floors under the dataplane rows: loopback TCP round trips (within one process and to another
+// process) and bytes between a socket and a file, with no protocol at all.
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"time"
+)
+
+// tcpRoundTrips measures a 1-byte ping-pong over loopback TCP: the floor under any dataplane.
+func tcpRoundTrips(n int) (samples, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return samples{}, err
+	}
+	defer l.Close()
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		b := make([]byte, 1)
+		for {
+			if _, err := c.Read(b); err != nil {
+				return
+			}
+			c.Write(b)
+		}
+	}()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		return samples{}, err
+	}
+	defer c.Close()
+	return pingPong(c, n), nil
+}
+
+// pingPong times n one-byte round trips on c.
+func pingPong(c net.Conn, n int) samples {
+	b := make([]byte, 1)
+	return sample(n, func() error {
+		if _, err := c.Write(b); err != nil {
+			return err
+		}
+		_, err := c.Read(b)
+		return err
+	})
+}
+
+// tcpEchoEnv makes the bench's binary a TCP echo server (tcpRoundTripsAcross).
+const tcpEchoEnv = "SBX_BENCH_TCP_ECHO"
+
+// tcpRoundTripsAcross measures a 1-byte ping-pong over loopback TCP with another process: the floor
+// under any dataplane round trip, which always crosses from the client's process to the broker's.
+// Each way wakes a thread of the other process, on this virtual machine often on an idle vCPU;
+// tcpRoundTrips' two goroutines of one process can hand the byte over on one thread.
+func tcpRoundTripsAcross(n int) (samples, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return samples{}, err
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), tcpEchoEnv+"=1")
+	stdin, err := cmd.StdinPipe() // the echo server ends when the bench closes it, or exits
+	if err != nil {
+		return samples{}, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return samples{}, err
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return samples{}, err
+	}
+	defer cmd.Wait()
+	defer stdin.Close()
+	var addr string
+	if _, err := fmt.Fscanln(stdout, &addr); err != nil {
+		return samples{}, fmt.Errorf("the TCP echo process: %w", err)
+	}
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return samples{}, err
+	}
+	defer c.Close()
+	return pingPong(c, n), nil
+}
+
+// tcpEcho serves tcpRoundTripsAcross: it prints its address, echoes each byte of one connection,
+// and exits when its standard input closes.
+func tcpEcho() {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "tcp echo:", err)
+		os.Exit(1)
+	}
+	fmt.Println(l.Addr().String())
+	go func() {
+		io.Copy(io.Discard, os.Stdin)
+		os.Exit(0)
+	}()
+	c, err := l.Accept()
+	if err != nil {
+		os.Exit(1)
+	}
+	b := make([]byte, 1)
+	for {
+		if _, err := c.Read(b); err != nil {
+			os.Exit(0)
+		}
+		c.Write(b)
+	}
+}
+
+// tcpFileBaselines measures the floor under uploads and downloads on this machine: raw loopback TCP
+// into a new file on the data dir's disk, and a file out over raw TCP, with no protocol at all.
+func tcpFileBaselines(dir string, size int) (toFile, fromFile float64) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, 0
+	}
+	defer l.Close()
+	path := filepath.Join(dir, "baseline.bin")
+	defer os.Remove(path)
+	buf := make([]byte, 1<<20)
+	done := make(chan struct{})
+	go func() { // receive into a new file
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		f, _ := os.Create(path)
+		io.CopyBuffer(f, c, make([]byte, 1<<20))
+		f.Close()
+		c.Close()
+		close(done)
+	}()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		return 0, 0
+	}
+	t := time.Now()
+	for sent := 0; sent < size; sent += len(buf) {
+		c.Write(buf)
+	}
+	c.Close()
+	<-done
+	toFile = float64(size) / (1 << 20) / time.Since(t).Seconds()
+	go func() { // send the file
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		f, _ := os.Open(path)
+		io.CopyBuffer(c, struct{ io.Reader }{f}, make([]byte, 1<<20))
+		f.Close()
+		c.Close()
+	}()
+	c, err = net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		return toFile, 0
+	}
+	t = time.Now()
+	io.CopyBuffer(io.Discard, c, buf)
+	fromFile = float64(size) / (1 << 20) / time.Since(t).Seconds()
+	c.Close()
+	return toFile, fromFile
+}

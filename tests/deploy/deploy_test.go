@@ -5,6 +5,7 @@
 package deploy
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -69,12 +70,15 @@ func TestDeployManifests(t *testing.T) {
 		}
 	}()
 	kubectl := func(args ...string) (string, error) {
+		// Only stdout is the answer: kubectl's and the exec'd command's warnings on stderr
+		// once ended up inside the API key read from `broker keys create -o key`.
 		cmd := exec.CommandContext(ctx, kubectlBin, append([]string{"--kubeconfig", c.Kubeconfig}, args...)...)
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			return string(out), fmt.Errorf("kubectl %s: %v: %s", strings.Join(args, " "), err, out)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		if err := cmd.Run(); err != nil {
+			return stdout.String() + stderr.String(), fmt.Errorf("kubectl %s: %v: %s%s", strings.Join(args, " "), err, stdout.Bytes(), stderr.Bytes())
 		}
-		return string(out), nil
+		return stdout.String(), nil
 	}
 	// diagnose is what a failure shows of the brokers.
 	diagnose := func() string {
@@ -180,8 +184,14 @@ func TestDeployManifests(t *testing.T) {
 		"update secrets": "yes", "list secrets": "no", "get nodes": "no", "create pods --subresource=exec": "no", "update pods": "no",
 	} {
 		out, _ := kubectl(append([]string{"-n", ns, "auth", "can-i", "--as=system:serviceaccount:" + ns + ":sbx-broker"}, strings.Fields(check)...)...)
-		lines := strings.Split(strings.TrimSpace(out), "\n") // the answer is the last line, after any warning
-		if got := lines[len(lines)-1]; got != want {
+		got := "" // the answer is the line saying yes or no; kubectl may print a warning after it
+		for _, line := range strings.Split(out, "\n") {
+			if line == "yes" || line == "no" {
+				got = line
+				break
+			}
+		}
+		if got != want {
 			t.Errorf("the brokers' ServiceAccount: can-i %s = %q, want %s", check, out, want)
 		}
 	}
@@ -192,6 +202,9 @@ func TestDeployManifests(t *testing.T) {
 		t.Fatalf("%v\n%s", err, diagnose())
 	}
 	apiKey := strings.TrimSpace(out)
+	if apiKey == "" || strings.ContainsAny(apiKey, " \t\r\n") {
+		t.Fatalf("broker keys create -o key printed %d lines, want the key alone on one", strings.Count(out, "\n"))
+	}
 
 	svc, err := c.Client.CoreV1().Services(ns).Get(ctx, "sbx-broker", metav1.GetOptions{})
 	if err != nil {

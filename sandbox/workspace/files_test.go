@@ -2,6 +2,7 @@ package workspace
 
 import (
 	"encoding/base64"
+	"errors"
 	"io"
 	"io/fs"
 	"os"
@@ -243,6 +244,13 @@ func TestWrite(t *testing.T) {
 		{name: "root", args: protocol.WriteArgs{Path: "/workspace", Content: "a"}, code: protocol.CodeIsDirectory},
 		{name: "under a file", args: protocol.WriteArgs{Path: "real.txt/x", Content: "a"}, code: protocol.CodeNotDirectory},
 		{name: "escape", args: protocol.WriteArgs{Path: "/workspace/../x", Content: "a"}, code: protocol.CodeInvalidPath},
+		// A path ending in /, /. or /.. names a directory, as open(2) with O_CREAT says (EISDIR):
+		// never a file of the cleaned name.
+		{name: "trailing slash", args: protocol.WriteArgs{Path: "slash/", Content: "a"}, code: protocol.CodeIsDirectory},
+		{name: "trailing slash create", args: protocol.WriteArgs{Path: "/workspace/slash/", Content: "a", Mode: "create"}, code: protocol.CodeIsDirectory},
+		{name: "trailing dot", args: protocol.WriteArgs{Path: "slash/.", Content: "a"}, code: protocol.CodeIsDirectory},
+		{name: "trailing dot-dot", args: protocol.WriteArgs{Path: "sub/slash/..", Content: "a"}, code: protocol.CodeIsDirectory},
+		{name: "file with trailing slash", args: protocol.WriteArgs{Path: "real.txt/", Content: "a"}, code: protocol.CodeIsDirectory},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -274,6 +282,11 @@ func TestWrite(t *testing.T) {
 	}
 	if c := hostRead(t, filepath.Join(dir, "real.txt")); c != "via link" {
 		t.Errorf("create over an existing file changed it: %q", c)
+	}
+	for _, name := range []string{"slash", "sub"} {
+		if _, err := os.Lstat(filepath.Join(dir, name)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("a refused write to a path naming a directory made %s: %v", name, err)
+		}
 	}
 	noTemps(t, dir)
 }

@@ -90,6 +90,10 @@ func (w *Workspace) Create(p string, mode string) (*Upload, error) {
 	if err != nil {
 		return nil, err
 	}
+	if namesDir(p) {
+		// Resolve cleans "f/" to "f"; a file must not be made or replaced under the cleaned name.
+		return nil, protocol.Errorf(protocol.CodeIsDirectory, "%s names a directory (it ends in /, /. or /..); a file cannot be written there", quote(p))
+	}
 	var target string
 	var old fs.FileInfo
 	if create {
@@ -118,6 +122,16 @@ func (w *Workspace) Create(p string, mode string) (*Upload, error) {
 		return nil, err
 	}
 	return &Upload{w: w, sp: sp, target: target, temp: temp, create: create, f: f, old: old}, nil
+}
+
+// namesDir reports whether a raw sandbox path names a directory by its last element ("", "." or
+// ".."), as open(2) with O_CREAT refuses it with EISDIR.
+func namesDir(p string) bool {
+	switch p[strings.LastIndexByte(p, '/')+1:] {
+	case "", ".", "..":
+		return true
+	}
+	return false
 }
 
 // checkWritable refuses to replace what a file write must not: a directory, a FIFO, a socket, a

@@ -849,12 +849,18 @@ func TestDataplanePathAttacks(t *testing.T) {
 		attacks = append(attacks, attack{"exec", map[string]any{"command": "true", "cwd": p}, invalid})
 	}
 	for _, p := range links {
+		// A path ending in / or /. names a directory: a write or an upload is refused for that
+		// first (is_directory), before the link is looked at.
+		writeCodes := invalid
+		if strings.HasSuffix(p, "/") || strings.HasSuffix(p, "/.") {
+			writeCodes = append(slices.Clip(invalid), "is_directory")
+		}
 		attacks = append(attacks,
 			attack{"stat", map[string]any{"path": p}, []string{""}},
 			attack{"ls", map[string]any{"path": p}, invalid},
 			attack{"read", map[string]any{"path": p}, invalid},
 			attack{"download", map[string]any{"path": p}, invalid},
-			attack{"write", map[string]any{"path": p, "content": "pwned"}, invalid},
+			attack{"write", map[string]any{"path": p, "content": "pwned"}, writeCodes},
 			attack{"edit", map[string]any{"path": p, "old": "TOP", "new": "pwned"}, invalid},
 			attack{"delete", map[string]any{"path": p}, []string{""}},
 			attack{"delete", map[string]any{"path": p, "recursive": true}, []string{""}},
@@ -863,7 +869,7 @@ func TestDataplanePathAttacks(t *testing.T) {
 			attack{"move", map[string]any{"from": p, "to": "stolen"}, []string{""}},
 			// Renaming onto a link replaces the link, never its target.
 			attack{"move", map[string]any{"from": "ok.txt", "to": p, "overwrite": true}, []string{"", "invalid_path"}},
-			attack{"upload", map[string]any{"path": p}, invalid},
+			attack{"upload", map[string]any{"path": p}, writeCodes},
 			attack{"glob", map[string]any{"pattern": "*", "path": p}, invalid},
 			attack{"glob", map[string]any{"pattern": p}, []string{""}},
 			attack{"grep", map[string]any{"pattern": "SECRET", "path": p}, invalid},

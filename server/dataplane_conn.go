@@ -666,9 +666,9 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 // an idle CPU costs more than the operation on a virtual machine; run here, a lone client's write
 // or read costs one wakeup less each. Nothing waits behind it: requests sent meanwhile are read
 // when it ends, well under a millisecond later. A deep path is not bounded work: creating its
-// missing parents (mkdir, a move's or a write's destination) walks it from the workspace's root
-// once per level, seconds for thousands of levels, which would hold up the connection's pings and
-// cancels; such an op runs on its own goroutine.
+// missing parents (mkdir, a move's or a write's destination) makes a directory per level, half a
+// second of the kernel's mkdirs for the 2,000 levels 4096 bytes allow, which would hold up the
+// connection's pings and cancels; such an op runs on its own goroutine.
 func (c *dpConn) onReader(o dpOp, args json.RawMessage) bool {
 	if !o.oneFile || !c.rt.LocalFiles || o.makesParents && pathSeparators(args) > dpReaderPathDepth {
 		return false

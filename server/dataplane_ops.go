@@ -59,8 +59,8 @@ type dpOp struct {
 	// oneFile marks an op that touches one file or directory entry, a bounded amount of work: on a
 	// sandbox whose files are local it may run on the reader's goroutine (dpConn.onReader).
 	oneFile bool
-	// makesParents marks a one-file op that creates its path's missing parents, at a cost that
-	// grows with the square of the path's depth: a deep one does not run on the reader.
+	// makesParents marks a one-file op that creates its path's missing parents, a directory per
+	// level: a deep one does not run on the reader.
 	makesParents bool
 }
 

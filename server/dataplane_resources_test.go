@@ -542,9 +542,9 @@ func TestDataplaneAccountingMetrics(t *testing.T) {
 }
 
 // A one-file op whose path is deep does not run on the connection's reader: creating missing
-// parents walks the path from the workspace's root once per level (thousands of path walks for a
-// path of thousands of levels, seconds of work), and on the reader it would hold up everything
-// else the connection sends meanwhile (a ping here, a cancel). The ping is answered first.
+// parents makes a directory per level (a thousand here, tenths of a second), and on the
+// reader it would hold up everything else the connection sends meanwhile (a ping here, a cancel).
+// The ping is answered first.
 func TestDataplaneDeepPathLeavesTheReaderFree(t *testing.T) {
 	t.Parallel()
 	b := servertest.New(t, servertest.Options{Provider: "dir"})

@@ -60,6 +60,20 @@ func (d *dir) lstat(name string) (fs.FileInfo, error) {
 
 // sub opens the subdirectory name of d, which must still be the file want (an lstat of it).
 func (d *dir) sub(name string, want fs.FileInfo) (*dir, error) {
+	sd, err := d.open(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := sd.same(want); err != nil {
+		sd.Close()
+		return nil, err
+	}
+	return sd, nil
+}
+
+// open opens the subdirectory name of d. A symlink there is refused (ENOTDIR or ELOOP), never
+// followed.
+func (d *dir) open(name string) (*dir, error) {
 	var (
 		nfd int
 		err error
@@ -72,15 +86,21 @@ func (d *dir) sub(name string, want fs.FileInfo) (*dir, error) {
 	if err != nil {
 		return nil, &fs.PathError{Op: "openat", Path: name, Err: err}
 	}
-	sd, err := newDir(os.NewFile(uintptr(nfd), name))
+	return newDir(os.NewFile(uintptr(nfd), name))
+}
+
+// mkdir creates the directory name in d; it never follows a symlink at name (that is EEXIST).
+func (d *dir) mkdir(name string, perm uint32) error {
+	var err error
+	if cerr := d.rc.Control(func(fd uintptr) {
+		err = ignoringEINTR(func() error { return unix.Mkdirat(int(fd), name, perm) })
+	}); cerr != nil {
+		return cerr
+	}
 	if err != nil {
-		return nil, err
+		return &fs.PathError{Op: "mkdirat", Path: name, Err: err}
 	}
-	if err := sd.same(want); err != nil {
-		sd.Close()
-		return nil, err
-	}
-	return sd, nil
+	return nil
 }
 
 // same fails with fs.ErrNotExist unless d is the file want describes: a directory swapped since it

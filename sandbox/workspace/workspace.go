@@ -113,6 +113,10 @@ type Workspace struct {
 	// never removes an upload in progress.
 	liveMu sync.Mutex
 	live   map[string]struct{}
+
+	// countLookups, when a test sets it, is told of each lookup mkdirAll makes: how many path
+	// components it resolves, the measure of its work on a deep path.
+	countLookups func(components int)
 }
 
 // Open opens the workspace at hostDir. The directory must exist. Its error names hostDir (the

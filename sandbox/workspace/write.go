@@ -15,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/sbxbroker/broker/protocol"
+	"golang.org/x/sys/unix"
 )
 
 const (
@@ -424,19 +425,16 @@ func (w *Workspace) realPath(rel string) (string, error) {
 }
 
 // mkdirAll creates rel and its missing parents, each owned by the sandbox user. Existing
-// directories (or symlinks to directories inside the workspace) are fine.
+// directories (or symlinks to directories inside the workspace) are fine; a file in the way is
+// ENOTDIR. When rel's parent exists, that is one Mkdir through the root; otherwise mkdirWalk.
 func (w *Workspace) mkdirAll(rel string) error {
+	w.lookUp(rel)
 	err := w.root.Mkdir(rel, dirPerm)
-	if errors.Is(err, fs.ErrNotExist) && path.Dir(rel) != "." {
-		if err := w.mkdirAll(path.Dir(rel)); err != nil {
-			return err
-		}
-		err = w.root.Mkdir(rel, dirPerm)
-	}
 	switch {
 	case err == nil:
 		return w.chownPath(rel)
 	case errors.Is(err, fs.ErrExist):
+		w.lookUp(rel)
 		fi, err := w.root.Stat(rel)
 		if err != nil {
 			return err
@@ -445,8 +443,103 @@ func (w *Workspace) mkdirAll(rel string) error {
 			return syscall.ENOTDIR
 		}
 		return nil
+	case errors.Is(err, fs.ErrNotExist) && path.Dir(rel) != ".":
+		return w.mkdirWalk(rel)
 	}
 	return err
+}
+
+// mkdirWalk is mkdirAll for a path whose parent is missing. Retrying the root's Mkdir on each
+// parent in turn would walk the path from the root once per level: quadratic in the depth, seconds
+// of CPU for the thousands of levels 4096 bytes allow, at the bidding of anyone who may write. So
+// the path is walked once, a component at a time on directory descriptors, each level opened or
+// created relative to its parent.
+func (w *Workspace) mkdirWalk(rel string) error {
+	w.lookUp(".")
+	f, err := w.root.OpenFile(".", os.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return err
+	}
+	d, err := newDir(f)
+	if err != nil {
+		return err
+	}
+	hops := 0
+	for start := 0; ; {
+		end := len(rel)
+		if i := strings.IndexByte(rel[start:], '/'); i >= 0 {
+			end = start + i
+		}
+		sub, err := w.mkdirStep(d, rel[start:end], rel[:end], &hops)
+		d.Close()
+		if err != nil {
+			return err
+		}
+		d = sub
+		if end == len(rel) {
+			break
+		}
+		start = end + 1
+	}
+	d.Close()
+	return nil
+}
+
+// mkdirStep enters the directory name of d, creating it if missing; prefix is the path from the
+// root to name. A directory is entered on d's descriptor, never through a symlink. Anything else
+// (a symlink, a file) is resolved through the root from prefix, which follows links as the kernel
+// would but never out of the workspace, and says ENOTDIR for a file. hops counts those walks from
+// the root: each follows one link more than the last, and the root follows a few at most in one
+// path (8 in Go 1.26), so more than maxHops of them is a sandbox swapping files and directories
+// under the walk, which gets ELOOP rather than a walk from the root per level.
+func (w *Workspace) mkdirStep(d *dir, name, prefix string, hops *int) (*dir, error) {
+	w.lookUp(name)
+	sub, err := d.open(name)
+	if errors.Is(err, fs.ErrNotExist) {
+		w.lookUp(name)
+		switch err := d.mkdir(name, dirPerm); {
+		case err == nil:
+			return w.madeDir(d, name)
+		case !errors.Is(err, fs.ErrExist):
+			return nil, err
+		}
+		w.lookUp(name)
+		sub, err = d.open(name) // someone made it meanwhile
+	}
+	if isNotDir(err) || errors.Is(err, syscall.ELOOP) {
+		if *hops++; *hops > maxHops {
+			return nil, syscall.ELOOP
+		}
+		w.lookUp(prefix)
+		f, err := w.root.OpenFile(prefix, os.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			return nil, err
+		}
+		return newDir(f)
+	}
+	return sub, err
+}
+
+// madeDir opens name, a directory mkdirStep just made in d, and gives it to the sandbox user. Had
+// the sandbox swapped it for a symlink meanwhile, the open refuses the link instead of following it.
+func (w *Workspace) madeDir(d *dir, name string) (*dir, error) {
+	w.lookUp(name)
+	sub, err := d.open(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := w.chownFile(sub.f); err != nil {
+		sub.Close()
+		return nil, err
+	}
+	return sub, nil
+}
+
+// lookUp tells a test's countLookups how many components mkdirAll's next lookup resolves.
+func (w *Workspace) lookUp(p string) {
+	if w.countLookups != nil {
+		w.countLookups(strings.Count(p, "/") + 1)
+	}
 }
 
 func (w *Workspace) chownFile(f *os.File) error {

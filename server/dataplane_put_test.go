@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -209,7 +210,8 @@ func TestUploadPutWritesAndEmits(t *testing.T) {
 }
 
 // A body that ends before its Content-Length, or a chunked body with no last chunk, writes
-// nothing: the target is untouched and the temporary file goes.
+// nothing: the target is untouched, the temporary file goes, and the parents the upload would have
+// made are not made.
 func TestUploadPutCutBodyWritesNothing(t *testing.T) {
 	t.Parallel()
 	b := servertest.New(t, servertest.Options{Provider: "dir"})
@@ -221,25 +223,30 @@ func TestUploadPutCutBodyWritesNothing(t *testing.T) {
 		"Content-Length: " + strconv.Itoa(1<<20) + "\r\n",
 		"Transfer-Encoding: chunked\r\n",
 	} {
-		c, err := net.Dial("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		body := strings.Repeat("cut", 1000)
-		if strings.Contains(head, "chunked") {
-			body = strconv.FormatInt(int64(len(body)), 16) + "\r\n" + body + "\r\n"
-		}
-		io.WriteString(c, "PUT /v1/sandboxes/"+m.Sandbox.SandboxID+"/dataplane/upload?path=target.txt HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "+m.Token+"\r\n"+head+"\r\n"+body)
-		// Wait until the broker holds the upload's temporary file, then hang up.
-		if !wait.Until(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 1 }) {
-			t.Fatalf("%s: the upload never started: %v", head, tempFiles(t, ws))
-		}
-		c.Close()
-		if !wait.Until(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 0 }) {
-			t.Errorf("%s: temporary files left after the hang-up: %v", head, tempFiles(t, ws))
-		}
-		if got, _ := os.ReadFile(filepath.Join(ws, "target.txt")); string(got) != "before" {
-			t.Errorf("%s: a cut body replaced the file: %q", head, got)
+		for _, target := range []string{"target.txt", "new/deep/f.txt"} {
+			c, err := net.Dial("tcp", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body := strings.Repeat("cut", 1000)
+			if strings.Contains(head, "chunked") {
+				body = strconv.FormatInt(int64(len(body)), 16) + "\r\n" + body + "\r\n"
+			}
+			io.WriteString(c, "PUT /v1/sandboxes/"+m.Sandbox.SandboxID+"/dataplane/upload?path="+target+" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "+m.Token+"\r\n"+head+"\r\n"+body)
+			// Wait until the broker holds the upload's temporary file, then hang up.
+			if !wait.Until(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 1 }) {
+				t.Fatalf("%s: the upload never started: %v", head, tempFiles(t, ws))
+			}
+			c.Close()
+			if !wait.Until(10*time.Second, func() bool { return len(tempFiles(t, ws)) == 0 }) {
+				t.Errorf("%s: temporary files left after the hang-up: %v", head, tempFiles(t, ws))
+			}
+			if got, _ := os.ReadFile(filepath.Join(ws, "target.txt")); string(got) != "before" {
+				t.Errorf("%s: a cut body replaced the file: %q", head, got)
+			}
+			if _, err := os.Lstat(filepath.Join(ws, "new")); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("%s: a cut upload to %s made its parents: %v", head, target, err)
+			}
 		}
 	}
 }

@@ -559,6 +559,36 @@ func TestUpload(t *testing.T) {
 		t.Errorf("create clobbered a concurrent file: %q", c)
 	}
 
+	// An upload that never commits leaves nothing behind, not even the parents it would have made.
+	for _, mode := range []string{protocol.WriteOverwrite, protocol.WriteCreate} {
+		u, err = w.Create("never/made/f.bin", mode)
+		wantCode(t, err, "", dir)
+		u.Write([]byte("cut short"))
+		wantCode(t, u.Abort(), "", dir)
+		if _, err := os.Lstat(filepath.Join(dir, "never")); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("an aborted upload (mode %s) left its parents: %v", mode, err)
+		}
+	}
+	// Committed, it makes them, owned like any, and the file lands where asked.
+	u, err = w.Create("late/parents/f.bin", protocol.WriteCreate)
+	wantCode(t, err, "", dir)
+	u.Write([]byte("made"))
+	_, err = u.Commit()
+	wantCode(t, err, "", dir)
+	if c := hostRead(t, filepath.Join(dir, "late/parents/f.bin")); c != "made" {
+		t.Errorf("late parents: %q", c)
+	}
+	// A file put in the parents' way meanwhile fails the commit, and it is left alone.
+	u, err = w.Create("blocked/f.bin", "")
+	wantCode(t, err, "", dir)
+	u.Write([]byte("mine"))
+	put(t, dir, "blocked", "theirs")
+	_, err = u.Commit()
+	wantCode(t, err, protocol.CodeNotDirectory, dir)
+	if c := hostRead(t, filepath.Join(dir, "blocked")); c != "theirs" {
+		t.Errorf("the file in the parents' way: %q", c)
+	}
+
 	_, err = w.Create("old.txt", protocol.WriteCreate)
 	wantCode(t, err, protocol.CodeFileExists, dir)
 	_, err = w.Create("up", "")

@@ -75,7 +75,8 @@ type Upload struct {
 }
 
 // Create starts a streaming upload to path; mode is protocol.WriteOverwrite (also "") or
-// protocol.WriteCreate. Parents are created now; the target is untouched until Commit. Paths are
+// protocol.WriteCreate. The target, and its missing parents, are untouched until Commit: an upload
+// that never commits leaves nothing behind. Paths are
 // handled like Write handles them, except that in mode "create" a symlink at the path (dangling or
 // not) counts as existing. Callers should defer Abort, which is a no-op after Commit.
 func (w *Workspace) Create(p string, mode string) (*Upload, error) {
@@ -210,8 +211,10 @@ func (u *Upload) Abort() error {
 	return nil
 }
 
-// createTemp creates an empty temporary file in dir (creating dir and its parents if missing),
-// owned by the sandbox user. O_EXCL never follows a symlink, so a planted name cannot redirect it.
+// createTemp creates an empty temporary file in dir, owned by the sandbox user; when dir is
+// missing, in the workspace's root (its file system too), so that nothing but the temporary file
+// exists until a commit makes dir (commitTemp). O_EXCL never follows a symlink, so a planted name
+// cannot redirect it.
 func (w *Workspace) createTemp(dir, sp string) (*os.File, string, error) {
 	for try := 0; ; try++ {
 		temp := join(dir, fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64()))
@@ -228,10 +231,8 @@ func (w *Workspace) createTemp(dir, sp string) (*os.File, string, error) {
 			}
 			w.holdTemp(temp)
 			return f, temp, nil
-		case errors.Is(err, fs.ErrNotExist) && try == 0 && dir != ".":
-			if err := w.mkdirAll(dir); err != nil {
-				return nil, "", fsErr(sp, err)
-			}
+		case errors.Is(err, fs.ErrNotExist) && dir != ".":
+			dir = "."
 		case errors.Is(err, fs.ErrExist) && try < 3: // a name collision: draw again
 		default:
 			return nil, "", fsErr(sp, err)
@@ -249,6 +250,13 @@ func (w *Workspace) commitTemp(f *os.File, temp, target, sp string, create bool,
 			w.root.Remove(temp)
 		}
 	}()
+	if dir := path.Dir(target); path.Dir(temp) != dir {
+		// The temporary file waited in the root for dir to be made now (createTemp).
+		if err := w.mkdirAll(dir); err != nil {
+			f.Close()
+			return false, fsErr(sp, err)
+		}
+	}
 	perm := fs.FileMode(filePerm)
 	old := keep
 	if old == nil {
@@ -284,7 +292,7 @@ func (w *Workspace) commitTemp(f *os.File, temp, target, sp string, create bool,
 	}
 	if !create {
 		rename := w.root.Rename
-		if old != nil && old.Mode().IsRegular() {
+		if old != nil && old.Mode().IsRegular() && path.Dir(temp) == path.Dir(target) {
 			rename = w.replace
 		}
 		if err := rename(temp, target); err != nil {

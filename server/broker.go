@@ -66,6 +66,8 @@ type BrokerConfig struct {
 	Dataplane DataplaneLimits
 	// EventStreamsPerKey bounds one API key's open event streams (0: the default).
 	EventStreamsPerKey int
+	// ConnsPerSource bounds one source address's open connections (0: the default).
+	ConnsPerSource int
 }
 
 // Node liveness defaults: a broker renews its node record every DefaultNodeHeartbeat, and one
@@ -158,7 +160,7 @@ func NewBroker(ctx context.Context, cfg BrokerConfig) (*Broker, error) {
 	b.Server = New(Config{
 		Store: cfg.Store, Sandboxes: b.Sandboxes, Delegation: b.Delegation, Keys: b.Keys, Events: b.events,
 		Log: cfg.Log, Now: cfg.Now, AllowedOrigins: cfg.AllowedOrigins, DataplaneRenewsLease: cfg.DataplaneRenewsLease,
-		Provider: prov, Dataplane: cfg.Dataplane, EventStreamsPerKey: cfg.EventStreamsPerKey, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, advertise),
+		Provider: prov, Dataplane: cfg.Dataplane, EventStreamsPerKey: cfg.EventStreamsPerKey, ConnsPerSource: cfg.ConnsPerSource, DataplaneURL: dataplaneURL(cfg.Store, cfg.Node, advertise),
 		AuthFailures: cfg.AuthFailures, AuthFailureWindow: cfg.AuthFailureWindow, MetricsTokenHash: cfg.MetricsTokenHash,
 		Ready: func(ctx context.Context) ReadyReport {
 			r := ReadyReport{Ready: true, ProviderInfo: prov, Redis: "ok", Node: cfg.Node, Warnings: warnings, Pool: b.Sandboxes.PoolStats()}

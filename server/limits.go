@@ -49,14 +49,20 @@ const (
 // sandboxes of every org, and the sizes of the in-memory tables.
 type limitMetrics struct {
 	refusals *prometheus.CounterVec
+	// sourceRefusals counts connections refused for their source's cap (sourceLimiter).
+	sourceRefusals prometheus.Counter
 }
 
 func (s *Server) registerLimitMetrics(reg *prometheus.Registry) {
 	s.limitMetrics = &limitMetrics{refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "sbx_limit_refusals_total",
 		Help: "Requests refused by a limit: limit is max_running, rps or auth_failures; org is empty for auth_failures (the caller is unknown).",
-	}, []string{"limit", "org"})}
-	reg.MustRegister(s.limitMetrics.refusals,
+	}, []string{"limit", "org"}),
+		sourceRefusals: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "sbx_connections_refused_total",
+			Help: "Connections refused at accept because their source address held --max-connections-per-source already.",
+		})}
+	reg.MustRegister(s.limitMetrics.refusals, s.limitMetrics.sourceRefusals,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "sbx_rate_limit_credentials", Help: "Credentials with a request bucket in this broker's memory."},
 			func() float64 { return float64(s.buckets.size()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "sbx_auth_failure_sources", Help: "Source addresses with failed authentications tracked in this broker's memory."},

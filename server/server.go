@@ -49,6 +49,10 @@ type Config struct {
 	// EventStreamsPerKey bounds the event streams (SSE, followed) one API key may have open on this
 	// broker (0: DefaultEventStreamsPerKey); past it a stream is 429 too_many_connections.
 	EventStreamsPerKey int
+	// ConnsPerSource bounds the connections one source address may hold open on this broker (0:
+	// DefaultConnsPerSource); past it a new connection is answered 429 too_many_connections and
+	// closed (sourceLimiter).
+	ConnsPerSource int
 	// Ready reports whether the broker can serve (Redis reachable, provider up), for /readyz.
 	Ready func(ctx context.Context) ReadyReport
 	// Provider is the sandbox provider this broker runs, for /metrics.
@@ -140,6 +144,8 @@ type Server struct {
 	events     events.Sink
 	log        *slog.Logger
 	hub        *hub
+	// connsPerSource bounds each source address's open connections (sourceLimiter).
+	connsPerSource int
 	// allowedOrigins may open the dataplane from a browser.
 	allowedOrigins []string
 	ready          func(ctx context.Context) ReadyReport
@@ -197,7 +203,7 @@ func New(cfg Config) *Server {
 	s := &Server{store: cfg.Store, sandboxes: cfg.Sandboxes, delegation: cfg.Delegation, keys: cfg.Keys,
 		events: cfg.Events, log: cfg.Log, ready: cfg.Ready, metrics: newMetrics(h.count, cfg.Provider), hub: h,
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store, cfg.Log), clock: cfg.Now,
-		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(cmp.Or(max(cfg.EventStreamsPerKey, 0), DefaultEventStreamsPerKey)), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
+		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(cmp.Or(max(cfg.EventStreamsPerKey, 0), DefaultEventStreamsPerKey)), connsPerSource: cmp.Or(max(cfg.ConnsPerSource, 0), DefaultConnsPerSource), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
 		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults(), uploadIdle: dpPongWait, bodyWait: bodyWait}
 	s.dataplaneURL = cfg.DataplaneURL
@@ -312,7 +318,7 @@ func (s *Server) Serve(l net.Listener) error {
 		s.stopBackground() // ends the revocation subscription started above
 		return err
 	}
-	err = s.http.Serve(l)
+	err = s.http.Serve(newSourceLimiter(l, s.connsPerSource, s.limitMetrics.sourceRefusals))
 	if errors.Is(err, http.ErrServerClosed) {
 		return nil
 	}

@@ -68,6 +68,8 @@ type config struct {
 	MaxDPConns, MaxDPConnsPerOrg, MaxDPConnsPerCredential int
 	// MaxEventStreamsPerKey bounds one API key's open event streams.
 	MaxEventStreamsPerKey int
+	// MaxConnsPerSource bounds one source address's open connections.
+	MaxConnsPerSource int
 }
 
 // envOf maps each flag to its environment fallback.
@@ -89,6 +91,7 @@ var envOf = map[string]string{
 	"max-dataplane-connections-per-org":        "SBX_MAX_DATAPLANE_CONNECTIONS_PER_ORG",
 	"max-dataplane-connections-per-credential": "SBX_MAX_DATAPLANE_CONNECTIONS_PER_CREDENTIAL",
 	"max-event-streams-per-key":                "SBX_MAX_EVENT_STREAMS_PER_KEY",
+	"max-connections-per-source":               "SBX_MAX_CONNECTIONS_PER_SOURCE",
 }
 
 // defaultDataDir is /var/lib/sbx-broker for root (a daemon's state; namespace sandboxes run as an
@@ -175,6 +178,7 @@ func serveFlags(fs *pflag.FlagSet, c *config) {
 	fs.StringVar(&c.DebugListen, "debug-listen", "", "serve Go's /debug/pprof profiles on this address (keep it on loopback); off by default")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long a graceful shutdown waits for requests in flight")
 	fs.IntVar(&c.MaxDPConns, "max-dataplane-connections", server.DefaultMaxDataplaneConnections, "dataplane connections this broker serves at once; past it an upgrade is 503")
+	fs.IntVar(&c.MaxConnsPerSource, "max-connections-per-source", server.DefaultConnsPerSource, "connections one source address may hold open on this broker, of every kind (REST kept alive, event streams, dataplane); past it a new one is answered 429 too_many_connections and closed. Behind a proxy that hides clients' addresses every client is the proxy's: raise it, and cap clients at the proxy")
 	fs.IntVar(&c.MaxEventStreamsPerKey, "max-event-streams-per-key", server.DefaultEventStreamsPerKey, "event streams (sbctl events -f, sbctl watch, GET .../events) one API key may have open on this broker; past it a stream is 429 too_many_connections")
 	fs.IntVar(&c.MaxDPConnsPerCredential, "max-dataplane-connections-per-credential", server.DefaultDataplaneConnsPerCredential, "dataplane connections one API key or delegation token may have open on this broker; past it an upgrade is 429 too_many_connections")
 }
@@ -296,7 +300,7 @@ func (c *config) validate() error {
 		flag string
 		n    int
 	}{{"max-dataplane-connections", c.MaxDPConns}, {"max-dataplane-connections-per-org", c.MaxDPConnsPerOrg},
-		{"max-dataplane-connections-per-credential", c.MaxDPConnsPerCredential}, {"max-event-streams-per-key", c.MaxEventStreamsPerKey}} {
+		{"max-dataplane-connections-per-credential", c.MaxDPConnsPerCredential}, {"max-event-streams-per-key", c.MaxEventStreamsPerKey}, {"max-connections-per-source", c.MaxConnsPerSource}} {
 		if l.n < 1 {
 			bad(l.flag, "must be at least 1 (it is %d)", l.n)
 		}

@@ -86,7 +86,7 @@ func serve(parent context.Context, c *config) error {
 		AllowedOrigins: c.AllowedOrigins, DataplaneRenewsLease: c.DataplaneRenews, Limits: c.orgDefaults(),
 		AuthFailures: c.AuthFailures, AuthFailureWindow: c.AuthFailureWindow, MetricsTokenHash: metricsToken,
 		Dataplane:          server.DataplaneLimits{MaxConnections: c.MaxDPConns, PerOrg: c.MaxDPConnsPerOrg, PerCredential: c.MaxDPConnsPerCredential},
-		EventStreamsPerKey: c.MaxEventStreamsPerKey,
+		EventStreamsPerKey: c.MaxEventStreamsPerKey, ConnsPerSource: c.MaxConnsPerSource,
 	})
 	if err != nil {
 		return err

@@ -102,6 +102,8 @@ type Options struct {
 	Dataplane server.DataplaneLimits
 	// EventStreamsPerKey bounds one API key's open event streams (0: the broker's default).
 	EventStreamsPerKey int
+	// ConnsPerSource bounds one source address's open connections (0: the broker's default).
+	ConnsPerSource int
 	// RedisDialer, when set, opens the broker's connections to Redis (a test's faulty network in
 	// front of the real server).
 	RedisDialer func(ctx context.Context, network, addr string) (net.Conn, error)
@@ -208,7 +210,7 @@ func New(t testing.TB, opts Options) *Broker {
 		Log: log, Now: opts.Now, DefaultTTL: 30 * time.Minute, MaxTTL: 7 * 24 * time.Hour,
 		NodeHeartbeat: opts.NodeHeartbeat, NodeLostAfter: opts.NodeLostAfter,
 		Limits: opts.Limits, AuthFailures: opts.AuthFailures, AuthFailureWindow: opts.AuthFailureWindow,
-		MetricsTokenHash: metricsTokenHash(opts.MetricsToken), Dataplane: opts.Dataplane, EventStreamsPerKey: opts.EventStreamsPerKey,
+		MetricsTokenHash: metricsTokenHash(opts.MetricsToken), Dataplane: opts.Dataplane, EventStreamsPerKey: opts.EventStreamsPerKey, ConnsPerSource: opts.ConnsPerSource,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,107 @@
+package server_test
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
+)
+
+// One source address cannot hold more than its share of the broker's connections: with no
+// credentials at all, a GET /healthz per connection kept alive (or connections that never send a
+// byte) would otherwise take every descriptor the broker has. Past the cap a new connection is
+// answered 429 too_many_connections and closed; other sources are served meanwhile; a connection
+// that ends frees its place.
+func TestConnectionsPerSourceAreBounded(t *testing.T) {
+	t.Parallel()
+	const perSource = 4
+	b := servertest.New(t, servertest.Options{Provider: "dir", ConnsPerSource: perSource})
+	addr := strings.TrimPrefix(b.URL, "http://")
+
+	dialFrom := func(src string) net.Conn {
+		t.Helper()
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: 5 * time.Second}
+		c, err := d.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	// get sends GET /healthz on c and reads the answer, leaving c open when the broker does.
+	get := func(c net.Conn, r *bufio.Reader) (*http.Response, []byte, error) {
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.WriteString(c, "GET /healthz HTTP/1.1\r\nHost: broker\r\n\r\n"); err != nil {
+			return nil, nil, err
+		}
+		resp, err := http.ReadResponse(r, nil)
+		if err != nil {
+			return nil, nil, err
+		}
+		body, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, body, err
+	}
+
+	held := make([]net.Conn, perSource)
+	for i := range held {
+		held[i] = dialFrom("127.0.0.1")
+		if resp, _, err := get(held[i], bufio.NewReader(held[i])); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("connection %d of %d: %v %v", i+1, perSource, resp, err)
+		}
+	}
+
+	// One more from the same source: refused with a clear answer, then closed.
+	c := dialFrom("127.0.0.1")
+	r := bufio.NewReader(c)
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(r, nil)
+	if err != nil {
+		t.Fatalf("a connection past the cap got no answer: %v", err)
+	}
+	var eb protocol.ErrorBody
+	if err := json.NewDecoder(resp.Body).Decode(&eb); err != nil {
+		t.Fatalf("the refusal's body: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 429 || eb.Error.Code != protocol.CodeTooManyConnections || resp.Header.Get("Retry-After") == "" ||
+		!strings.Contains(eb.Error.Message, fmt.Sprint(perSource)) {
+		t.Fatalf("past the cap: %d %+v (Retry-After %q); want 429 too_many_connections naming the cap", resp.StatusCode, eb.Error, resp.Header.Get("Retry-After"))
+	}
+	if _, err := r.ReadByte(); !errors.Is(err, io.EOF) {
+		t.Fatalf("after the refusal: %v, want the connection closed", err)
+	}
+
+	// Another source is served meanwhile.
+	other := dialFrom("127.0.0.2")
+	if resp, _, err := get(other, bufio.NewReader(other)); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("another source while the first is at its cap: %v %v", resp, err)
+	}
+
+	// A connection that ends frees its place.
+	held[0].Close()
+	if err := wait.For(10*time.Second, func() error {
+		c := dialFrom("127.0.0.1")
+		defer c.Close()
+		resp, _, err := get(c, bufio.NewReader(c))
+		if err != nil {
+			return err
+		}
+		if resp.StatusCode != 200 {
+			return fmt.Errorf("still %d", resp.StatusCode)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("a closed connection's place was not freed: %v", err)
+	}
+}

@@ -23,8 +23,8 @@ import (
 // that a mount under a shared parent cannot be moved (6.18 moves it anyway). The image
 // files stay outside that mount, on the data dir's, where a rename reaches the sandbox's directory.
 // The pool holds imagePoolSize images of the size the last create asked for, and is refilled in the
-// background once each create's sandbox has started (oweRefill). What a stopped or crashed broker left there (mounts, images) is
-// removed at the next start.
+// background once each create's sandbox has started (oweRefill). What a stopped or crashed broker
+// left there (mounts, images) is removed at the next start.
 const imagePoolSize = 2
 
 type imagePool struct {

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -62,6 +63,9 @@ type Manager struct {
 	pool *pool
 	// settle knows the starts in flight, to settle records whose start was cut short (settle.go).
 	settle *settler
+	// firstStarts sums the provider's part of creates (its Create and Start), so that /metrics
+	// can tell it from the broker's own work around it (store, HTTP) in the same creates.
+	firstStarts struct{ n, nanos atomic.Int64 }
 }
 
 // hosted is the local state of one sandbox. mu serializes lifecycle actions on it (start, stop,
@@ -335,6 +339,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			h.ws = nil
 		}
 	}
+	started := time.Now()
 	if first {
 		if err := m.cfg.Provider.Create(ctx, spec); err != nil {
 			return fail(protocol.ReasonCreateFailed, "the provider could not create it", err)
@@ -351,6 +356,10 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		return fail(protocol.ReasonStartFailed, "the provider could not start it: "+err.Error(), err)
 	}
 	h.inst = inst
+	if first {
+		m.firstStarts.n.Add(1)
+		m.firstStarts.nanos.Add(int64(time.Since(started)))
+	}
 	if pl, ok := inst.(placed); ok {
 		b, _ := json.Marshal(protocol.Placement{Node: pl.Node(), Pod: pl.Pod()})
 		fields[store.FieldPlacement] = string(b)
@@ -379,6 +388,13 @@ func (m *Manager) markRunning(ctx context.Context, rec store.Record, h *hosted, 
 	}
 	go m.watch(rec.Org, rec.ID, h, inst)
 	return got, nil
+}
+
+// ProviderStarts is how many sandboxes the provider created and started for creates on this broker
+// (neither warm-pool fills nor claims), and the time that took, from its Create until its Start
+// returned (the workspace's sweep between them included).
+func (m *Manager) ProviderStarts() (n int64, took time.Duration) {
+	return m.firstStarts.n.Load(), time.Duration(m.firstStarts.nanos.Load())
 }
 
 // placed is an instance that runs elsewhere and says where (the kubernetes provider's pod).

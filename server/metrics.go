@@ -72,6 +72,20 @@ func newMetrics(dpConns func() int, prov ProviderInfo) *metrics {
 	return m
 }
 
+// providerStartCounters export the provider's part of creates (sandbox.Manager.ProviderStarts):
+// beside sbx_http_request_seconds of POST /v1/sandboxes, they tell the broker's own work on a
+// create (HTTP, Redis, events) from the provider's.
+func providerStartCounters(m *sandbox.Manager) []prometheus.Collector {
+	return []prometheus.Collector{
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "sbx_provider_starts_total",
+			Help: "Sandboxes the provider created and started for creates (not warm-pool fills or claims)."},
+			func() float64 { n, _ := m.ProviderStarts(); return float64(n) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "sbx_provider_start_seconds_total",
+			Help: "Time those took in the provider, from its create until the sandbox could exec."},
+			func() float64 { _, took := m.ProviderStarts(); return took.Seconds() }),
+	}
+}
+
 // otherLabel stands for every method and route the broker does not serve.
 const otherLabel = "other"
 

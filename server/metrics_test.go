@@ -97,3 +97,21 @@ func TestMetricsWithoutATokenConfigured(t *testing.T) {
 		t.Fatalf("/metrics with a credential on a broker without a metrics token: %d %s", status, body)
 	}
 }
+
+// The provider's part of creates is counted once per sandbox it started: a reuse starts nothing.
+func TestMetricsProviderStarts(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	for _, name := range []string{"a", "a", "b"} {
+		if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: name}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, body := getMetrics(t, b, "")
+	if !strings.Contains(body, "\nsbx_provider_starts_total 2\n") {
+		t.Errorf("want sbx_provider_starts_total 2 after two creates and a reuse:\n%.3000s", body)
+	}
+	if strings.Contains(body, "\nsbx_provider_start_seconds_total 0\n") || !strings.Contains(body, "\nsbx_provider_start_seconds_total ") {
+		t.Errorf("want a start time in sbx_provider_start_seconds_total:\n%.3000s", body)
+	}
+}

@@ -216,6 +216,7 @@ func New(cfg Config) *Server {
 	s.registerLimitMetrics(s.metrics.reg)
 	if cfg.Sandboxes != nil {
 		s.metrics.reg.MustRegister(&poolCollector{m: cfg.Sandboxes})
+		s.metrics.reg.MustRegister(providerStartCounters(cfg.Sandboxes)...)
 	}
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true

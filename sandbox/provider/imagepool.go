@@ -23,8 +23,8 @@ import (
 // that a mount under a shared parent cannot be moved (6.18 moves it anyway). The image
 // files stay outside that mount, on the data dir's, where a rename reaches the sandbox's directory.
 // The pool holds imagePoolSize images of the size the last create asked for, and is refilled in the
-// background after each create. What a stopped or crashed broker left there (mounts, images) is
-// removed at the next start.
+// background once each create's sandbox has started (oweRefill). What a stopped or crashed broker
+// left there (mounts, images) is removed at the next start.
 const imagePoolSize = 2
 
 type imagePool struct {
@@ -38,6 +38,9 @@ type imagePool struct {
 	closed  bool
 	staged  bool          // mnts() is the private mount
 	idle    chan struct{} // closed when the last fill started has ended; nil before the first
+	// owed are the refills that creates left for when their sandbox's start has ended, by sandbox
+	// id (oweRefill).
+	owed map[string]ByteSize
 }
 
 // pooledImage is an image file in the pool and the directory its filesystem is mounted on.
@@ -75,6 +78,39 @@ func (p *imagePool) take(size ByteSize) (pooledImage, bool) {
 	pi := p.ready[len(p.ready)-1]
 	p.ready = p.ready[:len(p.ready)-1]
 	return pi, true
+}
+
+// oweRefill notes that the create of sandbox id used the pool (or made its image of size on its
+// path) and leaves the refill for when that sandbox's start ends (payRefill): a fill copies,
+// attaches and mounts an image, kernel work that on a loaded host's few cores slowed the very start
+// it was refilling for (bwrap's namespaces and mounts, the init's start). A create whose sandbox
+// never starts pays it at its destroy.
+func (n *Namespace) oweRefill(id string, size ByteSize) {
+	p := n.vol.pool
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.owed == nil {
+		p.owed = map[string]ByteSize{}
+	}
+	p.owed[id] = size
+}
+
+// payRefill starts the refill the create of sandbox id left, if it left one.
+func (n *Namespace) payRefill(id string) {
+	p := n.vol.pool
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	size, owed := p.owed[id]
+	delete(p.owed, id)
+	p.mu.Unlock()
+	if owed {
+		n.refillPool(size)
+	}
 }
 
 // refillPool tops the pool up to imagePoolSize images of size in the background; a pool of another

@@ -219,6 +219,7 @@ func (n *Namespace) Destroy(ctx context.Context, spec Spec) error {
 	if n.running.isRunning(spec.ID) {
 		return fmt.Errorf("%w: %s", ErrRunning, spec.ID)
 	}
+	n.payRefill(spec.ID) // created, never started
 	if err := n.unmountVolume(spec.ID); err != nil {
 		return err
 	}
@@ -234,6 +235,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if !validID(spec.ID) {
 		return nil, fmt.Errorf("%w: %q", ErrInvalidID, spec.ID)
 	}
+	defer n.payRefill(spec.ID)
 	if err := spec.Template.validateContent(); err != nil {
 		return nil, fmt.Errorf("template %q: %w", spec.Template.Name, err)
 	}

@@ -226,7 +226,7 @@ func (n *Namespace) createVolume(id string, size ByteSize, uid, gid int) error {
 	if size == 0 {
 		size = DefaultDisk
 	}
-	defer n.refillPool(size)
+	defer n.oweRefill(id, size)
 	if pi, ok := n.vol.pool.take(size); ok {
 		err := n.adoptPooled(id, pi)
 		if err == nil {

@@ -378,6 +378,48 @@ func TestDiskImagePool(t *testing.T) {
 	}
 }
 
+// A create that takes a pooled image leaves the pool's refill until its sandbox's start has ended,
+// so that the fill's copy, attach and mount do not compete with that start; a sandbox created and
+// never started refills it at its destroy.
+func TestDiskImagePoolRefillsAfterTheStart(t *testing.T) {
+	n := newNamespace(t, Config{})
+	requireQuotas(t, n)
+	pool := n.vol.pool
+	startSandbox(t, n, Template{Disk: 16 << 20}) // made on its path; the pool fills behind it
+	pool.settle()
+	ready := func() (count int, filling bool) {
+		pool.mu.Lock()
+		defer pool.mu.Unlock()
+		return len(pool.ready), pool.filling
+	}
+	ctx := context.Background()
+	for _, start := range []bool{true, false} {
+		spec := Spec{ID: NewID(), Template: Template{Name: "test", Disk: 16 << 20}}
+		if err := n.Create(ctx, spec); err != nil {
+			t.Fatal(err)
+		}
+		if count, filling := ready(); count != imagePoolSize-1 || filling {
+			t.Fatalf("after a create took an image the pool holds %d and fills: %v; want %d and no fill until the start ends", count, filling, imagePoolSize-1)
+		}
+		if start {
+			in, err := n.Start(ctx, spec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := in.Stop(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := n.Destroy(ctx, spec); err != nil {
+			t.Fatal(err)
+		}
+		pool.settle()
+		if count, _ := ready(); count != imagePoolSize {
+			t.Fatalf("after the sandbox's start (%v) and destroy the pool holds %d images; want %d", start, count, imagePoolSize)
+		}
+	}
+}
+
 // TestDiskImagePoolSharedDataDir: on a data dir whose mount is shared (systemd makes / shared;
 // this machine's is not, so TestDiskImagePool alone never sees it) a create still takes a pooled
 // image, the pool's images show in no other view of the data dir (its staging mount is private: a

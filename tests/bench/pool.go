@@ -43,14 +43,17 @@ func poolRows(ctx context.Context) ([]row, error) {
 			br.stop()
 			return rows, err
 		}
+		load := loadAvg()
+		before, _ := readCreateCounters(br.url)
 		s := createSamples(ctx, c, n, nil)
+		after, _ := readCreateCounters(br.url)
 		floor, err := restFloor(ctx, c, n)
 		br.stop()
 		if err != nil {
 			return rows, err
 		}
 		rows = append(rows, row{"create to ready, cold (" + v.label + ")", s.ms99(), "p50 < 20 ms", "", "",
-			"no pool; REST get of a sandbox " + floor.ms99()})
+			"no pool; REST get of a sandbox " + floor.ms99() + "; " + createSplit(before, after, s) + "; load " + load})
 	}
 
 	// Idle memory: 100 running sandboxes that do nothing, measured after they settle.
@@ -168,6 +171,58 @@ func restFloor(ctx context.Context, c *client.Client, n int) (samples, error) {
 	}
 	defer c.DeleteSandbox(ctx, "floor")
 	return sample(n*5, func() error { _, err := c.GetSandbox(ctx, "floor"); return err }), nil
+}
+
+// createCounters are the broker's counters of its creates (/metrics): the provider's part, and the
+// REST handling of POST /v1/sandboxes.
+type createCounters struct{ starts, startSeconds, requests, requestSeconds float64 }
+
+func readCreateCounters(base string) (createCounters, error) {
+	var cc createCounters
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		return cc, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		name, value, ok := strings.Cut(sc.Text(), " ")
+		if !ok {
+			continue
+		}
+		v, _ := strconv.ParseFloat(value, 64)
+		switch name {
+		case "sbx_provider_starts_total":
+			cc.starts = v
+		case "sbx_provider_start_seconds_total":
+			cc.startSeconds = v
+		case `sbx_http_request_seconds_count{route="/v1/sandboxes"}`:
+			cc.requests = v
+		case `sbx_http_request_seconds_sum{route="/v1/sandboxes"}`:
+			cc.requestSeconds = v
+		}
+	}
+	return cc, sc.Err()
+}
+
+// createSplit says where the creates timed in s went, as means over those same creates (the
+// broker's counters give sums, not percentiles): the provider's create and start, the broker's own
+// work around it (HTTP handling, Redis, events, the answer), and what is outside the broker's
+// handler (the loopback HTTP round trip and the client).
+func createSplit(before, after createCounters, s samples) string {
+	starts, requests := after.starts-before.starts, after.requests-before.requests
+	if starts <= 0 || requests <= 0 || len(s.d) == 0 {
+		return "no split (the broker's counters did not move)"
+	}
+	var sum time.Duration
+	for _, d := range s.d {
+		sum += d
+	}
+	client := sum.Seconds() * 1000 / float64(len(s.d))
+	provider := (after.startSeconds - before.startSeconds) * 1000 / starts
+	handler := (after.requestSeconds - before.requestSeconds) * 1000 / requests
+	return fmt.Sprintf("means: %.2f ms = provider's create+start %.2f + broker around it (store, events, answer) %.2f + HTTP and client %.2f",
+		client, provider, handler-provider, client-handler)
 }
 
 // ms99 is "p50 / p99 ms".

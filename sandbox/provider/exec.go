@@ -153,20 +153,27 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	timer := time.AfterFunc(timeout, func() { in.killCall(c, ReasonTimeout) })
 	stopCancel := context.AfterFunc(ctx, func() { in.killCall(c, ReasonCancelled) })
 
+	// Each read end is closed as soon as its output ended: that is usually before the init's exit
+	// report arrives, so its close is off the path from the exit to the answer (closeAll's second
+	// close of it does nothing).
 	o := protocol.NewExecOutputLimit(req.MaxOutput)
 	switch {
 	case outR != nil && errR != nil:
 		errDone := make(chan struct{})
 		go func() {
 			c.drain(errR, &sink{w: req.Stderr}, o)
+			errR.Close()
 			close(errDone)
 		}()
 		c.drain(outR, &sink{w: req.Stdout}, o)
+		outR.Close()
 		<-errDone
 	case outR != nil:
 		c.drain(outR, &sink{w: req.Stdout}, o)
+		outR.Close()
 	case errR != nil:
 		c.drain(errR, &sink{w: req.Stderr}, o)
+		errR.Close()
 	}
 	<-c.done
 	timer.Stop()

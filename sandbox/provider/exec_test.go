@@ -120,6 +120,8 @@ func TestExecSemantics(t *testing.T) {
 				{name: "output cap", req: ExecRequest{Command: "yes | head -c 100000", MaxOutput: 1000}, stdout: strings.Repeat("y\n", 500), trunc: true},
 				{name: "output under cap", req: ExecRequest{Command: "echo hi", MaxOutput: 3}, stdout: "hi\n"},
 				{name: "large output", req: ExecRequest{Command: "head -c 5000000 /dev/zero"}, stdout: string(make([]byte, 5000000))},
+				// Our ends of the pipes are non-blocking; the command's ends must not be (O_NONBLOCK, 04000).
+				{name: "blocking stdio", req: ExecRequest{Command: `for fd in 0 1 2; do printf '%d ' $(( 0$(sed -n 's/^flags:[[:space:]]*//p' /proc/$$/fdinfo/$fd) & 04000 )); done`, Stdin: strings.NewReader("x")}, stdout: "0 0 0 ", stderr: ptr("")},
 			}
 			for _, tc := range tests {
 				t.Run(tc.name, func(t *testing.T) {

@@ -42,6 +42,10 @@ func (in *instance) Exec(ctx context.Context, req ExecRequest) (ExecResult, erro
 	if req.Timeout < 0 {
 		return ExecResult{}, invalidRequest("negative timeout")
 	}
+	if req.TTY != nil || req.Background {
+		// These wait for the init's answer to their start.
+		started(&req)
+	}
 	if req.TTY != nil {
 		return in.runTTY(ctx, &r, req)
 	}
@@ -133,7 +137,10 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 		return ExecResult{}, err
 	}
 	r.ID = c.id
-	if err := in.send(r, send, timeout); err != nil {
+	// An init that does not take the request at once is waited for: the caller is told first.
+	err := in.sendOr(r, send, timeout, func() { started(&req) })
+	started(&req) // from here on Exec waits for the command
+	if err != nil {
 		in.unregister(c)
 		closeAll()
 		return ExecResult{}, err
@@ -214,6 +221,17 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	}
 	res.Duration = time.Since(start)
 	return res, nil
+}
+
+// callsStarted: Exec calls ExecRequest.Started itself (CallsStarted).
+func (in *instance) callsStarted() {}
+
+// started calls req.Started once: it is dropped after.
+func started(req *ExecRequest) {
+	if req.Started != nil {
+		req.Started()
+		req.Started = nil
+	}
 }
 
 // killCall asks the init to end a command's tree, once, and makes sure it ends: if the init has not

@@ -251,6 +251,9 @@ func (r *Remote) Exec(ctx context.Context, req ExecRequest) (protocol.ExecResult
 	if err := c.roundTrip(ctx, protocol.OpExec, a, cl, nil); err != nil {
 		return out, err
 	}
+	if protocol.DecodeFlat(cl.result, &out) {
+		return out, nil
+	}
 	if err := json.Unmarshal(cl.result, &out); err != nil {
 		return out, fmt.Errorf("dataplane answered exec with an unexpected result: %w", err)
 	}

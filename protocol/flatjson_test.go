@@ -17,6 +17,7 @@ var flatTargets = []func() any{
 	func() any { return &protocol.LsArgs{} }, func() any { return &protocol.ReadResult{} },
 	func() any { return &protocol.WriteHead{} }, func() any { return &protocol.ReadHead{} },
 	func() any { return &protocol.WriteResult{} }, func() any { return &protocol.EditResult{} },
+	func() any { return &protocol.ExecArgs{} }, func() any { return &protocol.ExecResult{} },
 }
 
 // Whenever DecodeFlat accepts an input, encoding/json (strict: known fields, one value) accepts it
@@ -28,6 +29,10 @@ func FuzzDecodeFlat(f *testing.F) {
 		`{"path":"a","path":"b"}`, `{"PATH":"a"}`, `{"path":"\u0041"}`, `{"size":12345678901234567}`,
 		`{"size":1e3}`, `{"size":012}`, `{"created":true,"size":5}`, `{"path":"a",}`, `{"path":"a"} x`,
 		`{"path":"a\x01"}`, `{"truncated":false,"encoding":"base64"}`, `{"occurrences":-0}`,
+		`{"argv":["true"]}`, `{"argv":[]}`, `{"argv":[ "a" , "b\n" ],"cwd":"/w","timeout_ms":5}`,
+		`{"argv":["a"],"argv":["b","c"]}`, `{"argv":null}`, `{"argv":["a",]}`, `{"argv":[1]}`,
+		`{"command":"ls","env":{"A":"b"}}`, `{"command":"x","stream":true,"combined":false,"max_output":9}`,
+		`{"exit_code":0,"duration_ms":1,"stdout":"","stderr":"e"}`, `{"exit_code":137,"signal":"KILL","output":null}`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -63,8 +68,18 @@ func TestDecodeFlatTakesTheHotPath(t *testing.T) {
 		t.Fatalf("a read result did not take the fast path: %+v", r)
 	}
 	var e protocol.ExecArgs
-	if protocol.DecodeFlat([]byte(`{"command":"ls"}`), &e) {
-		t.Fatal("exec args are not flat; they must take encoding/json")
+	raw, _ = json.Marshal(protocol.ExecArgs{Argv: []string{"go", "test", "./..."}, Cwd: "/workspace/x", TimeoutMS: 60000})
+	if !protocol.DecodeFlat(raw, &e) || len(e.Argv) != 3 || e.Argv[2] != "./..." || e.TimeoutMS != 60000 {
+		t.Fatalf("an exec's args did not take the fast path: %+v", e)
+	}
+	if protocol.DecodeFlat([]byte(`{"command":"ls","env":{"A":"b"}}`), &protocol.ExecArgs{}) {
+		t.Fatal("an environment is a map: encoding/json decodes it")
+	}
+	var x protocol.ExecResult
+	out := "hi\n"
+	raw, _ = json.Marshal(protocol.ExecResult{ExitCode: 2, DurationMS: 3, Stdout: &out, Stderr: new(string)})
+	if !protocol.DecodeFlat(raw, &x) || x.ExitCode != 2 || *x.Stdout != out || x.Stderr == nil || *x.Stderr != "" {
+		t.Fatalf("an exec result did not take the fast path: %+v", x)
 	}
 }
 

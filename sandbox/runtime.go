@@ -93,6 +93,10 @@ func (r *Runtime) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	if req.TTY != nil && !provider.SupportsTTY(r.inst) {
 		return ExecResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "this sandbox's provider has no terminals: use exec")
 	}
+	if req.Started != nil && !provider.CallsStarted(r.inst) {
+		req.Started()
+		req.Started = nil
+	}
 	res, err := r.inst.Exec(ctx, req)
 	if err != nil {
 		return res, execError(err)

@@ -23,8 +23,8 @@ import (
 // One dataplane connection after the upgrade: its reader, its writer and the byte queue between
 // requests and the writer, the lifetime of each request in flight, and what ends the connection.
 
-// dpConn is one dataplane connection: one reader goroutine (this one), one writer goroutine, and a
-// goroutine per request in flight.
+// dpConn is one dataplane connection: one reader goroutine (serve's, until an exec moves the reading
+// to a new one: dispatch), one writer goroutine, and a goroutine per request in flight.
 type dpConn struct {
 	s      *Server
 	org    string
@@ -83,6 +83,18 @@ type dpConn struct {
 
 	// running counts request goroutines, which serve waits for: they may still emit events.
 	running sync.WaitGroup
+
+	// rd is the reader's state, which moves with the reading from goroutine to goroutine
+	// (dispatch), and readerDone is closed by the goroutine whose reading ended the connection.
+	rd         readerState
+	readerDone chan struct{}
+}
+
+// readerState is what the connection's reader reuses from frame to frame.
+type readerState struct {
+	text   bytes.Buffer
+	chunk  []byte
+	header []byte
 }
 
 // request is one request in flight.
@@ -99,6 +111,9 @@ type request struct {
 	exec *execOutput
 	// shell is a shell's input, fed by the reader (dataplane_shell.go).
 	shell *shellSession
+	// started, set for an exec run by the connection's reader, moves the reading to a new
+	// goroutine once the command is on its way (dpConn.dispatch).
+	started func()
 }
 
 // outFrame is a frame for the writer. n is what it counts against the connection's queue bytes.
@@ -135,7 +150,10 @@ func (c *dpConn) serve(ws *websocket.Conn, reqID string) {
 	c.send(protocol.Response{Type: "hello", Hello: &hello})
 	c.connected(log)
 
+	c.rd = readerState{chunk: make([]byte, dpChunkBytes), header: make([]byte, protocol.FrameHeaderLen)}
+	c.readerDone = make(chan struct{})
 	c.readLoop()
+	<-c.readerDone // the reading may have moved to another goroutine
 
 	c.shutdown(websocket.CloseNormalClosure, "")
 	<-writerDone
@@ -419,10 +437,16 @@ type wireRequest struct {
 	Args json.RawMessage `json:"args"`
 }
 
+// readLoop reads frames until the connection ends, or until a request it runs moves the reading to
+// another goroutine (dispatch answers moved), which then runs readLoop.
 func (c *dpConn) readLoop() {
-	var text bytes.Buffer
-	chunk := make([]byte, dpChunkBytes)
-	header := make([]byte, protocol.FrameHeaderLen)
+	moved := false
+	defer func() {
+		if !moved {
+			close(c.readerDone)
+		}
+	}()
+	text, chunk, header := &c.rd.text, c.rd.chunk, c.rd.header
 	for {
 		mt, r, err := c.conn.NextReader()
 		if err != nil {
@@ -451,7 +475,9 @@ func (c *dpConn) readLoop() {
 				c.send(protocol.Response{Error: perr})
 				continue
 			}
-			c.dispatch(id, op, args, body, put)
+			if moved = c.dispatch(id, op, args, body, put); moved {
+				return
+			}
 			continue
 		}
 		text.Reset()
@@ -464,7 +490,9 @@ func (c *dpConn) readLoop() {
 			continue
 		}
 		args = bytes.Clone(args) // text is reused for the next frame; the request outlives it
-		c.dispatch(id, op, args, nil, nil)
+		if moved = c.dispatch(id, op, args, nil, nil); moved {
+			return
+		}
 	}
 }
 
@@ -602,14 +630,16 @@ func (c *dpConn) emitPath(typ, path string) {
 // dispatch starts request id: the op table says whether the credential may run it and how it runs.
 // body is the content of a request that came in a FrameRequestBody (nil for a text frame); put,
 // when set, gives its buffer back, which happens on every path once nothing reads body any more.
-func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byte, put func()) {
+// It answers moved when the request it ran took the calling goroutine, the reader, and the reading
+// went on in another goroutine: the caller then stops reading.
+func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byte, put func()) (moved bool) {
 	if put == nil {
 		put = func() {}
 	}
 	if id == 0 && op != protocol.OpCancel { // a cancel is never answered, whatever its id
 		put()
 		c.send(protocol.Response{Error: protocol.Errorf(protocol.CodeInvalidArgument, "request id 0 is reserved for errors not tied to a request; use 1 or more")})
-		return
+		return false
 	}
 	if o, known := dpOps[op]; known {
 		if withBody := body != nil; withBody != o.bodyIn {
@@ -623,7 +653,7 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 			} else {
 				c.send(protocol.Response{ID: answerID, Error: protocol.Errorf(protocol.CodeInvalidArgument, "%s carries its content as the body of a binary frame of kind %d, not in a text frame (%s, docs/dataplane.md); nothing was done", op, protocol.FrameRequestBody, protocol.Subprotocol)})
 			}
-			return
+			return false
 		}
 	}
 	o, ctx, req, refusal := c.admit(id, op)
@@ -633,14 +663,14 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 		if refusal.Error != nil {
 			c.send(*refusal)
 		}
-		return
+		return false
 	case o.class == opInline:
 		if o.control != nil {
 			o.control(c, id, args)
 		} else {
 			o.inline(c, id)
 		}
-		return
+		return false
 	}
 	req.body = body
 
@@ -651,13 +681,26 @@ func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byt
 			c.finish(id)
 			c.fail(id, err)
 		}
-		return
+		return false
 	}
 	c.running.Add(1)
+	if o.startsOnReader {
+		// Run here until the command is on its way to the sandbox (sandbox.ExecRequest.Started),
+		// then let a new goroutine read on while this one waits for the command: the request
+		// reaches the sandbox without a hand-off to another goroutine first (and a wakeup of
+		// another thread to run it), and the new reader's start overlaps the command's.
+		req.started = func() {
+			moved = true
+			go c.readLoop()
+		}
+		c.perform(ctx, req, o, args, put, true)
+		return moved
+	}
 	if c.onReader(o, args) && c.perform(ctx, req, o, args, put, false) {
-		return
+		return false
 	}
 	go c.perform(ctx, req, o, args, put, true)
+	return false
 }
 
 // onReader says whether op o may run on the reader's goroutine: a one-file operation on local

@@ -27,7 +27,8 @@ func opExec(ctx context.Context, c *dpConn, r *request, a protocol.ExecArgs) (an
 	}
 	a.MaxOutput = a.OutputCap()
 	req := sandbox.ExecRequest{Command: a.Command, Argv: a.Argv, Cwd: a.Cwd, Env: a.Env,
-		Timeout: time.Duration(a.TimeoutMS) * time.Millisecond, MaxOutput: a.MaxOutput, Background: a.Background}
+		Timeout: time.Duration(a.TimeoutMS) * time.Millisecond, MaxOutput: a.MaxOutput, Background: a.Background,
+		Started: r.started}
 	if a.Stdin != "" {
 		req.Stdin = strings.NewReader(a.Stdin)
 	}

@@ -33,7 +33,7 @@ var dpOps = map[string]dpOp{
 	protocol.OpUpload: op(protocol.ScopeFSWrite, opUpload, opUploadOpen),
 	protocol.OpUntar:  op(protocol.ScopeFSWrite, opUpload, opUntarOpen),
 
-	protocol.OpExec:   op(protocol.ScopeExec, opLight, opExec),
+	protocol.OpExec:   op(protocol.ScopeExec, opLight, opExec).startingOnReader(),
 	protocol.OpShell:  op(protocol.ScopeExec, opLight, opShell).withPrepare(prepareShell),
 	protocol.OpResize: {class: opInline, control: (*dpConn).resizeShell},
 }
@@ -62,7 +62,13 @@ type dpOp struct {
 	// makesParents marks a one-file op that creates its path's missing parents, a directory per
 	// level: a deep one does not run on the reader.
 	makesParents bool
+	// startsOnReader marks an op that runs on the reader's goroutine until it would wait, and
+	// then calls its request's started, which moves the reading to a new goroutine (exec).
+	startsOnReader bool
 }
+
+// startingOnReader marks an op that starts on the reader (see dpOp.startsOnReader).
+func (o dpOp) startingOnReader() dpOp { o.startsOnReader = true; return o }
 
 // withPrepare gives an op a step run on the reader's goroutine as its request starts.
 func (o dpOp) withPrepare(prepare func(c *dpConn, ctx context.Context, r *request)) dpOp {

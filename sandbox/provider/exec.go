@@ -42,6 +42,10 @@ func (in *instance) Exec(ctx context.Context, req ExecRequest) (ExecResult, erro
 	if req.Timeout < 0 {
 		return ExecResult{}, invalidRequest("negative timeout")
 	}
+	if req.TTY != nil || req.Background {
+		// These wait for the init's answer to their start.
+		started(&req)
+	}
 	if req.TTY != nil {
 		return in.runTTY(ctx, &r, req)
 	}
@@ -133,7 +137,10 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 		return ExecResult{}, err
 	}
 	r.ID = c.id
-	if err := in.send(r, send, timeout); err != nil {
+	// An init that does not take the request at once is waited for: the caller is told first.
+	err := in.sendOr(r, send, timeout, func() { started(&req) })
+	started(&req) // from here on Exec waits for the command
+	if err != nil {
 		in.unregister(c)
 		closeAll()
 		return ExecResult{}, err
@@ -153,20 +160,27 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	timer := time.AfterFunc(timeout, func() { in.killCall(c, ReasonTimeout) })
 	stopCancel := context.AfterFunc(ctx, func() { in.killCall(c, ReasonCancelled) })
 
+	// Each read end is closed as soon as its output ended: that is usually before the init's exit
+	// report arrives, so its close is off the path from the exit to the answer (closeAll's second
+	// close of it does nothing).
 	o := protocol.NewExecOutputLimit(req.MaxOutput)
 	switch {
 	case outR != nil && errR != nil:
 		errDone := make(chan struct{})
 		go func() {
 			c.drain(errR, &sink{w: req.Stderr}, o)
+			errR.Close()
 			close(errDone)
 		}()
 		c.drain(outR, &sink{w: req.Stdout}, o)
+		outR.Close()
 		<-errDone
 	case outR != nil:
 		c.drain(outR, &sink{w: req.Stdout}, o)
+		outR.Close()
 	case errR != nil:
 		c.drain(errR, &sink{w: req.Stderr}, o)
+		errR.Close()
 	}
 	<-c.done
 	timer.Stop()
@@ -207,6 +221,17 @@ func (in *instance) run(ctx context.Context, r *request, req ExecRequest, timeou
 	}
 	res.Duration = time.Since(start)
 	return res, nil
+}
+
+// callsStarted: Exec calls ExecRequest.Started itself (CallsStarted).
+func (in *instance) callsStarted() {}
+
+// started calls req.Started once: it is dropped after.
+func started(req *ExecRequest) {
+	if req.Started != nil {
+		req.Started()
+		req.Started = nil
+	}
 }
 
 // killCall asks the init to end a command's tree, once, and makes sure it ends: if the init has not

@@ -120,6 +120,8 @@ func TestExecSemantics(t *testing.T) {
 				{name: "output cap", req: ExecRequest{Command: "yes | head -c 100000", MaxOutput: 1000}, stdout: strings.Repeat("y\n", 500), trunc: true},
 				{name: "output under cap", req: ExecRequest{Command: "echo hi", MaxOutput: 3}, stdout: "hi\n"},
 				{name: "large output", req: ExecRequest{Command: "head -c 5000000 /dev/zero"}, stdout: string(make([]byte, 5000000))},
+				// Our ends of the pipes are non-blocking; the command's ends must not be (O_NONBLOCK, 04000).
+				{name: "blocking stdio", req: ExecRequest{Command: `for fd in 0 1 2; do printf '%d ' $(( 0$(sed -n 's/^flags:[[:space:]]*//p' /proc/$$/fdinfo/$fd) & 04000 )); done`, Stdin: strings.NewReader("x")}, stdout: "0 0 0 ", stderr: ptr("")},
 			}
 			for _, tc := range tests {
 				t.Run(tc.name, func(t *testing.T) {
@@ -285,6 +287,48 @@ func trim(s string) string {
 		return fmt.Sprintf("%s...(%d bytes)", s[:80], len(s))
 	}
 	return s
+}
+
+// Started comes once, before Exec waits for anything: the dataplane runs an exec on a connection's
+// reader until then, and a Started that came only with the command's end would hold that reader
+// (pings, cancels) for the command's whole run. Here the command runs until cancelled, which only
+// a caller told of its start does.
+func TestExecCallsStartedBeforeWaiting(t *testing.T) {
+	for _, p := range providers(t) {
+		t.Run(p.Name(), func(t *testing.T) {
+			t.Parallel()
+			in, _ := startSandbox(t, p, Template{})
+			for _, tc := range []struct {
+				name string
+				req  ExecRequest
+			}{
+				{"foreground", ExecRequest{Command: "sleep 60", Stdout: io.Discard, Stderr: io.Discard}},
+				{"stdin", ExecRequest{Command: "cat; sleep 60", Stdin: strings.NewReader("x"), Stdout: io.Discard}},
+				{"no output taken", ExecRequest{Argv: []string{"sleep", "60"}}},
+				{"background", ExecRequest{Command: "sleep 60", Background: true}},
+			} {
+				t.Run(tc.name, func(t *testing.T) {
+					ctx, cancel := context.WithCancel(t.Context())
+					defer cancel()
+					started := make(chan struct{})
+					req := tc.req
+					req.Started = func() { close(started) } // a second call panics
+					done := make(chan error, 1)
+					go func() {
+						_, err := in.Exec(ctx, req)
+						done <- err
+					}()
+					select {
+					case <-started:
+					case err := <-done:
+						t.Fatalf("Exec returned (%v) without calling Started", err)
+					}
+					cancel()
+					<-done
+				})
+			}
+		})
+	}
 }
 
 func TestExecTimeoutsAndCancel(t *testing.T) {

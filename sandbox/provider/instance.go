@@ -683,6 +683,11 @@ func (in *instance) commandPid(c *call) int {
 
 // send marshals and sends one request, giving up after within if the init does not take it.
 func (in *instance) send(r *request, fds []int, within time.Duration) error {
+	return in.sendOr(r, fds, within, nil)
+}
+
+// sendOr is send that calls waiting, if set, before it waits for the init to take the request.
+func (in *instance) sendOr(r *request, fds []int, within time.Duration, waiting func()) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
@@ -690,7 +695,7 @@ func (in *instance) send(r *request, fds []int, within time.Duration) error {
 	if len(b) > maxMessage {
 		return invalidRequest("command and environment are %d bytes, more than %d", len(b), maxMessage)
 	}
-	if err := in.ctl.sendWithin(b, fds, within); err != nil {
+	if err := in.ctl.sendWithin(b, fds, within, waiting); err != nil {
 		if err == errInitNotTaking {
 			return err
 		}

@@ -98,6 +98,18 @@ type ExecRequest struct {
 	// end-of-file character (^D). Exec does not wait for a Stdin Read still blocked when the command
 	// ended: the caller ends its reader. Providers that cannot do it say so (SupportsTTY).
 	TTY *TTY
+	// Started, when set, is called once, on Exec's goroutine, before Exec first waits for anything
+	// (the command's end, the sandbox taking the request): a caller that runs Exec where nothing
+	// may wait long (a dataplane connection's reader) moves its other work elsewhere then. Exec may
+	// return without calling it, having waited for nothing (a request it refused).
+	Started func()
+}
+
+// CallsStarted reports whether inst calls ExecRequest.Started itself, as late as it may (once its
+// request is on its way to the sandbox); for any other, the caller calls it before Exec.
+func CallsStarted(inst Instance) bool {
+	_, ok := inst.(interface{ callsStarted() })
+	return ok
 }
 
 // TTY is a terminal's window and its changes.

@@ -91,8 +91,9 @@ var errInitNotTaking = fmt.Errorf("the sandbox's init is not taking requests: %w
 
 // sendWithin is send that gives up after d with errInitNotTaking, so that a request to an init that
 // stopped reading never blocks its caller past the request's own timeout. A message is sent whole or
-// not at all, so giving up leaves the stream intact.
-func (c *ctlConn) sendWithin(msg []byte, fds []int, d time.Duration) error {
+// not at all, so giving up leaves the stream intact. waiting, if set, is called before the first
+// wait.
+func (c *ctlConn) sendWithin(msg []byte, fds []int, d time.Duration, waiting func()) error {
 	var oob []byte
 	if len(fds) > 0 {
 		oob = unix.UnixRights(fds...)
@@ -110,6 +111,9 @@ func (c *ctlConn) sendWithin(msg []byte, fds []int, d time.Duration) error {
 		}
 		if deadline.IsZero() {
 			deadline = time.Now().Add(d)
+			if waiting != nil {
+				waiting()
+			}
 		} else if time.Now().After(deadline) {
 			return errInitNotTaking
 		}

@@ -78,7 +78,10 @@ func TestConnectionsPerSourceAreBounded(t *testing.T) {
 		!strings.Contains(eb.Error.Message, fmt.Sprint(perSource)) {
 		t.Fatalf("past the cap: %d %+v (Retry-After %q); want 429 too_many_connections naming the cap", resp.StatusCode, eb.Error, resp.Header.Get("Retry-After"))
 	}
-	if _, err := r.ReadByte(); !errors.Is(err, io.EOF) {
+	t0 := time.Now()
+	_, err = r.ReadByte()
+	t.Logf("after %v: %v", time.Since(t0), err)
+	if !errors.Is(err, io.EOF) {
 		t.Fatalf("after the refusal: %v, want the connection closed", err)
 	}
 
@@ -103,5 +106,42 @@ func TestConnectionsPerSourceAreBounded(t *testing.T) {
 		return nil
 	}); err != nil {
 		t.Fatalf("a closed connection's place was not freed: %v", err)
+	}
+}
+
+// The per-source wrapper keeps net/http's closing handshake: an answer given before a large body
+// was read is followed at once by the broker's FIN (net/http's CloseWrite, which it finds by a
+// type assertion on the connection), and only after net/http's grace (500 ms) by the close, so a
+// client still sending learns the answer is whole before its writes meet a reset. Hidden behind
+// the wrapper, the FIN never came: the client read nothing more until the reset, ECONNRESET
+// instead of the end of the answer.
+func TestSourceConnKeepsHalfClose(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	c, err := net.Dial("tcp", strings.TrimPrefix(b.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	// More body than net/http reads after the handler (256 KiB), of far more declared: it gives up
+	// on the body and closes the connection after the answer.
+	head := "POST /v1/nothing-here HTTP/1.1\r\nHost: x\r\nContent-Length: " + fmt.Sprint(1<<30) + "\r\n\r\n"
+	if _, err := io.WriteString(c, head); err != nil {
+		t.Fatal(err)
+	}
+	go c.Write(make([]byte, 512<<10)) // may block once buffers fill; ends with c
+	r := bufio.NewReader(c)
+	resp, err := http.ReadResponse(r, nil)
+	if err != nil {
+		t.Fatalf("no answer: %v", err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode < 400 {
+		t.Fatalf("POST to no route: %d, want an error answer", resp.StatusCode)
+	}
+	if _, err := r.ReadByte(); !errors.Is(err, io.EOF) {
+		t.Fatalf("after the answer: %v, want the broker's FIN (io.EOF) before any reset", err)
 	}
 }

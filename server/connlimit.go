@@ -81,16 +81,24 @@ func (l *sourceLimiter) give(src netip.Addr) {
 	}
 }
 
-// sourceAddr is a connection's source address without its port (IPv4 in IPv6 unmapped, so that
-// one client counts once whichever way it arrives).
+// sourceAddr is what a connection counts against: its source address without the port (IPv4 in
+// IPv6 unmapped, so that one client counts once whichever way it arrives), and for an IPv6 peer
+// its /64, as sourceOf counts authentication failures: one host commonly holds a whole /64 and may
+// take any address in it, so counted per address it would have 2^64 caps.
 func sourceAddr(a net.Addr) netip.Addr {
+	var ip netip.Addr
 	if ta, ok := a.(*net.TCPAddr); ok {
-		if ip, ok := netip.AddrFromSlice(ta.IP); ok {
-			return ip.Unmap()
-		}
+		ip, _ = netip.AddrFromSlice(ta.IP)
+	} else {
+		ap, _ := netip.ParseAddrPort(a.String())
+		ip = ap.Addr()
 	}
-	ap, _ := netip.ParseAddrPort(a.String())
-	return ap.Addr().Unmap()
+	ip = ip.Unmap()
+	if ip.Is6() {
+		p, _ := ip.WithZone("").Prefix(64)
+		return p.Addr()
+	}
+	return ip
 }
 
 // sourceConn gives its source's place back when it is closed, once, however often Close is

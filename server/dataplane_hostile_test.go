@@ -855,6 +855,16 @@ func TestDataplanePathAttacks(t *testing.T) {
 		if strings.HasSuffix(p, "/") || strings.HasSuffix(p, "/.") {
 			writeCodes = append(slices.Clip(invalid), "is_directory")
 		}
+		// A delete or a move of such a path is refused too: one ending in /. (invalid_path) is
+		// never acted on under its cleaned name, and a link is not the directory a trailing /
+		// names (not_directory). Either changes nothing; without them the link itself goes.
+		removeCodes := []string{""}
+		switch {
+		case strings.HasSuffix(p, "/."):
+			removeCodes = invalid
+		case strings.HasSuffix(p, "/"):
+			removeCodes = []string{"not_directory"}
+		}
 		attacks = append(attacks,
 			attack{"stat", map[string]any{"path": p}, []string{""}},
 			attack{"ls", map[string]any{"path": p}, invalid},
@@ -862,11 +872,11 @@ func TestDataplanePathAttacks(t *testing.T) {
 			attack{"download", map[string]any{"path": p}, invalid},
 			attack{"write", map[string]any{"path": p, "content": "pwned"}, writeCodes},
 			attack{"edit", map[string]any{"path": p, "old": "TOP", "new": "pwned"}, invalid},
-			attack{"delete", map[string]any{"path": p}, []string{""}},
-			attack{"delete", map[string]any{"path": p, "recursive": true}, []string{""}},
+			attack{"delete", map[string]any{"path": p}, removeCodes},
+			attack{"delete", map[string]any{"path": p, "recursive": true}, removeCodes},
 			attack{"mkdir", map[string]any{"path": p}, []string{"invalid_path", "file_exists"}},
 			attack{"mkdir", map[string]any{"path": p, "parents": true}, []string{"invalid_path", "file_exists"}},
-			attack{"move", map[string]any{"from": p, "to": "stolen"}, []string{""}},
+			attack{"move", map[string]any{"from": p, "to": "stolen"}, removeCodes},
 			// Renaming onto a link replaces the link, never its target.
 			attack{"move", map[string]any{"from": "ok.txt", "to": p, "overwrite": true}, []string{"", "invalid_path"}},
 			attack{"upload", map[string]any{"path": p}, writeCodes},

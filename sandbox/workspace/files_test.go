@@ -619,3 +619,34 @@ func TestClosed(t *testing.T) {
 		t.Error("Open on a file succeeded")
 	}
 }
+
+// A name longer than a file system takes (NAME_MAX, 255 bytes) is refused before anything is done:
+// a write to missing/parents/<long name> would otherwise make the parents at its commit, then fail
+// on the name and leave them.
+func TestLongNameChangesNothing(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{})
+	long := strings.Repeat("n", MaxNameBytes+1)
+	for _, p := range []string{"made/at/commit/" + long, "made/" + long + "/f.txt"} {
+		_, err := w.Write(protocol.WriteArgs{Path: p, Content: "x"})
+		wantCode(t, err, protocol.CodeInvalidPath, dir)
+		if !strings.Contains(err.Error(), "255") {
+			t.Errorf("the refusal does not say the limit: %v", err)
+		}
+		_, err = w.Create(p, protocol.WriteCreate)
+		wantCode(t, err, protocol.CodeInvalidPath, dir)
+		err = w.Mkdir(protocol.MkdirArgs{Path: p, Parents: true})
+		wantCode(t, err, protocol.CodeInvalidPath, dir)
+		put(t, dir, "src.txt", "s")
+		err = w.Move(protocol.MoveArgs{From: "src.txt", To: p})
+		wantCode(t, err, protocol.CodeInvalidPath, dir)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "made")); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("a refused long name left parents: %v", err)
+	}
+	// 255 bytes is a name like any.
+	if _, err := w.Write(protocol.WriteArgs{Path: "ok/" + long[1:], Content: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	noTemps(t, dir)
+}

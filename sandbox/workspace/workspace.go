@@ -20,6 +20,11 @@ const Root = "/workspace"
 // MaxPathBytes is the longest sandbox path Resolve accepts.
 const MaxPathBytes = 4096
 
+// MaxNameBytes is the longest name of one path element Resolve accepts: NAME_MAX, what ext4 and
+// tmpfs take. Refused lexically, a name too long changes nothing; found by the kernel, it would fail
+// an operation after the missing parents it makes.
+const MaxNameBytes = 255
+
 // Defaults for the zero values of Options.
 const (
 	DefaultMaxReadBytes     = 8 << 20
@@ -154,6 +159,9 @@ func Resolve(sandboxPath string) (string, error) {
 	case !utf8.ValidString(sandboxPath):
 		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path %s is not valid UTF-8", quote(sandboxPath))
 	}
+	if n := longestName(sandboxPath); n > MaxNameBytes {
+		return "", protocol.Errorf(protocol.CodeInvalidPath, "a name in the path %s is %d bytes long; the limit is %d", quote(sandboxPath), n, MaxNameBytes)
+	}
 	p := path.Clean(sandboxPath)
 	if path.IsAbs(p) {
 		if p == Root {
@@ -168,6 +176,15 @@ func Resolve(sandboxPath string) (string, error) {
 		return "", protocol.Errorf(protocol.CodeInvalidPath, "%s leaves %s; give a path under %s or relative to it", quote(sandboxPath), Root, Root)
 	}
 	return p, nil
+}
+
+// longestName is the length of p's longest element.
+func longestName(p string) int {
+	longest := 0
+	for name := range strings.SplitSeq(p, "/") {
+		longest = max(longest, len(name))
+	}
+	return longest
 }
 
 // quote shows a caller's raw path in a message: escaped, and cut so that a hostile path cannot make

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"encoding/json"
+	"runtime/debug"
 
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -119,8 +120,17 @@ func op[A any](scope string, class opClass, handle func(ctx context.Context, c *
 }
 
 // run performs one operation, holding what its class holds. Without wait it does nothing and
-// answers ran false when what the class holds is not free at once.
+// answers ran false when what the class holds is not free at once. An operation that panics is
+// answered internal, with its stack in the log: it runs on a goroutine of its own or on the
+// connection's reader, where no HTTP middleware would catch it, and a panic there would end the
+// broker and every sandbox connection on it.
 func (c *dpConn) run(ctx context.Context, r *request, o dpOp, raw json.RawMessage, wait bool) (res any, err error, ran bool) {
+	defer func() {
+		if p := recover(); p != nil {
+			c.s.log.Error("dataplane operation panic", "sandbox_id", c.rec.ID, "request", r.id, "panic", p, "stack", string(debug.Stack()))
+			res, err, ran = nil, protocol.Errorf(protocol.CodeInternal, "the operation failed inside the broker (a bug, logged there); nothing else on this connection is affected"), true
+		}
+	}()
 	switch o.class {
 	case opHeavy, opStreamed:
 		if held, err := c.holdHeavy(ctx, r, o.class == opHeavy, wait); !held {

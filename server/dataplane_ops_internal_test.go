@@ -1,7 +1,10 @@
 package server
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
+	"log/slog"
 	"maps"
 	"os"
 	"regexp"
@@ -97,5 +100,26 @@ func TestOpTableHasGoldenFrames(t *testing.T) {
 		if !golden[op] {
 			t.Errorf("op %q has no golden client frame in protocol/testdata/frames.json", op)
 		}
+	}
+}
+
+// An operation that panics is answered internal and logged with its stack; the broker, and the
+// goroutine that ran it (a connection's reader, for some), go on.
+func TestOpPanicIsAnsweredNotFatal(t *testing.T) {
+	t.Parallel()
+	var logged strings.Builder
+	c := &dpConn{s: &Server{log: slog.New(slog.NewTextHandler(&logged, nil))}}
+	boom := dpOp{class: opLight, run: func(context.Context, *dpConn, *request, json.RawMessage) (any, error) {
+		var m map[string]int
+		m["x"] = 1 // a nil map write: a runtime panic, as a bug would cause
+		return nil, nil
+	}}
+	res, err, ran := c.run(context.Background(), &request{id: 7}, boom, nil, true)
+	var pe *protocol.Error
+	if !ran || res != nil || !errors.As(err, &pe) || pe.Code != protocol.CodeInternal {
+		t.Fatalf("a panicking op: ran %v, %v, %v; want ran, no result, internal", ran, res, err)
+	}
+	if !strings.Contains(logged.String(), "dataplane operation panic") || !strings.Contains(logged.String(), "assignment to entry in nil map") {
+		t.Fatalf("the panic is not in the log: %q", logged.String())
 	}
 }

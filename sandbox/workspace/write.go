@@ -218,18 +218,23 @@ func (u *Upload) Abort() error {
 func (w *Workspace) createTemp(dir, sp string) (*os.File, string, error) {
 	for try := 0; ; try++ {
 		temp := join(dir, fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64()))
+		// Held before it exists, so that a sweep (SweepTemps) never finds it unheld.
+		w.holdTemp(temp)
 		f, fast, err := w.fastOpen(temp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 		if !fast {
 			f, err = w.root.OpenFile(temp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		}
+		if err != nil {
+			w.dropTemp(temp)
 		}
 		switch {
 		case err == nil:
 			if err := w.chownFile(f); err != nil {
 				f.Close()
 				w.root.Remove(temp)
+				w.dropTemp(temp)
 				return nil, "", fsErr(sp, err)
 			}
-			w.holdTemp(temp)
 			return f, temp, nil
 		case errors.Is(err, fs.ErrNotExist) && dir != ".":
 			dir = "."

@@ -178,3 +178,20 @@ func TestNamespaceEtcIsTheHosts(t *testing.T) {
 		}
 	}
 }
+
+// TestNamespaceTemplateMountUnderEtc: a template may mount a directory under /etc, where bwrap
+// must make the mount point, and the host's entries are still there beside it.
+func TestNamespaceTemplateMountUnderEtc(t *testing.T) {
+	n := newNamespace(t, Config{})
+	conf := testDataDir(t)
+	if err := os.WriteFile(filepath.Join(conf, "app.conf"), []byte("x=1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	in, _ := startSandbox(t, n, Template{Mounts: []Mount{{Source: conf, Target: "/etc/myapp"}}})
+	if _, out := sh(t, in, "cat /etc/myapp/app.conf; test -s /etc/ld.so.cache && grep -c user: /etc/passwd"); out != "x=1\n1\n" {
+		t.Errorf("inside: %q", out)
+	}
+	if res, out := sh(t, in, "touch /etc/evil"); res.ExitCode == 0 {
+		t.Errorf("wrote to /etc: %q", out)
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"path"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -285,7 +286,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		return n.startGvisor(ctx, spec, release)
 	}
 	etc := ""
-	if spec.Template.Rootfs == "" {
+	if spec.Template.Rootfs == "" && !mountsOnEtc(spec.Template) {
 		dir, releaseEtc, err := n.etc.acquire(spec.Template.Network.Enabled)
 		if err != nil {
 			release()
@@ -403,7 +404,8 @@ func (n *Namespace) startFiles(spec Spec) ([]*os.File, error) {
 }
 
 // command is the bwrap process for a sandbox running argv, with etc (etcView.acquire) on /etc when
-// it has the host's root. The benchmarks use it to compare with a bwrap per command.
+// it has the host's root, or with etcFiles bound one by one if etc is "" (mountsOnEtc). The
+// benchmarks use it to compare with a bwrap per command.
 func (n *Namespace) command(spec Spec, etc string, pre, argv []string) (*exec.Cmd, error) {
 	args, err := n.bwrapArgs(spec, etc, argv)
 	if err != nil {
@@ -457,7 +459,14 @@ func (n *Namespace) bwrapArgs(spec Spec, etc string, argv []string) ([]string, e
 	bindIdentity := true
 	if t.Rootfs == "" {
 		a = append(a, n.hostRoot...)
-		a = append(a, "--ro-bind", etc, "/etc")
+		if etc != "" {
+			a = append(a, "--ro-bind", etc, "/etc")
+		} else {
+			a = append(a, "--perms", "0755", "--dir", "/etc")
+			for _, f := range etcFiles {
+				a = append(a, "--ro-bind-try", f, f)
+			}
+		}
 		if t.Network.Enabled {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}
@@ -501,6 +510,18 @@ func (n *Namespace) bwrapArgs(spec Spec, etc string, argv []string) ([]string, e
 		"--setenv", orphanEnv, orphanValue(n.cfg.DataDir),
 		"--")
 	return append(a, argv...), nil
+}
+
+// mountsOnEtc reports whether a template mounts something on or under /etc: bwrap must then be able
+// to make its mount point there, which the read-only copy (etcView) cannot take, so such a sandbox's
+// /etc is a tmpfs directory with etcFiles bound one by one, as before the copy.
+func mountsOnEtc(t Template) bool {
+	for _, m := range t.Mounts {
+		if tgt := path.Clean(m.Target); tgt == "/etc" || strings.HasPrefix(tgt, "/etc/") {
+			return true
+		}
+	}
+	return false
 }
 
 // rootfsArgs binds a template's rootfs entry by entry on bwrap's tmpfs root, rather than the whole

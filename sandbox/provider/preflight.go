@@ -168,6 +168,7 @@ func probeNamespace(ctx context.Context, n *Namespace) error {
 		asRoot:     n.asRoot,
 		cg:         n.cg,
 		hostRoot:   n.hostRoot,
+		etc:        n.etc,
 		hostShell:  n.hostShell,
 		initInterp: n.initInterp,
 	}

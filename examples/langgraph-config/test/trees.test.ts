@@ -70,8 +70,14 @@ describe("uploadFiles and downloadFiles on a broker", { timeout: 120_000 }, () =
     const [da, db] = await Promise.all([ours.downloadFiles(paths), theirs.downloadFiles(paths)]);
     assert.deepEqual(da.map((r) => [r.path, r.error, Buffer.from(r.content ?? []).toString("base64")]),
       db.map((r) => [r.path, r.error, Buffer.from(r.content ?? []).toString("base64")]));
-    const synced = (await broker.sbctl("events", "trees", "-o", "json", "--backlog", "200"))
-      .trim().split("\n").map((l) => JSON.parse(l)).filter((e) => e.type === "synced");
+    // The broker's event writer gathers events for a few ms before it writes them: the last one
+    // may land just after the download's answer, so the log is read until it holds both.
+    let synced: { direction: string; files: number }[] = [];
+    for (const deadline = Date.now() + 10_000; synced.length < 2 && Date.now() < deadline; ) {
+      if (synced.length > 0) await new Promise((r) => setTimeout(r, 50));
+      synced = (await broker.sbctl("events", "trees", "-o", "json", "--backlog", "200"))
+        .trim().split("\n").filter((l) => l !== "").map((l) => JSON.parse(l)).filter((e) => e.type === "synced");
+    }
     assert.deepEqual(synced.map((e) => [e.direction, e.files]), [["in", 4], ["out", 4]], "one tar stream each way, one synced event each");
   });
 

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -442,6 +443,13 @@ type wireRequest struct {
 func (c *dpConn) readLoop() {
 	moved := false
 	defer func() {
+		// The reader's own code (frames, dispatch, an op's prepare or control) failing must end
+		// this connection, not the broker: a reader that took over from an exec runs on a
+		// goroutine no HTTP middleware's recover reaches. (Ops themselves recover: dpConn.run.)
+		if p := recover(); p != nil {
+			c.s.log.Error("dataplane reader panic: the connection is closed", "sandbox_id", c.rec.ID, "panic", p, "stack", string(debug.Stack()))
+			c.shutdown(websocket.CloseInternalServerErr, "internal error")
+		}
 		if !moved {
 			close(c.readerDone)
 		}
@@ -633,6 +641,9 @@ func (c *dpConn) emitPath(typ, path string) {
 // It answers moved when the request it ran took the calling goroutine, the reader, and the reading
 // went on in another goroutine: the caller then stops reading.
 func (c *dpConn) dispatch(id uint32, op string, args json.RawMessage, body []byte, put func()) (moved bool) {
+	if c.s.readerHook != nil {
+		c.s.readerHook(op)
+	}
 	if put == nil {
 		put = func() {}
 	}

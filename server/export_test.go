@@ -71,3 +71,7 @@ func SetUploadIdle(s *Server, d time.Duration) { s.uploadIdle = d }
 // SetBodyWait sets how long a REST request's body may take to arrive (default bodyWait); call it
 // before any request.
 func SetBodyWait(s *Server, d time.Duration) { s.bodyWait = d }
+
+// SetReaderHook makes s run hook on a dataplane connection's reader before each request is
+// dispatched. Set it before any connection.
+func SetReaderHook(s *Server, hook func(op string)) { s.readerHook = hook }

@@ -184,6 +184,9 @@ type Server struct {
 	// uploadIdle is how long an upload's body may send nothing (dataplane_put.go): dpPongWait,
 	// shorter in tests.
 	uploadIdle time.Duration
+	// readerHook, set only by tests (SetReaderHook), runs on a dataplane connection's reader for
+	// each request before it is dispatched: a test's way to make the reader's own code fail.
+	readerHook func(op string)
 	// bodyWait is how long a request's body may take to arrive (bodywait.go): bodyWait, shorter in
 	// tests.
 	bodyWait time.Duration

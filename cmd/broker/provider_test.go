@@ -30,6 +30,9 @@ func TestMain(m *testing.M) {
 func providerDataDir(t *testing.T, memo string) string {
 	t.Helper()
 	d := t.TempDir()
+	// A namespace provider mounts its /etc copies' tmpfs in the data dir (host-etc): gone before
+	// TempDir's removal, which registered first and so runs after.
+	t.Cleanup(func() { provider.UnmountUnder(d) })
 	for _, p := range []string{filepath.Dir(d), d} {
 		if err := os.Chmod(p, 0o711); err != nil {
 			t.Fatal(err)

@@ -392,6 +392,13 @@ func (s *cgroupSet) writeLimit(controller, dir string, l Limits) error {
 // attach moves processes (each with all its threads) into every cgroup of the set. Children forked
 // afterwards inherit the cgroups, which is why this runs before the first command.
 func (s *cgroupSet) attach(pids ...int) error {
+	// "0" in cgroup.procs names the writer, and our own pid is the broker: either would put the
+	// broker, every thread of it, under a tenant's limits (its OOM kills included).
+	for _, pid := range pids {
+		if pid <= 0 || pid == os.Getpid() {
+			return fmt.Errorf("attach pid %d to a sandbox's cgroups: refused, it would move the broker itself", pid)
+		}
+	}
 	for _, dir := range s.dirs {
 		for _, pid := range pids {
 			if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {

@@ -650,3 +650,31 @@ func TestLongNameChangesNothing(t *testing.T) {
 	}
 	noTemps(t, dir)
 }
+
+// A regular file named with a trailing / (or /.) is not_directory for read, download and edit, as
+// open(2) answers ENOTDIR, never the file under its cleaned name; a directory so named stays
+// is_directory.
+func TestFileNamedAsADirectory(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{})
+	put(t, dir, "f.txt", "content\n")
+	if err := os.Mkdir(filepath.Join(dir, "d"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{"f.txt/", "/workspace/f.txt/.", "f.txt//"} {
+		_, err := w.Read(protocol.ReadArgs{Path: p})
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		_, _, err = w.OpenRead(p)
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		_, err = w.Edit(protocol.EditArgs{Path: p, Old: "content", New: "changed"})
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+	}
+	_, err := w.Read(protocol.ReadArgs{Path: "d/"})
+	wantCode(t, err, protocol.CodeIsDirectory, dir)
+	if c := hostRead(t, filepath.Join(dir, "f.txt")); c != "content\n" {
+		t.Errorf("an edit through f.txt/ changed the file: %q", c)
+	}
+	if r, err := w.Read(protocol.ReadArgs{Path: "f.txt"}); err != nil || r.Content != "content\n" {
+		t.Fatalf("the file itself: %+v %v", r, err)
+	}
+}

@@ -601,6 +601,9 @@ func (w *Workspace) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
 	if err := checkRegular(sp, fi); err != nil {
 		return protocol.EditResult{}, err
 	}
+	if err := fileByName(a.Path, sp); err != nil {
+		return protocol.EditResult{}, err
+	}
 	defer w.lock(target)()
 
 	f, fi, err := w.openRegular(target, sp)

@@ -67,15 +67,10 @@ func BenchmarkExecBwrapPerCommand(b *testing.B) {
 	if err := n.Create(context.Background(), spec); err != nil {
 		b.Fatal(err)
 	}
-	etc, release, err := n.etc.acquire(false)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer release()
 	var p percentiles
 	for b.Loop() {
 		// The same flags and files as a sandbox start, running `true` instead of the init.
-		cmd, err := n.command(spec, etc, nil, []string{"/usr/bin/true"})
+		cmd, err := n.command(spec, nil, []string{"/usr/bin/true"})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -182,13 +182,8 @@ func orphanBwrap(t *testing.T, n *Namespace) string {
 	if err := n.writeIdentity(spec); err != nil {
 		t.Fatal(err)
 	}
-	etc, release, err := n.etc.acquire(false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(release)
 	m := marker()
-	cmd, err := n.command(spec, etc, nil, strings.Fields(m))
+	cmd, err := n.command(spec, nil, strings.Fields(m))
 	if err != nil {
 		t.Fatal(err)
 	}

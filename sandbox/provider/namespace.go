@@ -11,7 +11,6 @@ import (
 	"path"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -40,8 +39,7 @@ const (
 )
 
 // etcFiles is the host /etc the sandbox sees: what dynamic linking, name lookup, TLS and time zones
-// need, and nothing that holds a secret (no shadow, gshadow, sudoers, ssl/private, ssh). A sandbox
-// on the host's root sees a copy of them (etcView).
+// need, and nothing that holds a secret (no shadow, gshadow, sudoers, ssl/private, ssh).
 var etcFiles = []string{
 	"/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/nsswitch.conf",
 	"/etc/alternatives", "/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certificates",
@@ -63,8 +61,7 @@ type Namespace struct {
 	bwrap      string
 	asRoot     bool // broker is root: sandboxes run as cfg.UID/GID on the host
 	cg         *cgroupHost
-	hostRoot   []string // bwrap args for the host's /usr, /bin...
-	etc        *etcView // the host's /etc, bound on /etc in one piece
+	hostRoot   []string // bwrap args for the host's /usr, /bin..., /etc
 	procMasks  []string // bwrap args hiding and freezing parts of /proc, after --proc
 	hostShell  string
 	initInterp string // the init binary's ELF interpreter, "" when static
@@ -104,9 +101,6 @@ func NewNamespace(cfg Config) (*Namespace, error) {
 		return nil, err
 	}
 	reapOrphans(orphanMarker(cfg.DataDir)) // before the cgroup sweep, which then finds them empty
-	if n.etc, err = newEtcView("/etc", cfg.DataDir, n.asRoot); err != nil {
-		return nil, err
-	}
 	n.cg = detectCgroups(cfg.CgroupParent)
 	n.cg.sweepStale(staleCgroupAge)
 	n.hostRoot = hostRootArgs()
@@ -285,16 +279,6 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if gvisor {
 		return n.startGvisor(ctx, spec, release)
 	}
-	etc := ""
-	if spec.Template.Rootfs == "" && !mountsOnEtc(spec.Template) {
-		dir, releaseEtc, err := n.etc.acquire(spec.Template.Network.Enabled)
-		if err != nil {
-			release()
-			return nil, err
-		}
-		etc = dir
-		release = func(release func()) func() { return func() { releaseEtc(); release() } }(release)
-	}
 	limits := resolveLimits(n.cfg.Defaults, spec.Template.Limits)
 	cg, err := n.cg.create(spec.ID, limits)
 	if err != nil {
@@ -327,7 +311,7 @@ func (n *Namespace) Start(ctx context.Context, spec Spec) (Instance, error) {
 		}
 		pre = []string{"--info-fd", strconv.Itoa(infoFD)}
 	}
-	cmd, err := n.command(spec, etc, pre, []string{"/proc/self/fd/" + strconv.Itoa(initFD), InitArg})
+	cmd, err := n.command(spec, pre, []string{"/proc/self/fd/" + strconv.Itoa(initFD), InitArg})
 	if err == nil {
 		var exe *os.File
 		if exe, err = os.Open(n.cfg.InitPath); err == nil {
@@ -403,11 +387,10 @@ func (n *Namespace) startFiles(spec Spec) ([]*os.File, error) {
 	return files, nil
 }
 
-// command is the bwrap process for a sandbox running argv, with etc (etcView.acquire) on /etc when
-// it has the host's root, or with etcFiles bound one by one if etc is "" (mountsOnEtc). The
-// benchmarks use it to compare with a bwrap per command.
-func (n *Namespace) command(spec Spec, etc string, pre, argv []string) (*exec.Cmd, error) {
-	args, err := n.bwrapArgs(spec, etc, argv)
+// command is the bwrap process for a sandbox running argv. The benchmarks use it to compare with a
+// bwrap per command.
+func (n *Namespace) command(spec Spec, pre, argv []string) (*exec.Cmd, error) {
+	args, err := n.bwrapArgs(spec, argv)
 	if err != nil {
 		return nil, err
 	}
@@ -435,7 +418,7 @@ func (n *Namespace) command(spec Spec, etc string, pre, argv []string) (*exec.Cm
 
 // bwrapArgs is the sandbox's shape. Order matters to bwrap: later mounts go on top of earlier ones,
 // and / is made read-only last.
-func (n *Namespace) bwrapArgs(spec Spec, etc string, argv []string) ([]string, error) {
+func (n *Namespace) bwrapArgs(spec Spec, argv []string) ([]string, error) {
 	t := spec.Template
 	a := []string{
 		"--unshare-user", "--uid", strconv.Itoa(sandboxUID), "--gid", strconv.Itoa(sandboxGID),
@@ -459,14 +442,6 @@ func (n *Namespace) bwrapArgs(spec Spec, etc string, argv []string) ([]string, e
 	bindIdentity := true
 	if t.Rootfs == "" {
 		a = append(a, n.hostRoot...)
-		if etc != "" {
-			a = append(a, "--ro-bind", etc, "/etc")
-		} else {
-			a = append(a, "--perms", "0755", "--dir", "/etc")
-			for _, f := range etcFiles {
-				a = append(a, "--ro-bind-try", f, f)
-			}
-		}
 		if t.Network.Enabled {
 			a = append(a, "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf")
 		}
@@ -510,18 +485,6 @@ func (n *Namespace) bwrapArgs(spec Spec, etc string, argv []string) ([]string, e
 		"--setenv", orphanEnv, orphanValue(n.cfg.DataDir),
 		"--")
 	return append(a, argv...), nil
-}
-
-// mountsOnEtc reports whether a template mounts something on or under /etc: bwrap must then be able
-// to make its mount point there, which the read-only copy (etcView) cannot take, so such a sandbox's
-// /etc is a tmpfs directory with etcFiles bound one by one, as before the copy.
-func mountsOnEtc(t Template) bool {
-	for _, m := range t.Mounts {
-		if tgt := path.Clean(m.Target); tgt == "/etc" || strings.HasPrefix(tgt, "/etc/") {
-			return true
-		}
-	}
-	return false
 }
 
 // rootfsArgs binds a template's rootfs entry by entry on bwrap's tmpfs root, rather than the whole
@@ -614,7 +577,7 @@ func procMaskArgs(hostProc string) []string {
 }
 
 // hostRootArgs replicates the host's /usr and its top-level links (on merged-/usr hosts /bin is a
-// symlink to usr/bin; elsewhere it is a real directory and is bound). /etc is etcView's.
+// symlink to usr/bin; elsewhere it is a real directory and is bound) and a minimal /etc.
 func hostRootArgs() []string {
 	a := []string{"--ro-bind", "/usr", "/usr"}
 	for _, d := range []string{"/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"} {
@@ -628,6 +591,10 @@ func hostRootArgs() []string {
 		case fi.IsDir():
 			a = append(a, "--ro-bind", d, d)
 		}
+	}
+	a = append(a, "--perms", "0755", "--dir", "/etc")
+	for _, f := range etcFiles {
+		a = append(a, "--ro-bind-try", f, f)
 	}
 	return a
 }

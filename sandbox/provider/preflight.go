@@ -168,7 +168,6 @@ func probeNamespace(ctx context.Context, n *Namespace) error {
 		asRoot:     n.asRoot,
 		cg:         n.cg,
 		hostRoot:   n.hostRoot,
-		etc:        n.etc,
 		hostShell:  n.hostShell,
 		initInterp: n.initInterp,
 	}

@@ -102,7 +102,7 @@ func (w *Workspace) ReadRaw(ctx context.Context, a protocol.ReadArgs, alloc func
 		return protocol.ReadHead{}, nil, err
 	}
 	defer f.Close()
-	if err := fileByName(a.Path, sp); err != nil {
+	if err := fileByName(a.Path, sp, fi); err != nil {
 		return protocol.ReadHead{}, nil, err
 	}
 
@@ -343,20 +343,11 @@ func (w *Workspace) OpenRead(p string) (io.ReadCloser, protocol.FileInfo, error)
 	if err != nil {
 		return nil, protocol.FileInfo{}, err
 	}
-	if err := fileByName(p, sp); err != nil {
+	if err := fileByName(p, sp, fi); err != nil {
 		f.Close()
 		return nil, protocol.FileInfo{}, err
 	}
 	return &fileReader{f: f, sp: sp}, info(sp, fi, ""), nil
-}
-
-// fileByName refuses a regular file's raw path that names a directory (it ends in /, /. or /..,
-// namesDir): open(2) answers ENOTDIR, where the cleaned path would name the file itself.
-func fileByName(raw, sp string) error {
-	if namesDir(raw) {
-		return protocol.Errorf(protocol.CodeNotDirectory, "%s is a file, named as a directory (%s ends in /, /. or /..)", sp, quote(raw))
-	}
-	return nil
 }
 
 // fileReader hides the *os.File, whose Name and errors carry the host path.

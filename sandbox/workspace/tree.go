@@ -146,7 +146,7 @@ func (w *Workspace) Delete(a protocol.DeleteArgs) error {
 	if err != nil {
 		return fsErr(sp, err)
 	}
-	if err := slashOnFile(a.Path, sp, fi); err != nil {
+	if err := fileByName(a.Path, sp, fi); err != nil {
 		return err
 	}
 	if fi.IsDir() && a.Recursive {
@@ -216,7 +216,7 @@ func (w *Workspace) Move(a protocol.MoveArgs) error {
 	if err != nil {
 		return fsErr(fromSP, err)
 	}
-	if err := slashOnFile(a.From, fromSP, src); err != nil {
+	if err := fileByName(a.From, fromSP, src); err != nil {
 		return err
 	}
 	if from == to {
@@ -282,27 +282,4 @@ func (w *Workspace) rename(from, to, fromSP, toSP string) error {
 	}
 	// Name the destination: most remaining failures (escape, not a directory) are about it.
 	return fsErr(toSP, err)
-}
-
-// dotTail refuses a raw path whose last element is "." or "..", for the operations that remove or
-// move what a path names. Resolve cleans it lexically to another name ("project/typo/.." is
-// "project", whether typo exists or not), and acting on that name deleted or moved a directory
-// nobody named; rm(1) refuses them too, trailing slashes aside.
-func dotTail(p string) error {
-	q := strings.TrimRight(p, "/") // "sub/./" is "sub/." to rm(1)
-	switch q[strings.LastIndexByte(q, '/')+1:] {
-	case ".", "..":
-		return protocol.Errorf(protocol.CodeInvalidPath, "%s ends in /. or /..; name the directory itself", quote(p))
-	}
-	return nil
-}
-
-// slashOnFile refuses a raw path that ends in "/" (a directory's name) when what it names (fi, an
-// lstat) is not a directory, as the kernel answers ENOTDIR, rather than acting on the file under
-// its cleaned name.
-func slashOnFile(p, sp string, fi fs.FileInfo) error {
-	if strings.HasSuffix(p, "/") && !fi.IsDir() {
-		return protocol.Errorf(protocol.CodeNotDirectory, "%s ends in / but is not a directory", sp)
-	}
-	return nil
 }

@@ -178,6 +178,39 @@ func Resolve(sandboxPath string) (string, error) {
 	return p, nil
 }
 
+// Resolve cleans a path lexically, so "f/", "d/." and "d/x/.." name f, d and d. The operations that
+// act on what a path names check the raw path against these rules too (open(2) would refuse it),
+// instead of acting on the cleaned name.
+
+// namesDir reports whether a raw sandbox path names a directory by its last element ("", "." or
+// "..").
+func namesDir(p string) bool {
+	switch p[strings.LastIndexByte(p, '/')+1:] {
+	case "", ".", "..":
+		return true
+	}
+	return false
+}
+
+// fileByName refuses a raw path that names a directory when what it names (fi) is not one: open(2)
+// answers ENOTDIR for "f.txt/".
+func fileByName(raw, sp string, fi fs.FileInfo) error {
+	if !fi.IsDir() && namesDir(raw) {
+		return protocol.Errorf(protocol.CodeNotDirectory, "%s is a file, named as a directory (%s ends in /, /. or /..)", sp, quote(raw))
+	}
+	return nil
+}
+
+// dotTail refuses a raw path whose last element, trailing slashes aside, is "." or "..", for the
+// operations that remove or move what a path names: "project/typo/.." is "project", whether typo
+// exists or not, and rm(1) refuses them too.
+func dotTail(p string) error {
+	if namesDir(strings.TrimRight(p, "/")) {
+		return protocol.Errorf(protocol.CodeInvalidPath, "%s ends in /. or /..; name the directory itself", quote(p))
+	}
+	return nil
+}
+
 // longestName is the length of p's longest element.
 func longestName(p string) int {
 	longest := 0

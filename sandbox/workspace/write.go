@@ -126,16 +126,6 @@ func (w *Workspace) Create(p string, mode string) (*Upload, error) {
 	return &Upload{w: w, sp: sp, target: target, temp: temp, create: create, f: f, old: old}, nil
 }
 
-// namesDir reports whether a raw sandbox path names a directory by its last element ("", "." or
-// ".."), as open(2) with O_CREAT refuses it with EISDIR.
-func namesDir(p string) bool {
-	switch p[strings.LastIndexByte(p, '/')+1:] {
-	case "", ".", "..":
-		return true
-	}
-	return false
-}
-
 // checkWritable refuses to replace what a file write must not: a directory, a FIFO, a socket, a
 // device.
 func checkWritable(sp string, fi fs.FileInfo) error {
@@ -601,7 +591,7 @@ func (w *Workspace) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
 	if err := checkRegular(sp, fi); err != nil {
 		return protocol.EditResult{}, err
 	}
-	if err := fileByName(a.Path, sp); err != nil {
+	if err := fileByName(a.Path, sp, fi); err != nil {
 		return protocol.EditResult{}, err
 	}
 	defer w.lock(target)()

@@ -173,6 +173,10 @@ func Start(ctx context.Context) (c *Cluster, err error) {
 		lock.Close()
 		return nil, err
 	}
+	if err := sweepCrashedRun(); err != nil {
+		lock.Close()
+		return nil, err
+	}
 	c = &Cluster{lock: lock, hostDirs: map[string]map[string]bool{}}
 	for _, d := range hostDirs {
 		c.hostDirs[d] = listDir(d)
@@ -185,7 +189,7 @@ func Start(ctx context.Context) (c *Cluster, err error) {
 			c = nil
 		}
 	}()
-	if c.Dir, err = os.MkdirTemp("", "sbxkube-"); err != nil {
+	if c.Dir, err = os.MkdirTemp("", stateDirPrefix); err != nil {
 		return c, err
 	}
 	if err := os.MkdirAll(filepath.Join(c.Dir, "logs"), 0o755); err != nil {

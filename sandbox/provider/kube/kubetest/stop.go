@@ -59,12 +59,7 @@ func (c *Cluster) Stop() error {
 	if c.Dir != "" {
 		errs = append(errs, unmountUnder(c.Dir))
 	}
-	if _, err := net.InterfaceByName(bridgeName); err == nil {
-		if out, err := exec.Command("ip", "link", "delete", bridgeName).CombinedOutput(); err != nil {
-			errs = append(errs, fmt.Errorf("ip link delete %s: %v: %s", bridgeName, err, out))
-		}
-	}
-	errs = append(errs, cleanIptables("iptables"), cleanIptables("ip6tables"), cleanProxy(), removeCgroups())
+	errs = append(errs, cleanNetworkAndCgroups())
 	c.restoreSysctls()
 	if c.ipForward != nil {
 		os.WriteFile("/proc/sys/net/ipv4/ip_forward", c.ipForward, 0o644)

@@ -27,7 +27,7 @@ type Config struct {
 	Credential string
 	// SandboxID, when set, must match the sandbox the broker says this connection reaches.
 	SandboxID string
-	// DialTimeout bounds one connection attempt (default 10s).
+	// DialTimeout bounds one connection attempt, the WebSocket's or an upload's (default 10s).
 	DialTimeout time.Duration
 	// Reconnects is how many times a broken connection is re-dialled, with backoff, before calls fail
 	// with KindUnreachable (default 5).
@@ -50,6 +50,8 @@ type Remote struct {
 	endedCh   chan struct{}
 	endedOnce sync.Once
 	endedErr  *protocol.Error
+	// uploads sends Upload's requests (newUploadClient).
+	uploads *http.Client
 }
 
 // Dial connects to a sandbox's dataplane.
@@ -66,7 +68,7 @@ func Dial(ctx context.Context, cfg Config) (*Remote, error) {
 	if cfg.Reconnects == 0 {
 		cfg.Reconnects = 5
 	}
-	r := &Remote{cfg: cfg, endedCh: make(chan struct{})}
+	r := &Remote{cfg: cfg, endedCh: make(chan struct{}), uploads: newUploadClient(cfg.DialTimeout)}
 	if _, err := r.connection(ctx); err != nil {
 		return nil, err
 	}
@@ -95,6 +97,7 @@ func (r *Remote) Close() error {
 	if r.conn != nil {
 		r.conn.close(nil)
 	}
+	r.uploads.CloseIdleConnections()
 	return nil
 }
 

@@ -48,7 +48,7 @@ func (r *Remote) Upload(ctx context.Context, p string, src io.Reader) (protocol.
 	req.Header.Set("Authorization", "Bearer "+r.cfg.Credential)
 	// A refusal (scope, path, credential) comes before any byte of the body is sent.
 	req.Header.Set("Expect", "100-continue")
-	resp, err := uploadClient.Do(req)
+	resp, err := r.uploads.Do(req)
 	if err != nil {
 		if ctx.Err() != nil {
 			return out, ctx.Err()
@@ -74,15 +74,18 @@ func (r *Remote) Upload(ctx context.Context, p string, src io.Reader) (protocol.
 	return out, nil
 }
 
-// uploadClient sends uploads. Its connections are kept between uploads; like the WebSocket's
-// dialer it uses no proxy, and it speaks HTTP/1.1, whose body is the socket's bytes.
-var uploadClient = &http.Client{Transport: &http.Transport{
-	DialContext:           (&net.Dialer{Timeout: 10 * time.Second}).DialContext,
-	TLSHandshakeTimeout:   10 * time.Second,
-	ExpectContinueTimeout: 10 * time.Second,
-	MaxIdleConnsPerHost:   4,
-	IdleConnTimeout:       30 * time.Second,
-}}
+// newUploadClient is a Remote's client for its uploads, bounded by its DialTimeout as its
+// WebSocket's dial is. Its connections are kept between uploads and closed with the Remote; like
+// the WebSocket's dialer it uses no proxy, and it speaks HTTP/1.1, whose body is the socket's bytes.
+func newUploadClient(dialTimeout time.Duration) *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		DialContext:           (&net.Dialer{Timeout: dialTimeout}).DialContext,
+		TLSHandshakeTimeout:   dialTimeout,
+		ExpectContinueTimeout: dialTimeout,
+		MaxIdleConnsPerHost:   4,
+		IdleConnTimeout:       30 * time.Second,
+	}}
+}
 
 // uploadURL is the upload door beside the dataplane URL dp (ws://host/v1/sandboxes/<id>/dataplane).
 func uploadURL(dp, p string) (string, error) {

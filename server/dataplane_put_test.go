@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -535,5 +536,75 @@ func TestUploadPutAccessLogNamesTheToken(t *testing.T) {
 	}
 	if strings.Contains(logs.String(), reader.Token) {
 		t.Errorf("the log holds the token")
+	}
+}
+
+// TestUploadHonoursDialTimeout: an upload opens its own connection beside the WebSocket; when the
+// broker's address stops taking connections (its accept queue full: the SYNs are dropped and the
+// connect would retry for two minutes), the upload fails as unreachable within the backend's
+// DialTimeout, as a dial of the dataplane does, and not after a fixed 10 s of its own.
+func TestUploadHonoursDialTimeout(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	m := mintFor(t, b, "door-dial", "fs:write")
+	// A listener with an accept queue of one, in front of the broker: it passes on the WebSocket's
+	// connection, then takes no other.
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	lf := os.NewFile(uintptr(fd), "listener")
+	ln, err := net.FileListener(lf)
+	lf.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		up, err := net.Dial("tcp", strings.TrimPrefix(b.URL, "http://"))
+		if err != nil {
+			return
+		}
+		defer up.Close()
+		go io.Copy(up, c)
+		io.Copy(c, up)
+	}()
+	u, _ := url.Parse(m.Sandbox.DataplaneURL)
+	u.Host = ln.Addr().String()
+	r, err := backend.Dial(t.Context(), backend.Config{URL: u.String(), Credential: m.Token, DialTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	// Fill the accept queue: connections past it wait for a SYN-ACK that never comes.
+	for range 3 {
+		if c, err := net.DialTimeout("tcp", ln.Addr().String(), 200*time.Millisecond); err == nil {
+			defer c.Close()
+		}
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := r.Upload(t.Context(), "f.txt", strings.NewReader("content"))
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		var pe *protocol.Error
+		if !errors.As(err, &pe) || pe.Code != protocol.CodeUnreachable {
+			t.Fatalf("an upload to an address taking no connections: %v", err)
+		}
+	case <-time.After(8 * time.Second):
+		t.Fatal("the upload's connect outlived the backend's DialTimeout (200 ms) by 8 s")
 	}
 }

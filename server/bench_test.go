@@ -121,8 +121,13 @@ func loadAverage() float64 {
 	return v
 }
 
+// BenchmarkDataplaneWriteRead4KiB runs on the namespace provider, whose workspace is an ext4 image
+// with a journal (as root): the "dir" provider's is a directory of the test's temporary directory,
+// and where that file system has no journal (this machine's root), ext4 checks each new inode
+// against the recently deleted ones (recently_deleted), so that a loop of writes, each a new
+// temporary file and a deleted old one, measured the disk's bookkeeping at 0.2 ms a create.
 func BenchmarkDataplaneWriteRead4KiB(b *testing.B) {
-	r := benchRemote(b)
+	r := benchRemoteOn(b, "namespace")
 	content := strings.Repeat("x", 4096)
 	var lat latencies
 	b.ResetTimer()

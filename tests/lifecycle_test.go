@@ -6,8 +6,10 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // The foundation tour: create -> reuse -> list (table, json) -> get -> stop -> resume -> delete,
@@ -111,4 +113,37 @@ func TestSbctlErrors(t *testing.T) {
 	if got := b.ok("delete", "--tag", "batch=x", "--yes", "-q"); strings.Count(got, "sb_") != 2 {
 		t.Fatalf("batch delete: %q", got)
 	}
+}
+
+// TestStoppedBrokerUnmountsItsImagePool: the disk images a broker mounts ahead for its next creates
+// (the namespace provider's image pool, where disk quotas are enforced) belong to nobody; a broker
+// stopped with SIGTERM unmounts and removes them, where it left them mounted until its next start
+// (loop devices held, and a data dir that an operator's rm -r met mounts in).
+func TestStoppedBrokerUnmountsItsImagePool(t *testing.T) {
+	b := startBroker(t)
+	b.ok("create", "pooled")
+	pool := filepath.Join(b.DataDir, "disk-images", "pool")
+	// The pool fills behind the first create: one image mounted, at least.
+	wait.Eventually(t, 30*time.Second, func() bool { return len(mountsUnder(t, filepath.Join(pool, "mnt"))) > 1 },
+		"the image pool filling: mounts under %s: %v", pool, mountsUnder(t, pool))
+	b.stop()
+	if left := mountsUnder(t, pool); len(left) > 0 {
+		t.Fatalf("a stopped broker left its image pool mounted: %v\n%s", left, b.log)
+	}
+}
+
+// mountsUnder lists the mount points under dir, dir included.
+func mountsUnder(t *testing.T, dir string) []string {
+	t.Helper()
+	raw, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, line := range strings.Split(string(raw), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && (f[4] == dir || strings.HasPrefix(f[4], dir+"/")) {
+			out = append(out, f[4])
+		}
+	}
+	return out
 }

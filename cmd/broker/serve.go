@@ -67,6 +67,9 @@ func serve(parent context.Context, c *config) error {
 	if err != nil {
 		return err
 	}
+	if closer, ok := prov.(interface{ Close() }); ok {
+		defer closer.Close() // after the broker's shutdown: what the provider keeps for no sandbox
+	}
 	if prov.Name() == provider.ChoiceDir {
 		shout(c, log, notIsolated(c, report))
 	}

@@ -23,8 +23,8 @@ import (
 // that a mount under a shared parent cannot be moved (6.18 moves it anyway). The image
 // files stay outside that mount, on the data dir's, where a rename reaches the sandbox's directory.
 // The pool holds imagePoolSize images of the size the last create asked for, and is refilled in the
-// background once each create's sandbox has started (oweRefill). What a stopped or crashed broker
-// left there (mounts, images) is removed at the next start.
+// background once each create's sandbox has started (oweRefill). A broker that stops closes it
+// (Namespace.Close); what a crashed one left there (mounts, images) is removed at the next start.
 const imagePoolSize = 2
 
 type imagePool struct {
@@ -57,6 +57,14 @@ func (n *Namespace) initImagePool() {
 	removePool(p.dir)
 	n.vol.pool = p
 	pools.Store(p.dir, p)
+}
+
+// Close unmounts and removes the images the provider made ahead (its image pool): they belong to
+// no sandbox. Sandboxes' own workspaces stay as they are. Whoever made the provider closes it, last.
+func (n *Namespace) Close() {
+	if n.vol.pool != nil {
+		n.vol.pool.close()
+	}
 }
 
 // removePool detaches every mount in the pool dir and removes its files.

@@ -55,6 +55,11 @@ type Writer struct {
 	// turns them into gap events like its own losses.
 	overMu   sync.Mutex
 	overflow map[lostKey]int64
+
+	// closeBy is when Close gives up on what is left (unix ns; 0 until Close): closeWait after it.
+	closeBy atomic.Int64
+
+	onWrite func() // a test's hook: a write to Redis starts
 }
 
 type queued struct {
@@ -113,16 +118,28 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 }
 
 // Close writes what is queued and stops the writer. Later Emits are dropped (and counted); a second
-// Close waits like the first. With Redis away it tries for closeWait, then gives up on what is
-// left (and logs how many).
+// Close waits like the first. With Redis away it tries for closeWait from the first Close, a write
+// in flight included, then gives up on what is left (and logs how many).
 func (w *Writer) Close() {
 	w.mu.Lock()
 	if !w.closed {
 		w.closed = true
+		w.closeBy.Store(time.Now().Add(closeWait).UnixNano())
 		close(w.queue)
 	}
 	w.mu.Unlock()
 	<-w.done
+}
+
+// givenUp reports whether Close's bound has passed, and how long is left of it otherwise (a long
+// time before Close).
+func (w *Writer) givenUp() (bool, time.Duration) {
+	by := w.closeBy.Load()
+	if by == 0 {
+		return false, time.Hour
+	}
+	left := time.Until(time.Unix(0, by))
+	return left <= 0, left
 }
 
 // closeWait is how long Close keeps trying to write what is buffered while Redis is away.
@@ -202,7 +219,6 @@ func (w *Writer) run() {
 	defer close(w.done)
 	p := &pending{log: w.log, max: w.buffer, lost: map[lostKey]int64{}}
 	closed := false
-	var closing time.Time
 	retry := time.Duration(0)
 	for {
 		if len(p.events) == 0 && len(p.lost) == 0 {
@@ -224,7 +240,7 @@ func (w *Writer) run() {
 			select {
 			case q, ok := <-w.queue:
 				if !ok {
-					closed, closing = true, time.Now()
+					closed = true
 					break drain
 				}
 				p.add(q)
@@ -242,7 +258,7 @@ func (w *Writer) run() {
 			retry = 0
 			continue
 		}
-		if closed && time.Since(closing) > closeWait {
+		if over, _ := w.givenUp(); over {
 			w.dropped.Add(int64(len(p.events)))
 			w.log.Error("event log unreachable at shutdown: buffered events lost", "events", len(p.events))
 			return
@@ -256,10 +272,14 @@ func (w *Writer) run() {
 			case q, ok := <-w.queue:
 				if !ok {
 					if !closed {
-						closed, closing = true, time.Now()
+						closed = true
 					}
-					// A closed channel is always ready: wait out the timer alone.
-					<-t.C
+					// A closed channel is always ready: wait out the timer alone, or Close's bound.
+					_, left := w.givenUp()
+					select {
+					case <-t.C:
+					case <-time.After(left):
+					}
 					break wait
 				}
 				p.add(q)
@@ -274,7 +294,13 @@ func (w *Writer) run() {
 // retry. (Those that were are not retried: they would be written twice. When Redis goes away the
 // pipeline's commands fail together, so what is retried is the batch's tail.)
 func (w *Writer) write(batch []queued) []queued {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	if w.onWrite != nil {
+		w.onWrite()
+	}
+	// Each write gets 5 s, and none past Close's bound: the client's read of a hung Redis ends
+	// at a deadline, not at a cancellation.
+	_, left := w.givenUp()
+	ctx, cancel := context.WithTimeout(context.Background(), min(5*time.Second, max(left, 0)))
 	defer cancel()
 	add := make([]store.StreamAppend, len(batch))
 	for i, q := range batch {

@@ -7,3 +7,6 @@ func Live(s *Subscription) bool {
 	defer s.mu.Unlock()
 	return s.live
 }
+
+// OnWrite has w call f as each write to Redis starts (set before the first Emit).
+func OnWrite(w *Writer, f func()) { w.onWrite = f }

@@ -120,3 +120,49 @@ func TestEventsSurviveARedisOutage(t *testing.T) {
 		})
 	}
 }
+
+// A broker stopping while Redis hangs (a paused server: connections open, nothing answered) gives
+// up on the events it still holds closeWait after Close, and counts them lost. It waited for the
+// write in flight (up to 5 s), then counted closeWait from when it next looked at its queue and
+// tried again (5 s more): 10 s and more, on top of the rest of a broker's shutdown.
+func TestCloseWithRedisHungGivesUpInTime(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	ropts := &redis.UniversalOptions{Addrs: []string{srv.Addr}}
+	store.BoundOptions(ropts, 4*time.Second) // --redis-timeout 4s: each write hangs that long
+	raw := redis.NewUniversalClient(ropts)
+	t.Cleanup(func() { raw.Close() })
+	st := store.NewWithOptions(raw, store.Options{Log: quiet, Timeout: 4 * time.Second})
+	t.Cleanup(st.Close)
+	w := events.NewWriterWithOptions(st, quiet, events.WriterOptions{})
+	w.Emit("o", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: "before"})
+	streamEvents(t, raw, "o", 1)
+	writing := make(chan struct{}, 1)
+	events.OnWrite(w, func() {
+		select {
+		case writing <- struct{}{}:
+		default:
+		}
+	})
+	srv.Pause()
+	t.Cleanup(srv.Continue)
+	for i := range 10 {
+		w.Emit("o", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: fmt.Sprint(i)})
+	}
+	<-writing // Close comes while a write hangs: the worst moment
+	start := time.Now()
+	closed := make(chan struct{})
+	go func() { w.Close(); close(closed) }()
+	// closeWait is 5 s; a second more for the last attempt's own end.
+	select {
+	case <-closed:
+		if took := time.Since(start); took > 7*time.Second {
+			t.Fatalf("Close took %v with Redis hung; want closeWait (5 s)", took.Round(time.Millisecond))
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close with Redis hung did not return within 30 s")
+	}
+	if w.Dropped() != 10 {
+		t.Fatalf("dropped %d events, want the 10 still held", w.Dropped())
+	}
+}

@@ -6,12 +6,18 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"io"
+	"io/fs"
 	"log/slog"
 	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -425,6 +431,67 @@ func TestRoutesMatchOpenAPI(t *testing.T) {
 	}
 }
 
+// Every route's refusals of a wrong caller are in docs/openapi.yaml, status and body: no
+// credentials, a delegation token on an owner route (403 delegate_forbidden, which the spec's
+// preamble promises everywhere), and a query parameter the route does not take (400). A client
+// generated from the spec must not meet a status it was never told about.
+func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
+	t.Parallel()
+	spec, err := servertest.LoadSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	sb, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "doc"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(ctx, "doc", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _, err := b.Store.CreateAPIKey(ctx, b.Org, "raw", time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	callers := []struct{ name, credential, query string }{
+		{"no credentials", "", ""},
+		{"a delegation token", m.Token, ""},
+		{"an unknown query parameter", key, "bogus=1"},
+	}
+	for _, op := range spec.Operations() {
+		method, path, _ := strings.Cut(op, " ")
+		path = strings.NewReplacer("{ref}", sb.Sandbox.ID, "{jti}", m.JTI).Replace(path)
+		for _, c := range callers {
+			url := b.URL + path
+			if c.query != "" {
+				url += "?" + c.query
+			}
+			req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader("{}"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Content-Type", "application/json")
+			if c.credential != "" {
+				req.Header.Set("Authorization", "Bearer "+c.credential)
+			}
+			if strings.HasSuffix(path, "/events") {
+				req.URL.RawQuery = strings.TrimPrefix(req.URL.RawQuery+"&follow=false", "&")
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), body); err != nil {
+				t.Errorf("%s with %s: %v", op, c.name, err)
+			}
+		}
+	}
+}
+
 // Verified API keys are cached briefly; a revocation still takes effect at once.
 func TestRevokedKeyStopsAtOnce(t *testing.T) {
 	t.Parallel()
@@ -643,5 +710,47 @@ func TestBatchHeartbeatsWithoutRedis(t *testing.T) {
 	res, err := b.Client.Heartbeats(ctx, []string{"beating", "other"})
 	if code(err) != protocol.CodeUnavailable {
 		t.Fatalf("batch heartbeat without Redis: %v %+v, want 503 unavailable", err, res)
+	}
+}
+
+// docs/openapi.yaml names every error code of package protocol, and no other: the spec's enum is
+// what each answer the tests see is checked against, so a code added without its documentation
+// fails here, and one that reaches a client undocumented fails the test that met it. (unreachable
+// is the SDK's own, for a broker it could not reach: no broker answers it.)
+func TestErrorCodesMatchOpenAPI(t *testing.T) {
+	spec, err := servertest.LoadSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fset := token.NewFileSet()
+	pkgs, err := parser.ParseDir(fset, "../protocol", func(fi fs.FileInfo) bool { return !strings.HasSuffix(fi.Name(), "_test.go") }, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var codes []string
+	for _, f := range pkgs["protocol"].Files {
+		for _, decl := range f.Decls {
+			gen, ok := decl.(*ast.GenDecl)
+			if !ok || gen.Tok != token.CONST {
+				continue
+			}
+			for _, s := range gen.Specs {
+				vs := s.(*ast.ValueSpec)
+				for i, name := range vs.Names {
+					if !strings.HasPrefix(name.Name, "Code") || i >= len(vs.Values) {
+						continue
+					}
+					if lit, ok := vs.Values[i].(*ast.BasicLit); ok && lit.Kind == token.STRING {
+						if v, _ := strconv.Unquote(lit.Value); v != protocol.CodeUnreachable {
+							codes = append(codes, v)
+						}
+					}
+				}
+			}
+		}
+	}
+	slices.Sort(codes)
+	if got := spec.ErrorCodes(); !slices.Equal(got, codes) {
+		t.Errorf("docs/openapi.yaml's ErrorBody codes differ from package protocol's\nspec:     %v\nprotocol: %v", got, codes)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -265,6 +266,9 @@ func (g *globals) status(format string, args ...any) {
 	fmt.Fprintln(g.stderr, line)
 }
 
+// eventID is an event's stream position, MS-SEQ, the only form the broker resumes after.
+var eventID = regexp.MustCompile(`^[0-9]+-[0-9]+$`)
+
 func eventsCmd(g *globals) *cobra.Command {
 	var all, follow bool
 	var backlog int
@@ -280,6 +284,9 @@ connection resumes exactly where it left off. -o json prints one JSON object per
 		Args: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == all || len(args) > 1 {
 				return usageErr("give either REF or --all")
+			}
+			if since != "" && !eventID.MatchString(since) {
+				return usageErr("--since %q is not an event id: give the id of an event as -o json prints it (e.g. 1795790386522-2)", since)
 			}
 			return nil
 		},

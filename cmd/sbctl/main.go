@@ -15,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"golang.org/x/term"
 	"sigs.k8s.io/yaml"
 
@@ -152,7 +153,7 @@ command's own code.`,
 	root.Version = client.Version()
 	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	root.SuggestionsMinimumDistance = 2
-	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageErr("%v", err) })
+	root.SetFlagErrorFunc(flagError)
 	pf := root.PersistentFlags()
 	pf.StringVar(&g.broker, "broker", "", "broker URL (env SBX_BROKER_URL; default from the config file, else http://127.0.0.1:7070)")
 	pf.StringVar(&g.apiKey, "api-key", "", "org API key (env SBX_API_KEY; default from the config file)")
@@ -182,7 +183,13 @@ func (g *globals) client() (*client.Client, error) {
 	broker := first(g.broker, os.Getenv("SBX_BROKER_URL"), cfg.Broker, "http://127.0.0.1:7070")
 	key := first(g.apiKey, os.Getenv("SBX_API_KEY"), cfg.APIKey)
 	if key == "" {
-		return nil, &protocol.Error{Code: protocol.CodeUnauthenticated, Status: 401, Message: "no API key: pass --api-key, set SBX_API_KEY, or start a broker on its embedded defaults once to write " + path}
+		msg := "no API key: pass --api-key, set SBX_API_KEY, or start a broker on its embedded defaults once to write " + path
+		if _, err := os.Stat(path); g.config != "" && errors.Is(err, os.ErrNotExist) {
+			// A broker writes the default path (or $SBCTL_CONFIG), never the one given here.
+			msg = "no API key: the config file " + path + " (--config) does not exist; pass --api-key or set SBX_API_KEY"
+		}
+		// Status 0: not the broker's answer, and the message already says where to look.
+		return nil, &protocol.Error{Code: protocol.CodeUnauthenticated, Message: msg}
 	}
 	c, err := client.New(broker, key)
 	if err != nil {
@@ -218,6 +225,50 @@ func (g *globals) print(v any, table func(w io.Writer)) error {
 	}
 	safeTable(g.stdout, table)
 	return nil
+}
+
+// flagError makes cobra's flag errors usage errors that point at the command's help, with the
+// flag the person probably meant when one is close to what they typed.
+func flagError(cmd *cobra.Command, err error) error {
+	msg := err.Error()
+	if typed, ok := strings.CutPrefix(msg, "unknown flag: --"); ok {
+		if near := nearestFlag(cmd, typed); near != "" {
+			msg += " (did you mean --" + near + "?)"
+		}
+	}
+	return usageErr("%s; see %s --help", msg, cmd.CommandPath())
+}
+
+// nearestFlag is the name of cmd's flag within two edits of typed, or "".
+func nearestFlag(cmd *cobra.Command, typed string) string {
+	best, bestDist := "", 3
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if d := editDistance(typed, f.Name); d < bestDist {
+			best, bestDist = f.Name, d
+		}
+	})
+	return best
+}
+
+// editDistance is the Levenshtein distance between a and b.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur := make([]int, len(b)+1)
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev = cur
+	}
+	return prev[len(b)]
 }
 
 type usageError struct{ msg string }

@@ -43,6 +43,10 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"run-config", "a", "b"}, "one REF"},
 		{[]string{"delegate", "dev"}, "--scope is required"},
 		{[]string{"get", "dev", "--bogus"}, "unknown flag"},
+		{[]string{"create", "dev", "--ttll", "5m"}, "unknown flag: --ttll (did you mean --ttl?); see sbctl create --help"},
+		{[]string{"exec", "dev", "--cdw", "/tmp", "--", "true"}, "did you mean --cwd?"},
+		{[]string{"create", "dev", "--ttl"}, "see sbctl create --help"},
+		{[]string{"events", "dev", "--since", "bogus"}, `--since "bogus" is not an event id`},
 		{[]string{"events", "dev", "-o", "yaml"}, "does not print -o yaml"},
 		{[]string{"exec", "dev", "-o", "json", "--", "true"}, "does not print -o json"},
 		{[]string{"run-config", "dev", "-o", "yaml"}, "--format"},
@@ -65,6 +69,31 @@ func TestUsageErrorsExit2(t *testing.T) {
 		code, _, stderr := sbctl(t, t.Context(), "http://127.0.0.1:1", "", tc.args...)
 		if code != exitUsage || !strings.Contains(stderr, tc.want) {
 			t.Errorf("sbctl %v: exit %d %q; want exit 2 mentioning %q", tc.args, code, stderr, tc.want)
+		}
+	}
+}
+
+// With no API key anywhere, sbctl says where it looked and what to do, once, and exits 4 without
+// calling the broker; a --config that names no file is named as such, since the broker writes its
+// config to the default path, not to the one given.
+func TestNoAPIKeySaysWhatToDo(t *testing.T) {
+	t.Setenv("SBX_API_KEY", "")
+	t.Setenv("SBCTL_CONFIG", "")
+	for _, tc := range []struct {
+		config string
+		want   string
+	}{
+		{"", "no API key: pass --api-key, set SBX_API_KEY, or start a broker on its embedded defaults once to write " + client.ConfigPath()},
+		{filepath.Join(t.TempDir(), "typo.yaml"), "typo.yaml (--config) does not exist"},
+	} {
+		var out, errb bytes.Buffer
+		args := []string{"--broker", "http://127.0.0.1:1", "list"}
+		if tc.config != "" {
+			args = append(args, "--config", tc.config)
+		}
+		code := run(t.Context(), args, strings.NewReader(""), &out, &errb)
+		if code != exitAuth || !strings.Contains(errb.String(), tc.want) || strings.Count(errb.String(), "SBX_API_KEY") != 1 {
+			t.Errorf("--config %q: exit %d %q; want exit 4 saying %q (SBX_API_KEY named once)", tc.config, code, errb.String(), tc.want)
 		}
 	}
 }

@@ -433,8 +433,9 @@ func TestRoutesMatchOpenAPI(t *testing.T) {
 
 // Every route's refusals of a wrong caller are in docs/openapi.yaml, status and body: no
 // credentials, a delegation token on an owner route (403 delegate_forbidden, which the spec's
-// preamble promises everywhere), and a query parameter the route does not take (400). A client
-// generated from the spec must not meet a status it was never told about.
+// preamble promises everywhere), a query parameter the route does not take (400), and, with Redis
+// gone, the 503 unavailable the preamble promises for every call that needs it. A client generated
+// from the spec must not meet a status it was never told about.
 func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 	t.Parallel()
 	spec, err := servertest.LoadSpec()
@@ -455,40 +456,44 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	callers := []struct{ name, credential, query string }{
-		{"no credentials", "", ""},
-		{"a delegation token", m.Token, ""},
-		{"an unknown query parameter", key, "bogus=1"},
-	}
-	for _, op := range spec.Operations() {
+	// check sends op (METHOD /path/{ref}) with credential and query, and checks the answer.
+	check := func(op, why, credential, query string) {
+		t.Helper()
 		method, path, _ := strings.Cut(op, " ")
 		path = strings.NewReplacer("{ref}", sb.Sandbox.ID, "{jti}", m.JTI).Replace(path)
-		for _, c := range callers {
-			url := b.URL + path
-			if c.query != "" {
-				url += "?" + c.query
-			}
-			req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader("{}"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			req.Header.Set("Content-Type", "application/json")
-			if c.credential != "" {
-				req.Header.Set("Authorization", "Bearer "+c.credential)
-			}
-			if strings.HasSuffix(path, "/events") {
-				req.URL.RawQuery = strings.TrimPrefix(req.URL.RawQuery+"&follow=false", "&")
-			}
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), body); err != nil {
-				t.Errorf("%s with %s: %v", op, c.name, err)
-			}
+		if strings.HasSuffix(path, "/events") {
+			query = strings.TrimPrefix(query+"&follow=false", "&")
 		}
+		url := b.URL + path
+		if query != "" {
+			url += "?" + query
+		}
+		req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader("{}"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/json")
+		if credential != "" {
+			req.Header.Set("Authorization", "Bearer "+credential)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), body); err != nil {
+			t.Errorf("%s with %s: %v", op, why, err)
+		}
+	}
+	for _, op := range spec.Operations() {
+		check(op, "no credentials", "", "")
+		check(op, "a delegation token", m.Token, "")
+		check(op, "an unknown query parameter", key, "bogus=1")
+	}
+	b.Redis.Kill()
+	for _, op := range spec.Operations() {
+		check(op, "Redis gone", key, "")
 	}
 }
 

@@ -456,8 +456,8 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// check sends op (METHOD /path/{ref}) with credential and query, and checks the answer.
-	check := func(op, why, credential, query string) {
+	// check sends op (METHOD /path/{ref}) with credential, query and body, and checks the answer.
+	check := func(op, why, credential, query, body string) {
 		t.Helper()
 		method, path, _ := strings.Cut(op, " ")
 		path = strings.NewReplacer("{ref}", sb.Sandbox.ID, "{jti}", m.JTI).Replace(path)
@@ -468,7 +468,7 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 		if query != "" {
 			url += "?" + query
 		}
-		req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader("{}"))
+		req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader(body))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -480,20 +480,25 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		body, _ := io.ReadAll(resp.Body)
+		answer, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), body); err != nil {
+		if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), answer); err != nil {
 			t.Errorf("%s with %s: %v", op, why, err)
 		}
 	}
+	huge := `{"x":"` + strings.Repeat("a", 2<<20) + `"}`
 	for _, op := range spec.Operations() {
-		check(op, "no credentials", "", "")
-		check(op, "a delegation token", m.Token, "")
-		check(op, "an unknown query parameter", key, "bogus=1")
+		check(op, "no credentials", "", "", "{}")
+		check(op, "a delegation token", m.Token, "", "{}")
+		check(op, "an unknown query parameter", key, "bogus=1", "{}")
+		if strings.HasPrefix(op, "POST") {
+			check(op, "a malformed body", key, "", "{")
+			check(op, "a 2 MiB body", key, "", huge)
+		}
 	}
 	b.Redis.Kill()
 	for _, op := range spec.Operations() {
-		check(op, "Redis gone", key, "")
+		check(op, "Redis gone", key, "", "{}")
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/signal"
 	"slices"
@@ -42,10 +43,12 @@ type globals struct {
 	output string
 	config string
 	quiet  bool
-	stdout io.Writer
-	stderr io.Writer
-	stdin  io.Reader
-	isTTY  bool
+	// brokerURL is the broker URL client() settled on, for messages about it.
+	brokerURL string
+	stdout    io.Writer
+	stderr    io.Writer
+	stdin     io.Reader
+	isTTY     bool
 }
 
 func main() {
@@ -96,7 +99,12 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		}
 		return 128 + int(syscall.SIGINT)
 	}
-	fmt.Fprintln(stderr, "sbctl:", termSafe(describe(err)))
+	msg := describe(err)
+	if pe := (*protocol.Error)(nil); errors.As(err, &pe) && pe.Code == protocol.CodeRouteNotFound && g.brokerURL != "" {
+		// The broker's API has every route sbctl calls: a URL with a path, or another server, does not.
+		msg += " (check --broker " + g.brokerURL + ": it takes the broker's base URL, e.g. http://127.0.0.1:7070)"
+	}
+	fmt.Fprintln(stderr, "sbctl:", termSafe(msg))
 	return exitCodeOf(err)
 }
 
@@ -194,6 +202,9 @@ func (g *globals) client() (*client.Client, error) {
 	c, err := client.New(broker, key)
 	if err != nil {
 		return nil, usageErr("%v", err)
+	}
+	if u, err := url.Parse(broker); err == nil {
+		g.brokerURL = u.Redacted() // a password in the URL stays out of messages
 	}
 	c.UserAgent = "sbctl"
 	return c, nil

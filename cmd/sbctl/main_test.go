@@ -98,6 +98,26 @@ func TestNoAPIKeySaysWhatToDo(t *testing.T) {
 	}
 }
 
+// A --broker with a path, or naming some other server that speaks the API's errors, gets the
+// broker's route_not_found: sbctl says to check the URL it was given.
+func TestRouteNotFoundNamesTheBrokerURL(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusNotFound)
+		json.NewEncoder(w).Encode(protocol.ErrorBody{Error: protocol.Error{Code: protocol.CodeRouteNotFound, Message: "no such route: see docs/openapi.yaml for the API"}})
+	}))
+	defer srv.Close()
+	code, _, stderr := sbctl(t, t.Context(), srv.URL+"/api", "", "list")
+	if code != exitError || !strings.Contains(stderr, "check --broker "+srv.URL+"/api") {
+		t.Fatalf("exit %d %q; want 1 naming the --broker to check", code, stderr)
+	}
+	withPassword := strings.Replace(srv.URL, "http://", "http://u:hunter2@", 1)
+	if _, _, stderr := sbctl(t, t.Context(), withPassword, "", "list"); strings.Contains(stderr, "hunter2") {
+		t.Fatalf("the URL's password is in the message: %q", stderr)
+	}
+}
+
 // Days are accepted wherever a duration is, as the broker accepts them.
 func TestDurationsTakeDays(t *testing.T) {
 	t.Parallel()

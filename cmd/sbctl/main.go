@@ -140,11 +140,7 @@ command's own code.`,
 			if len(args) == 0 {
 				return cmd.Help()
 			}
-			hint := ""
-			if s := cmd.SuggestionsFor(args[0]); len(s) > 0 {
-				hint = " (did you mean " + strings.Join(s, " or ") + "?)"
-			}
-			return usageErr("unknown command %q%s; see sbctl --help", args[0], hint)
+			return usageErr("unknown command %q%s; see sbctl --help", args[0], didYouMean(cmd, args[0]))
 		},
 		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
 			switch g.output {
@@ -175,7 +171,36 @@ command's own code.`,
 		mcpCmd(g), cpCmd(g), pushCmd(g), diffCmd(g), pullCmd(g), shellCmd(g),
 	)
 	addCompletions(g, root)
+	guardHelpTopics(root)
 	return root
+}
+
+// didYouMean names the commands close to name, as " (did you mean x?)", or is "".
+func didYouMean(root *cobra.Command, name string) string {
+	if s := root.SuggestionsFor(name); len(s) > 0 {
+		return " (did you mean " + strings.Join(s, " or ") + "?)"
+	}
+	return ""
+}
+
+// guardHelpTopics makes "sbctl help TOPIC" a usage error when TOPIC is no command: cobra's own help
+// command shows the root's help for it and exits 0, since the root takes arguments.
+func guardHelpTopics(root *cobra.Command) {
+	root.InitDefaultHelpCmd()
+	help, _, err := root.Find([]string{"help"})
+	if err != nil || help == root {
+		return
+	}
+	show := help.Run
+	help.Run = nil
+	help.RunE = func(c *cobra.Command, args []string) error {
+		if _, rest, err := root.Find(args); err != nil || len(rest) > 0 {
+			topic := strings.Join(args, " ")
+			return usageErr("unknown help topic %q%s; see sbctl --help", topic, didYouMean(root, args[0]))
+		}
+		show(c, args)
+		return nil
+	}
 }
 
 // client builds an SDK client from flags, env and the config file, in that order.

@@ -36,6 +36,8 @@ func TestUsageErrorsExit2(t *testing.T) {
 	}{
 		{[]string{"foo"}, `unknown command "foo"`},
 		{[]string{"lsit"}, "did you mean list?"},
+		{[]string{"help", "creat"}, `unknown help topic "creat" (did you mean create?); see sbctl --help`},
+		{[]string{"help", "mcp", "confg"}, `unknown help topic "mcp confg"`},
 		{[]string{"create", "a", "b"}, "at most one NAME"},
 		{[]string{"list", "x"}, "no arguments"},
 		{[]string{"sweep", "--dry-run", "x"}, "no arguments"},

@@ -62,3 +62,12 @@ func TestKeysRefuseBadInputBeforeTheStore(t *testing.T) {
 		}
 	}
 }
+
+// A mistyped command is refused with the command it was probably meant to be.
+func TestUnknownCommandSuggests(t *testing.T) {
+	cmd := rootCmd()
+	cmd.SetArgs([]string{"kyes", "list"})
+	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "Did you mean this?\n\tkeys") {
+		t.Fatalf("%v, want an unknown command suggesting keys", err)
+	}
+}

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -13,6 +14,7 @@ import (
 	"io/fs"
 	"log/slog"
 	"maps"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -762,5 +764,53 @@ func TestErrorCodesMatchOpenAPI(t *testing.T) {
 	slices.Sort(codes)
 	if got := spec.ErrorCodes(); !slices.Equal(got, codes) {
 		t.Errorf("docs/openapi.yaml's ErrorBody codes differ from package protocol's\nspec:     %v\nprotocol: %v", got, codes)
+	}
+}
+
+// The per-source connection cap answers 429 on any route, before the request is read (the
+// TooManyRequests response says so): every route documents that 429, in the shape it has.
+func TestConnectionCapAnswersMatchOpenAPI(t *testing.T) {
+	t.Parallel()
+	spec, err := servertest.LoadSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := servertest.New(t, servertest.Options{ConnsPerSource: 1})
+	addr := strings.TrimPrefix(b.URL, "http://")
+	held, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	// The held connection counts once the broker has answered on it.
+	if _, err := io.WriteString(held, "GET /healthz HTTP/1.1\r\nHost: broker\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := http.ReadResponse(bufio.NewReader(held), nil); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("the held connection: %v %v", resp, err)
+	}
+	// The refusal is written at accept, whatever the request: read it without sending one (an HTTP
+	// client that sends first may meet the closed connection instead).
+	refused, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer refused.Close()
+	refused.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(refused), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("past the connection cap: %d %s, want 429", resp.StatusCode, body)
+	}
+	for _, op := range spec.Operations() {
+		method, path, _ := strings.Cut(op, " ")
+		path = strings.NewReplacer("{ref}", "doc", "{jti}", "x").Replace(path)
+		if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), body); err != nil {
+			t.Errorf("%s past the connection cap: %v", op, err)
+		}
 	}
 }

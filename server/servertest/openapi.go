@@ -99,10 +99,10 @@ func (s *Spec) Operations() []string {
 	return out
 }
 
-// ErrorCodes lists the error codes ErrorBody documents (its code's enum).
+// ErrorCodes lists the error codes the spec documents (the ErrorCode schema's enum).
 func (s *Spec) ErrorCodes() []string {
 	var out []string
-	for _, c := range asList(s.path("components", "schemas", "ErrorBody", "properties", "error", "properties", "code")["enum"]) {
+	for _, c := range asList(s.path("components", "schemas", "ErrorCode")["enum"]) {
 		out = append(out, fmt.Sprint(c))
 	}
 	sort.Strings(out)

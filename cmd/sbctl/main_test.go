@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -117,6 +118,28 @@ func TestRouteNotFoundNamesTheBrokerURL(t *testing.T) {
 	withPassword := strings.Replace(srv.URL, "http://", "http://u:hunter2@", 1)
 	if _, _, stderr := sbctl(t, t.Context(), withPassword, "", "list"); strings.Contains(stderr, "hunter2") {
 		t.Fatalf("the URL's password is in the message: %q", stderr)
+	}
+}
+
+// sbctl events REF -f ends after the sandbox's deleted event: nothing can follow it, and a pane
+// left waiting forever looks like a live sandbox.
+func TestEventsFollowEndsAtDelete(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i, typ := range []string{protocol.EventExec, protocol.EventDeleted} {
+			b, _ := json.Marshal(protocol.Event{ID: fmt.Sprintf("1-%d", i), Type: typ, SandboxID: "sb_1", Name: "dev", Time: time.Now()})
+			fmt.Fprintf(w, "event: %s\nid: 1-%d\ndata: %s\n\n", protocol.SSEEventName, i, b)
+		}
+		w.(http.Flusher).Flush()
+		<-r.Context().Done() // the broker keeps a stream open
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second) // a bound on failure, not a wait
+	defer cancel()
+	code, stdout, stderr := sbctl(t, ctx, srv.URL, "", "events", "dev", "-f")
+	if ctx.Err() != nil || code != 0 || !strings.Contains(stdout, "deleted") || !strings.Contains(stderr, "was deleted") {
+		t.Fatalf("exit %d (context %v)\nstdout %q\nstderr %q; want exit 0 after the deleted event, saying so", code, ctx.Err(), stdout, stderr)
 	}
 }
 

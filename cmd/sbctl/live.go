@@ -362,6 +362,9 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 		if e.DurationMS != nil {
 			fmt.Fprintf(&b, " (%dms)", *e.DurationMS)
 		}
+		if e.Reason != "" {
+			b.WriteString("  " + termSafe(e.Reason))
+		}
 	case protocol.EventShellStarted:
 		b.WriteString(termSafe(e.Command))
 	case protocol.EventShellEnded:

@@ -143,6 +143,16 @@ func TestEventsFollowEndsAtDelete(t *testing.T) {
 	}
 }
 
+// An exec the broker ended says why in the events pane (timeout, memory_limit), as a shell's end
+// does: "exit 137" alone reads as the command's own failure.
+func TestEventLineSaysWhyAnExecEnded(t *testing.T) {
+	code, ms := 137, int64(1002)
+	line := eventLine(protocol.Event{Type: protocol.EventExec, Command: "sleep 5", ExitCode: &code, DurationMS: &ms, Reason: "timeout"}, false)
+	if !strings.HasSuffix(line, "sleep 5  -> exit 137 (1002ms)  timeout") {
+		t.Fatalf("%q", line)
+	}
+}
+
 // Days are accepted wherever a duration is, as the broker accepts them.
 func TestDurationsTakeDays(t *testing.T) {
 	t.Parallel()

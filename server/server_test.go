@@ -407,6 +407,12 @@ func TestDelegationOnOwnerRoutes(t *testing.T) {
 			t.Errorf("mint %+v: want an error", bad)
 		}
 	}
+	// A lifetime past the maximum names the maximum as a duration and the setting that sets it.
+	long := int64(48 * 3600)
+	if _, err := b.Client.Delegate(ctx, "again", protocol.MintRequest{Scopes: []string{"exec"}, TTLSeconds: &long}); code(err) != protocol.CodeInvalidTTL ||
+		!strings.Contains(err.Error(), "24h0m0s, the broker's --token-max-ttl") {
+		t.Errorf("mint for 48h: %v", err)
+	}
 	jwks, err := http.Get(b.URL + "/.well-known/jwks.json")
 	if err != nil || jwks.StatusCode != 200 {
 		t.Fatalf("jwks: %v", err)

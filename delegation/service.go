@@ -85,7 +85,8 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 	if req.TTLSeconds != nil {
 		if *req.TTLSeconds <= 0 || *req.TTLSeconds > int64(s.issuer.cfg.MaxTTL/time.Second) {
 			return protocol.MintResponse{}, protocol.Errorf(protocol.CodeInvalidTTL,
-				"ttl_seconds must be between 1 and %d (the broker's maximum token lifetime)", int64(s.issuer.cfg.MaxTTL/time.Second))
+				"the token lifetime is out of range: ttl_seconds must be 1 to %d (%v, the broker's --token-max-ttl)",
+				int64(s.issuer.cfg.MaxTTL/time.Second), s.issuer.cfg.MaxTTL)
 		}
 		ttl = time.Duration(*req.TTLSeconds) * time.Second
 	}

@@ -8,8 +8,8 @@ import (
 // Delegation scopes. A token carries a space-separated subset in its "scope" claim.
 const (
 	ScopeFSRead  = "fs:read"  // stat, ls, read, glob, grep, download, tar, changes, env
-	ScopeFSWrite = "fs:write" // write, edit, delete, mkdir, move, upload
-	ScopeExec    = "exec"     // exec
+	ScopeFSWrite = "fs:write" // write, edit, delete, mkdir, move, upload, untar
+	ScopeExec    = "exec"     // exec, shell
 )
 
 // Scopes lists every scope a token may carry.

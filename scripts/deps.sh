@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs what the broker and its tests need when it is missing: redis-server (the embedded Redis
 # and the tests' real Redis), bubblewrap (the namespace sandbox provider), pasta (package passt: the
-# user-mode network stack of network: true sandboxes), e2fsprogs (mkfs.ext4: per-sandbox disk
-# quotas), tmux (the TUI tests), etcd, containerd, runc, the CNI plugins, iptables and conntrack
+# user-mode network stack of network: true sandboxes) with iproute2, e2fsprogs (mkfs.ext4:
+# per-sandbox disk quotas), tmux (the TUI tests), etcd, containerd, runc, the CNI plugins, iptables and conntrack
 # (the kubernetes provider's test cluster), and the toolchains the sandbox tests run
 # inside a sandbox, from Debian packages.
 #
-# scripts/deps.sh broker installs only what a broker serving sandboxes needs (the first five), as
+# scripts/deps.sh broker installs only what a broker serving sandboxes needs (those before tmux), as
 # scripts/broker.sh does: starting a broker does not put containerd, etcd or compilers on a host.
 set -euo pipefail
 

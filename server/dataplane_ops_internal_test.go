@@ -16,7 +16,8 @@ import (
 )
 
 // The op table and the normative spec say the same thing: each scope's paragraph in
-// docs/dataplane.md lists exactly the ops the table gives that scope, and ping needs none. (Over the
+// docs/dataplane.md, and the Scope schema's description in docs/openapi.yaml (what a minting
+// client reads), list exactly the ops the table gives that scope, and ping needs none. (Over the
 // wire, TestDataplaneScopes runs every op under every scope.)
 func TestOpTableMatchesSpec(t *testing.T) {
 	t.Parallel()
@@ -29,14 +30,36 @@ func TestOpTableMatchesSpec(t *testing.T) {
 		t.Fatal("docs/dataplane.md has no \"Scopes:\" paragraph")
 	}
 	text := strings.Join(strings.Fields(string(para[1])), " ")
+	if !strings.Contains(text, "`ping` needs none") {
+		t.Errorf("the spec no longer says ping needs no scope: %q", text)
+	}
+	api, err := os.ReadFile("../docs/openapi.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := regexp.MustCompile(`(?m)^    Scope:\n(?:      .*\n)*?      description: '(.*)'$`).FindSubmatch(api)
+	if scope == nil {
+		t.Fatal("docs/openapi.yaml has no Scope schema with a one-line description")
+	}
+	for name, text := range map[string]string{"docs/dataplane.md": text, "docs/openapi.yaml": string(scope[1])} {
+		checkScopeText(t, name, text)
+	}
+	for _, op := range []string{protocol.OpPing, protocol.OpCancel} {
+		if dpOps[op].class != opInline {
+			t.Errorf("%s must be answered by the reader (opInline)", op)
+		}
+	}
+}
+
+// checkScopeText checks that text ("`fs:read` covers stat, ls, ...; ...") gives each scope
+// exactly the ops the op table gives it.
+func checkScopeText(t *testing.T, doc, text string) {
+	t.Helper()
 	spec := map[string][]string{}
-	for _, m := range regexp.MustCompile("`([a-z:]+)` covers ([a-z, ]+)[;.]").FindAllStringSubmatch(text, -1) {
+	for _, m := range regexp.MustCompile("`?([a-z:]+)`? covers ([a-z, ]+)[;.]").FindAllStringSubmatch(text, -1) {
 		for _, op := range strings.Split(m[2], ",") {
 			spec[m[1]] = append(spec[m[1]], strings.TrimSpace(op))
 		}
-	}
-	if !strings.Contains(text, "`ping` needs none") {
-		t.Errorf("the spec no longer says ping needs no scope: %q", text)
 	}
 	table := map[string][]string{}
 	for op, o := range dpOps {
@@ -55,16 +78,11 @@ func TestOpTableMatchesSpec(t *testing.T) {
 		slices.Sort(spec[scope])
 		slices.Sort(table[scope])
 		if !slices.Equal(spec[scope], table[scope]) {
-			t.Errorf("scope %s: docs/dataplane.md lists %v, the op table %v", scope, spec[scope], table[scope])
+			t.Errorf("scope %s: %s lists %v, the op table %v", scope, doc, spec[scope], table[scope])
 		}
 	}
 	if got := slices.Sorted(maps.Keys(table)); !slices.Equal(got, slices.Sorted(slices.Values(protocol.Scopes))) {
 		t.Errorf("the op table uses scopes %v; protocol defines %v", got, protocol.Scopes)
-	}
-	for _, op := range []string{protocol.OpPing, protocol.OpCancel} {
-		if dpOps[op].class != opInline {
-			t.Errorf("%s must be answered by the reader (opInline)", op)
-		}
 	}
 }
 

@@ -1,17 +1,25 @@
 package server_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"io"
+	"io/fs"
 	"log/slog"
 	"maps"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -399,6 +407,12 @@ func TestDelegationOnOwnerRoutes(t *testing.T) {
 			t.Errorf("mint %+v: want an error", bad)
 		}
 	}
+	// A lifetime past the maximum names the maximum as a duration and the setting that sets it.
+	long := int64(48 * 3600)
+	if _, err := b.Client.Delegate(ctx, "again", protocol.MintRequest{Scopes: []string{"exec"}, TTLSeconds: &long}); code(err) != protocol.CodeInvalidTTL ||
+		!strings.Contains(err.Error(), "24h0m0s, the broker's --token-max-ttl") {
+		t.Errorf("mint for 48h: %v", err)
+	}
 	jwks, err := http.Get(b.URL + "/.well-known/jwks.json")
 	if err != nil || jwks.StatusCode != 200 {
 		t.Fatalf("jwks: %v", err)
@@ -422,6 +436,77 @@ func TestRoutesMatchOpenAPI(t *testing.T) {
 	want := strings.Join(spec.Operations(), "\n")
 	if got != want {
 		t.Fatalf("routes differ from docs/openapi.yaml\nrouter:\n%s\n\nspec:\n%s", got, want)
+	}
+}
+
+// Every route's refusals of a wrong caller are in docs/openapi.yaml, status and body: no
+// credentials, a delegation token on an owner route (403 delegate_forbidden, which the spec's
+// preamble promises everywhere), a query parameter the route does not take (400), and, with Redis
+// gone, the 503 unavailable the preamble promises for every call that needs it. A client generated
+// from the spec must not meet a status it was never told about.
+func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
+	t.Parallel()
+	spec, err := servertest.LoadSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	sb, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "doc"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(ctx, "doc", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _, err := b.Store.CreateAPIKey(ctx, b.Org, "raw", time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// check sends op (METHOD /path/{ref}) with credential, query and body, and checks the answer.
+	check := func(op, why, credential, query, body string) {
+		t.Helper()
+		method, path, _ := strings.Cut(op, " ")
+		path = strings.NewReplacer("{ref}", sb.Sandbox.ID, "{jti}", m.JTI).Replace(path)
+		if strings.HasSuffix(path, "/events") {
+			query = strings.TrimPrefix(query+"&follow=false", "&")
+		}
+		url := b.URL + path
+		if query != "" {
+			url += "?" + query
+		}
+		req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/json")
+		if credential != "" {
+			req.Header.Set("Authorization", "Bearer "+credential)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		answer, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), answer); err != nil {
+			t.Errorf("%s with %s: %v", op, why, err)
+		}
+	}
+	huge := `{"x":"` + strings.Repeat("a", 2<<20) + `"}`
+	for _, op := range spec.Operations() {
+		check(op, "no credentials", "", "", "{}")
+		check(op, "a delegation token", m.Token, "", "{}")
+		check(op, "an unknown query parameter", key, "bogus=1", "{}")
+		if strings.HasPrefix(op, "POST") {
+			check(op, "a malformed body", key, "", "{")
+			check(op, "a 2 MiB body", key, "", huge)
+		}
+	}
+	b.Redis.Kill()
+	for _, op := range spec.Operations() {
+		check(op, "Redis gone", key, "", "{}")
 	}
 }
 
@@ -643,5 +728,95 @@ func TestBatchHeartbeatsWithoutRedis(t *testing.T) {
 	res, err := b.Client.Heartbeats(ctx, []string{"beating", "other"})
 	if code(err) != protocol.CodeUnavailable {
 		t.Fatalf("batch heartbeat without Redis: %v %+v, want 503 unavailable", err, res)
+	}
+}
+
+// docs/openapi.yaml names every error code of package protocol, and no other: the spec's enum is
+// what each answer the tests see is checked against, so a code added without its documentation
+// fails here, and one that reaches a client undocumented fails the test that met it. (unreachable
+// is the SDK's own, for a broker it could not reach: no broker answers it.)
+func TestErrorCodesMatchOpenAPI(t *testing.T) {
+	spec, err := servertest.LoadSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fset := token.NewFileSet()
+	pkgs, err := parser.ParseDir(fset, "../protocol", func(fi fs.FileInfo) bool { return !strings.HasSuffix(fi.Name(), "_test.go") }, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var codes []string
+	for _, f := range pkgs["protocol"].Files {
+		for _, decl := range f.Decls {
+			gen, ok := decl.(*ast.GenDecl)
+			if !ok || gen.Tok != token.CONST {
+				continue
+			}
+			for _, s := range gen.Specs {
+				vs := s.(*ast.ValueSpec)
+				for i, name := range vs.Names {
+					if !strings.HasPrefix(name.Name, "Code") || i >= len(vs.Values) {
+						continue
+					}
+					if lit, ok := vs.Values[i].(*ast.BasicLit); ok && lit.Kind == token.STRING {
+						if v, _ := strconv.Unquote(lit.Value); v != protocol.CodeUnreachable {
+							codes = append(codes, v)
+						}
+					}
+				}
+			}
+		}
+	}
+	slices.Sort(codes)
+	if got := spec.ErrorCodes(); !slices.Equal(got, codes) {
+		t.Errorf("docs/openapi.yaml's ErrorBody codes differ from package protocol's\nspec:     %v\nprotocol: %v", got, codes)
+	}
+}
+
+// The per-source connection cap answers 429 on any route, before the request is read (the
+// TooManyRequests response says so): every route documents that 429, in the shape it has.
+func TestConnectionCapAnswersMatchOpenAPI(t *testing.T) {
+	t.Parallel()
+	spec, err := servertest.LoadSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := servertest.New(t, servertest.Options{ConnsPerSource: 1})
+	addr := strings.TrimPrefix(b.URL, "http://")
+	held, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	// The held connection counts once the broker has answered on it.
+	if _, err := io.WriteString(held, "GET /healthz HTTP/1.1\r\nHost: broker\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := http.ReadResponse(bufio.NewReader(held), nil); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("the held connection: %v %v", resp, err)
+	}
+	// The refusal is written at accept, whatever the request: read it without sending one (an HTTP
+	// client that sends first may meet the closed connection instead).
+	refused, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer refused.Close()
+	refused.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(refused), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("past the connection cap: %d %s, want 429", resp.StatusCode, body)
+	}
+	for _, op := range spec.Operations() {
+		method, path, _ := strings.Cut(op, " ")
+		path = strings.NewReplacer("{ref}", "doc", "{jti}", "x").Replace(path)
+		if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), body); err != nil {
+			t.Errorf("%s past the connection cap: %v", op, err)
+		}
 	}
 }

@@ -55,6 +55,13 @@ func keysCreateCmd(c *config) *cobra.Command {
 			if org == "" || name == "" {
 				return errors.New("--org and --name are required")
 			}
+			// Refused here, before withStore starts an embedded Redis in a data dir it may create.
+			if !store.ValidOrg(org) {
+				return fmt.Errorf("invalid org name %q: use lowercase letters, digits and '-', at most 63", org)
+			}
+			if output != "text" && output != "json" && output != "key" {
+				return fmt.Errorf("-o must be text, json or key, not %q", output)
+			}
 			return withStore(cmd, c, func(s *store.Store) error {
 				key, k, err := s.CreateAPIKey(cmd.Context(), org, name, time.Now())
 				if err != nil {
@@ -87,6 +94,9 @@ func keysListCmd(c *config) *cobra.Command {
   broker keys list --org acme -o json`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if output != "table" && output != "json" {
+				return fmt.Errorf("-o must be table or json, not %q", output)
+			}
 			return withStore(cmd, c, func(s *store.Store) error {
 				keys, err := s.ListAPIKeys(cmd.Context(), org)
 				if err != nil {

@@ -49,7 +49,8 @@ from it, and without it points at 127.0.0.1.`,
   broker --provider namespace --log-format json
   broker --redis-url redis://10.0.0.5:6379 --advertise-url http://broker.internal:7070
   SBX_REDIS_URL=redis-sentinel://s1:26379,s2:26379/main broker`,
-		Args:          cobra.NoArgs,
+		// No Args: cobra's own check of a root with subcommands refuses any argument and suggests a
+		// command close to it (broker kyes: did you mean keys?), which cobra.NoArgs does not.
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"errors"
+	"os"
 	"strings"
 	"testing"
 )
@@ -34,5 +36,38 @@ func TestSetLimitsFlagValues(t *testing.T) {
 	}
 	if err := l.Set("0"); err != nil || l.clear || l.v != 0 || !l.set {
 		t.Errorf("0: %v %+v", err, l)
+	}
+}
+
+// keys create and list refuse a bad org name or -o before they touch the data dir: a mistyped
+// command must not start an embedded Redis in a directory it creates.
+func TestKeysRefuseBadInputBeforeTheStore(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"keys", "create", "--org", "Bad", "--name", "x"}, `invalid org name "Bad"`},
+		{[]string{"keys", "create", "--org", "acme", "--name", "x", "-o", "yaml"}, "-o must be text, json or key"},
+		{[]string{"keys", "list", "-o", "yaml"}, "-o must be table or json"},
+	} {
+		dataDir := t.TempDir() + "/data"
+		cmd := rootCmd()
+		cmd.SetArgs(append(tc.args, "--data-dir", dataDir))
+		err := cmd.Execute()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v, want an error saying %q", tc.args, err, tc.want)
+		}
+		if _, err := os.Stat(dataDir); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%v: the data dir was made (%v)", tc.args, err)
+		}
+	}
+}
+
+// A mistyped command is refused with the command it was probably meant to be.
+func TestUnknownCommandSuggests(t *testing.T) {
+	cmd := rootCmd()
+	cmd.SetArgs([]string{"kyes", "list"})
+	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "Did you mean this?\n\tkeys") {
+		t.Fatalf("%v, want an unknown command suggesting keys", err)
 	}
 }

@@ -183,7 +183,9 @@ tagged thread_id=T), so one thread keeps one sandbox across runs. Tokens are sho
 unless --expires says otherwise): agent servers keep the block in thread state, so send a fresh
 block with every run.
 
-Formats: config (the whole object, default), block (just the sandbox block), env (shell exports).`,
+Formats: config (the whole object, default), block (just the sandbox block), env (shell exports of
+SBX_SANDBOX_ID, SBX_SANDBOX_CREDENTIAL, SBX_DATAPLANE_URL and SBX_MCP_URL, for a script that
+builds its own run request).`,
 		Example: `  sbctl run-config dev
   sbctl run-config --thread "$THREAD_ID" --scope fs:read,fs:write,exec --expires 30m
   eval "$(sbctl run-config dev --format env)"

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -265,6 +266,12 @@ func (g *globals) status(format string, args ...any) {
 	fmt.Fprintln(g.stderr, line)
 }
 
+// errSandboxDeleted ends sbctl events REF at the sandbox's deleted event.
+var errSandboxDeleted = errors.New("the sandbox was deleted")
+
+// eventID is an event's stream position, MS-SEQ, the only form the broker resumes after.
+var eventID = regexp.MustCompile(`^[0-9]+-[0-9]+$`)
+
 func eventsCmd(g *globals) *cobra.Command {
 	var all, follow bool
 	var backlog int
@@ -275,11 +282,15 @@ func eventsCmd(g *globals) *cobra.Command {
 		Long: `Show recent events of a sandbox, or of every sandbox with --all: lifecycle (created, stopped with
 its reason, expiring, deleted...), tokens (minted, revoked, by jti) and dataplane activity
 (connected, file_written, exec with exit code). With -f it follows new events, and after a dropped
-connection resumes exactly where it left off. -o json prints one JSON object per line.`,
+connection resumes exactly where it left off; following one sandbox ends at its deleted event.
+-o json prints one JSON object per line.`,
 		Example: "  sbctl events dev -f\n  sbctl events --all -f -o json | jq -c 'select(.type==\"exec\")'",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == all || len(args) > 1 {
 				return usageErr("give either REF or --all")
+			}
+			if since != "" && !eventID.MatchString(since) {
+				return usageErr("--since %q is not an event id: give the id of an event as -o json prints it (e.g. 1795790386522-2)", since)
 			}
 			return nil
 		},
@@ -301,11 +312,22 @@ connection resumes exactly where it left off. -o json prints one JSON object per
 			tw := tabwriter.NewWriter(termWriter{g.stdout}, 0, 4, 1, ' ', 0)
 			err = c.Events(cmd.Context(), o, func(e protocol.Event) error {
 				if g.output == "json" {
-					return enc.Encode(e)
+					err = enc.Encode(e)
+				} else {
+					fmt.Fprintln(tw, eventLine(e, all))
+					err = tw.Flush()
 				}
-				fmt.Fprintln(tw, eventLine(e, all))
-				return tw.Flush()
+				if err == nil && o.Ref != "" && e.Type == protocol.EventDeleted {
+					return errSandboxDeleted // nothing can follow a sandbox's deleted event
+				}
+				return err
 			})
+			if errors.Is(err, errSandboxDeleted) {
+				if follow {
+					fmt.Fprintf(g.stderr, "sbctl: sandbox %s was deleted: no more events will come\n", termSafe(o.Ref))
+				}
+				return nil
+			}
 			if errors.Is(err, context.Canceled) {
 				return nil
 			}
@@ -339,6 +361,9 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 		fmt.Fprintf(&b, "%s  -> exit %s", termSafe(e.Command), code)
 		if e.DurationMS != nil {
 			fmt.Fprintf(&b, " (%dms)", *e.DurationMS)
+		}
+		if e.Reason != "" {
+			b.WriteString("  " + termSafe(e.Reason))
 		}
 	case protocol.EventShellStarted:
 		b.WriteString(termSafe(e.Command))

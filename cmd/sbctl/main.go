@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/signal"
 	"slices"
@@ -15,6 +16,7 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"golang.org/x/term"
 	"sigs.k8s.io/yaml"
 
@@ -41,10 +43,12 @@ type globals struct {
 	output string
 	config string
 	quiet  bool
-	stdout io.Writer
-	stderr io.Writer
-	stdin  io.Reader
-	isTTY  bool
+	// brokerURL is the broker URL client() settled on, for messages about it.
+	brokerURL string
+	stdout    io.Writer
+	stderr    io.Writer
+	stdin     io.Reader
+	isTTY     bool
 }
 
 func main() {
@@ -95,7 +99,12 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		}
 		return 128 + int(syscall.SIGINT)
 	}
-	fmt.Fprintln(stderr, "sbctl:", termSafe(describe(err)))
+	msg := describe(err)
+	if pe := (*protocol.Error)(nil); errors.As(err, &pe) && pe.Code == protocol.CodeRouteNotFound && g.brokerURL != "" {
+		// The broker's API has every route sbctl calls: a URL with a path, or another server, does not.
+		msg += " (check --broker " + g.brokerURL + ": it takes the broker's base URL, e.g. http://127.0.0.1:7070)"
+	}
+	fmt.Fprintln(stderr, "sbctl:", termSafe(msg))
 	return exitCodeOf(err)
 }
 
@@ -131,11 +140,7 @@ command's own code.`,
 			if len(args) == 0 {
 				return cmd.Help()
 			}
-			hint := ""
-			if s := cmd.SuggestionsFor(args[0]); len(s) > 0 {
-				hint = " (did you mean " + strings.Join(s, " or ") + "?)"
-			}
-			return usageErr("unknown command %q%s; see sbctl --help", args[0], hint)
+			return usageErr("unknown command %q%s; see sbctl --help", args[0], didYouMean(cmd, args[0]))
 		},
 		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
 			switch g.output {
@@ -152,7 +157,7 @@ command's own code.`,
 	root.Version = client.Version()
 	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	root.SuggestionsMinimumDistance = 2
-	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageErr("%v", err) })
+	root.SetFlagErrorFunc(flagError)
 	pf := root.PersistentFlags()
 	pf.StringVar(&g.broker, "broker", "", "broker URL (env SBX_BROKER_URL; default from the config file, else http://127.0.0.1:7070)")
 	pf.StringVar(&g.apiKey, "api-key", "", "org API key (env SBX_API_KEY; default from the config file)")
@@ -166,7 +171,36 @@ command's own code.`,
 		mcpCmd(g), cpCmd(g), pushCmd(g), diffCmd(g), pullCmd(g), shellCmd(g),
 	)
 	addCompletions(g, root)
+	guardHelpTopics(root)
 	return root
+}
+
+// didYouMean names the commands close to name, as " (did you mean x?)", or is "".
+func didYouMean(root *cobra.Command, name string) string {
+	if s := root.SuggestionsFor(name); len(s) > 0 {
+		return " (did you mean " + strings.Join(s, " or ") + "?)"
+	}
+	return ""
+}
+
+// guardHelpTopics makes "sbctl help TOPIC" a usage error when TOPIC is no command: cobra's own help
+// command shows the root's help for it and exits 0, since the root takes arguments.
+func guardHelpTopics(root *cobra.Command) {
+	root.InitDefaultHelpCmd()
+	help, _, err := root.Find([]string{"help"})
+	if err != nil || help == root {
+		return
+	}
+	show := help.Run
+	help.Run = nil
+	help.RunE = func(c *cobra.Command, args []string) error {
+		if _, rest, err := root.Find(args); err != nil || len(rest) > 0 {
+			topic := strings.Join(args, " ")
+			return usageErr("unknown help topic %q%s; see sbctl --help", topic, didYouMean(root, args[0]))
+		}
+		show(c, args)
+		return nil
+	}
 }
 
 // client builds an SDK client from flags, env and the config file, in that order.
@@ -182,11 +216,20 @@ func (g *globals) client() (*client.Client, error) {
 	broker := first(g.broker, os.Getenv("SBX_BROKER_URL"), cfg.Broker, "http://127.0.0.1:7070")
 	key := first(g.apiKey, os.Getenv("SBX_API_KEY"), cfg.APIKey)
 	if key == "" {
-		return nil, &protocol.Error{Code: protocol.CodeUnauthenticated, Status: 401, Message: "no API key: pass --api-key, set SBX_API_KEY, or start a broker on its embedded defaults once to write " + path}
+		msg := "no API key: pass --api-key, set SBX_API_KEY, or start a broker on its embedded defaults once to write " + path
+		if _, err := os.Stat(path); g.config != "" && errors.Is(err, os.ErrNotExist) {
+			// A broker writes the default path (or $SBCTL_CONFIG), never the one given here.
+			msg = "no API key: the config file " + path + " (--config) does not exist; pass --api-key or set SBX_API_KEY"
+		}
+		// Status 0: not the broker's answer, and the message already says where to look.
+		return nil, &protocol.Error{Code: protocol.CodeUnauthenticated, Message: msg}
 	}
 	c, err := client.New(broker, key)
 	if err != nil {
 		return nil, usageErr("%v", err)
+	}
+	if u, err := url.Parse(broker); err == nil {
+		g.brokerURL = u.Redacted() // a password in the URL stays out of messages
 	}
 	c.UserAgent = "sbctl"
 	return c, nil
@@ -218,6 +261,50 @@ func (g *globals) print(v any, table func(w io.Writer)) error {
 	}
 	safeTable(g.stdout, table)
 	return nil
+}
+
+// flagError makes cobra's flag errors usage errors that point at the command's help, with the
+// flag the person probably meant when one is close to what they typed.
+func flagError(cmd *cobra.Command, err error) error {
+	msg := err.Error()
+	if typed, ok := strings.CutPrefix(msg, "unknown flag: --"); ok {
+		if near := nearestFlag(cmd, typed); near != "" {
+			msg += " (did you mean --" + near + "?)"
+		}
+	}
+	return usageErr("%s; see %s --help", msg, cmd.CommandPath())
+}
+
+// nearestFlag is the name of cmd's flag within two edits of typed, or "".
+func nearestFlag(cmd *cobra.Command, typed string) string {
+	best, bestDist := "", 3
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if d := editDistance(typed, f.Name); d < bestDist {
+			best, bestDist = f.Name, d
+		}
+	})
+	return best
+}
+
+// editDistance is the Levenshtein distance between a and b.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur := make([]int, len(b)+1)
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev = cur
+	}
+	return prev[len(b)]
 }
 
 type usageError struct{ msg string }

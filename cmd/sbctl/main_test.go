@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -36,6 +37,8 @@ func TestUsageErrorsExit2(t *testing.T) {
 	}{
 		{[]string{"foo"}, `unknown command "foo"`},
 		{[]string{"lsit"}, "did you mean list?"},
+		{[]string{"help", "creat"}, `unknown help topic "creat" (did you mean create?); see sbctl --help`},
+		{[]string{"help", "mcp", "confg"}, `unknown help topic "mcp confg"`},
 		{[]string{"create", "a", "b"}, "at most one NAME"},
 		{[]string{"list", "x"}, "no arguments"},
 		{[]string{"sweep", "--dry-run", "x"}, "no arguments"},
@@ -43,6 +46,10 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"run-config", "a", "b"}, "one REF"},
 		{[]string{"delegate", "dev"}, "--scope is required"},
 		{[]string{"get", "dev", "--bogus"}, "unknown flag"},
+		{[]string{"create", "dev", "--ttll", "5m"}, "unknown flag: --ttll (did you mean --ttl?); see sbctl create --help"},
+		{[]string{"exec", "dev", "--cdw", "/tmp", "--", "true"}, "did you mean --cwd?"},
+		{[]string{"create", "dev", "--ttl"}, "see sbctl create --help"},
+		{[]string{"events", "dev", "--since", "bogus"}, `--since "bogus" is not an event id`},
 		{[]string{"events", "dev", "-o", "yaml"}, "does not print -o yaml"},
 		{[]string{"exec", "dev", "-o", "json", "--", "true"}, "does not print -o json"},
 		{[]string{"run-config", "dev", "-o", "yaml"}, "--format"},
@@ -66,6 +73,83 @@ func TestUsageErrorsExit2(t *testing.T) {
 		if code != exitUsage || !strings.Contains(stderr, tc.want) {
 			t.Errorf("sbctl %v: exit %d %q; want exit 2 mentioning %q", tc.args, code, stderr, tc.want)
 		}
+	}
+}
+
+// With no API key anywhere, sbctl says where it looked and what to do, once, and exits 4 without
+// calling the broker; a --config that names no file is named as such, since the broker writes its
+// config to the default path, not to the one given.
+func TestNoAPIKeySaysWhatToDo(t *testing.T) {
+	t.Setenv("SBX_API_KEY", "")
+	t.Setenv("SBCTL_CONFIG", "")
+	for _, tc := range []struct {
+		config string
+		want   string
+	}{
+		{"", "no API key: pass --api-key, set SBX_API_KEY, or start a broker on its embedded defaults once to write " + client.ConfigPath()},
+		{filepath.Join(t.TempDir(), "typo.yaml"), "typo.yaml (--config) does not exist"},
+	} {
+		var out, errb bytes.Buffer
+		args := []string{"--broker", "http://127.0.0.1:1", "list"}
+		if tc.config != "" {
+			args = append(args, "--config", tc.config)
+		}
+		code := run(t.Context(), args, strings.NewReader(""), &out, &errb)
+		if code != exitAuth || !strings.Contains(errb.String(), tc.want) || strings.Count(errb.String(), "SBX_API_KEY") != 1 {
+			t.Errorf("--config %q: exit %d %q; want exit 4 saying %q (SBX_API_KEY named once)", tc.config, code, errb.String(), tc.want)
+		}
+	}
+}
+
+// A --broker with a path, or naming some other server that speaks the API's errors, gets the
+// broker's route_not_found: sbctl says to check the URL it was given.
+func TestRouteNotFoundNamesTheBrokerURL(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusNotFound)
+		json.NewEncoder(w).Encode(protocol.ErrorBody{Error: protocol.Error{Code: protocol.CodeRouteNotFound, Message: "no such route: see docs/openapi.yaml for the API"}})
+	}))
+	defer srv.Close()
+	code, _, stderr := sbctl(t, t.Context(), srv.URL+"/api", "", "list")
+	if code != exitError || !strings.Contains(stderr, "check --broker "+srv.URL+"/api") {
+		t.Fatalf("exit %d %q; want 1 naming the --broker to check", code, stderr)
+	}
+	withPassword := strings.Replace(srv.URL, "http://", "http://u:hunter2@", 1)
+	if _, _, stderr := sbctl(t, t.Context(), withPassword, "", "list"); strings.Contains(stderr, "hunter2") {
+		t.Fatalf("the URL's password is in the message: %q", stderr)
+	}
+}
+
+// sbctl events REF -f ends after the sandbox's deleted event: nothing can follow it, and a pane
+// left waiting forever looks like a live sandbox.
+func TestEventsFollowEndsAtDelete(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i, typ := range []string{protocol.EventExec, protocol.EventDeleted} {
+			b, _ := json.Marshal(protocol.Event{ID: fmt.Sprintf("1-%d", i), Type: typ, SandboxID: "sb_1", Name: "dev", Time: time.Now()})
+			fmt.Fprintf(w, "event: %s\nid: 1-%d\ndata: %s\n\n", protocol.SSEEventName, i, b)
+		}
+		w.(http.Flusher).Flush()
+		<-r.Context().Done() // the broker keeps a stream open
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second) // a bound on failure, not a wait
+	defer cancel()
+	code, stdout, stderr := sbctl(t, ctx, srv.URL, "", "events", "dev", "-f")
+	if ctx.Err() != nil || code != 0 || !strings.Contains(stdout, "deleted") || !strings.Contains(stderr, "was deleted") {
+		t.Fatalf("exit %d (context %v)\nstdout %q\nstderr %q; want exit 0 after the deleted event, saying so", code, ctx.Err(), stdout, stderr)
+	}
+}
+
+// An exec the broker ended says why in the events pane (timeout, memory_limit), as a shell's end
+// does: "exit 137" alone reads as the command's own failure.
+func TestEventLineSaysWhyAnExecEnded(t *testing.T) {
+	code, ms := 137, int64(1002)
+	line := eventLine(protocol.Event{Type: protocol.EventExec, Command: "sleep 5", ExitCode: &code, DurationMS: &ms, Reason: "timeout"}, false)
+	if !strings.HasSuffix(line, "sleep 5  -> exit 137 (1002ms)  timeout") {
+		t.Fatalf("%q", line)
 	}
 }
 

@@ -267,8 +267,10 @@ func mcpConfigCmd(g *globals, f *grantFlags) *cobra.Command {
 		Short: "Print the snippet that makes an MCP client start sbctl mcp REF",
 		Long: `Print the configuration that makes an MCP client start "sbctl mcp REF" (stdio) with the given
 --scope, --allow-cmd and --expires: the JSON on stdout (so it can be redirected into the client's
-file), where it goes on stderr. The snippet names this sbctl by its absolute path and the broker by
-its URL; it carries no credential (sbctl reads its API key from SBX_API_KEY or its config file).`,
+file), where it goes on stderr. The snippet names this sbctl by its absolute path, and the broker
+by its URL when --broker or SBX_BROKER_URL gives one (else the sbctl it starts reads the broker
+from its config file, as this one does); it carries no credential (sbctl reads its API key from
+SBX_API_KEY or its config file).`,
 		Example: `  sbctl mcp config dev --client claude-code
   sbctl mcp config dev --client cursor --scope fs:read,exec --allow-cmd pytest > .cursor/mcp.json`,
 		Args: exactArgs(1, "REF (a sandbox id or name)"),

@@ -99,6 +99,25 @@ func (s *Spec) Operations() []string {
 	return out
 }
 
+// ErrorCodes lists the error codes the spec documents (the ErrorCode schema's enum).
+func (s *Spec) ErrorCodes() []string {
+	var out []string
+	for _, c := range asList(s.path("components", "schemas", "ErrorCode")["enum"]) {
+		out = append(out, fmt.Sprint(c))
+	}
+	sort.Strings(out)
+	return out
+}
+
+// path walks the spec's nested maps by key.
+func (s *Spec) path(keys ...string) map[string]any {
+	m := s.doc
+	for _, k := range keys {
+		m, _ = m[k].(map[string]any)
+	}
+	return m
+}
+
 // CheckResponse validates one response against the spec: the route, method and status must be
 // documented, and a JSON body must match the documented schema.
 func (s *Spec) CheckResponse(method, path string, status int, contentType string, body []byte) error {

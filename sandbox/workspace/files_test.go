@@ -1,6 +1,7 @@
 package workspace
 
 import (
+	"bytes"
 	"encoding/base64"
 	"errors"
 	"io"
@@ -671,6 +672,33 @@ func TestFileNamedAsADirectory(t *testing.T) {
 	}
 	_, err := w.Read(protocol.ReadArgs{Path: "d/"})
 	wantCode(t, err, protocol.CodeIsDirectory, dir)
+	// Stat, grep and tar answer the same, never describing, searching or archiving the file.
+	symlink(t, "f.txt", filepath.Join(dir, "lf"))
+	symlink(t, "d", filepath.Join(dir, "ld"))
+	for _, p := range []string{"f.txt/", "f.txt/.", "lf/"} {
+		_, err = w.Stat(p)
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		_, err = w.Grep(t.Context(), protocol.GrepArgs{Path: p, Pattern: "content"})
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		var tarred bytes.Buffer
+		_, err = w.Archive(t.Context(), p, &tarred)
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		if tarred.Len() != 0 {
+			t.Errorf("tar of %q wrote %d bytes", p, tarred.Len())
+		}
+	}
+	// A link to a directory named with a trailing / is the link (stat) or the directory (the rest).
+	for _, p := range []string{"ld/", "d/", "d/."} {
+		_, err = w.Stat(p)
+		wantCode(t, err, "", dir)
+		_, err = w.Grep(t.Context(), protocol.GrepArgs{Path: p, Pattern: "content"})
+		wantCode(t, err, "", dir)
+		_, err = w.Archive(t.Context(), p, io.Discard)
+		wantCode(t, err, "", dir)
+	}
+	// changes of a file is not_directory, not an internal error.
+	_, err = w.Changes(t.Context(), protocol.ChangesArgs{Path: "f.txt"})
+	wantCode(t, err, protocol.CodeNotDirectory, dir)
 	if c := hostRead(t, filepath.Join(dir, "f.txt")); c != "content\n" {
 		t.Errorf("an edit through f.txt/ changed the file: %q", c)
 	}

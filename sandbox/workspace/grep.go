@@ -58,6 +58,9 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 	if err != nil {
 		return protocol.GrepResult{}, fsErr(sp, err)
 	}
+	if err := fileByName(base, sp, fi); err != nil {
+		return protocol.GrepResult{}, err
+	}
 	g := &grepper{w: w, sc: w.newScan(ctx), m: m, max: maxCount, filter: filter, baseOnly: baseOnly,
 		bytesLeft: w.opts.MaxGrepScanBytes, res: protocol.GrepResult{Matches: []protocol.GrepMatch{}}}
 	switch {

@@ -27,6 +27,15 @@ func (w *Workspace) Stat(p string) (protocol.FileInfo, error) {
 	if err != nil {
 		return protocol.FileInfo{}, fsErr(sp, err)
 	}
+	if fi.Mode()&fs.ModeSymlink != 0 && namesDir(p) {
+		// "link/" is the link itself (Resolve cleaned it) when it leads to a directory, as lstat(2)
+		// of it would find one; otherwise there is no directory by that name.
+		if to, err := w.root.Stat(rel); err != nil || !to.IsDir() {
+			return protocol.FileInfo{}, protocol.Errorf(protocol.CodeNotDirectory, "%s does not lead to a directory, named as one (%s ends in /, /. or /..)", sp, quote(p))
+		}
+	} else if err := fileByName(p, sp, fi); err != nil {
+		return protocol.FileInfo{}, err
+	}
 	return w.describe(rel, sp, fi), nil
 }
 
@@ -110,6 +119,18 @@ func (w *Workspace) openDir(rel string, sc *scan) (*dir, []string, error) {
 		return nil, nil, err
 	}
 	return d, names, nil
+}
+
+// openTree opens the directory rel as a root of its own. It opens rel/. so that rel is looked up as
+// a directory (O_DIRECTORY): OpenRoot opens its last element with no flags, and an open for reading
+// of a FIFO planted there would wait for a writer, holding the broker's thread (and the op's slot)
+// for good, deaf to cancel.
+func (w *Workspace) openTree(rel, sp string) (*os.Root, error) {
+	sub, err := w.root.OpenRoot(rel + "/.")
+	if err != nil {
+		return nil, fsErr(sp, err)
+	}
+	return sub, nil
 }
 
 // openSub opens the subdirectory name of parent, which must still be want, and reads its names.

@@ -6,3 +6,10 @@ func SetMaxDirs(n int) func() {
 	maxDirs = n
 	return func() { maxDirs = old }
 }
+
+// BeforeDirOpen calls hook with a directory's name after Add has looked at it and before it opens
+// it: the moment a sandbox could swap it for something else. It returns the undo.
+func BeforeDirOpen(hook func(rel string)) func() {
+	testHookDirOpen = hook
+	return func() { testHookDirOpen = nil }
+}

@@ -566,21 +566,31 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 	hdr := &tar.Header{Name: name, Mode: int64(fi.Mode().Perm()), ModTime: fi.ModTime(), Format: tar.FormatPAX}
 	switch m := fi.Mode(); {
 	case m.IsDir():
-		hdr.Typeflag = tar.TypeDir
-		hdr.Name += "/"
-		if err := tw.WriteHeader(hdr); err != nil {
-			return err
+		if testHookDirOpen != nil {
+			testHookDirOpen(rel)
 		}
-		st.Dirs++
-		d, err := root.Open(rel)
+		d, err := root.OpenFile(rel, os.O_RDONLY|dirFlags, 0)
 		if err != nil {
 			return &EntryError{rel, err}
+		}
+		// os.Root follows a link inside the tree whatever the flags: one swapped in since the
+		// lstat is skipped like any other swap, not archived as the directory it leads to.
+		if now, err := d.Stat(); err != nil || !os.SameFile(fi, now) {
+			d.Close()
+			st.Skipped++
+			return nil
 		}
 		names, err := d.Readdirnames(-1)
 		d.Close()
 		if err != nil {
 			return &EntryError{rel, err}
 		}
+		hdr.Typeflag = tar.TypeDir
+		hdr.Name += "/"
+		if err := tw.WriteHeader(hdr); err != nil {
+			return err
+		}
+		st.Dirs++
 		slices.Sort(names)
 		for _, n := range names {
 			if err := add(ctx, tw, root, join(rel, n), name+"/"+n, st, buf); err != nil {
@@ -602,14 +612,15 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 			return &EntryError{rel, err}
 		}
 		defer f.Close()
-		fi, err := f.Stat()
+		now, err := f.Stat()
 		if err != nil {
 			return &EntryError{rel, err}
 		}
-		if !fi.Mode().IsRegular() {
-			st.Skipped++ // swapped for something else since the lstat
+		if !now.Mode().IsRegular() || !os.SameFile(fi, now) {
+			st.Skipped++ // swapped for something else (a link the root followed) since the lstat
 			return nil
 		}
+		fi = now
 		hdr.Typeflag, hdr.Size, hdr.Mode, hdr.ModTime = tar.TypeReg, fi.Size(), int64(fi.Mode().Perm()), fi.ModTime()
 		if err := tw.WriteHeader(hdr); err != nil {
 			return err
@@ -628,6 +639,9 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 	st.Skipped++
 	return nil
 }
+
+// testHookDirOpen, when a test sets it, runs between a directory's lstat and its open.
+var testHookDirOpen func(rel string)
 
 func join(dir, name string) string {
 	if dir == "." || dir == "" {

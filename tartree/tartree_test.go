@@ -168,3 +168,63 @@ func TestAddStopsAtTheNameLimit(t *testing.T) {
 		t.Fatalf("err = %v, want the name limit", err)
 	}
 }
+
+// TestAddDirSwappedForFIFOOrLink: a directory the sandbox swaps for a FIFO, or for a link, after Add
+// looked at it is never archived as what came in its place: an open for reading of a FIFO would
+// wait for a writer for good (the broker's thread and the tar's slot with it), and a link would be
+// archived as the directory it leads to. It is an error or skipped.
+func TestAddDirSwappedForFIFOOrLink(t *testing.T) {
+	for _, swapIn := range []string{"fifo", "link"} {
+		t.Run(swapIn, func(t *testing.T) {
+			dir := t.TempDir()
+			if err := os.MkdirAll(filepath.Join(dir, "d"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.MkdirAll(filepath.Join(dir, "other"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, "other", "secret.txt"), []byte("not under d"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			root, err := os.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			defer tartree.BeforeDirOpen(func(rel string) {
+				if rel != "d" {
+					return
+				}
+				if err := os.Remove(filepath.Join(dir, "d")); err != nil {
+					t.Error(err)
+				}
+				if swapIn == "fifo" {
+					err = unix.Mkfifo(filepath.Join(dir, "d"), 0o644)
+				} else {
+					err = os.Symlink("other", filepath.Join(dir, "d"))
+				}
+				if err != nil {
+					t.Error(err)
+				}
+			})()
+			done := make(chan error, 1)
+			var out bytes.Buffer
+			var st tartree.Stats
+			go func() {
+				var err error
+				st, err = tartree.Add(t.Context(), tar.NewWriter(&out), root, "d", "d")
+				done <- err
+			}()
+			select {
+			case err = <-done:
+			case <-t.Context().Done():
+			}
+			if err == nil && st.Dirs+st.Files != 0 {
+				t.Fatalf("a directory swapped for a %s was archived: %+v", swapIn, st)
+			}
+			if strings.Contains(out.String(), "not under d") {
+				t.Fatalf("the archive holds what the link leads to")
+			}
+		})
+	}
+}

@@ -86,9 +86,10 @@ type dirMeta struct {
 }
 
 // Extract unpacks the tar stream r into root. Every name is relative to root; an entry that is
-// absolute, climbs with "..", has control characters or invalid UTF-8 in its name, is a device node
-// or a FIFO, is a hard link leaving the archive's tree, or goes through a symbolic link the archive
-// itself created is refused with an invalid_argument error, and extraction stops there. Whatever
+// absolute, climbs with "..", has control characters or invalid UTF-8 in its name, is a device
+// node, a FIFO or a sparse file, is a hard link leaving the archive's tree, or goes through a
+// symbolic link the archive itself created is refused with an invalid_argument error, and
+// extraction stops there. Whatever
 // the archive says, nothing outside root changes: every operation goes through the os.Root, which
 // never follows a link out of it, or (on Linux) through directories opened from it one component
 // at a time without following any link. Entries before a refused one stay extracted. Regular files and
@@ -132,6 +133,9 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 		if through := underLink(name, links); through != "" {
 			return st, refuse(hdr.Name, "it lies under %s, a symbolic link created earlier in the same archive", quote(through))
 		}
+		if isSparse(hdr) {
+			return st, refuse(hdr.Name, "it is a sparse file, whose holes would be written out as zeros (a few bytes of archive can declare terabytes); archive it without --sparse")
+		}
 		perm := fs.FileMode(hdr.Mode) & fs.ModePerm
 		switch hdr.Typeflag {
 		case tar.TypeDir:
@@ -149,7 +153,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			dirAt[name] = len(dirs)
 			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
 			st.Dirs++
-		case tar.TypeReg, tar.TypeGNUSparse, '\x00':
+		case tar.TypeReg, '\x00':
 			n, err := t.file(ctx, name, tr, hdr.Size, perm, hdr.ModTime, buf)
 			st.Bytes += n
 			if err != nil {
@@ -216,6 +220,20 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 		}
 	}
 	return st, nil
+}
+
+// isSparse reports a sparse entry: GNU's old type 'S', or PAX's GNU.sparse records (formats 0.0 to
+// 1.0), which archive/tar reads back as the file's full size with its holes as zeros.
+func isSparse(hdr *tar.Header) bool {
+	if hdr.Typeflag == tar.TypeGNUSparse {
+		return true
+	}
+	for k := range hdr.PAXRecords {
+		if strings.HasPrefix(k, "GNU.sparse.") {
+			return true
+		}
+	}
+	return false
 }
 
 // readErr is the answer for a stream archive/tar cannot read.

@@ -3,6 +3,8 @@ package tartree_test
 import (
 	"archive/tar"
 	"bytes"
+	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -11,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/tartree"
 )
 
@@ -224,6 +227,89 @@ func TestAddDirSwappedForFIFOOrLink(t *testing.T) {
 			}
 			if strings.Contains(out.String(), "not under d") {
 				t.Fatalf("the archive holds what the link leads to")
+			}
+		})
+	}
+}
+
+// rawBlock is a tar header block built by hand, for the forms archive/tar's writer no longer makes.
+func rawBlock(name string, typeflag byte, size int64, magic string, fill func(blk []byte)) []byte {
+	blk := make([]byte, 512)
+	copy(blk[0:], name)
+	copy(blk[100:], "0000644\x00")
+	copy(blk[108:], "0000000\x00")
+	copy(blk[116:], "0000000\x00")
+	copy(blk[124:], fmt.Sprintf("%011o\x00", size))
+	copy(blk[136:], "00000000000\x00")
+	blk[156] = typeflag
+	copy(blk[257:], magic)
+	if fill != nil {
+		fill(blk)
+	}
+	copy(blk[148:], "        ")
+	sum := 0
+	for _, b := range blk {
+		sum += int(b)
+	}
+	copy(blk[148:], fmt.Sprintf("%06o\x00 ", sum))
+	return blk
+}
+
+func padBlock(b []byte) []byte { return append(b, make([]byte, (512-len(b)%512)%512)...) }
+
+// TestExtractRefusesSparseFiles: a sparse entry (GNU's old 'S' type, or PAX's GNU.sparse records)
+// of a kilobyte can declare a terabyte of holes, which archive/tar hands over as zeros: the broker
+// would write them all, filling the workspace's disk quota (a sparse image on the host's disk) from
+// a few bytes of upload. They are refused, and nothing is written.
+func TestExtractRefusesSparseFiles(t *testing.T) {
+	const holes = 64 << 20
+	gnu := rawBlock("gnu.bin", 'S', 0, "ustar  \x00", func(blk []byte) {
+		copy(blk[386:], fmt.Sprintf("%011o\x00", holes)) // one empty fragment, at the end
+		copy(blk[398:], "00000000000\x00")
+		copy(blk[483:], fmt.Sprintf("%011o\x00", holes)) // the real size
+	})
+	gnu = append(gnu, make([]byte, 1024)...)
+
+	var records []byte
+	for _, kv := range [][2]string{{"GNU.sparse.major", "1"}, {"GNU.sparse.minor", "0"}, {"GNU.sparse.name", "pax.bin"}, {"GNU.sparse.realsize", fmt.Sprint(holes)}} {
+		rec := " " + kv[0] + "=" + kv[1] + "\n"
+		n := len(rec) + 1
+		for len(fmt.Sprint(n))+len(rec) != n {
+			n++
+		}
+		records = append(records, fmt.Sprint(n)+rec...)
+	}
+	sparseMap := padBlock([]byte(fmt.Sprintf("1\n%d\n0\n", holes)))
+	var pax []byte
+	pax = append(pax, rawBlock("PaxHeaders/pax.bin", 'x', int64(len(records)), "ustar\x0000", nil)...)
+	pax = append(pax, padBlock(records)...)
+	pax = append(pax, rawBlock("pax.bin", '0', int64(len(sparseMap)), "ustar\x0000", nil)...)
+	pax = append(pax, sparseMap...)
+	pax = append(pax, make([]byte, 1024)...)
+
+	for name, a := range map[string][]byte{"gnu.bin": gnu, "pax.bin": pax} {
+		t.Run(name, func(t *testing.T) {
+			// The archive is what the test means: archive/tar reads it as that many bytes of holes.
+			tr := tar.NewReader(bytes.NewReader(a))
+			if _, err := tr.Next(); err != nil {
+				t.Fatal(err)
+			}
+			if n, err := io.Copy(io.Discard, tr); err != nil || n != holes {
+				t.Fatalf("the archive reads as %d bytes (%v), want %d", n, err, holes)
+			}
+			dir := t.TempDir()
+			root, err := os.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			st, err := tartree.Extract(t.Context(), root, bytes.NewReader(a), tartree.ExtractOptions{})
+			var pe *protocol.Error
+			if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "sparse") {
+				t.Fatalf("Extract = %+v, %v; want invalid_argument naming the sparse entry", st, err)
+			}
+			if _, err := os.Lstat(filepath.Join(dir, name)); !os.IsNotExist(err) {
+				t.Fatalf("the sparse file was written: %v", err)
 			}
 		})
 	}

@@ -13,3 +13,10 @@ func BeforeDirOpen(hook func(rel string)) func() {
 	testHookDirOpen = hook
 	return func() { testHookDirOpen = nil }
 }
+
+// SetMaxNamesHeld lowers the bound on the names one Add holds and returns the undo.
+func SetMaxNamesHeld(n int64) func() {
+	old := maxNamesHeld
+	maxNamesHeld = n
+	return func() { maxNamesHeld = old }
+}

@@ -564,11 +564,46 @@ func owner(id int) int {
 func Add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string) (Stats, error) {
 	var st Stats
 	buf := make([]byte, 256<<10)
-	err := add(ctx, tw, root, rel, name, &st, buf)
+	namesLeft := maxNamesHeld
+	err := add(ctx, tw, root, rel, name, &st, buf, &namesLeft)
 	return st, err
 }
 
-func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, st *Stats, buf []byte) error {
+// maxNamesHeld bounds the memory of the names one Add holds: a directory's names are read whole
+// and sorted before its entries are written, and those of every directory above it are held
+// meanwhile. Unbounded, one directory of a few hundred thousand long names (a sandbox chooses its
+// tree) held hundreds of MB per tar, and a client may run two on each of its connections.
+var maxNamesHeld int64 = 16 << 20
+
+// nameCost is what holding one name costs: its bytes and its string header.
+func nameCost(n string) int64 { return int64(len(n)) + 16 }
+
+// readNames reads the names of the directory d in batches, drawing on left, and sorts them; past
+// left it stops with an error naming the limit.
+func readNames(ctx context.Context, d *os.File, rel string, left *int64) ([]string, error) {
+	var names []string
+	for {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		batch, err := d.Readdirnames(1024)
+		for _, n := range batch {
+			if *left -= nameCost(n); *left < 0 {
+				return nil, protocol.Errorf(protocol.CodeInvalidArgument, "%s has more entries than one tar lists at once (%d MiB of names, with the directories above it): archive its parts separately", quote(rel), maxNamesHeld>>20)
+			}
+		}
+		names = append(names, batch...)
+		if errors.Is(err, io.EOF) || err == nil && len(batch) == 0 {
+			slices.Sort(names)
+			return names, nil
+		}
+		if err != nil {
+			return nil, &EntryError{rel, err}
+		}
+	}
+}
+
+func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, st *Stats, buf []byte, namesLeft *int64) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -598,10 +633,10 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 			st.Skipped++
 			return nil
 		}
-		names, err := d.Readdirnames(-1)
+		names, err := readNames(ctx, d, rel, namesLeft)
 		d.Close()
 		if err != nil {
-			return &EntryError{rel, err}
+			return err
 		}
 		hdr.Typeflag = tar.TypeDir
 		hdr.Name += "/"
@@ -609,11 +644,13 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 			return err
 		}
 		st.Dirs++
-		slices.Sort(names)
 		for _, n := range names {
-			if err := add(ctx, tw, root, join(rel, n), name+"/"+n, st, buf); err != nil {
+			if err := add(ctx, tw, root, join(rel, n), name+"/"+n, st, buf, namesLeft); err != nil {
 				return err
 			}
+		}
+		for _, n := range names {
+			*namesLeft += nameCost(n) // given back as the directory is done
 		}
 		return nil
 	case m&fs.ModeSymlink != 0:

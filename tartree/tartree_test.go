@@ -314,3 +314,42 @@ func TestExtractRefusesSparseFiles(t *testing.T) {
 		})
 	}
 }
+
+// TestAddBoundsTheNamesItHolds: a directory's names are read whole (to sort them) while those of
+// the directories above it are held: past a bound, Add stops with an error that says to archive
+// the parts, instead of holding whatever a sandbox's tree makes it read. Names of a directory done
+// are given back, so siblings that each fit do.
+func TestAddBoundsTheNamesItHolds(t *testing.T) {
+	defer tartree.SetMaxNamesHeld(16 << 10)()
+	dir := t.TempDir()
+	for _, sub := range []string{"a", "b"} {
+		for i := range 300 { // 300 × (10 + 16) bytes: about half the bound each
+			p := filepath.Join(dir, "fits", sub, fmt.Sprintf("file-%05d", i))
+			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(p, nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for i := range 1000 {
+		if err := os.MkdirAll(filepath.Join(dir, "huge", fmt.Sprintf("entry-%05d", i)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	st, err := tartree.Add(t.Context(), tar.NewWriter(io.Discard), root, "fits", "fits")
+	if err != nil || st.Files != 600 {
+		t.Fatalf("two directories that each fit: %+v, %v", st, err)
+	}
+	_, err = tartree.Add(t.Context(), tar.NewWriter(io.Discard), root, "huge", "huge")
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "archive its parts") {
+		t.Fatalf("a directory past the bound: %v; want invalid_argument saying to archive its parts", err)
+	}
+}

@@ -4,9 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -235,5 +238,32 @@ func TestChangesLeavesOutGitDirAliases(t *testing.T) {
 		if !slices.Contains(got, name) {
 			t.Errorf("%q is an ordinary name and was left out (changes %v, skipped %v)", name, got, res.Skipped)
 		}
+	}
+}
+
+// TestChangesReadsNamesWithinItsBound: a directory's names are read in batches and counted as they
+// come, so a directory of far more entries than MaxEntries (a sandbox makes its own tree) costs the
+// broker no more than the bound: it was read whole first, then counted.
+func TestChangesReadsNamesWithinItsBound(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	long := strings.Repeat("n", 200)
+	for i := range 20_000 {
+		f, err := os.Create(filepath.Join(dir, fmt.Sprintf("%s-%05d", long, i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := Changes(context.Background(), root, Options{MaxEntries: 100})
+	runtime.ReadMemStats(&after)
+	if !isCode(err, protocol.CodeTooLarge) {
+		t.Fatalf("past MaxEntries: %v", err)
+	}
+	// 20,000 names of 206 bytes are over 4 MB; the bound's 100 names and a batch, some KB.
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 1<<20 {
+		t.Fatalf("Changes allocated %d bytes to stop at 100 entries", alloc)
 	}
 }

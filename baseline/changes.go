@@ -150,18 +150,12 @@ func (s *scanner) walk() error {
 			}
 			continue // swapped for something else since it was listed: its paths count as gone
 		}
-		names, err := d.Readdirnames(-1)
+		names, err := s.names(d, rel)
 		if err != nil {
 			d.Close()
-			return fmt.Errorf("listing %s: %w", rel, err)
+			return err
 		}
-		slices.Sort(names)
 		for _, name := range names {
-			s.entries++
-			if s.entries > s.opt.MaxEntries {
-				d.Close()
-				return errCut(fmt.Sprintf("%d entries", s.opt.MaxEntries))
-			}
 			if strings.EqualFold(name, ".git") || (rel == "." && name == ".sbx") {
 				continue
 			}
@@ -194,6 +188,27 @@ func (s *scanner) walk() error {
 		d.Close()
 	}
 	return nil
+}
+
+// names reads the directory d's names, sorted, counting each against MaxEntries as it is read: in
+// batches, so that a directory of far more entries than the bound (a sandbox chooses its tree) is
+// never read whole first.
+func (s *scanner) names(d *os.File, rel string) ([]string, error) {
+	var names []string
+	for {
+		batch, err := d.Readdirnames(256)
+		if s.entries += len(batch); s.entries > s.opt.MaxEntries {
+			return nil, errCut(fmt.Sprintf("%d entries", s.opt.MaxEntries))
+		}
+		names = append(names, batch...)
+		switch {
+		case errors.Is(err, io.EOF) || err == nil && len(batch) == 0:
+			slices.Sort(names)
+			return names, nil
+		case err != nil:
+			return nil, fmt.Errorf("listing %s: %w", rel, err)
+		}
+	}
 }
 
 // file compares one file or symlink with its entry.

@@ -27,14 +27,11 @@ func (w *Workspace) Stat(p string) (protocol.FileInfo, error) {
 	if err != nil {
 		return protocol.FileInfo{}, fsErr(sp, err)
 	}
-	if fi.Mode()&fs.ModeSymlink != 0 && namesDir(p) {
-		// "link/" is the link itself (Resolve cleaned it) when it leads to a directory, as lstat(2)
-		// of it would find one; otherwise there is no directory by that name.
-		if to, err := w.root.Stat(rel); err != nil || !to.IsDir() {
-			return protocol.FileInfo{}, protocol.Errorf(protocol.CodeNotDirectory, "%s does not lead to a directory, named as one (%s ends in /, /. or /..)", sp, quote(p))
+	// "link/" names the link itself (docs/dataplane.md); "f.txt/" names no file.
+	if fi.Mode()&fs.ModeSymlink == 0 {
+		if err := fileByName(p, sp, fi); err != nil {
+			return protocol.FileInfo{}, err
 		}
-	} else if err := fileByName(p, sp, fi); err != nil {
-		return protocol.FileInfo{}, err
 	}
 	return w.describe(rel, sp, fi), nil
 }

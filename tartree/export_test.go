@@ -20,3 +20,10 @@ func SetMaxNamesHeld(n int64) func() {
 	maxNamesHeld = n
 	return func() { maxNamesHeld = old }
 }
+
+// SetMaxNamesRemembered lowers the bound on the names one Extract remembers and returns the undo.
+func SetMaxNamesRemembered(n int64) func() {
+	old := maxNamesRemembered
+	maxNamesRemembered = n
+	return func() { maxNamesRemembered = old }
+}

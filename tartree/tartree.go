@@ -78,6 +78,12 @@ type ExtractOptions struct {
 // the end): each is a real directory on disk, but the list lives in the broker's memory.
 var maxDirs = 200_000
 
+// maxNamesRemembered bounds the bytes of names one extraction remembers: its directories' and the
+// symlinks it created (an entry below one is refused). maxDirs counts directories, but a name may
+// be 4096 bytes, and each symlink costs only an inode: without it one archive made the broker hold
+// a few GB of names.
+var maxNamesRemembered int64 = 32 << 20
+
 // dirMeta is a directory's mode and mtime, applied once everything inside it is written.
 type dirMeta struct {
 	name  string
@@ -101,6 +107,19 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// links are the symlinks this archive created: an entry below one of them would be written
 	// through it (the classic "link, then a file through the link" attack).
 	links := map[string]bool{}
+	var remembered int64 // bytes of the names in links and dirs (maxNamesRemembered)
+	remember := func(name string) error {
+		if remembered += nameCost(name); remembered > maxNamesRemembered {
+			return refuse(name, "the archive has more directories and symbolic links than one extraction remembers (%d MiB of their names); copy the tree in parts", maxNamesRemembered>>20)
+		}
+		return nil
+	}
+	forgetLink := func(name string) {
+		if links[name] {
+			delete(links, name)
+			remembered -= nameCost(name)
+		}
+	}
 	var dirs []dirMeta
 	// dirAt indexes dirs by name: an archive that names one directory a million times (no disk
 	// used, so no quota stops it) keeps one entry, the last one's mode and mtime, like tar.
@@ -142,13 +161,16 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if err := t.dir(name); err != nil {
 				return st, err
 			}
-			delete(links, name)
+			forgetLink(name)
 			if i, ok := dirAt[name]; ok {
 				dirs[i] = dirMeta{name, perm, hdr.ModTime}
 				continue
 			}
 			if len(dirs) >= maxDirs {
 				return st, refuse(hdr.Name, "the archive has more than %d directories; copy the tree in parts", maxDirs)
+			}
+			if err := remember(name); err != nil {
+				return st, err
 			}
 			dirAt[name] = len(dirs)
 			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
@@ -159,7 +181,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if err != nil {
 				return st, err
 			}
-			delete(links, name)
+			forgetLink(name)
 			st.Files++
 		case tar.TypeSymlink:
 			if err := checkText(hdr.Linkname); err != nil {
@@ -170,6 +192,11 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			}
 			if err := t.symlink(hdr.Linkname, name); err != nil {
 				return st, err
+			}
+			if !links[name] {
+				if err := remember(name); err != nil {
+					return st, err
+				}
 			}
 			links[name] = true
 			st.Symlinks++

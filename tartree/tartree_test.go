@@ -353,3 +353,44 @@ func TestAddBoundsTheNamesItHolds(t *testing.T) {
 		t.Fatalf("a directory past the bound: %v; want invalid_argument saying to archive its parts", err)
 	}
 }
+
+// TestExtractBoundsTheNamesItRemembers: the directories (for their modes and mtimes at the end) and
+// the symlinks (to refuse entries below them) an extraction remembers are bounded in bytes, not
+// only in count: a name may be 4096 bytes and a symlink costs the archive only an inode, so an
+// archive of long-named ones made the broker hold GBs. Past the bound the archive is refused with
+// a clear error; names of links replaced are given back.
+func TestExtractBoundsTheNamesItRemembers(t *testing.T) {
+	defer tartree.SetMaxNamesRemembered(4 << 10)()
+	long := strings.Repeat("n", 250)
+	for kind, typeflag := range map[string]byte{"dirs": tar.TypeDir, "symlinks": tar.TypeSymlink} {
+		t.Run(kind, func(t *testing.T) {
+			root, err := os.OpenRoot(t.TempDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			var hdrs []tar.Header
+			for i := range 40 { // 40 × 266 bytes, past 4 KiB
+				hdrs = append(hdrs, tar.Header{Typeflag: typeflag, Name: fmt.Sprintf("%s%02d", long, i), Linkname: "target", Mode: 0o755})
+			}
+			_, err = tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{})
+			var pe *protocol.Error
+			if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "copy the tree in parts") {
+				t.Fatalf("40 long names: %v; want invalid_argument saying to copy in parts", err)
+			}
+		})
+	}
+	// One link replaced 40 times by a file and made again is remembered once.
+	root, err := os.OpenRoot(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	var hdrs []tar.Header
+	for range 40 {
+		hdrs = append(hdrs, tar.Header{Typeflag: tar.TypeSymlink, Name: long, Linkname: "target"}, tar.Header{Typeflag: tar.TypeReg, Name: long})
+	}
+	if _, err := tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{}); err != nil {
+		t.Fatalf("one name replaced 40 times: %v", err)
+	}
+}

@@ -267,3 +267,27 @@ func TestChangesReadsNamesWithinItsBound(t *testing.T) {
 		t.Fatalf("Changes allocated %d bytes to stop at 100 entries", alloc)
 	}
 }
+
+// TestChangesBoundsThePathsItHolds: the directories found and not yet visited are bounded in bytes
+// (a path may be 4096 bytes), not only in count.
+func TestChangesBoundsThePathsItHolds(t *testing.T) {
+	old := maxPendingBytes
+	maxPendingBytes = 4 << 10
+	defer func() { maxPendingBytes = old }()
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	long := strings.Repeat("d", 200)
+	for i := range 40 { // 40 × 203 bytes, past 4 KiB
+		if err := os.Mkdir(filepath.Join(dir, fmt.Sprintf("%s%03d", long, i)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := Changes(context.Background(), root, Options{}); !isCode(err, protocol.CodeTooLarge) {
+		t.Fatalf("40 long directory names past the bound: %v", err)
+	}
+	for i := range 30 {
+		os.Remove(filepath.Join(dir, fmt.Sprintf("%s%03d", long, i)))
+	}
+	if _, err := Changes(context.Background(), root, Options{}); err != nil {
+		t.Fatalf("10 of them: %v", err)
+	}
+}

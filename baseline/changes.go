@@ -134,12 +134,19 @@ func (s *scanner) add(c protocol.Change) error {
 	return nil
 }
 
+// maxPendingBytes bounds the paths of the directories a walk has found and not yet visited. Their
+// count is bounded by MaxEntries, but a path may be 4096 bytes: a sandbox's tree of many
+// directories deep down made one walk hold up to a GB of paths.
+var maxPendingBytes = 32 << 20
+
 // walk visits the tree depth first, a directory at a time.
 func (s *scanner) walk() error {
 	stack := []string{"."}
+	pending := 0 // bytes of the paths in stack
 	for len(stack) > 0 {
 		rel := stack[len(stack)-1]
 		stack = stack[:len(stack)-1]
+		pending -= len(rel)
 		if err := s.ctx.Err(); err != nil {
 			return err
 		}
@@ -172,6 +179,10 @@ func (s *scanner) walk() error {
 				if ValidPath(p) != nil {
 					s.res.Skipped = append(s.res.Skipped, fmt.Sprintf("%q", p))
 					continue
+				}
+				if pending += len(p); pending > maxPendingBytes {
+					d.Close()
+					return errCut(fmt.Sprintf("%d MiB of directory paths to visit", maxPendingBytes>>20))
 				}
 				stack = append(stack, p)
 			case st.mode.IsRegular(), st.mode&fs.ModeSymlink != 0:

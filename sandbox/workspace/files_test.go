@@ -712,3 +712,25 @@ func TestFileNamedAsADirectory(t *testing.T) {
 		t.Fatalf("the file itself: %+v %v", r, err)
 	}
 }
+
+// TestEditResultBounded: an edit whose result would pass MaxEditBytes is payload_too_large and
+// changes nothing. The result was built whole in memory first: a one-byte old text replaced
+// everywhere in a file of 8 MiB by a new text of 1 MiB asked the broker for 8 TiB at once, a fatal
+// out-of-memory that no recover catches, ending the broker with every sandbox on it.
+func TestEditResultBounded(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{MaxEditBytes: 1 << 20})
+	content := strings.Repeat("a", 64<<10)
+	put(t, dir, "f.txt", content)
+	_, err := w.Edit(protocol.EditArgs{Path: "f.txt", Old: "a", New: strings.Repeat("b", 1<<10), ReplaceAll: true})
+	wantCode(t, err, protocol.CodeTooLarge, dir)
+	if got := hostRead(t, filepath.Join(dir, "f.txt")); got != content {
+		t.Fatalf("the file changed (%d bytes)", len(got))
+	}
+	// A result of exactly the bound is fine.
+	put(t, dir, "g.txt", strings.Repeat("a", 1<<10))
+	if res, err := w.Edit(protocol.EditArgs{Path: "g.txt", Old: "a", New: strings.Repeat("b", 1<<10), ReplaceAll: true}); err != nil || res.Occurrences != 1<<10 {
+		t.Fatalf("a result of exactly MaxEditBytes: %+v %v", res, err)
+	}
+	noTemps(t, dir)
+}

@@ -42,6 +42,7 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 		if filter, err = compilePattern(a.Glob); err != nil {
 			return protocol.GrepResult{}, err
 		}
+		filter.budget(w.opts.MaxMatchWork)
 		// A pattern without '/' matches file names at any depth, like "*.go" in ripgrep.
 		baseOnly = !strings.Contains(a.Glob, "/")
 	}
@@ -89,7 +90,7 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 	if err != nil && err != errStop {
 		return protocol.GrepResult{}, err
 	}
-	g.res.Truncated = g.res.Truncated || g.sc.cut
+	g.res.Truncated = g.res.Truncated || g.sc.cut || filter != nil && filter.spent
 	return g.res, nil
 }
 
@@ -155,6 +156,9 @@ func (g *grepper) walk(d *dir, dirRel string, names []string, st states, depth i
 		var next states
 		if g.filter != nil && !g.baseOnly {
 			next = g.filter.step(st, name)
+		}
+		if g.filter != nil && g.filter.spent {
+			return errStop
 		}
 		fi, err := d.lstat(name)
 		if err != nil {

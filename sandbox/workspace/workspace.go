@@ -36,6 +36,7 @@ const (
 	DefaultMaxListEntries   = 10000
 	DefaultMaxScanEntries   = 250000
 	DefaultMaxGrepScanBytes = 256 << 20
+	DefaultMaxMatchWork     = 1 << 32
 )
 
 // Options configures a Workspace. The zero value is usable: no ownership change and the default caps.
@@ -64,6 +65,11 @@ type Options struct {
 	MaxScanEntries int
 	// MaxGrepScanBytes bounds the file bytes one Grep reads (default 256 MiB).
 	MaxGrepScanBytes int64
+	// MaxMatchWork bounds the glob matching one Glob or Grep does, counted for each name tested
+	// as the bytes of each pattern tried times the name's (default 2^32, about a second of a core):
+	// path.Match costs about that, and a pattern of many stars and brace alternatives made each
+	// name cost milliseconds.
+	MaxMatchWork int64
 }
 
 func (o Options) withDefaults() Options {
@@ -93,6 +99,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxGrepScanBytes <= 0 {
 		o.MaxGrepScanBytes = DefaultMaxGrepScanBytes
+	}
+	if o.MaxMatchWork <= 0 {
+		o.MaxMatchWork = DefaultMaxMatchWork
 	}
 	return o
 }

@@ -8,7 +8,10 @@ import (
 	"io/fs"
 	"path"
 	"regexp"
+	"regexp/syntax"
 	"strings"
+	"time"
+	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -16,6 +19,12 @@ import (
 const (
 	binarySniffBytes = 8 << 10 // a NUL in this prefix marks a file as binary
 	maxMatchText     = 2000    // bytes of a matching line returned
+	// clockEvery is the matching work (bytes times the matcher's cost per byte) between two looks
+	// at the clock: about a millisecond of the slowest matching.
+	clockEvery = 1 << 20
+	// longLine is the length past which a line is matched through a reader that looks at the
+	// clock as it goes, rather than in one call that nothing interrupts.
+	longLine = 64 << 10
 )
 
 // Grep searches the regular text files under a.Path (a file or a directory, default /workspace)
@@ -62,7 +71,7 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 	if err := fileByName(base, sp, fi); err != nil {
 		return protocol.GrepResult{}, err
 	}
-	g := &grepper{w: w, sc: w.newScan(ctx), m: m, max: maxCount, filter: filter, baseOnly: baseOnly,
+	g := &grepper{w: w, sc: w.newScan(ctx), m: m, deadline: time.Now().Add(w.opts.MaxGrepTime), max: maxCount, filter: filter, baseOnly: baseOnly,
 		bytesLeft: w.opts.MaxGrepScanBytes, res: protocol.GrepResult{Matches: []protocol.GrepMatch{}}}
 	switch {
 	case fi.Mode().IsRegular():
@@ -90,7 +99,7 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 	if err != nil && err != errStop {
 		return protocol.GrepResult{}, err
 	}
-	g.res.Truncated = g.res.Truncated || g.sc.cut || filter != nil && filter.spent
+	g.res.Truncated = g.res.Truncated || g.sc.cut || filter != nil && filter.spent || g.late
 	return g.res, nil
 }
 
@@ -98,6 +107,9 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 type matcher struct {
 	lit []byte         // literal, case-sensitive search
 	re  *regexp.Regexp // everything else
+	// cost estimates the work of matching one byte: the size of the compiled expression, what
+	// RE2's NFA may step through per byte; 1 for a literal.
+	cost int64
 }
 
 func newMatcher(a protocol.GrepArgs) (*matcher, error) {
@@ -105,7 +117,7 @@ func newMatcher(a protocol.GrepArgs) (*matcher, error) {
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the search pattern is empty")
 	}
 	if !a.Regex && !a.IgnoreCase {
-		return &matcher{lit: []byte(a.Pattern)}, nil
+		return &matcher{lit: []byte(a.Pattern), cost: 1}, nil
 	}
 	expr := a.Pattern
 	if !a.Regex {
@@ -119,7 +131,13 @@ func newMatcher(a protocol.GrepArgs) (*matcher, error) {
 		// The regexp error quotes the pattern, which the caller sent: nothing of ours leaks.
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the regular expression is invalid (RE2 syntax): %v", err)
 	}
-	return &matcher{re: re}, nil
+	cost := int64(1)
+	if parsed, err := syntax.Parse(expr, syntax.Perl); err == nil {
+		if prog, err := syntax.Compile(parsed.Simplify()); err == nil {
+			cost = int64(max(1, len(prog.Inst)))
+		}
+	}
+	return &matcher{re: re, cost: cost}, nil
 }
 
 func (m *matcher) match(line []byte) bool {
@@ -127,6 +145,55 @@ func (m *matcher) match(line []byte) bool {
 		return m.re.Match(line)
 	}
 	return bytes.Contains(line, m.lit)
+}
+
+// match matches one line within the grep's time: it reads the clock as the work grows, and a long
+// line an expression scans goes through a reader that reads it as it goes and ends the line early
+// once the time is up (late is set then, and the answer is no match).
+func (g *grepper) match(line []byte) bool {
+	if g.late {
+		return false
+	}
+	if g.m.re != nil && len(line) > longLine {
+		r := &clockedLine{g: g, line: line}
+		ok := g.m.re.MatchReader(r)
+		return ok && !g.late
+	}
+	g.spend(int64(len(line)) + 1)
+	if g.late {
+		return false
+	}
+	return g.m.match(line)
+}
+
+// spend counts the work of matching n bytes and reads the clock once enough has been done.
+func (g *grepper) spend(n int64) {
+	if g.work += n * g.m.cost; g.work >= clockEvery {
+		g.work = 0
+		if time.Now().After(g.deadline) {
+			g.late = true
+		}
+	}
+}
+
+// clockedLine feeds one long line to an expression rune by rune, spending as it goes; once the
+// grep is late it ends the line.
+type clockedLine struct {
+	g    *grepper
+	line []byte
+	i    int
+}
+
+func (r *clockedLine) ReadRune() (rune, int, error) {
+	if r.i >= len(r.line) || r.g.late {
+		return 0, 0, io.EOF
+	}
+	if r.i%4096 == 0 {
+		r.g.spend(4096)
+	}
+	c, n := utf8.DecodeRune(r.line[r.i:])
+	r.i += n
+	return c, n, nil
 }
 
 // mayMatch is a cheap whole-file test that rules files out before splitting them into lines.
@@ -138,6 +205,9 @@ type grepper struct {
 	w         *Workspace
 	sc        *scan
 	m         *matcher
+	deadline  time.Time // matching stops here (MaxGrepTime), truncated
+	work      int64     // matching work since the clock was last read
+	late      bool      // the deadline passed
 	max       int
 	filter    *pattern // nil: every file
 	baseOnly  bool     // filter has one segment and is matched against base names
@@ -257,7 +327,11 @@ func (g *grepper) file(rel string, fi fs.FileInfo) error {
 			data = nil
 		}
 		line = bytes.TrimSuffix(line, []byte{'\r'})
-		if !g.m.match(line) {
+		matched := g.match(line)
+		if g.late {
+			return errStop
+		}
+		if !matched {
 			continue
 		}
 		if len(g.res.Matches) == g.max {

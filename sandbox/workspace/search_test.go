@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -284,5 +285,31 @@ func TestPatternMatchingBounded(t *testing.T) {
 	wantCode(t, err, "", dir)
 	if r.Truncated || len(r.Matches) != 200 {
 		t.Errorf("grep --glob *.txt: %d matches, truncated %v", len(r.Matches), r.Truncated)
+	}
+}
+
+// TestGrepTimeBounded: a grep stops, truncated, once it has matched for MaxGrepTime, checking the
+// clock as its work grows, within a long line too. A regular expression's cost per byte grows with
+// its size in Go's RE2 (no DFA): "[a-z]{1000}x" took 10 s per MiB of "a", and a grep may read
+// 256 MiB, an 8 MiB file of one line included, for one request of a delegate with fs:read.
+func TestGrepTimeBounded(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{MaxGrepTime: time.Nanosecond})
+	put(t, dir, "lines.txt", strings.Repeat(strings.Repeat("a", 4000)+"\n", 64))
+	put(t, dir, "oneline.txt", strings.Repeat("a", 1<<20)+"x\n")
+	for _, p := range []string{"lines.txt", "oneline.txt", "/workspace"} {
+		r, err := w.Grep(t.Context(), protocol.GrepArgs{Pattern: "[a-z]{1000}x", Regex: true, Path: p})
+		wantCode(t, err, "", dir)
+		if !r.Truncated || len(r.Matches) != 0 {
+			t.Errorf("grep %s past its time: %d matches, truncated %v; want none and truncated", p, len(r.Matches), r.Truncated)
+		}
+	}
+	// Within the default bound the same long line is searched to its end.
+	w, dir = newWS(t, Options{})
+	put(t, dir, "oneline.txt", strings.Repeat("a", 64<<10)+"x\n")
+	r, err := w.Grep(t.Context(), protocol.GrepArgs{Pattern: "a{10}x", Regex: true})
+	wantCode(t, err, "", dir)
+	if r.Truncated || len(r.Matches) != 1 {
+		t.Errorf("grep of a long line within the bound: %d matches, truncated %v", len(r.Matches), r.Truncated)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -37,6 +38,7 @@ const (
 	DefaultMaxScanEntries   = 250000
 	DefaultMaxGrepScanBytes = 256 << 20
 	DefaultMaxMatchWork     = 1 << 32
+	DefaultMaxGrepTime      = 10 * time.Second
 )
 
 // Options configures a Workspace. The zero value is usable: no ownership change and the default caps.
@@ -70,6 +72,10 @@ type Options struct {
 	// path.Match costs about that, and a pattern of many stars and brace alternatives made each
 	// name cost milliseconds.
 	MaxMatchWork int64
+	// MaxGrepTime bounds the time one Grep spends matching (default 10 s): a regular expression
+	// costs per byte about its compiled size in Go's RE2, which has no DFA, so bytes read do not
+	// bound it.
+	MaxGrepTime time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -102,6 +108,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxMatchWork <= 0 {
 		o.MaxMatchWork = DefaultMaxMatchWork
+	}
+	if o.MaxGrepTime <= 0 {
+		o.MaxGrepTime = DefaultMaxGrepTime
 	}
 	return o
 }

@@ -237,6 +237,11 @@ func (w *Workspace) Move(a protocol.MoveArgs) error {
 	if err := fileByName(a.From, fromSP, src); err != nil {
 		return err
 	}
+	if !src.IsDir() && namesDir(a.To) {
+		// rename(2) answers ENOTDIR: the cleaned name would replace the file f.txt for "f.txt/",
+		// or make a file named new for "new/".
+		return protocol.Errorf(protocol.CodeNotDirectory, "%s is not a directory; %s names one (it ends in /), so only a directory moves there", fromSP, quote(a.To))
+	}
 	if from == to {
 		return nil
 	}

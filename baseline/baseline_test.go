@@ -291,3 +291,42 @@ func TestChangesBoundsThePathsItHolds(t *testing.T) {
 		t.Fatalf("10 of them: %v", err)
 	}
 }
+
+// TestParseAllocatesForWhatItReads: a record's size is bounded (64 MiB), but its line count was
+// taken as the entry count before any line was checked: a record of newlines (the sandbox may write
+// .sbx/baseline) made Parse allocate 24 bytes of slice header and 64 bytes of entry per byte, GBs
+// for one changes request. It stops at the first bad line having allocated next to nothing.
+func TestParseAllocatesForWhatItReads(t *testing.T) {
+	b := []byte("sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n" + strings.Repeat("\n", 8<<20))
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := Parse(b)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrDamaged) {
+		t.Fatalf("Parse of a record of newlines: %v", err)
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 1<<20 {
+		t.Fatalf("Parse allocated %d bytes to refuse line 3 of an 8 MiB record", alloc)
+	}
+}
+
+// TestChangesRefusesARecordPastItsBounds: a record with more entries than a walk could ever
+// compare (MaxEntries looked at plus MaxChanges answered) is refused before it is parsed.
+func TestChangesRefusesARecordPastItsBounds(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	var rec Record
+	rec.Commit = "0123456789abcdef0123456789abcdef01234567"
+	for i := range 50 {
+		rec.Entries = append(rec.Entries, Entry{Path: fmt.Sprintf("f%03d", i), Mode: ModeFile, OID: BlobID(nil)})
+	}
+	var buf bytes.Buffer
+	rec.Write(&buf)
+	if err := os.WriteFile(filepath.Join(dir, protocol.BaselineRecord), buf.Bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Changes(context.Background(), root, Options{MaxEntries: 20, MaxChanges: 20})
+	if !isCode(err, protocol.CodeTooLarge) || !strings.Contains(err.Error(), "recorded") {
+		t.Fatalf("a record of 50 entries past 20 looked at and 20 answered: %v", err)
+	}
+}

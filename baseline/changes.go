@@ -1,6 +1,7 @@
 package baseline
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -60,7 +61,7 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 		opt.MaxChanges = DefaultMaxChanges
 	}
 	res := protocol.ChangesResult{Changes: []protocol.Change{}}
-	rec, recTime, err := readRecord(root)
+	rec, recTime, err := readRecord(root, opt.MaxEntries+opt.MaxChanges)
 	if err != nil {
 		return res, err
 	}
@@ -86,7 +87,9 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 
 // readRecord reads the record without following a link at its place, and returns its mtime. The
 // sandbox may have put anything there: a FIFO is opened without waiting for a writer, then refused.
-func readRecord(root *os.Root) (Record, int64, error) {
+// A record of more than maxEntries entries is refused before it is parsed: no walk could compare
+// more (MaxEntries looked at, MaxChanges answered), and each costs the broker memory.
+func readRecord(root *os.Root, maxEntries int) (Record, int64, error) {
 	f, err := root.OpenFile(protocol.BaselineRecord, os.O_RDONLY|noFollow|nonBlock, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return Record{}, 0, protocol.Errorf(protocol.CodeFileNotFound, "nothing was pushed here: there is no push baseline (%s); push a repository first (sbctl push)", protocol.BaselineRecord)
@@ -105,6 +108,9 @@ func readRecord(root *os.Root) (Record, int64, error) {
 	b, err := io.ReadAll(io.LimitReader(f, MaxRecordBytes+1))
 	if err != nil {
 		return Record{}, 0, fmt.Errorf("reading %s: %w", protocol.BaselineRecord, err)
+	}
+	if n := bytes.Count(b, []byte("\n")) - 2; n > maxEntries {
+		return Record{}, 0, errCut(fmt.Sprintf("%d recorded paths", maxEntries))
 	}
 	rec, err := Parse(b)
 	if err != nil {

@@ -330,3 +330,23 @@ func TestChangesRefusesARecordPastItsBounds(t *testing.T) {
 		t.Fatalf("a record of 50 entries past 20 looked at and 20 answered: %v", err)
 	}
 }
+
+// TestChangesBoundsItsAnswer: the changes and skipped names one walk answers are bounded in bytes,
+// not only in count: a path may be 4096 bytes, and a skipped name is quoted (a control character
+// shown as four), so 100,000 changes were up to 400 MB held and sent as one answer.
+func TestChangesBoundsItsAnswer(t *testing.T) {
+	old := maxAnswerBytes
+	maxAnswerBytes = 8 << 10
+	defer func() { maxAnswerBytes = old }()
+	for _, name := range []string{"added-%03d-" + strings.Repeat("n", 200), "skipped-%03d-" + strings.Repeat("\x01", 200)} {
+		dir, root := tree(t, map[string]string{"a.txt": "a"})
+		for i := range 60 { // 60 × over 200 bytes, past 8 KiB
+			if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf(name, i)), nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := Changes(context.Background(), root, Options{}); !isCode(err, protocol.CodeTooLarge) || !strings.Contains(err.Error(), "MiB of answer") {
+			t.Fatalf("%.10s: 60 long names past an 8 KiB answer: %v", name, err)
+		}
+	}
+}

@@ -128,6 +128,7 @@ type scanner struct {
 	res     *protocol.ChangesResult
 	seen    []bool
 	entries int
+	answer  int // bytes of the answer built (maxAnswerBytes)
 	h       *Hasher
 	buf     []byte
 }
@@ -136,7 +137,33 @@ func (s *scanner) add(c protocol.Change) error {
 	if len(s.res.Changes) >= s.opt.MaxChanges {
 		return errCut(fmt.Sprintf("%d paths", s.opt.MaxChanges))
 	}
+	if err := s.spend(len(c.Path) + len(c.OID) + len(c.Mode) + 64); err != nil {
+		return err
+	}
 	s.res.Changes = append(s.res.Changes, c)
+	return nil
+}
+
+// maxAnswerBytes bounds the answer one walk builds in memory, its changes and its skipped names
+// together: their count is bounded, but a path may be 4096 bytes (and a skipped name, quoted, four
+// times its bytes), so 100,000 changes could be 400 MB.
+var maxAnswerBytes = 32 << 20
+
+// spend counts n bytes of answer.
+func (s *scanner) spend(n int) error {
+	if s.answer += n; s.answer > maxAnswerBytes {
+		return errCut(fmt.Sprintf("%d MiB of answer", maxAnswerBytes>>20))
+	}
+	return nil
+}
+
+// skip lists p among the names no git path can be.
+func (s *scanner) skip(p string) error {
+	q := fmt.Sprintf("%q", p)
+	if err := s.spend(len(q) + 16); err != nil {
+		return err
+	}
+	s.res.Skipped = append(s.res.Skipped, q)
 	return nil
 }
 
@@ -183,7 +210,10 @@ func (s *scanner) walk() error {
 			switch {
 			case st.mode.IsDir():
 				if ValidPath(p) != nil {
-					s.res.Skipped = append(s.res.Skipped, fmt.Sprintf("%q", p))
+					if err := s.skip(p); err != nil {
+						d.Close()
+						return err
+					}
 					continue
 				}
 				if pending += len(p); pending > maxPendingBytes {
@@ -193,7 +223,10 @@ func (s *scanner) walk() error {
 				stack = append(stack, p)
 			case st.mode.IsRegular(), st.mode&fs.ModeSymlink != 0:
 				if ValidPath(p) != nil {
-					s.res.Skipped = append(s.res.Skipped, fmt.Sprintf("%q", p))
+					if err := s.skip(p); err != nil {
+						d.Close()
+						return err
+					}
 					continue
 				}
 				if err := s.file(d, p, name, st); err != nil {

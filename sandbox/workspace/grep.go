@@ -22,9 +22,6 @@ const (
 	// clockEvery is the matching work (bytes times the matcher's cost per byte) between two looks
 	// at the clock: about a millisecond of the slowest matching.
 	clockEvery = 1 << 20
-	// longLine is the length past which a line is matched through a reader that looks at the
-	// clock as it goes, rather than in one call that nothing interrupts.
-	longLine = 64 << 10
 )
 
 // Grep searches the regular text files under a.Path (a file or a directory, default /workspace)
@@ -147,14 +144,15 @@ func (m *matcher) match(line []byte) bool {
 	return bytes.Contains(line, m.lit)
 }
 
-// match matches one line within the grep's time: it reads the clock as the work grows, and a long
-// line an expression scans goes through a reader that reads it as it goes and ends the line early
-// once the time is up (late is set then, and the answer is no match).
+// match matches one line within the grep's time: it reads the clock as the work grows, and a line
+// whose matching alone is more work than clockEvery (a long line, or a large expression) goes
+// through a reader that reads the clock as it goes and ends the line early once the time is up
+// (late is set then, and the answer is no match).
 func (g *grepper) match(line []byte) bool {
 	if g.late {
 		return false
 	}
-	if g.m.re != nil && len(line) > longLine {
+	if g.m.re != nil && int64(len(line))*g.m.cost > clockEvery {
 		r := &clockedLine{g: g, line: line}
 		ok := g.m.re.MatchReader(r)
 		return ok && !g.late
@@ -179,20 +177,22 @@ func (g *grepper) spend(n int64) {
 // clockedLine feeds one long line to an expression rune by rune, spending as it goes; once the
 // grep is late it ends the line.
 type clockedLine struct {
-	g    *grepper
-	line []byte
-	i    int
+	g       *grepper
+	line    []byte
+	i       int
+	unspent int64 // bytes read and not yet spent
 }
 
 func (r *clockedLine) ReadRune() (rune, int, error) {
 	if r.i >= len(r.line) || r.g.late {
 		return 0, 0, io.EOF
 	}
-	if r.i%4096 == 0 {
-		r.g.spend(4096)
-	}
 	c, n := utf8.DecodeRune(r.line[r.i:])
 	r.i += n
+	if r.unspent += int64(n); r.unspent >= 256 {
+		r.g.spend(r.unspent)
+		r.unspent = 0
+	}
 	return c, n, nil
 }
 

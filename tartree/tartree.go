@@ -95,8 +95,7 @@ type dirMeta struct {
 // absolute, climbs with "..", has control characters or invalid UTF-8 in its name, is a device
 // node, a FIFO or a sparse file, is a hard link leaving the archive's tree, or goes through a
 // symbolic link the archive itself created is refused with an invalid_argument error, and
-// extraction stops there. Whatever
-// the archive says, nothing outside root changes: every operation goes through the os.Root, which
+// extraction stops there. Whatever the archive says, nothing outside root changes: every operation goes through the os.Root, which
 // never follows a link out of it, or (on Linux) through directories opened from it one component
 // at a time without following any link. Entries before a refused one stay extracted. Regular files and
 // symlinks replace what is at their name (a directory is never replaced); the archive's owners are

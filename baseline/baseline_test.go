@@ -329,6 +329,11 @@ func TestChangesRefusesARecordPastItsBounds(t *testing.T) {
 	if !isCode(err, protocol.CodeTooLarge) || !strings.Contains(err.Error(), "recorded") {
 		t.Fatalf("a record of 50 entries past 20 looked at and 20 answered: %v", err)
 	}
+	// With paths, no walk: the record is looked up, and its size alone bounds it.
+	res, err := Changes(context.Background(), root, Options{MaxEntries: 20, MaxChanges: 20, Only: []string{"f007"}})
+	if err != nil || len(res.Changes) != 1 || res.Changes[0].Status != protocol.ChangeDeleted {
+		t.Fatalf("one path of a record of 50: %+v %v", res, err)
+	}
 }
 
 // TestChangesBoundsItsAnswer: the changes and skipped names one walk answers are bounded in bytes,

@@ -61,7 +61,11 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 		opt.MaxChanges = DefaultMaxChanges
 	}
 	res := protocol.ChangesResult{Changes: []protocol.Change{}}
-	rec, recTime, err := readRecord(root, opt.MaxEntries+opt.MaxChanges)
+	maxRecorded := opt.MaxEntries + opt.MaxChanges
+	if len(opt.Only) > 0 {
+		maxRecorded = 0 // no walk: the record is only looked up, and its size bounds it
+	}
+	rec, recTime, err := readRecord(root, maxRecorded)
 	if err != nil {
 		return res, err
 	}
@@ -87,8 +91,8 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 
 // readRecord reads the record without following a link at its place, and returns its mtime. The
 // sandbox may have put anything there: a FIFO is opened without waiting for a writer, then refused.
-// A record of more than maxEntries entries is refused before it is parsed: no walk could compare
-// more (MaxEntries looked at, MaxChanges answered), and each costs the broker memory.
+// A record of more than maxEntries entries (when not 0) is refused before it is parsed: no walk
+// could compare more (MaxEntries looked at, MaxChanges answered), and each costs the broker memory.
 func readRecord(root *os.Root, maxEntries int) (Record, int64, error) {
 	f, err := root.OpenFile(protocol.BaselineRecord, os.O_RDONLY|noFollow|nonBlock, 0)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -109,7 +113,7 @@ func readRecord(root *os.Root, maxEntries int) (Record, int64, error) {
 	if err != nil {
 		return Record{}, 0, fmt.Errorf("reading %s: %w", protocol.BaselineRecord, err)
 	}
-	if n := bytes.Count(b, []byte("\n")) - 2; n > maxEntries {
+	if n := bytes.Count(b, []byte("\n")) - 2; maxEntries > 0 && n > maxEntries {
 		return Record{}, 0, errCut(fmt.Sprintf("%d recorded paths", maxEntries))
 	}
 	rec, err := Parse(b)

@@ -76,20 +76,26 @@ func Parse(b []byte) (Record, error) {
 	bad := func(line int, what string) (Record, error) {
 		return Record{}, fmt.Errorf("%w (line %d: %s)", ErrDamaged, line, what)
 	}
-	lines := bytes.Split(b, []byte("\n"))
-	if len(lines) < 3 || string(lines[0]) != header {
+	// Lines are taken one at a time and entries grow as they are read: the record is the
+	// sandbox's to write, and sizing anything by its line count before checking a line let a
+	// record of newlines cost GBs.
+	nlines := bytes.Count(b, []byte("\n")) + 1
+	first, rest, _ := bytes.Cut(b, []byte("\n"))
+	second, rest, _ := bytes.Cut(rest, []byte("\n"))
+	if nlines < 3 || string(first) != header {
 		return bad(1, "not a baseline record")
 	}
-	c, ok := strings.CutPrefix(string(lines[1]), "commit ")
+	c, ok := strings.CutPrefix(string(second), "commit ")
 	if !ok || !isOID(c) {
 		return bad(2, "no commit id")
 	}
 	r.Commit = c
-	if len(lines[len(lines)-1]) != 0 {
-		return bad(len(lines), "the record does not end with a newline")
+	if b[len(b)-1] != '\n' {
+		return bad(nlines, "the record does not end with a newline")
 	}
-	r.Entries = make([]Entry, 0, len(lines)-3)
-	for i, l := range lines[2 : len(lines)-1] {
+	for i := 0; len(rest) > 0; i++ {
+		var l []byte
+		l, rest, _ = bytes.Cut(rest, []byte("\n"))
 		var f [5]string
 		rest, ok := string(l), true
 		for k := 0; k < 4 && ok; k++ {

@@ -4,9 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -234,6 +237,121 @@ func TestChangesLeavesOutGitDirAliases(t *testing.T) {
 	for _, name := range fine {
 		if !slices.Contains(got, name) {
 			t.Errorf("%q is an ordinary name and was left out (changes %v, skipped %v)", name, got, res.Skipped)
+		}
+	}
+}
+
+// TestChangesReadsNamesWithinItsBound: a directory's names are read in batches and counted as they
+// come, so a directory of far more entries than MaxEntries (a sandbox makes its own tree) costs the
+// broker no more than the bound: it was read whole first, then counted.
+func TestChangesReadsNamesWithinItsBound(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	long := strings.Repeat("n", 200)
+	for i := range 20_000 {
+		f, err := os.Create(filepath.Join(dir, fmt.Sprintf("%s-%05d", long, i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := Changes(context.Background(), root, Options{MaxEntries: 100})
+	runtime.ReadMemStats(&after)
+	if !isCode(err, protocol.CodeTooLarge) {
+		t.Fatalf("past MaxEntries: %v", err)
+	}
+	// 20,000 names of 206 bytes are over 4 MB; the bound's 100 names and a batch, some KB.
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 1<<20 {
+		t.Fatalf("Changes allocated %d bytes to stop at 100 entries", alloc)
+	}
+}
+
+// TestChangesBoundsThePathsItHolds: the directories found and not yet visited are bounded in bytes
+// (a path may be 4096 bytes), not only in count.
+func TestChangesBoundsThePathsItHolds(t *testing.T) {
+	old := maxPendingBytes
+	maxPendingBytes = 4 << 10
+	defer func() { maxPendingBytes = old }()
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	long := strings.Repeat("d", 200)
+	for i := range 40 { // 40 × 203 bytes, past 4 KiB
+		if err := os.Mkdir(filepath.Join(dir, fmt.Sprintf("%s%03d", long, i)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := Changes(context.Background(), root, Options{}); !isCode(err, protocol.CodeTooLarge) {
+		t.Fatalf("40 long directory names past the bound: %v", err)
+	}
+	for i := range 30 {
+		os.Remove(filepath.Join(dir, fmt.Sprintf("%s%03d", long, i)))
+	}
+	if _, err := Changes(context.Background(), root, Options{}); err != nil {
+		t.Fatalf("10 of them: %v", err)
+	}
+}
+
+// TestParseAllocatesForWhatItReads: a record's size is bounded (64 MiB), but its line count was
+// taken as the entry count before any line was checked: a record of newlines (the sandbox may write
+// .sbx/baseline) made Parse allocate 24 bytes of slice header and 64 bytes of entry per byte, GBs
+// for one changes request. It stops at the first bad line having allocated next to nothing.
+func TestParseAllocatesForWhatItReads(t *testing.T) {
+	b := []byte("sbx-baseline 1\ncommit 0123456789abcdef0123456789abcdef01234567\n" + strings.Repeat("\n", 8<<20))
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := Parse(b)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrDamaged) {
+		t.Fatalf("Parse of a record of newlines: %v", err)
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 1<<20 {
+		t.Fatalf("Parse allocated %d bytes to refuse line 3 of an 8 MiB record", alloc)
+	}
+}
+
+// TestChangesRefusesARecordPastItsBounds: a record with more entries than a walk could ever
+// compare (MaxEntries looked at plus MaxChanges answered) is refused before it is parsed.
+func TestChangesRefusesARecordPastItsBounds(t *testing.T) {
+	dir, root := tree(t, map[string]string{"a.txt": "a"})
+	var rec Record
+	rec.Commit = "0123456789abcdef0123456789abcdef01234567"
+	for i := range 50 {
+		rec.Entries = append(rec.Entries, Entry{Path: fmt.Sprintf("f%03d", i), Mode: ModeFile, OID: BlobID(nil)})
+	}
+	var buf bytes.Buffer
+	rec.Write(&buf)
+	if err := os.WriteFile(filepath.Join(dir, protocol.BaselineRecord), buf.Bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Changes(context.Background(), root, Options{MaxEntries: 20, MaxChanges: 20})
+	if !isCode(err, protocol.CodeTooLarge) || !strings.Contains(err.Error(), "recorded") {
+		t.Fatalf("a record of 50 entries past 20 looked at and 20 answered: %v", err)
+	}
+	// With paths, no walk: the record is looked up, and its size alone bounds it.
+	res, err := Changes(context.Background(), root, Options{MaxEntries: 20, MaxChanges: 20, Only: []string{"f007"}})
+	if err != nil || len(res.Changes) != 1 || res.Changes[0].Status != protocol.ChangeDeleted {
+		t.Fatalf("one path of a record of 50: %+v %v", res, err)
+	}
+}
+
+// TestChangesBoundsItsAnswer: the changes and skipped names one walk answers are bounded in bytes,
+// not only in count: a path may be 4096 bytes, and a skipped name is quoted (a control character
+// shown as four), so 100,000 changes were up to 400 MB held and sent as one answer.
+func TestChangesBoundsItsAnswer(t *testing.T) {
+	old := maxAnswerBytes
+	maxAnswerBytes = 8 << 10
+	defer func() { maxAnswerBytes = old }()
+	for _, name := range []string{"added-%03d-" + strings.Repeat("n", 200), "skipped-%03d-" + strings.Repeat("\x01", 200)} {
+		dir, root := tree(t, map[string]string{"a.txt": "a"})
+		for i := range 60 { // 60 × over 200 bytes, past 8 KiB
+			if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf(name, i)), nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := Changes(context.Background(), root, Options{}); !isCode(err, protocol.CodeTooLarge) || !strings.Contains(err.Error(), "MiB of answer") {
+			t.Fatalf("%.10s: 60 long names past an 8 KiB answer: %v", name, err)
 		}
 	}
 }

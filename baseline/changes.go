@@ -1,6 +1,7 @@
 package baseline
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -60,7 +61,11 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 		opt.MaxChanges = DefaultMaxChanges
 	}
 	res := protocol.ChangesResult{Changes: []protocol.Change{}}
-	rec, recTime, err := readRecord(root)
+	maxRecorded := opt.MaxEntries + opt.MaxChanges
+	if len(opt.Only) > 0 {
+		maxRecorded = 0 // no walk: the record is only looked up, and its size bounds it
+	}
+	rec, recTime, err := readRecord(root, maxRecorded)
 	if err != nil {
 		return res, err
 	}
@@ -86,7 +91,9 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 
 // readRecord reads the record without following a link at its place, and returns its mtime. The
 // sandbox may have put anything there: a FIFO is opened without waiting for a writer, then refused.
-func readRecord(root *os.Root) (Record, int64, error) {
+// A record of more than maxEntries entries (when not 0) is refused before it is parsed: no walk
+// could compare more (MaxEntries looked at, MaxChanges answered), and each costs the broker memory.
+func readRecord(root *os.Root, maxEntries int) (Record, int64, error) {
 	f, err := root.OpenFile(protocol.BaselineRecord, os.O_RDONLY|noFollow|nonBlock, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return Record{}, 0, protocol.Errorf(protocol.CodeFileNotFound, "nothing was pushed here: there is no push baseline (%s); push a repository first (sbctl push)", protocol.BaselineRecord)
@@ -106,6 +113,9 @@ func readRecord(root *os.Root) (Record, int64, error) {
 	if err != nil {
 		return Record{}, 0, fmt.Errorf("reading %s: %w", protocol.BaselineRecord, err)
 	}
+	if n := bytes.Count(b, []byte("\n")) - 2; maxEntries > 0 && n > maxEntries {
+		return Record{}, 0, errCut(fmt.Sprintf("%d recorded paths", maxEntries))
+	}
 	rec, err := Parse(b)
 	if err != nil {
 		return Record{}, 0, protocol.Errorf(protocol.CodeInvalidArgument, "%v; push again with --force to record a new one", err)
@@ -122,6 +132,7 @@ type scanner struct {
 	res     *protocol.ChangesResult
 	seen    []bool
 	entries int
+	answer  int // bytes of the answer built (maxAnswerBytes)
 	h       *Hasher
 	buf     []byte
 }
@@ -130,16 +141,49 @@ func (s *scanner) add(c protocol.Change) error {
 	if len(s.res.Changes) >= s.opt.MaxChanges {
 		return errCut(fmt.Sprintf("%d paths", s.opt.MaxChanges))
 	}
+	if err := s.spend(len(c.Path) + len(c.OID) + len(c.Mode) + 64); err != nil {
+		return err
+	}
 	s.res.Changes = append(s.res.Changes, c)
 	return nil
 }
 
+// maxAnswerBytes bounds the answer one walk builds in memory, its changes and its skipped names
+// together: their count is bounded, but a path may be 4096 bytes (and a skipped name, quoted, four
+// times its bytes), so 100,000 changes could be 400 MB.
+var maxAnswerBytes = 32 << 20
+
+// spend counts n bytes of answer.
+func (s *scanner) spend(n int) error {
+	if s.answer += n; s.answer > maxAnswerBytes {
+		return errCut(fmt.Sprintf("%d MiB of answer", maxAnswerBytes>>20))
+	}
+	return nil
+}
+
+// skip lists p among the names no git path can be.
+func (s *scanner) skip(p string) error {
+	q := fmt.Sprintf("%q", p)
+	if err := s.spend(len(q) + 16); err != nil {
+		return err
+	}
+	s.res.Skipped = append(s.res.Skipped, q)
+	return nil
+}
+
+// maxPendingBytes bounds the paths of the directories a walk has found and not yet visited. Their
+// count is bounded by MaxEntries, but a path may be 4096 bytes: a sandbox's tree of many
+// directories deep down made one walk hold up to a GB of paths.
+var maxPendingBytes = 32 << 20
+
 // walk visits the tree depth first, a directory at a time.
 func (s *scanner) walk() error {
 	stack := []string{"."}
+	pending := 0 // bytes of the paths in stack
 	for len(stack) > 0 {
 		rel := stack[len(stack)-1]
 		stack = stack[:len(stack)-1]
+		pending -= len(rel)
 		if err := s.ctx.Err(); err != nil {
 			return err
 		}
@@ -150,18 +194,12 @@ func (s *scanner) walk() error {
 			}
 			continue // swapped for something else since it was listed: its paths count as gone
 		}
-		names, err := d.Readdirnames(-1)
+		names, err := s.names(d, rel)
 		if err != nil {
 			d.Close()
-			return fmt.Errorf("listing %s: %w", rel, err)
+			return err
 		}
-		slices.Sort(names)
 		for _, name := range names {
-			s.entries++
-			if s.entries > s.opt.MaxEntries {
-				d.Close()
-				return errCut(fmt.Sprintf("%d entries", s.opt.MaxEntries))
-			}
 			if strings.EqualFold(name, ".git") || (rel == "." && name == ".sbx") {
 				continue
 			}
@@ -176,13 +214,23 @@ func (s *scanner) walk() error {
 			switch {
 			case st.mode.IsDir():
 				if ValidPath(p) != nil {
-					s.res.Skipped = append(s.res.Skipped, fmt.Sprintf("%q", p))
+					if err := s.skip(p); err != nil {
+						d.Close()
+						return err
+					}
 					continue
+				}
+				if pending += len(p); pending > maxPendingBytes {
+					d.Close()
+					return errCut(fmt.Sprintf("%d MiB of directory paths to visit", maxPendingBytes>>20))
 				}
 				stack = append(stack, p)
 			case st.mode.IsRegular(), st.mode&fs.ModeSymlink != 0:
 				if ValidPath(p) != nil {
-					s.res.Skipped = append(s.res.Skipped, fmt.Sprintf("%q", p))
+					if err := s.skip(p); err != nil {
+						d.Close()
+						return err
+					}
 					continue
 				}
 				if err := s.file(d, p, name, st); err != nil {
@@ -194,6 +242,27 @@ func (s *scanner) walk() error {
 		d.Close()
 	}
 	return nil
+}
+
+// names reads the directory d's names, sorted, counting each against MaxEntries as it is read: in
+// batches, so that a directory of far more entries than the bound (a sandbox chooses its tree) is
+// never read whole first.
+func (s *scanner) names(d *os.File, rel string) ([]string, error) {
+	var names []string
+	for {
+		batch, err := d.Readdirnames(256)
+		if s.entries += len(batch); s.entries > s.opt.MaxEntries {
+			return nil, errCut(fmt.Sprintf("%d entries", s.opt.MaxEntries))
+		}
+		names = append(names, batch...)
+		switch {
+		case errors.Is(err, io.EOF) || err == nil && len(batch) == 0:
+			slices.Sort(names)
+			return names, nil
+		case err != nil:
+			return nil, fmt.Errorf("listing %s: %w", rel, err)
+		}
+	}
 }
 
 // file compares one file or symlink with its entry.

@@ -76,12 +76,16 @@ func list(ps []string) string {
 // RecordPath is the sandbox path of the baseline record.
 const RecordPath = Workspace + "/" + protocol.BaselineRecord
 
-// readRecord fetches the sandbox's baseline record: ok false when there is none.
+// readRecord fetches the sandbox's baseline record: ok false when there is none. It reads at most
+// baseline.MaxRecordBytes of it: the sandbox may have put a file of any size there, which the
+// download would otherwise hold whole in memory.
 func readRecord(ctx context.Context, dp *backend.Remote) (baseline.Record, bool, error) {
-	var buf bytes.Buffer
-	if _, err := dp.Download(ctx, RecordPath, &buf); err != nil {
+	buf := &cappedBuffer{max: baseline.MaxRecordBytes}
+	if _, err := dp.Download(ctx, RecordPath, buf); err != nil {
 		var pe *protocol.Error
 		switch {
+		case errors.Is(err, errRecordTooBig):
+			return baseline.Record{}, true, fmt.Errorf("%w (it is over %d MiB)", baseline.ErrDamaged, baseline.MaxRecordBytes>>20)
 		case errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound:
 			return baseline.Record{}, false, nil
 		case errors.As(err, &pe) && (pe.Code == protocol.CodeInvalidPath || pe.Code == protocol.CodeInvalidArgument):
@@ -95,6 +99,22 @@ func readRecord(ctx context.Context, dp *backend.Remote) (baseline.Record, bool,
 		return baseline.Record{}, true, err
 	}
 	return rec, true, nil
+}
+
+// errRecordTooBig stops a record's download at baseline.MaxRecordBytes.
+var errRecordTooBig = errors.New("the baseline record is too big")
+
+// cappedBuffer is a bytes.Buffer that takes at most max bytes, then fails the write.
+type cappedBuffer struct {
+	bytes.Buffer
+	max int
+}
+
+func (b *cappedBuffer) Write(p []byte) (int, error) {
+	if b.Len()+len(p) > b.max {
+		return 0, errRecordTooBig
+	}
+	return b.Buffer.Write(p)
 }
 
 // Push sends the repository's snapshot to the sandbox's workspace: everything the first time,

@@ -51,8 +51,15 @@ type HTTPConfig struct {
 	Options Options
 	// SessionTimeout closes a session idle this long (default 30 minutes).
 	SessionTimeout time.Duration
-	Logger         *slog.Logger
+	// MaxSessionsPerToken bounds the sessions one token holds open at once (default
+	// DefaultMaxSessionsPerToken).
+	MaxSessionsPerToken int
+	Logger              *slog.Logger
 }
+
+// DefaultMaxSessionsPerToken is HTTPConfig.MaxSessionsPerToken's default: the dataplane's
+// connections per credential, which a session's tool calls open one of.
+const DefaultMaxSessionsPerToken = 256
 
 // HTTP serves MCP over Streamable HTTP. Each session belongs to one delegation token (its jti): the
 // SDK refuses a session's id to any other token. A session's dataplane connection is opened with
@@ -71,7 +78,17 @@ type HTTP struct {
 	// ended remembers why sessions the broker ended did end, until their token would have expired,
 	// so that the session's next request hears why rather than "session not found".
 	ended map[string]endedSession
+	// open counts the sessions each token (jti) holds, from the request that opens one until it
+	// ends. Each idle session holds the SDK's goroutine and buffers for SessionTimeout: unbounded,
+	// one token at its request rate held hundreds of thousands of them.
+	open map[string]int
 }
+
+// opening is what a session-opening request learns on its way through the SDK: the server that
+// took it, whose session it then watches.
+type opening struct{ srv *sdk.Server }
+
+type openingKey struct{}
 
 // maxCachedServers bounds the servers kept by tool set; past it a server is built per session.
 const maxCachedServers = 256
@@ -106,10 +123,14 @@ func NewHTTP(cfg HTTPConfig) *HTTP {
 	if cfg.Options.MaxArgBytes <= 0 {
 		cfg.Options.MaxArgBytes = DefaultMaxArgBytes
 	}
+	if cfg.MaxSessionsPerToken <= 0 {
+		cfg.MaxSessionsPerToken = DefaultMaxSessionsPerToken
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	h := &HTTP{cfg: cfg, servers: map[string]*sdk.Server{}, sessions: map[string]*httpSession{}, ended: map[string]endedSession{}}
+	h := &HTTP{cfg: cfg, servers: map[string]*sdk.Server{}, sessions: map[string]*httpSession{}, ended: map[string]endedSession{},
+		open: map[string]int{}}
 	sh := sdk.NewStreamableHTTPHandler(h.server, &sdk.StreamableHTTPOptions{
 		Logger:         cfg.Logger,
 		SessionTimeout: cfg.SessionTimeout,
@@ -162,8 +183,56 @@ func (h *HTTP) Serve(w http.ResponseWriter, r *http.Request) error {
 		defer rw.finish()
 		w = rw
 	}
+	if r.Method == http.MethodPost && r.Header.Get("Mcp-Session-Id") == "" {
+		id, _ := identityOf(r.Context())
+		if !h.reserve(id.JTI) {
+			return protocol.Errorf(protocol.CodeTooManyConnections, "this token holds %d MCP sessions open, the most: end one (DELETE it with its Mcp-Session-Id) or let one idle out (after %s)",
+				h.cfg.MaxSessionsPerToken, h.cfg.SessionTimeout)
+		}
+		o := &opening{}
+		r = r.WithContext(context.WithValue(r.Context(), openingKey{}, o))
+		defer h.opened(id.JTI, o, w.Header().Get)
+	}
 	h.handler.ServeHTTP(w, r)
 	return nil
+}
+
+// reserve takes a place among jti's open sessions, or says there is none.
+func (h *HTTP) reserve(jti string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.open[jti] >= h.cfg.MaxSessionsPerToken {
+		return false
+	}
+	h.open[jti]++
+	return true
+}
+
+// release gives back a place reserve took.
+func (h *HTTP) release(jti string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.open[jti]--; h.open[jti] <= 0 {
+		delete(h.open, jti)
+	}
+}
+
+// opened keeps the place a session-opening request reserved while the session it opened lives,
+// and gives it back at once when it opened none.
+func (h *HTTP) opened(jti string, o *opening, header func(string) string) {
+	sid := header("Mcp-Session-Id")
+	if sid != "" && o.srv != nil {
+		for ss := range o.srv.Sessions() {
+			if ss.ID() == sid {
+				go func() {
+					ss.Wait()
+					h.release(jti)
+				}()
+				return
+			}
+		}
+	}
+	h.release(jti)
 }
 
 // requestID is the id of a single JSON-RPC request, or nil.
@@ -259,6 +328,15 @@ func (h *HTTP) server(r *http.Request) *sdk.Server {
 	if !ok {
 		return nil
 	}
+	srv := h.serverFor(id)
+	if o, ok := r.Context().Value(openingKey{}).(*opening); ok {
+		o.srv = srv
+	}
+	return srv
+}
+
+// serverFor is the MCP server of id's tool set.
+func (h *HTTP) serverFor(id Identity) *sdk.Server {
 	key := strings.Join(id.Scopes, " ") + "\x00" + strings.Join(id.AllowCmd, "\x00")
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -728,3 +728,68 @@ func TestSessionBoundToToken(t *testing.T) {
 		t.Errorf("the session's own token: %v", err)
 	}
 }
+
+// TestSessionsPerTokenBounded: a token holds at most the dataplane's connections per credential in
+// MCP sessions at once. Each idle session holds the SDK's goroutine and buffers until it idles out
+// (30 minutes): a delegate opening sessions at its request rate held hundreds of thousands. Past
+// the bound an opening is refused with too_many_connections; ending a session frees its place, and
+// another token is not affected.
+func TestSessionsPerTokenBounded(t *testing.T) {
+	f := newFixtureWith(t, servertest.Options{Dataplane: server.DataplaneLimits{PerCredential: 3}})
+	m := f.mint(t, []string{protocol.ScopeFSRead})
+	initialize := func(token string) (int, string, string) {
+		req, _ := http.NewRequest("POST", f.mcpURL(), strings.NewReader(`{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"x","version":"1"}}}`))
+		req.Header.Set("Authorization", "Bearer "+token)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, resp.Header.Get("Mcp-Session-Id"), string(body)
+	}
+	end := func(token, sid string) {
+		req, _ := http.NewRequest("DELETE", f.mcpURL(), nil)
+		req.Header.Set("Authorization", "Bearer "+token)
+		req.Header.Set("Mcp-Session-Id", sid)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	var sids []string
+	for range 3 {
+		status, sid, body := initialize(m.Token)
+		if status != 200 || sid == "" {
+			t.Fatalf("opening a session: %d %q %s", status, sid, body)
+		}
+		sids = append(sids, sid)
+	}
+	t.Cleanup(func() {
+		for _, sid := range sids {
+			end(m.Token, sid)
+		}
+	})
+	status, _, body := initialize(m.Token)
+	if status != http.StatusTooManyRequests || !strings.Contains(body, protocol.CodeTooManyConnections) {
+		t.Fatalf("a fourth session: %d %s; want 429 too_many_connections", status, body)
+	}
+	other := f.mint(t, []string{protocol.ScopeFSRead})
+	if status, sid, body := initialize(other.Token); status != 200 {
+		t.Fatalf("another token: %d %s", status, body)
+	} else {
+		end(other.Token, sid)
+	}
+	end(m.Token, sids[0])
+	sids = sids[1:]
+	eventually(t, "a place freed by an ended session", func() bool {
+		status, sid, _ := initialize(m.Token)
+		if status == 200 {
+			sids = append(sids, sid)
+		}
+		return status == 200
+	})
+}

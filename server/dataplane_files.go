@@ -92,13 +92,16 @@ func opUploadOpen(_ context.Context, c *dpConn, r *request, a protocol.UploadArg
 // chunkPool holds download buffers: a frame header followed by one chunk.
 var chunkPool = sync.Pool{New: func() any { b := make([]byte, protocol.FrameHeaderLen+dpChunkBytes); return &b }}
 
-// opDownload streams a file in data frames, each counted against the connection's queue.
+// opDownload streams a file in data frames, each counted against the connection's queue. It sends
+// at most the size the file had when opened: a process in the sandbox appending as fast as the
+// file is read would otherwise make the download endless.
 func opDownload(ctx context.Context, c *dpConn, r *request, a protocol.DownloadArgs) (any, error) {
-	f, info, err := c.files.OpenRead(a.Path)
+	rc, info, err := c.files.OpenRead(a.Path)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
+	defer rc.Close()
+	f := io.LimitReader(rc, info.Size)
 	var size int64
 	for {
 		// The chunk is counted against the connection's queue from before it is filled: a client

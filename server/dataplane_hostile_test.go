@@ -858,6 +858,10 @@ func TestDataplanePathAttacks(t *testing.T) {
 		// A delete or a move of such a path is refused too: one ending in /. (invalid_path) is
 		// never acted on under its cleaned name, and a link is not the directory a trailing /
 		// names (not_directory). Either changes nothing; without them the link itself goes.
+		moveOntoCodes := []string{"", "invalid_path"}
+		if strings.HasSuffix(p, "/") {
+			moveOntoCodes = []string{"not_directory"}
+		}
 		removeCodes := []string{""}
 		switch {
 		case strings.HasSuffix(p, "/."):
@@ -877,8 +881,9 @@ func TestDataplanePathAttacks(t *testing.T) {
 			attack{"mkdir", map[string]any{"path": p}, []string{"invalid_path", "file_exists"}},
 			attack{"mkdir", map[string]any{"path": p, "parents": true}, []string{"invalid_path", "file_exists"}},
 			attack{"move", map[string]any{"from": p, "to": "stolen"}, removeCodes},
-			// Renaming onto a link replaces the link, never its target.
-			attack{"move", map[string]any{"from": "ok.txt", "to": p, "overwrite": true}, []string{"", "invalid_path"}},
+			// Renaming onto a link replaces the link, never its target; a file renamed onto a
+			// name ending in / is not_directory (rename(2)'s ENOTDIR), and nothing changes.
+			attack{"move", map[string]any{"from": "ok.txt", "to": p, "overwrite": true}, moveOntoCodes},
 			attack{"upload", map[string]any{"path": p}, writeCodes},
 			attack{"glob", map[string]any{"pattern": "*", "path": p}, invalid},
 			attack{"glob", map[string]any{"pattern": p}, []string{""}},

@@ -337,3 +337,50 @@ func TestDataplaneExecInvalidRequest(t *testing.T) {
 		}
 	}
 }
+
+// TestDataplaneDownloadEndsAtItsSizeWhenOpened: a download sends the file as big as it was when it
+// was opened. A process in the sandbox that keeps appending to a file (a log, or a hostile one
+// appending as fast as it is read) would otherwise make its download endless: the client's disk
+// fills and the connection's slot is held for good. Bytes appended after the open are not sent.
+func TestDataplaneDownloadEndsAtItsSizeWhenOpened(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, url := newSandbox(t, b, "growing")
+	ws := workspaceDir(b, id)
+	// Far more than the connection's write queue: the broker has not read the end when the client
+	// takes its first chunk, so the append below lands before the broker reaches it.
+	const size = 64 << 20
+	f, err := os.Create(filepath.Join(ws, "grows.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	c := dialRaw(t, url, b.Client.APIKey())
+	c.sendJSON(protocol.Request{ID: 1, Op: "download", Args: map[string]any{"path": "grows.log"}})
+	for len(c.bins[1]) == 0 {
+		if err := c.readOne(10 * time.Second); err != nil {
+			t.Fatalf("waiting for the first chunk: %v", err)
+		}
+	}
+	if _, err := f.WriteAt(bytes.Repeat([]byte("appended\n"), 1<<17), size); err != nil {
+		t.Fatal(err)
+	}
+	got := c.await(1)
+	if got.Error != nil {
+		t.Fatalf("download: %s", got)
+	}
+	var res protocol.DownloadResult
+	if err := json.Unmarshal(got.Result, &res); err != nil {
+		t.Fatal(err)
+	}
+	sent := 0
+	for _, bin := range got.bin {
+		sent += len(bin) - 1
+	}
+	if res.Size != size || sent != size {
+		t.Fatalf("download sent %d bytes and answered size %d; want the %d the file had when opened", sent, res.Size, size)
+	}
+}

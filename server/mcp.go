@@ -24,7 +24,7 @@ type mcpFront struct {
 
 func (s *Server) newMCP() {
 	s.mcp = &mcpFront{}
-	s.mcp.http = mcp.NewHTTP(mcp.HTTPConfig{Open: s.openLocal, Logger: s.log})
+	s.mcp.http = mcp.NewHTTP(mcp.HTTPConfig{Open: s.openLocal, Logger: s.log, MaxSessionsPerToken: s.dpLimits.PerCredential})
 }
 
 var errMCPNoToken = protocol.Errorf(protocol.CodeUnauthenticated,

@@ -6,3 +6,24 @@ func SetMaxDirs(n int) func() {
 	maxDirs = n
 	return func() { maxDirs = old }
 }
+
+// BeforeDirOpen calls hook with a directory's name after Add has looked at it and before it opens
+// it: the moment a sandbox could swap it for something else. It returns the undo.
+func BeforeDirOpen(hook func(rel string)) func() {
+	testHookDirOpen = hook
+	return func() { testHookDirOpen = nil }
+}
+
+// SetMaxNamesHeld lowers the bound on the names one Add holds and returns the undo.
+func SetMaxNamesHeld(n int64) func() {
+	old := maxNamesHeld
+	maxNamesHeld = n
+	return func() { maxNamesHeld = old }
+}
+
+// SetMaxNamesRemembered lowers the bound on the names one Extract remembers and returns the undo.
+func SetMaxNamesRemembered(n int64) func() {
+	old := maxNamesRemembered
+	maxNamesRemembered = n
+	return func() { maxNamesRemembered = old }
+}

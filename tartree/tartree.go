@@ -78,6 +78,12 @@ type ExtractOptions struct {
 // the end): each is a real directory on disk, but the list lives in the broker's memory.
 var maxDirs = 200_000
 
+// maxNamesRemembered bounds the bytes of names one extraction remembers: its directories' and the
+// symlinks it created (an entry below one is refused). maxDirs counts directories, but a name may
+// be 4096 bytes, and each symlink costs only an inode: without it one archive made the broker hold
+// a few GB of names.
+var maxNamesRemembered int64 = 32 << 20
+
 // dirMeta is a directory's mode and mtime, applied once everything inside it is written.
 type dirMeta struct {
 	name  string
@@ -86,10 +92,10 @@ type dirMeta struct {
 }
 
 // Extract unpacks the tar stream r into root. Every name is relative to root; an entry that is
-// absolute, climbs with "..", has control characters or invalid UTF-8 in its name, is a device node
-// or a FIFO, is a hard link leaving the archive's tree, or goes through a symbolic link the archive
-// itself created is refused with an invalid_argument error, and extraction stops there. Whatever
-// the archive says, nothing outside root changes: every operation goes through the os.Root, which
+// absolute, climbs with "..", has control characters or invalid UTF-8 in its name, is a device
+// node, a FIFO or a sparse file, is a hard link leaving the archive's tree, or goes through a
+// symbolic link the archive itself created is refused with an invalid_argument error, and
+// extraction stops there. Whatever the archive says, nothing outside root changes: every operation goes through the os.Root, which
 // never follows a link out of it, or (on Linux) through directories opened from it one component
 // at a time without following any link. Entries before a refused one stay extracted. Regular files and
 // symlinks replace what is at their name (a directory is never replaced); the archive's owners are
@@ -100,6 +106,19 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// links are the symlinks this archive created: an entry below one of them would be written
 	// through it (the classic "link, then a file through the link" attack).
 	links := map[string]bool{}
+	var remembered int64 // bytes of the names in links and dirs (maxNamesRemembered)
+	remember := func(name string) error {
+		if remembered += nameCost(name); remembered > maxNamesRemembered {
+			return refuse(name, "the archive has more directories and symbolic links than one extraction remembers (%d MiB of their names); copy the tree in parts", maxNamesRemembered>>20)
+		}
+		return nil
+	}
+	forgetLink := func(name string) {
+		if links[name] {
+			delete(links, name)
+			remembered -= nameCost(name)
+		}
+	}
 	var dirs []dirMeta
 	// dirAt indexes dirs by name: an archive that names one directory a million times (no disk
 	// used, so no quota stops it) keeps one entry, the last one's mode and mtime, like tar.
@@ -132,13 +151,16 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 		if through := underLink(name, links); through != "" {
 			return st, refuse(hdr.Name, "it lies under %s, a symbolic link created earlier in the same archive", quote(through))
 		}
+		if isSparse(hdr) {
+			return st, refuse(hdr.Name, "it is a sparse file, whose holes would be written out as zeros (a few bytes of archive can declare terabytes); archive it without --sparse")
+		}
 		perm := fs.FileMode(hdr.Mode) & fs.ModePerm
 		switch hdr.Typeflag {
 		case tar.TypeDir:
 			if err := t.dir(name); err != nil {
 				return st, err
 			}
-			delete(links, name)
+			forgetLink(name)
 			if i, ok := dirAt[name]; ok {
 				dirs[i] = dirMeta{name, perm, hdr.ModTime}
 				continue
@@ -146,16 +168,19 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if len(dirs) >= maxDirs {
 				return st, refuse(hdr.Name, "the archive has more than %d directories; copy the tree in parts", maxDirs)
 			}
+			if err := remember(name); err != nil {
+				return st, err
+			}
 			dirAt[name] = len(dirs)
 			dirs = append(dirs, dirMeta{name, perm, hdr.ModTime})
 			st.Dirs++
-		case tar.TypeReg, tar.TypeGNUSparse, '\x00':
+		case tar.TypeReg, '\x00':
 			n, err := t.file(ctx, name, tr, hdr.Size, perm, hdr.ModTime, buf)
 			st.Bytes += n
 			if err != nil {
 				return st, err
 			}
-			delete(links, name)
+			forgetLink(name)
 			st.Files++
 		case tar.TypeSymlink:
 			if err := checkText(hdr.Linkname); err != nil {
@@ -166,6 +191,11 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			}
 			if err := t.symlink(hdr.Linkname, name); err != nil {
 				return st, err
+			}
+			if !links[name] {
+				if err := remember(name); err != nil {
+					return st, err
+				}
 			}
 			links[name] = true
 			st.Symlinks++
@@ -216,6 +246,20 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 		}
 	}
 	return st, nil
+}
+
+// isSparse reports a sparse entry: GNU's old type 'S', or PAX's GNU.sparse records (formats 0.0 to
+// 1.0), which archive/tar reads back as the file's full size with its holes as zeros.
+func isSparse(hdr *tar.Header) bool {
+	if hdr.Typeflag == tar.TypeGNUSparse {
+		return true
+	}
+	for k := range hdr.PAXRecords {
+		if strings.HasPrefix(k, "GNU.sparse.") {
+			return true
+		}
+	}
+	return false
 }
 
 // readErr is the answer for a stream archive/tar cannot read.
@@ -546,11 +590,46 @@ func owner(id int) int {
 func Add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string) (Stats, error) {
 	var st Stats
 	buf := make([]byte, 256<<10)
-	err := add(ctx, tw, root, rel, name, &st, buf)
+	namesLeft := maxNamesHeld
+	err := add(ctx, tw, root, rel, name, &st, buf, &namesLeft)
 	return st, err
 }
 
-func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, st *Stats, buf []byte) error {
+// maxNamesHeld bounds the memory of the names one Add holds: a directory's names are read whole
+// and sorted before its entries are written, and those of every directory above it are held
+// meanwhile. Unbounded, one directory of a few hundred thousand long names (a sandbox chooses its
+// tree) held hundreds of MB per tar, and a client may run two on each of its connections.
+var maxNamesHeld int64 = 16 << 20
+
+// nameCost is what holding one name costs: its bytes and its string header.
+func nameCost(n string) int64 { return int64(len(n)) + 16 }
+
+// readNames reads the names of the directory d in batches, drawing on left, and sorts them; past
+// left it stops with an error naming the limit.
+func readNames(ctx context.Context, d *os.File, rel string, left *int64) ([]string, error) {
+	var names []string
+	for {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		batch, err := d.Readdirnames(1024)
+		for _, n := range batch {
+			if *left -= nameCost(n); *left < 0 {
+				return nil, protocol.Errorf(protocol.CodeInvalidArgument, "%s has more entries than one tar lists at once (%d MiB of names, with the directories above it): archive its parts separately", quote(rel), maxNamesHeld>>20)
+			}
+		}
+		names = append(names, batch...)
+		if errors.Is(err, io.EOF) || err == nil && len(batch) == 0 {
+			slices.Sort(names)
+			return names, nil
+		}
+		if err != nil {
+			return nil, &EntryError{rel, err}
+		}
+	}
+}
+
+func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, st *Stats, buf []byte, namesLeft *int64) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -566,26 +645,38 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 	hdr := &tar.Header{Name: name, Mode: int64(fi.Mode().Perm()), ModTime: fi.ModTime(), Format: tar.FormatPAX}
 	switch m := fi.Mode(); {
 	case m.IsDir():
+		if testHookDirOpen != nil {
+			testHookDirOpen(rel)
+		}
+		d, err := root.OpenFile(rel, os.O_RDONLY|dirFlags, 0)
+		if err != nil {
+			return &EntryError{rel, err}
+		}
+		// os.Root follows a link inside the tree whatever the flags: one swapped in since the
+		// lstat is skipped like any other swap, not archived as the directory it leads to.
+		if now, err := d.Stat(); err != nil || !os.SameFile(fi, now) {
+			d.Close()
+			st.Skipped++
+			return nil
+		}
+		names, err := readNames(ctx, d, rel, namesLeft)
+		d.Close()
+		if err != nil {
+			return err
+		}
 		hdr.Typeflag = tar.TypeDir
 		hdr.Name += "/"
 		if err := tw.WriteHeader(hdr); err != nil {
 			return err
 		}
 		st.Dirs++
-		d, err := root.Open(rel)
-		if err != nil {
-			return &EntryError{rel, err}
-		}
-		names, err := d.Readdirnames(-1)
-		d.Close()
-		if err != nil {
-			return &EntryError{rel, err}
-		}
-		slices.Sort(names)
 		for _, n := range names {
-			if err := add(ctx, tw, root, join(rel, n), name+"/"+n, st, buf); err != nil {
+			if err := add(ctx, tw, root, join(rel, n), name+"/"+n, st, buf, namesLeft); err != nil {
 				return err
 			}
+		}
+		for _, n := range names {
+			*namesLeft += nameCost(n) // given back as the directory is done
 		}
 		return nil
 	case m&fs.ModeSymlink != 0:
@@ -602,14 +693,15 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 			return &EntryError{rel, err}
 		}
 		defer f.Close()
-		fi, err := f.Stat()
+		now, err := f.Stat()
 		if err != nil {
 			return &EntryError{rel, err}
 		}
-		if !fi.Mode().IsRegular() {
-			st.Skipped++ // swapped for something else since the lstat
+		if !now.Mode().IsRegular() || !os.SameFile(fi, now) {
+			st.Skipped++ // swapped for something else (a link the root followed) since the lstat
 			return nil
 		}
+		fi = now
 		hdr.Typeflag, hdr.Size, hdr.Mode, hdr.ModTime = tar.TypeReg, fi.Size(), int64(fi.Mode().Perm()), fi.ModTime()
 		if err := tw.WriteHeader(hdr); err != nil {
 			return err
@@ -628,6 +720,9 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 	st.Skipped++
 	return nil
 }
+
+// testHookDirOpen, when a test sets it, runs between a directory's lstat and its open.
+var testHookDirOpen func(rel string)
 
 func join(dir, name string) string {
 	if dir == "." || dir == "" {

@@ -3,6 +3,8 @@ package tartree_test
 import (
 	"archive/tar"
 	"bytes"
+	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -11,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/tartree"
 )
 
@@ -166,5 +169,228 @@ func TestAddStopsAtTheNameLimit(t *testing.T) {
 	_, err = tartree.Add(t.Context(), tw, root, long, long)
 	if err == nil || !strings.Contains(err.Error(), "over 4096 bytes") {
 		t.Fatalf("err = %v, want the name limit", err)
+	}
+}
+
+// TestAddDirSwappedForFIFOOrLink: a directory the sandbox swaps for a FIFO, or for a link, after Add
+// looked at it is never archived as what came in its place: an open for reading of a FIFO would
+// wait for a writer for good (the broker's thread and the tar's slot with it), and a link would be
+// archived as the directory it leads to. It is an error or skipped.
+func TestAddDirSwappedForFIFOOrLink(t *testing.T) {
+	for _, swapIn := range []string{"fifo", "link"} {
+		t.Run(swapIn, func(t *testing.T) {
+			dir := t.TempDir()
+			if err := os.MkdirAll(filepath.Join(dir, "d"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.MkdirAll(filepath.Join(dir, "other"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, "other", "secret.txt"), []byte("not under d"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			root, err := os.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			defer tartree.BeforeDirOpen(func(rel string) {
+				if rel != "d" {
+					return
+				}
+				if err := os.Remove(filepath.Join(dir, "d")); err != nil {
+					t.Error(err)
+				}
+				if swapIn == "fifo" {
+					err = unix.Mkfifo(filepath.Join(dir, "d"), 0o644)
+				} else {
+					err = os.Symlink("other", filepath.Join(dir, "d"))
+				}
+				if err != nil {
+					t.Error(err)
+				}
+			})()
+			done := make(chan error, 1)
+			var out bytes.Buffer
+			var st tartree.Stats
+			go func() {
+				var err error
+				st, err = tartree.Add(t.Context(), tar.NewWriter(&out), root, "d", "d")
+				done <- err
+			}()
+			select {
+			case err = <-done:
+			case <-t.Context().Done():
+			}
+			if err == nil && st.Dirs+st.Files != 0 {
+				t.Fatalf("a directory swapped for a %s was archived: %+v", swapIn, st)
+			}
+			if strings.Contains(out.String(), "not under d") {
+				t.Fatalf("the archive holds what the link leads to")
+			}
+		})
+	}
+}
+
+// rawBlock is a tar header block built by hand, for the forms archive/tar's writer no longer makes.
+func rawBlock(name string, typeflag byte, size int64, magic string, fill func(blk []byte)) []byte {
+	blk := make([]byte, 512)
+	copy(blk[0:], name)
+	copy(blk[100:], "0000644\x00")
+	copy(blk[108:], "0000000\x00")
+	copy(blk[116:], "0000000\x00")
+	copy(blk[124:], fmt.Sprintf("%011o\x00", size))
+	copy(blk[136:], "00000000000\x00")
+	blk[156] = typeflag
+	copy(blk[257:], magic)
+	if fill != nil {
+		fill(blk)
+	}
+	copy(blk[148:], "        ")
+	sum := 0
+	for _, b := range blk {
+		sum += int(b)
+	}
+	copy(blk[148:], fmt.Sprintf("%06o\x00 ", sum))
+	return blk
+}
+
+func padBlock(b []byte) []byte { return append(b, make([]byte, (512-len(b)%512)%512)...) }
+
+// TestExtractRefusesSparseFiles: a sparse entry (GNU's old 'S' type, or PAX's GNU.sparse records)
+// of a kilobyte can declare a terabyte of holes, which archive/tar hands over as zeros: the broker
+// would write them all, filling the workspace's disk quota (a sparse image on the host's disk) from
+// a few bytes of upload. They are refused, and nothing is written.
+func TestExtractRefusesSparseFiles(t *testing.T) {
+	const holes = 64 << 20
+	gnu := rawBlock("gnu.bin", 'S', 0, "ustar  \x00", func(blk []byte) {
+		copy(blk[386:], fmt.Sprintf("%011o\x00", holes)) // one empty fragment, at the end
+		copy(blk[398:], "00000000000\x00")
+		copy(blk[483:], fmt.Sprintf("%011o\x00", holes)) // the real size
+	})
+	gnu = append(gnu, make([]byte, 1024)...)
+
+	var records []byte
+	for _, kv := range [][2]string{{"GNU.sparse.major", "1"}, {"GNU.sparse.minor", "0"}, {"GNU.sparse.name", "pax.bin"}, {"GNU.sparse.realsize", fmt.Sprint(holes)}} {
+		rec := " " + kv[0] + "=" + kv[1] + "\n"
+		n := len(rec) + 1
+		for len(fmt.Sprint(n))+len(rec) != n {
+			n++
+		}
+		records = append(records, fmt.Sprint(n)+rec...)
+	}
+	sparseMap := padBlock([]byte(fmt.Sprintf("1\n%d\n0\n", holes)))
+	var pax []byte
+	pax = append(pax, rawBlock("PaxHeaders/pax.bin", 'x', int64(len(records)), "ustar\x0000", nil)...)
+	pax = append(pax, padBlock(records)...)
+	pax = append(pax, rawBlock("pax.bin", '0', int64(len(sparseMap)), "ustar\x0000", nil)...)
+	pax = append(pax, sparseMap...)
+	pax = append(pax, make([]byte, 1024)...)
+
+	for name, a := range map[string][]byte{"gnu.bin": gnu, "pax.bin": pax} {
+		t.Run(name, func(t *testing.T) {
+			// The archive is what the test means: archive/tar reads it as that many bytes of holes.
+			tr := tar.NewReader(bytes.NewReader(a))
+			if _, err := tr.Next(); err != nil {
+				t.Fatal(err)
+			}
+			if n, err := io.Copy(io.Discard, tr); err != nil || n != holes {
+				t.Fatalf("the archive reads as %d bytes (%v), want %d", n, err, holes)
+			}
+			dir := t.TempDir()
+			root, err := os.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			st, err := tartree.Extract(t.Context(), root, bytes.NewReader(a), tartree.ExtractOptions{})
+			var pe *protocol.Error
+			if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "sparse") {
+				t.Fatalf("Extract = %+v, %v; want invalid_argument naming the sparse entry", st, err)
+			}
+			if _, err := os.Lstat(filepath.Join(dir, name)); !os.IsNotExist(err) {
+				t.Fatalf("the sparse file was written: %v", err)
+			}
+		})
+	}
+}
+
+// TestAddBoundsTheNamesItHolds: a directory's names are read whole (to sort them) while those of
+// the directories above it are held: past a bound, Add stops with an error that says to archive
+// the parts, instead of holding whatever a sandbox's tree makes it read. Names of a directory done
+// are given back, so siblings that each fit do.
+func TestAddBoundsTheNamesItHolds(t *testing.T) {
+	defer tartree.SetMaxNamesHeld(16 << 10)()
+	dir := t.TempDir()
+	for _, sub := range []string{"a", "b"} {
+		for i := range 300 { // 300 × (10 + 16) bytes: about half the bound each
+			p := filepath.Join(dir, "fits", sub, fmt.Sprintf("file-%05d", i))
+			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(p, nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for i := range 1000 {
+		if err := os.MkdirAll(filepath.Join(dir, "huge", fmt.Sprintf("entry-%05d", i)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	st, err := tartree.Add(t.Context(), tar.NewWriter(io.Discard), root, "fits", "fits")
+	if err != nil || st.Files != 600 {
+		t.Fatalf("two directories that each fit: %+v, %v", st, err)
+	}
+	_, err = tartree.Add(t.Context(), tar.NewWriter(io.Discard), root, "huge", "huge")
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "archive its parts") {
+		t.Fatalf("a directory past the bound: %v; want invalid_argument saying to archive its parts", err)
+	}
+}
+
+// TestExtractBoundsTheNamesItRemembers: the directories (for their modes and mtimes at the end) and
+// the symlinks (to refuse entries below them) an extraction remembers are bounded in bytes, not
+// only in count: a name may be 4096 bytes and a symlink costs the archive only an inode, so an
+// archive of long-named ones made the broker hold GBs. Past the bound the archive is refused with
+// a clear error; names of links replaced are given back.
+func TestExtractBoundsTheNamesItRemembers(t *testing.T) {
+	defer tartree.SetMaxNamesRemembered(4 << 10)()
+	long := strings.Repeat("n", 250)
+	for kind, typeflag := range map[string]byte{"dirs": tar.TypeDir, "symlinks": tar.TypeSymlink} {
+		t.Run(kind, func(t *testing.T) {
+			root, err := os.OpenRoot(t.TempDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			var hdrs []tar.Header
+			for i := range 40 { // 40 × 266 bytes, past 4 KiB
+				hdrs = append(hdrs, tar.Header{Typeflag: typeflag, Name: fmt.Sprintf("%s%02d", long, i), Linkname: "target", Mode: 0o755})
+			}
+			_, err = tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{})
+			var pe *protocol.Error
+			if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "copy the tree in parts") {
+				t.Fatalf("40 long names: %v; want invalid_argument saying to copy in parts", err)
+			}
+		})
+	}
+	// One link replaced 40 times by a file and made again is remembered once.
+	root, err := os.OpenRoot(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	var hdrs []tar.Header
+	for range 40 {
+		hdrs = append(hdrs, tar.Header{Typeflag: tar.TypeSymlink, Name: long, Linkname: "target"}, tar.Header{Typeflag: tar.TypeReg, Name: long})
+	}
+	if _, err := tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{}); err != nil {
+		t.Fatalf("one name replaced 40 times: %v", err)
 	}
 }

@@ -246,6 +246,12 @@ git init -q . && git config user.email a@b && git config user.name a && git add 
 	if r := b.sbctl("push", "box", repo); r.code == 0 || !strings.Contains(r.stderr, "damaged") {
 		t.Fatalf("push with a damaged baseline: %+v", r)
 	}
+	// A baseline over 64 MiB (sparse here; it could be a terabyte) is refused as such once push
+	// has read 64 MiB of it: push reads no more of what the sandbox put there into memory.
+	b.ok("exec", "box", "-c", "rm .sbx/baseline && truncate -s 128M .sbx/baseline")
+	if r := b.sbctl("push", "box", repo); r.code == 0 || !strings.Contains(r.stderr, "damaged") || !strings.Contains(r.stderr, "64 MiB") {
+		t.Fatalf("push with a baseline of 128 MiB: %+v", r)
+	}
 	b.ok("exec", "box", "-c", "rm .sbx/baseline && ln -s /etc/shadow .sbx/baseline")
 	if r := b.sbctl("diff", "box", "--dir", repo); r.code == 0 || !strings.Contains(r.stderr, "damaged") {
 		t.Fatalf("diff with a baseline symlink: %+v", r)

@@ -291,6 +291,12 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 			return protocol.TreeResult{}, usageErr("%s:%s is not a directory (a trailing / names one)", ref, given)
 		}
 		dir, as = path.Dir(path.Clean(dst)), path.Base(path.Clean(dst))
+	case errors.As(err, &pe) && pe.Code == protocol.CodeNotDirectory && strings.HasSuffix(dst, "/"):
+		// The broker's stat answers not_directory for "file/"; a file by that name says why here.
+		if fi, serr := r.Stat(ctx, strings.TrimRight(dst, "/")); serr == nil && fi.Type != protocol.FileTypeDir {
+			return protocol.TreeResult{}, usageErr("%s:%s is not a directory (a trailing / names one)", ref, given)
+		}
+		return protocol.TreeResult{}, err
 	default:
 		return protocol.TreeResult{}, err
 	}

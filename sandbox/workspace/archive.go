@@ -27,9 +27,9 @@ func (w *Workspace) Extract(ctx context.Context, dir string, r io.Reader) (proto
 			return protocol.TreeResult{}, fsErr(sp, err)
 		}
 	}
-	sub, err := w.root.OpenRoot(rel)
+	sub, err := w.openTree(rel, sp)
 	if err != nil {
-		return protocol.TreeResult{}, fsErr(sp, err)
+		return protocol.TreeResult{}, err
 	}
 	defer sub.Close()
 	st, err := tartree.Extract(ctx, sub, r, tartree.ExtractOptions{UID: w.opts.UID, GID: w.opts.GID})
@@ -43,6 +43,16 @@ func (w *Workspace) Archive(ctx context.Context, p string, out io.Writer) (proto
 	rel, sp, err := resolve(p)
 	if err != nil {
 		return protocol.TreeResult{}, err
+	}
+	if namesDir(p) {
+		// "f.txt/" names no directory: archiving f.txt under it would act on what open(2) refuses.
+		fi, err := w.root.Stat(rel)
+		if err != nil {
+			return protocol.TreeResult{}, fsErr(sp, err)
+		}
+		if err := fileByName(p, sp, fi); err != nil {
+			return protocol.TreeResult{}, err
+		}
 	}
 	tw := tar.NewWriter(out)
 	st, err := tartree.Add(ctx, tw, w.root, rel, path.Base(sp))

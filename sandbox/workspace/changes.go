@@ -20,9 +20,9 @@ func (w *Workspace) Changes(ctx context.Context, a protocol.ChangesArgs) (protoc
 	if err != nil {
 		return protocol.ChangesResult{}, err
 	}
-	sub, err := w.root.OpenRoot(rel)
+	sub, err := w.openTree(rel, sp)
 	if err != nil {
-		return protocol.ChangesResult{}, fsErr(sp, err)
+		return protocol.ChangesResult{}, err
 	}
 	defer sub.Close()
 	res, err := baseline.Changes(ctx, sub, baseline.Options{MaxEntries: w.opts.MaxScanEntries, Only: a.Paths})

@@ -50,3 +50,33 @@ func TestDeleteAndMoveRefuseDotTails(t *testing.T) {
 		t.Errorf("delete project/sub/: %v", err)
 	}
 }
+
+// A file moved to a destination named as a directory ("f.txt/", "new/") is not_directory, as
+// rename(2) answers ENOTDIR: the cleaned name replaced the file f.txt (with overwrite) or made a
+// file named new. A directory may be so named, as rename(2) allows.
+func TestMoveFileToADirectoryName(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{})
+	put(t, dir, "a.txt", "A")
+	put(t, dir, "f.txt", "F")
+	for _, to := range []string{"f.txt/", "new/", "f.txt//"} {
+		err := w.Move(protocol.MoveArgs{From: "a.txt", To: to, Overwrite: true})
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+	}
+	if c := hostRead(t, filepath.Join(dir, "f.txt")); c != "F" {
+		t.Errorf("f.txt became %q", c)
+	}
+	if c := hostRead(t, filepath.Join(dir, "a.txt")); c != "A" {
+		t.Errorf("a.txt became %q", c)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "new")); !os.IsNotExist(err) {
+		t.Errorf("a file named new was made: %v", err)
+	}
+	if err := os.Mkdir(filepath.Join(dir, "d"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	wantCode(t, w.Move(protocol.MoveArgs{From: "d", To: "d2/"}), "", dir)
+	if fi, err := os.Lstat(filepath.Join(dir, "d2")); err != nil || !fi.IsDir() {
+		t.Errorf("d2: %v %v", fi, err)
+	}
+}

@@ -1,6 +1,7 @@
 package workspace
 
 import (
+	"bytes"
 	"encoding/base64"
 	"errors"
 	"io"
@@ -671,10 +672,65 @@ func TestFileNamedAsADirectory(t *testing.T) {
 	}
 	_, err := w.Read(protocol.ReadArgs{Path: "d/"})
 	wantCode(t, err, protocol.CodeIsDirectory, dir)
+	// Stat, grep and tar answer the same, never describing, searching or archiving the file.
+	symlink(t, "f.txt", filepath.Join(dir, "lf"))
+	symlink(t, "d", filepath.Join(dir, "ld"))
+	for _, p := range []string{"f.txt/", "f.txt/.", "lf/"} {
+		if p != "lf/" { // a link named so is the link itself, below
+			_, err = w.Stat(p)
+			wantCode(t, err, protocol.CodeNotDirectory, dir)
+		}
+		_, err = w.Grep(t.Context(), protocol.GrepArgs{Path: p, Pattern: "content"})
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		var tarred bytes.Buffer
+		_, err = w.Archive(t.Context(), p, &tarred)
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		if tarred.Len() != 0 {
+			t.Errorf("tar of %q wrote %d bytes", p, tarred.Len())
+		}
+	}
+	// A link named with a trailing / is the link itself for stat, as Resolve cleans it.
+	if fi, err := w.Stat("lf/"); err != nil || fi.Type != protocol.FileTypeSymlink {
+		t.Errorf("stat lf/ = %+v, %v; want the link itself", fi, err)
+	}
+	// A link to a directory named with a trailing / is the link (stat) or the directory (the rest).
+	for _, p := range []string{"ld/", "d/", "d/."} {
+		_, err = w.Stat(p)
+		wantCode(t, err, "", dir)
+		_, err = w.Grep(t.Context(), protocol.GrepArgs{Path: p, Pattern: "content"})
+		wantCode(t, err, "", dir)
+		_, err = w.Archive(t.Context(), p, io.Discard)
+		wantCode(t, err, "", dir)
+	}
+	// changes of a file is not_directory, not an internal error.
+	_, err = w.Changes(t.Context(), protocol.ChangesArgs{Path: "f.txt"})
+	wantCode(t, err, protocol.CodeNotDirectory, dir)
 	if c := hostRead(t, filepath.Join(dir, "f.txt")); c != "content\n" {
 		t.Errorf("an edit through f.txt/ changed the file: %q", c)
 	}
 	if r, err := w.Read(protocol.ReadArgs{Path: "f.txt"}); err != nil || r.Content != "content\n" {
 		t.Fatalf("the file itself: %+v %v", r, err)
 	}
+}
+
+// TestEditResultBounded: an edit whose result would pass MaxEditBytes is payload_too_large and
+// changes nothing. The result was built whole in memory first: a one-byte old text replaced
+// everywhere in a file of 8 MiB by a new text of 1 MiB asked the broker for 8 TiB at once, a fatal
+// out-of-memory that no recover catches, ending the broker with every sandbox on it.
+func TestEditResultBounded(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{MaxEditBytes: 1 << 20})
+	content := strings.Repeat("a", 64<<10)
+	put(t, dir, "f.txt", content)
+	_, err := w.Edit(protocol.EditArgs{Path: "f.txt", Old: "a", New: strings.Repeat("b", 1<<10), ReplaceAll: true})
+	wantCode(t, err, protocol.CodeTooLarge, dir)
+	if got := hostRead(t, filepath.Join(dir, "f.txt")); got != content {
+		t.Fatalf("the file changed (%d bytes)", len(got))
+	}
+	// A result of exactly the bound is fine.
+	put(t, dir, "g.txt", strings.Repeat("a", 1<<10))
+	if res, err := w.Edit(protocol.EditArgs{Path: "g.txt", Old: "a", New: strings.Repeat("b", 1<<10), ReplaceAll: true}); err != nil || res.Occurrences != 1<<10 {
+		t.Fatalf("a result of exactly MaxEditBytes: %+v %v", res, err)
+	}
+	noTemps(t, dir)
 }

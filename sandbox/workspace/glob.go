@@ -32,6 +32,28 @@ type pattern struct {
 	// alts holds, for a segment with brace groups ("*.{ts,tsx}"), the brace-free patterns it
 	// expands to; a name matches the segment when it matches any of them. nil for the others.
 	alts [][]string
+	// work is what matching may still spend (Options.MaxMatchWork; unbounded when never set).
+	// Once it is spent nothing matches any more and spent is set: the walk stops, truncated.
+	work  int64
+	spent bool
+}
+
+// budget sets what matching may spend.
+func (p *pattern) budget(work int64) *pattern {
+	p.work = work
+	return p
+}
+
+// match is path.Match, drawing on the budget when one is set.
+func (p *pattern) match(pat, name string) bool {
+	if p.work != 0 || p.spent {
+		if p.work -= int64(len(pat)+1) * int64(len(name)+1); p.work <= 0 {
+			p.work, p.spent = 0, true
+			return false
+		}
+	}
+	ok, _ := path.Match(pat, name)
+	return ok
 }
 
 // states is a set of positions in pattern.segs; position len(segs) means "matched".
@@ -90,11 +112,10 @@ func compilePattern(p string) (*pattern, error) {
 // matchSeg says name matches segment i (not "**").
 func (p *pattern) matchSeg(i int, name string) bool {
 	if p.alts[i] == nil {
-		ok, _ := path.Match(p.segs[i], name)
-		return ok
+		return p.match(p.segs[i], name)
 	}
 	for _, a := range p.alts[i] {
-		if ok, _ := path.Match(a, name); ok {
+		if p.match(a, name) {
 			return true
 		}
 	}
@@ -176,6 +197,7 @@ func (w *Workspace) GlobContext(ctx context.Context, a protocol.GlobArgs) (proto
 	if err != nil {
 		return protocol.GlobResult{}, err
 	}
+	p.budget(w.opts.MaxMatchWork)
 	st := p.start()
 	startRel := baseRel
 	for _, s := range p.literalPrefix() {
@@ -198,7 +220,7 @@ func (w *Workspace) GlobContext(ctx context.Context, a protocol.GlobArgs) (proto
 	if err := g.walk(d, startRel, names, st, 0); err != nil && err != errStop {
 		return protocol.GlobResult{}, err
 	}
-	g.res.Truncated = g.res.Truncated || g.sc.cut
+	g.res.Truncated = g.res.Truncated || g.sc.cut || p.spent
 	return g.res, nil
 }
 
@@ -244,6 +266,9 @@ func (g *globber) walk(d *dir, dirRel string, names []string, st states, depth i
 			return err
 		}
 		next := g.p.step(st, name)
+		if g.p.spent {
+			return errStop
+		}
 		accept, descend := g.p.accepts(next), g.p.live(next) && depth < maxWalkDepth
 		if !accept && !descend {
 			continue // nothing here can match: not even an lstat

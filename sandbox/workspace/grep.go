@@ -8,7 +8,10 @@ import (
 	"io/fs"
 	"path"
 	"regexp"
+	"regexp/syntax"
 	"strings"
+	"time"
+	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -16,6 +19,9 @@ import (
 const (
 	binarySniffBytes = 8 << 10 // a NUL in this prefix marks a file as binary
 	maxMatchText     = 2000    // bytes of a matching line returned
+	// clockEvery is the matching work (bytes times the matcher's cost per byte) between two looks
+	// at the clock: about a millisecond of the slowest matching.
+	clockEvery = 1 << 20
 )
 
 // Grep searches the regular text files under a.Path (a file or a directory, default /workspace)
@@ -42,6 +48,7 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 		if filter, err = compilePattern(a.Glob); err != nil {
 			return protocol.GrepResult{}, err
 		}
+		filter.budget(w.opts.MaxMatchWork)
 		// A pattern without '/' matches file names at any depth, like "*.go" in ripgrep.
 		baseOnly = !strings.Contains(a.Glob, "/")
 	}
@@ -58,7 +65,10 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 	if err != nil {
 		return protocol.GrepResult{}, fsErr(sp, err)
 	}
-	g := &grepper{w: w, sc: w.newScan(ctx), m: m, max: maxCount, filter: filter, baseOnly: baseOnly,
+	if err := fileByName(base, sp, fi); err != nil {
+		return protocol.GrepResult{}, err
+	}
+	g := &grepper{w: w, sc: w.newScan(ctx), m: m, deadline: time.Now().Add(w.opts.MaxGrepTime), max: maxCount, filter: filter, baseOnly: baseOnly,
 		bytesLeft: w.opts.MaxGrepScanBytes, res: protocol.GrepResult{Matches: []protocol.GrepMatch{}}}
 	switch {
 	case fi.Mode().IsRegular():
@@ -86,7 +96,7 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 	if err != nil && err != errStop {
 		return protocol.GrepResult{}, err
 	}
-	g.res.Truncated = g.res.Truncated || g.sc.cut
+	g.res.Truncated = g.res.Truncated || g.sc.cut || filter != nil && filter.spent || g.late
 	return g.res, nil
 }
 
@@ -94,6 +104,9 @@ func (w *Workspace) Grep(ctx context.Context, a protocol.GrepArgs) (protocol.Gre
 type matcher struct {
 	lit []byte         // literal, case-sensitive search
 	re  *regexp.Regexp // everything else
+	// cost estimates the work of matching one byte: the size of the compiled expression, what
+	// RE2's NFA may step through per byte; 1 for a literal.
+	cost int64
 }
 
 func newMatcher(a protocol.GrepArgs) (*matcher, error) {
@@ -101,7 +114,7 @@ func newMatcher(a protocol.GrepArgs) (*matcher, error) {
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the search pattern is empty")
 	}
 	if !a.Regex && !a.IgnoreCase {
-		return &matcher{lit: []byte(a.Pattern)}, nil
+		return &matcher{lit: []byte(a.Pattern), cost: 1}, nil
 	}
 	expr := a.Pattern
 	if !a.Regex {
@@ -115,7 +128,13 @@ func newMatcher(a protocol.GrepArgs) (*matcher, error) {
 		// The regexp error quotes the pattern, which the caller sent: nothing of ours leaks.
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the regular expression is invalid (RE2 syntax): %v", err)
 	}
-	return &matcher{re: re}, nil
+	cost := int64(1)
+	if parsed, err := syntax.Parse(expr, syntax.Perl); err == nil {
+		if prog, err := syntax.Compile(parsed.Simplify()); err == nil {
+			cost = int64(max(1, len(prog.Inst)))
+		}
+	}
+	return &matcher{re: re, cost: cost}, nil
 }
 
 func (m *matcher) match(line []byte) bool {
@@ -123,6 +142,58 @@ func (m *matcher) match(line []byte) bool {
 		return m.re.Match(line)
 	}
 	return bytes.Contains(line, m.lit)
+}
+
+// match matches one line within the grep's time: it reads the clock as the work grows, and a line
+// whose matching alone is more work than clockEvery (a long line, or a large expression) goes
+// through a reader that reads the clock as it goes and ends the line early once the time is up
+// (late is set then, and the answer is no match).
+func (g *grepper) match(line []byte) bool {
+	if g.late {
+		return false
+	}
+	if g.m.re != nil && int64(len(line))*g.m.cost > clockEvery {
+		r := &clockedLine{g: g, line: line}
+		ok := g.m.re.MatchReader(r)
+		return ok && !g.late
+	}
+	g.spend(int64(len(line)) + 1)
+	if g.late {
+		return false
+	}
+	return g.m.match(line)
+}
+
+// spend counts the work of matching n bytes and reads the clock once enough has been done.
+func (g *grepper) spend(n int64) {
+	if g.work += n * g.m.cost; g.work >= clockEvery {
+		g.work = 0
+		if time.Now().After(g.deadline) {
+			g.late = true
+		}
+	}
+}
+
+// clockedLine feeds one long line to an expression rune by rune, spending as it goes; once the
+// grep is late it ends the line.
+type clockedLine struct {
+	g       *grepper
+	line    []byte
+	i       int
+	unspent int64 // bytes read and not yet spent
+}
+
+func (r *clockedLine) ReadRune() (rune, int, error) {
+	if r.i >= len(r.line) || r.g.late {
+		return 0, 0, io.EOF
+	}
+	c, n := utf8.DecodeRune(r.line[r.i:])
+	r.i += n
+	if r.unspent += int64(n); r.unspent >= 256 {
+		r.g.spend(r.unspent)
+		r.unspent = 0
+	}
+	return c, n, nil
 }
 
 // mayMatch is a cheap whole-file test that rules files out before splitting them into lines.
@@ -134,6 +205,9 @@ type grepper struct {
 	w         *Workspace
 	sc        *scan
 	m         *matcher
+	deadline  time.Time // matching stops here (MaxGrepTime), truncated
+	work      int64     // matching work since the clock was last read
+	late      bool      // the deadline passed
 	max       int
 	filter    *pattern // nil: every file
 	baseOnly  bool     // filter has one segment and is matched against base names
@@ -152,6 +226,9 @@ func (g *grepper) walk(d *dir, dirRel string, names []string, st states, depth i
 		var next states
 		if g.filter != nil && !g.baseOnly {
 			next = g.filter.step(st, name)
+		}
+		if g.filter != nil && g.filter.spent {
+			return errStop
 		}
 		fi, err := d.lstat(name)
 		if err != nil {
@@ -250,7 +327,11 @@ func (g *grepper) file(rel string, fi fs.FileInfo) error {
 			data = nil
 		}
 		line = bytes.TrimSuffix(line, []byte{'\r'})
-		if !g.m.match(line) {
+		matched := g.match(line)
+		if g.late {
+			return errStop
+		}
+		if !matched {
 			continue
 		}
 		if len(g.res.Matches) == g.max {

@@ -1,6 +1,7 @@
 package workspace
 
 import (
+	"bytes"
 	"encoding/json"
 	"io"
 	"os"
@@ -265,6 +266,12 @@ func TestFIFO(t *testing.T) {
 			wantCode(t, err, protocol.CodeNotDirectory, dir)
 			_, err = w.Grep(t.Context(), protocol.GrepArgs{Pattern: "x", Path: p})
 			wantCode(t, err, protocol.CodeInvalidArgument, dir)
+			// A FIFO named as the tree to compare or to unpack into is never opened (an open for
+			// reading would wait for a writer, holding the broker's thread and slot for good).
+			_, err = w.Changes(t.Context(), protocol.ChangesArgs{Path: p})
+			wantCode(t, err, protocol.CodeNotDirectory, dir)
+			_, err = w.Extract(t.Context(), p, bytes.NewReader(nil))
+			wantCode(t, err, protocol.CodeNotDirectory, dir)
 		})
 	}
 	within(t, 2*time.Second, func() {

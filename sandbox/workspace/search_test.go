@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -247,4 +248,68 @@ func TestGrep(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestPatternMatchingBounded: what one glob, or one grep's file filter, spends matching names is
+// bounded (MaxMatchWork). A pattern of a thousand stars times 256 brace alternatives took about
+// 5 ms per 200-byte name, so 22 minutes of a core over the 250,000 names a walk may read, deaf to
+// everything but a cancel the client would not send. Past the bound the search stops with
+// truncated, like its other caps; ordinary patterns are far inside it.
+func TestPatternMatchingBounded(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{MaxMatchWork: 1 << 24})
+	long := strings.Repeat("a", 200)
+	for i := range 200 {
+		put(t, dir, fmt.Sprintf("d/%s%03d.txt", long, i), "needle\n")
+	}
+	hostile := strings.Repeat("{a,b}", 8) + strings.Repeat("*a", 1990) + "*b"
+	g, err := w.Glob(protocol.GlobArgs{Pattern: "d/" + hostile})
+	wantCode(t, err, "", dir)
+	if !g.Truncated || len(g.Files) != 0 {
+		t.Errorf("glob of a costly pattern: %d files, truncated %v; want none and truncated", len(g.Files), g.Truncated)
+	}
+	for _, filter := range []string{hostile, "d/" + hostile} {
+		r, err := w.Grep(t.Context(), protocol.GrepArgs{Pattern: "needle", Glob: filter})
+		wantCode(t, err, "", dir)
+		if !r.Truncated || len(r.Matches) != 0 {
+			t.Errorf("grep filtered by a costly pattern: %d matches, truncated %v; want none and truncated", len(r.Matches), r.Truncated)
+		}
+	}
+	// An ordinary pattern over the same names stays far inside the bound.
+	g, err = w.Glob(protocol.GlobArgs{Pattern: "**/*.{txt,md}"})
+	wantCode(t, err, "", dir)
+	if g.Truncated || len(g.Files) != 200 {
+		t.Errorf("glob **/*.{txt,md}: %d files, truncated %v", len(g.Files), g.Truncated)
+	}
+	r, err := w.Grep(t.Context(), protocol.GrepArgs{Pattern: "needle", Glob: "*.txt"})
+	wantCode(t, err, "", dir)
+	if r.Truncated || len(r.Matches) != 200 {
+		t.Errorf("grep --glob *.txt: %d matches, truncated %v", len(r.Matches), r.Truncated)
+	}
+}
+
+// TestGrepTimeBounded: a grep stops, truncated, once it has matched for MaxGrepTime, checking the
+// clock as its work grows, within a long line too. A regular expression's cost per byte grows with
+// its size in Go's RE2 (no DFA): "[a-z]{1000}x" took 10 s per MiB of "a", and a grep may read
+// 256 MiB, an 8 MiB file of one line included, for one request of a delegate with fs:read.
+func TestGrepTimeBounded(t *testing.T) {
+	t.Parallel()
+	w, dir := newWS(t, Options{MaxGrepTime: time.Nanosecond})
+	put(t, dir, "lines.txt", strings.Repeat(strings.Repeat("a", 4000)+"\n", 64))
+	put(t, dir, "oneline.txt", strings.Repeat("a", 1<<20)+"x\n")
+	for _, p := range []string{"lines.txt", "oneline.txt", "/workspace"} {
+		r, err := w.Grep(t.Context(), protocol.GrepArgs{Pattern: "[a-z]{1000}x", Regex: true, Path: p})
+		wantCode(t, err, "", dir)
+		if !r.Truncated || len(r.Matches) != 0 {
+			t.Errorf("grep %s past its time: %d matches, truncated %v; want none and truncated", p, len(r.Matches), r.Truncated)
+		}
+	}
+	// Within the default bound the same long line is searched to its end.
+	w, dir = newWS(t, Options{})
+	put(t, dir, "oneline.txt", strings.Repeat("a", 64<<10)+"x\n")
+	r, err := w.Grep(t.Context(), protocol.GrepArgs{Pattern: "a{10}x", Regex: true})
+	wantCode(t, err, "", dir)
+	if r.Truncated || len(r.Matches) != 1 {
+		t.Errorf("grep of a long line within the bound: %d matches, truncated %v", len(r.Matches), r.Truncated)
+	}
 }

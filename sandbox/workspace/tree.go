@@ -27,6 +27,12 @@ func (w *Workspace) Stat(p string) (protocol.FileInfo, error) {
 	if err != nil {
 		return protocol.FileInfo{}, fsErr(sp, err)
 	}
+	// "link/" names the link itself (docs/dataplane.md); "f.txt/" names no file.
+	if fi.Mode()&fs.ModeSymlink == 0 {
+		if err := fileByName(p, sp, fi); err != nil {
+			return protocol.FileInfo{}, err
+		}
+	}
 	return w.describe(rel, sp, fi), nil
 }
 
@@ -110,6 +116,18 @@ func (w *Workspace) openDir(rel string, sc *scan) (*dir, []string, error) {
 		return nil, nil, err
 	}
 	return d, names, nil
+}
+
+// openTree opens the directory rel as a root of its own. It opens rel/. so that rel is looked up as
+// a directory (O_DIRECTORY): OpenRoot opens its last element with no flags, and an open for reading
+// of a FIFO planted there would wait for a writer, holding the broker's thread (and the op's slot)
+// for good, deaf to cancel.
+func (w *Workspace) openTree(rel, sp string) (*os.Root, error) {
+	sub, err := w.root.OpenRoot(rel + "/.")
+	if err != nil {
+		return nil, fsErr(sp, err)
+	}
+	return sub, nil
 }
 
 // openSub opens the subdirectory name of parent, which must still be want, and reads its names.
@@ -218,6 +236,11 @@ func (w *Workspace) Move(a protocol.MoveArgs) error {
 	}
 	if err := fileByName(a.From, fromSP, src); err != nil {
 		return err
+	}
+	if !src.IsDir() && namesDir(a.To) {
+		// rename(2) answers ENOTDIR: the cleaned name would replace the file f.txt for "f.txt/",
+		// or make a file named new for "new/".
+		return protocol.Errorf(protocol.CodeNotDirectory, "%s is not a directory; %s names one (it ends in /), so only a directory moves there", fromSP, quote(a.To))
 	}
 	if from == to {
 		return nil

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -36,6 +37,8 @@ const (
 	DefaultMaxListEntries   = 10000
 	DefaultMaxScanEntries   = 250000
 	DefaultMaxGrepScanBytes = 256 << 20
+	DefaultMaxMatchWork     = 1 << 32
+	DefaultMaxGrepTime      = 10 * time.Second
 )
 
 // Options configures a Workspace. The zero value is usable: no ownership change and the default caps.
@@ -64,6 +67,15 @@ type Options struct {
 	MaxScanEntries int
 	// MaxGrepScanBytes bounds the file bytes one Grep reads (default 256 MiB).
 	MaxGrepScanBytes int64
+	// MaxMatchWork bounds the glob matching one Glob or Grep does, counted for each name tested
+	// as the bytes of each pattern tried times the name's (default 2^32, about a second of a core):
+	// path.Match costs about that, and a pattern of many stars and brace alternatives made each
+	// name cost milliseconds.
+	MaxMatchWork int64
+	// MaxGrepTime bounds the time one Grep spends matching (default 10 s): a regular expression
+	// costs per byte about its compiled size in Go's RE2, which has no DFA, so bytes read do not
+	// bound it.
+	MaxGrepTime time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -93,6 +105,12 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxGrepScanBytes <= 0 {
 		o.MaxGrepScanBytes = DefaultMaxGrepScanBytes
+	}
+	if o.MaxMatchWork <= 0 {
+		o.MaxMatchWork = DefaultMaxMatchWork
+	}
+	if o.MaxGrepTime <= 0 {
+		o.MaxGrepTime = DefaultMaxGrepTime
 	}
 	return o
 }

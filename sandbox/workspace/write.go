@@ -621,6 +621,12 @@ func (w *Workspace) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
 	case n > 1 && !a.ReplaceAll:
 		return protocol.EditResult{}, protocol.Errorf(protocol.CodeNotUnique, "old text occurs %d times in %s; add surrounding context to make it unique, or pass replace_all", n, sp)
 	}
+	// The result is sized before it is built: a short old text replaced everywhere by a long new
+	// one multiplies the file (8 MiB of "a", each made 1 MiB, is 8 TiB), and an allocation that
+	// large is a fatal error of the whole broker, not a panic a recover catches.
+	if size := int64(len(data)) + int64(n)*(int64(len(a.New))-int64(len(old))); size > limit {
+		return protocol.EditResult{}, protocol.Errorf(protocol.CodeTooLarge, "the edit would make %s %d bytes; edit makes files up to %d bytes, so rewrite it with write instead", sp, size, limit)
+	}
 	data = bytes.Replace(data, old, []byte(a.New), n)
 
 	tf, temp, err := w.createTemp(path.Dir(target), sp)

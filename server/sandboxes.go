@@ -21,7 +21,8 @@ import (
 	"github.com/sbxbroker/broker/store"
 )
 
-// decodeJSON reads a JSON body strictly: one object, no unknown fields, bounded size. An empty body
+// decodeJSON reads a JSON body strictly: one object, no unknown fields, no key given twice or in
+// another case than documented (exactKeys), bounded size. An empty body
 // is allowed when the route has no required fields (the zero value is used).
 func decodeJSON(c echo.Context, v any) error {
 	body, err := io.ReadAll(http.MaxBytesReader(c.Response(), c.Request().Body, maxBody))
@@ -48,7 +49,7 @@ func decodeJSON(c echo.Context, v any) error {
 	if dec.More() {
 		return protocol.Errorf(protocol.CodeInvalidJSON, "request body has data after the JSON object")
 	}
-	return nil
+	return exactKeys(body, reflect.TypeOf(v))
 }
 
 // jsonProblem describes a decode error without echoing the input back.

@@ -1,0 +1,49 @@
+package server_test
+
+import (
+	"maps"
+	"strings"
+	"testing"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server/servertest"
+)
+
+// A body that says two things is refused, not read as its last word: encoding/json keeps the last
+// of a repeated key and matches field names case-insensitively (with Unicode folding: "ſ" is "s"),
+// where a proxy or policy check in front of the broker may read the first, or only the exact name.
+// A mint body checked as {"scopes":["fs:read"]} there would otherwise mint exec here.
+func TestAmbiguousJSONIsRefused(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	key := b.Client.APIKey()
+	if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "dev"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ name, path, body string }{
+		{"repeated scopes", "/v1/sandboxes/dev/delegations", `{"scopes":["fs:read"],"scopes":["exec"]}`},
+		{"scopes in another case", "/v1/sandboxes/dev/delegations", `{"scopes":["fs:read"],"SCOPES":["exec"]}`},
+		{"scopes by Unicode folding", "/v1/sandboxes/dev/delegations", `{"ſcopes":["exec"]}`},
+		{"repeated ttl", "/v1/sandboxes/dev/delegations", `{"scopes":["fs:read"],"ttl_seconds":60,"ttl_seconds":86400}`},
+		{"repeated name", "/v1/sandboxes", `{"name":"one","name":"two"}`},
+		{"name in another case", "/v1/sandboxes", `{"Name":"three"}`},
+		{"repeated tag", "/v1/sandboxes", `{"name":"four","tags":{"k":"1","k":"2"}}`},
+		{"repeated lease", "/v1/sandboxes/dev/ttl", `{"ttl_seconds":60,"ttl_seconds":1}`},
+		{"repeated refs", "/v1/heartbeats", `{"refs":["dev"],"refs":["nosuch"]}`},
+		{"repeated token", "/v1/tokens/introspect", `{"token":"a.b.c","Token":"d.e.f"}`},
+	} {
+		before := b.RedisSnapshot()
+		status, eb, raw := rawRequest(t, "POST", b.URL+tc.path, key, tc.body)
+		if status != 400 || eb.Error.Code != protocol.CodeInvalidJSON || !strings.Contains(eb.Error.Message, "twice") && !strings.Contains(eb.Error.Message, "case") {
+			t.Errorf("%s: %d %.300s, want 400 invalid_json saying what is wrong", tc.name, status, raw)
+		}
+		if after := b.RedisSnapshot(); !maps.Equal(before, after) {
+			t.Errorf("%s: a refused request changed Redis", tc.name)
+		}
+	}
+	// Tag keys are case-sensitive: "env" and "ENV" are two tags, not one said twice.
+	res, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "tagged", Tags: map[string]string{"env": "a", "ENV": "b"}})
+	if err != nil || res.Sandbox.Tags["env"] != "a" || res.Sandbox.Tags["ENV"] != "b" {
+		t.Fatalf("tags differing in case: %v %+v", err, res)
+	}
+}

@@ -47,3 +47,21 @@ func TestAmbiguousJSONIsRefused(t *testing.T) {
 		t.Fatalf("tags differing in case: %v %+v", err, res)
 	}
 }
+
+// "allow_cmd": [] names no program: the token it asks for may run nothing, so it is refused (say
+// which programs, or omit allow_cmd for any), never minted as a token that runs everything.
+func TestEmptyAllowlistIsRefused(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	if _, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "dev"}); err != nil {
+		t.Fatal(err)
+	}
+	before := b.RedisSnapshot()
+	status, eb, raw := rawRequest(t, "POST", b.URL+"/v1/sandboxes/dev/delegations", b.Client.APIKey(), `{"scopes":["exec"],"allow_cmd":[]}`)
+	if status != 400 || eb.Error.Code != protocol.CodeInvalidArgument || !strings.Contains(eb.Error.Message, "allow_cmd") {
+		t.Fatalf("an empty allowlist: %d %.300s, want 400 invalid_argument", status, raw)
+	}
+	if after := b.RedisSnapshot(); !maps.Equal(before, after) {
+		t.Fatal("a refused mint changed Redis")
+	}
+}

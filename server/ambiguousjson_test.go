@@ -64,4 +64,8 @@ func TestEmptyAllowlistIsRefused(t *testing.T) {
 	if after := b.RedisSnapshot(); !maps.Equal(before, after) {
 		t.Fatal("a refused mint changed Redis")
 	}
+	// The Go SDK sends an empty list as one, not as no list.
+	if _, err := b.Client.Delegate(t.Context(), "dev", protocol.MintRequest{Scopes: []string{"exec"}, AllowCmd: []string{}}); code(err) != protocol.CodeInvalidArgument {
+		t.Fatalf("an empty allowlist through the SDK: %v, want invalid_argument", err)
+	}
 }

@@ -504,9 +504,17 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 			check(op, "a 2 MiB body", key, "", huge)
 		}
 	}
+	// The MCP endpoint takes a token; one never used, so that no cache of this broker answers for it.
+	fresh, err := b.Client.Delegate(ctx, "doc", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	b.Redis.Kill()
 	for _, op := range spec.Operations() {
 		check(op, "Redis gone", key, "", "{}")
+		if strings.HasSuffix(op, "/mcp") {
+			check(op, "Redis gone, a delegation token", fresh.Token, "", `{"jsonrpc":"2.0","id":1,"method":"ping"}`)
+		}
 	}
 }
 

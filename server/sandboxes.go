@@ -287,7 +287,11 @@ func (s *Server) deleteSandboxes(c echo.Context) error {
 		out.Deleted = append(out.Deleted, sandbox.View(r))
 	}
 	if err != nil {
-		s.log.Error("batch delete partly failed", "request_id", requestID(c), "deleted", len(recs), "err", err)
+		// Only a batch that got under way failed partly; a refusal (no selector) is the caller's,
+		// and a failure before any delete is logged with the answer if it is the broker's.
+		if len(recs) > 0 && !dry {
+			s.log.Error("batch delete partly failed", "request_id", requestID(c), "deleted", len(recs), "err", err)
+		}
 		return err
 	}
 	return c.JSON(http.StatusOK, out)

@@ -450,7 +450,8 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := servertest.New(t, servertest.Options{})
+	logs := &lockedBuffer{}
+	b := servertest.New(t, servertest.Options{Log: slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 	ctx := t.Context()
 	sb, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "doc"})
 	if err != nil {
@@ -502,6 +503,17 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 		if strings.HasPrefix(op, "POST") {
 			check(op, "a malformed body", key, "", "{")
 			check(op, "a 2 MiB body", key, "", huge)
+		}
+	}
+	check("DELETE /v1/sandboxes", "no tag selector", key, "", "")
+	// A refusal is the caller's mistake: it is never logged as the broker's error, and no log line
+	// carries a credential.
+	for _, line := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(line, `"level":"ERROR"`) {
+			t.Errorf("a refusal logged as the broker's error: %.300s", line)
+		}
+		if strings.Contains(line, key) || strings.Contains(line, m.Token) {
+			t.Errorf("a log line carries a credential: %.300s", line)
 		}
 	}
 	// The MCP endpoint takes a token; one never used, so that no cache of this broker answers for it.

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/labstack/echo/v4"
 
@@ -21,9 +22,9 @@ import (
 	"github.com/sbxbroker/broker/store"
 )
 
-// decodeJSON reads a JSON body strictly: one object, no unknown fields, no key given twice or in
-// another case than documented (exactKeys), bounded size. An empty body
-// is allowed when the route has no required fields (the zero value is used).
+// decodeJSON reads a JSON body strictly: one object of UTF-8, no unknown fields, no key given twice
+// or in another case than documented (exactKeys), bounded size. An empty body is allowed when the
+// route has no required fields (the zero value is used).
 func decodeJSON(c echo.Context, v any) error {
 	body, err := io.ReadAll(http.MaxBytesReader(c.Response(), c.Request().Body, maxBody))
 	if err != nil {
@@ -40,6 +41,10 @@ func decodeJSON(c echo.Context, v any) error {
 	}
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil
+	}
+	// encoding/json would read such bytes as U+FFFD: what is kept would not be what was sent.
+	if !utf8.Valid(body) {
+		return protocol.Errorf(protocol.CodeInvalidJSON, "request body is not UTF-8: JSON text must be")
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()

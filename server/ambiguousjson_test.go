@@ -1,7 +1,10 @@
 package server_test
 
 import (
+	"encoding/json"
+	"io"
 	"maps"
+	"net/http"
 	"strings"
 	"testing"
 
@@ -69,5 +72,38 @@ func TestEmptyAllowlistIsRefused(t *testing.T) {
 	// The Go SDK sends an empty list as one, not as no list.
 	if _, err := b.Client.Delegate(t.Context(), "dev", protocol.MintRequest{Scopes: []string{"exec"}, AllowCmd: []string{}}); code(err) != protocol.CodeInvalidArgument {
 		t.Fatalf("an empty allowlist through the SDK: %v, want invalid_argument", err)
+	}
+}
+
+// A request with two Authorization headers says two things too: which one a proxy in front of the
+// broker checked is anyone's guess, so it is refused, on every route, whatever the two say.
+func TestOneAuthorizationHeader(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	res, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "dev"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := b.NewClient("org-b").APIKey()
+	for _, path := range []string{"/v1/sandboxes", "/v1/sandboxes/dev", "/v1/events?follow=false", "/v1/sandboxes/" + res.Sandbox.ID + "/dataplane", "/metrics"} {
+		for _, pair := range [][2]string{{other, b.Client.APIKey()}, {b.Client.APIKey(), b.Client.APIKey()}} {
+			req, _ := http.NewRequestWithContext(t.Context(), "GET", b.URL+path, nil)
+			req.Header.Add("Authorization", "Bearer "+pair[0])
+			req.Header.Add("Authorization", "Bearer "+pair[1])
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var eb protocol.ErrorBody
+			json.Unmarshal(raw, &eb)
+			if resp.StatusCode != 400 || eb.Error.Code != protocol.CodeInvalidArgument || !strings.Contains(eb.Error.Message, "one Authorization header") {
+				t.Errorf("GET %s with two Authorization headers: %d %.200s, want 400 invalid_argument", path, resp.StatusCode, raw)
+			}
+			if strings.Contains(string(raw), pair[0]) || strings.Contains(string(raw), pair[1]) {
+				t.Errorf("GET %s: the answer echoes a credential", path)
+			}
+		}
 	}
 }

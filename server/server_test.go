@@ -482,8 +482,8 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 			t.Fatal(err)
 		}
 		req.Header.Set("Content-Type", "application/json")
-		if credential != "" {
-			req.Header.Set("Authorization", "Bearer "+credential)
+		for _, c := range strings.Fields(credential) { // several: one header each
+			req.Header.Add("Authorization", "Bearer "+c)
 		}
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -500,6 +500,7 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 		check(op, "no credentials", "", "", "{}")
 		check(op, "a delegation token", m.Token, "", "{}")
 		check(op, "an unknown query parameter", key, "bogus=1", "{}")
+		check(op, "two Authorization headers", m.Token+" "+key, "", "{}")
 		if strings.HasPrefix(op, "POST") {
 			check(op, "a malformed body", key, "", "{")
 			check(op, "a 2 MiB body", key, "", huge)

@@ -168,6 +168,14 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	defer h.mu.Unlock()
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
+	if h.inst != nil {
+		// A stop's transition landed and this resume took the lock before the stop ended the
+		// runtime (stopLocal then leaves it to us): end it here, as the stop would have.
+		if err := h.inst.Stop(ctx); err != nil {
+			m.cfg.Log.Error("stopping sandbox processes", "sandbox_id", rec.ID, "err", err)
+		}
+		h.inst = nil
+	}
 	if !first {
 		// A sandbox keeps the level it was created at, whatever its template says now.
 		if level := provider.RecordedIsolation(rec.Provider); level != "" {

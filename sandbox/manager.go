@@ -184,6 +184,9 @@ func (m *Manager) stopped(ctx context.Context, c Caller, ref, reason string, rec
 }
 
 // stopLocal ends the runtime of a sandbox whose record no longer says running, here or on its node.
+// rec may be overtaken by the time the lifecycle lock is held: a resume may have claimed the record
+// since (and started it, or be waiting for the lock to), so the record is read again under the lock
+// and a runtime a start now owns is left to it (provision ends a leftover one before it starts).
 func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 	if rec.Node != m.cfg.Node {
 		m.notify(ctx, rec, cmdStop, "")
@@ -192,6 +195,10 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if now, err := m.cfg.Store.Get(context.WithoutCancel(ctx), rec.Org, rec.ID); err == nil &&
+		(now.Status == protocol.StatusRunning || now.Status == protocol.StatusProvisioning) {
+		return
+	}
 	if h.inst != nil {
 		if err := h.inst.Stop(context.WithoutCancel(ctx)); err != nil {
 			m.cfg.Log.Error("stopping sandbox processes", "sandbox_id", rec.ID, "err", err)

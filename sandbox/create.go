@@ -266,6 +266,15 @@ func (m *Manager) markRunning(ctx context.Context, rec store.Record, h *hosted, 
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning, Fields: fields})
 	if err != nil {
+		// The move may have landed with its answer lost: the Redis client's resend then finds the
+		// record running, or every try's answer was lost. While this start holds the lifecycle lock
+		// nobody else moves the record to running, so finding it running, under this start's
+		// claim, is finding the move done.
+		if now, rerr := m.cfg.Store.Get(ctx, rec.Org, rec.ID); rerr == nil && now.Status == protocol.StatusRunning && now.Claim == rec.Claim {
+			got, err = now, nil
+		}
+	}
+	if err != nil {
 		inst.Stop(ctx)
 		h.inst = nil
 		h.closeWorkspace()

@@ -150,14 +150,21 @@ func (m *Manager) List(ctx context.Context, org string, f store.Filter, limit in
 	return p, m.mapStoreErr(err, "")
 }
 
-// Stop stops a running sandbox: every process ends, files stay. Stopping a stopped sandbox is a no-op.
+// Stop stops a running sandbox: every process ends, files stay. Stopping a stopped sandbox changes
+// nothing but a runtime left running.
 func (m *Manager) Stop(ctx context.Context, c Caller, ref, reason string) (store.Record, error) {
 	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
 		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
 		Fields: map[string]string{store.FieldStopReason: reason}})
 	var se *store.StateError
 	if errors.As(err, &se) && se.Status == protocol.StatusStopped {
-		return m.Get(ctx, c.Org, ref)
+		// Stopped already, perhaps by this very call: the Redis client sends it again when Redis'
+		// answer is lost, and then the runtime is still to end (stopLocal leaves one a resume owns).
+		rec, err := m.Get(ctx, c.Org, ref)
+		if err == nil {
+			m.stopLocal(ctx, rec)
+		}
+		return rec, err
 	}
 	return m.stopped(ctx, c, ref, reason, rec, err)
 }

@@ -540,3 +540,38 @@ func TestStartWhoseRunningAnswerRedisLost(t *testing.T) {
 		works(fmt.Sprintf("a resume, %d answers lost", lose), sb, err)
 	}
 }
+
+// A stop whose answer Redis lost ends the runtime at once: before, the Redis client's resend found
+// the record stopped, the broker took that for a stop already made and left the runtime running
+// (its processes, its place on the host, outside the org's running count) until the next reconcile.
+func TestStopWhoseAnswerRedisLost(t *testing.T) {
+	t.Parallel()
+	lossy := &redistest.LoseAnswers{Also: []byte(protocol.StatusStopped)}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial})
+	ctx := t.Context()
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := b.Store.Get(ctx, b.Org, res.Sandbox.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst, err := b.Manager.Instance(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lossy.Match = []byte(res.Sandbox.ID)
+	lossy.Lose.Store(1)
+	if sb, err := b.Client.StopSandbox(ctx, "dev"); err != nil || sb.Status != protocol.StatusStopped {
+		t.Fatalf("stop, its answer lost: %v %+v", err, sb.Status)
+	}
+	if lossy.Lose.Load() > 0 {
+		t.Fatal("no answer was lost: the test did not test")
+	}
+	select {
+	case <-inst.Done():
+	default:
+		t.Fatal("the stopped sandbox's runtime still runs")
+	}
+}

@@ -107,3 +107,38 @@ func TestOneAuthorizationHeader(t *testing.T) {
 		}
 	}
 }
+
+// The dataplane takes one credential, in the Authorization header or in one sbx.bearer.
+// subprotocol (for browsers), never both and never two subprotocols: the broker read the header
+// first and the first subprotocol, where a proxy in front of it may check another.
+func TestDataplaneTakesOneCredential(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	res, err := b.Client.CreateSandbox(t.Context(), protocol.CreateSandboxRequest{Name: "dev"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(t.Context(), "dev", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := dataplaneURL(b, res.Sandbox.ID)
+	other := b.NewClient("org-b").APIKey()
+	bearerProto := func(cred string) string { return protocol.BearerSubprotocolPrefix + cred }
+	for _, tc := range []struct {
+		name   string
+		hdr    http.Header
+		protos []string
+	}{
+		{"a header and a subprotocol", authHeader(other), []string{protocol.Subprotocol, bearerProto(m.Token)}},
+		{"two subprotocols", nil, []string{protocol.Subprotocol, bearerProto(m.Token), bearerProto(other)}},
+	} {
+		status, eb := dialStatus(t, url, tc.hdr, tc.protos)
+		if status != 400 || eb.Error.Code != protocol.CodeInvalidArgument || !strings.Contains(eb.Error.Message, "one credential") {
+			t.Errorf("%s: %d %+v, want 400 invalid_argument", tc.name, status, eb.Error)
+		}
+	}
+	if status, _ := dialStatus(t, url, nil, []string{protocol.Subprotocol, bearerProto(m.Token)}); status != http.StatusSwitchingProtocols {
+		t.Errorf("one credential in a subprotocol: %d, want 101", status)
+	}
+}

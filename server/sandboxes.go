@@ -327,6 +327,9 @@ func (s *Server) heartbeats(c echo.Context) error {
 	if len(req.Refs) == 0 || len(req.Refs) > maxBatchRefs {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "refs must list 1 to %d sandbox ids or names", maxBatchRefs)
 	}
+	if err := s.limitBatch(c.Request().Context(), principal(c), len(req.Refs)); err != nil {
+		return err
+	}
 	leases, errs := s.sandboxes.HeartbeatMany(c.Request().Context(), principal(c).Org, req.Refs)
 	out := protocol.HeartbeatsResponse{Items: make([]protocol.HeartbeatItem, len(req.Refs))}
 	var brokerErrs []error // the broker's own failures (Redis down), not the refs'

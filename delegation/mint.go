@@ -188,10 +188,14 @@ const (
 	MaxAllowCmdLen = 255
 )
 
-// checkAllowCmd returns why an allowlist is not valid, or "". Entries are program names or absolute
+// checkAllowCmd returns why an allowlist is not valid, or "" (nil is no allowlist). Entries are program names or absolute
 // paths made of [A-Za-z0-9._+-] and '/', so they can never contain whitespace, quotes or shell
 // metacharacters, and the first word of a command matches one only if the shell runs that program.
 func checkAllowCmd(allow []string) string {
+	// Given but empty ("allow_cmd": []) names no program; taken as absent, it would allow every one.
+	if allow != nil && len(allow) == 0 {
+		return "is empty, which would allow no program: name the programs, or omit allow_cmd to allow any"
+	}
 	if len(allow) > MaxAllowCmd {
 		return fmt.Sprintf("%d entries; at most %d are allowed", len(allow), MaxAllowCmd)
 	}

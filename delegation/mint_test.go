@@ -97,6 +97,8 @@ func TestMintRejects(t *testing.T) {
 		{"negative ttl", base(func(g *Grant) { g.TTL = -time.Second }), protocol.CodeInvalidTTL, "24h0m0s"},
 		{"ttl above max", base(func(g *Grant) { g.TTL = DefaultMaxTTL + time.Second }), protocol.CodeInvalidTTL, "24h0m0s"},
 		{"ttl under a second", base(func(g *Grant) { g.TTL = 500 * time.Millisecond }), protocol.CodeInvalidTTL, "1s"},
+		// An allowlist given empty names no program; read as absent it would allow every one.
+		{"empty allowlist", base(func(g *Grant) { g.AllowCmd = []string{} }), protocol.CodeInvalidArgument, "omit allow_cmd"},
 		{"empty cmd", base(func(g *Grant) { g.AllowCmd = []string{""} }), protocol.CodeInvalidArgument, "empty"},
 		{"cmd with space", base(func(g *Grant) { g.AllowCmd = []string{"py test"} }), protocol.CodeInvalidArgument, "' '"},
 		{"cmd with tab", base(func(g *Grant) { g.AllowCmd = []string{"py\ttest"} }), protocol.CodeInvalidArgument, `'\t'`},

@@ -90,6 +90,9 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 		}
 		ttl = time.Duration(*req.TTLSeconds) * time.Second
 	}
+	if err := s.roomForToken(ctx, rec); err != nil {
+		return protocol.MintResponse{}, err
+	}
 	url, err := s.dataplaneURL(ctx, rec)
 	if err != nil {
 		return protocol.MintResponse{}, err
@@ -154,6 +157,56 @@ func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delega
 
 // pruneAbove is the size of a sandbox's token record beyond which Mint removes expired entries.
 const pruneAbove = 100
+
+// MaxLiveTokens bounds the unexpired tokens a sandbox holds that its revoke-all has not ended:
+// each keeps its metadata in the shared Redis until it expires, so without a bound one key minting
+// in a loop would grow Redis for every org (and each mint past pruneAbove reads them all).
+const MaxLiveTokens = 1000
+
+// roomForToken refuses a mint for a sandbox that holds MaxLiveTokens live tokens. Only at the bound
+// does it read them: it forgets the expired ones and the revoked ones (by jti, with the whole
+// sandbox, or with the key that minted them), which no longer count.
+func (s *Service) roomForToken(ctx context.Context, rec store.Record) error {
+	n, err := s.store.TokenCount(ctx, rec.Org, rec.ID)
+	if err != nil {
+		return fmt.Errorf("delegation: mint: %w", err)
+	}
+	if n < MaxLiveTokens {
+		return nil
+	}
+	all, err := s.store.Tokens(ctx, rec.Org, rec.ID)
+	if err != nil {
+		return fmt.Errorf("delegation: mint: %w", err)
+	}
+	live := s.pruneExpired(ctx, rec, all)
+	jtis := make([]string, 0, len(live))
+	var keyIDs []string
+	seen := map[string]bool{}
+	for jti, m := range live {
+		jtis = append(jtis, jti)
+		if id, ok := strings.CutPrefix(m.Sub, KeySubjectPrefix); ok && !seen[id] {
+			seen[id] = true
+			keyIDs = append(keyIDs, id)
+		}
+	}
+	denied, liveKeys, err := s.store.TokensRevoked(ctx, rec.Org, jtis, keyIDs)
+	if err != nil {
+		return fmt.Errorf("delegation: mint: %w", err)
+	}
+	var ended []string
+	for jti, m := range live {
+		id, isKey := strings.CutPrefix(m.Sub, KeySubjectPrefix)
+		if denied[jti] || m.Gen < rec.Gen || !isKey || !liveKeys[id] {
+			ended = append(ended, jti)
+		}
+	}
+	s.store.ForgetTokens(ctx, rec.Org, rec.ID, ended...)
+	if left := len(live) - len(ended); left >= MaxLiveTokens {
+		return protocol.Errorf(protocol.CodeQuotaExceeded,
+			"sandbox %s holds %d live delegation tokens, the most one may: revoke those no longer in use (sbctl revoke %s --all, or --jti J) or let them expire", rec.Name, left, rec.Name)
+	}
+	return nil
+}
 
 // pruneExpired removes the entries of expired (or unreadable) tokens from a sandbox's token record
 // all, and returns the others.

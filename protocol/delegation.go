@@ -51,8 +51,9 @@ func NewRunConfig(b SandboxBlock) RunConfig {
 // MintRequest is the body of POST /v1/sandboxes/{ref}/delegations.
 type MintRequest struct {
 	Scopes []string `json:"scopes"`
-	// AllowCmd, when set, names the only programs the token may run (see docs/dataplane.md).
-	AllowCmd []string `json:"allow_cmd,omitempty"`
+	// AllowCmd, when set, names the only programs the token may run (see docs/dataplane.md). An
+	// empty list is sent as one (omitzero), for the broker to refuse: dropped, it would allow any.
+	AllowCmd []string `json:"allow_cmd,omitzero"`
 	// TTLSeconds is the token's lifetime; nil means the broker's default (1 h), capped by its maximum.
 	TTLSeconds *int64 `json:"ttl_seconds,omitempty"`
 }

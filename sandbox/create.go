@@ -168,6 +168,14 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	defer h.mu.Unlock()
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
+	if h.inst != nil {
+		// A stop's transition landed and this resume took the lock before the stop ended the
+		// runtime (stopLocal then leaves it to us): end it here, as the stop would have.
+		if err := h.inst.Stop(ctx); err != nil {
+			m.cfg.Log.Error("stopping sandbox processes", "sandbox_id", rec.ID, "err", err)
+		}
+		h.inst = nil
+	}
 	if !first {
 		// A sandbox keeps the level it was created at, whatever its template says now.
 		if level := provider.RecordedIsolation(rec.Provider); level != "" {
@@ -257,6 +265,15 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 func (m *Manager) markRunning(ctx context.Context, rec store.Record, h *hosted, inst provider.Instance, fields map[string]string) (store.Record, error) {
 	got, err := m.cfg.Store.Transition(ctx, rec.Org, rec.ID, store.Transition{
 		From: []string{protocol.StatusProvisioning}, To: protocol.StatusRunning, Fields: fields})
+	if err != nil {
+		// The move may have landed with its answer lost: the Redis client's resend then finds the
+		// record running, or every try's answer was lost. While this start holds the lifecycle lock
+		// nobody else moves the record to running, so finding it running, under this start's
+		// claim, is finding the move done.
+		if now, rerr := m.cfg.Store.Get(ctx, rec.Org, rec.ID); rerr == nil && now.Status == protocol.StatusRunning && now.Claim == rec.Claim {
+			got, err = now, nil
+		}
+	}
 	if err != nil {
 		inst.Stop(ctx)
 		h.inst = nil

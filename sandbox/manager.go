@@ -150,14 +150,21 @@ func (m *Manager) List(ctx context.Context, org string, f store.Filter, limit in
 	return p, m.mapStoreErr(err, "")
 }
 
-// Stop stops a running sandbox: every process ends, files stay. Stopping a stopped sandbox is a no-op.
+// Stop stops a running sandbox: every process ends, files stay. Stopping a stopped sandbox changes
+// nothing but a runtime left running.
 func (m *Manager) Stop(ctx context.Context, c Caller, ref, reason string) (store.Record, error) {
 	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
 		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
 		Fields: map[string]string{store.FieldStopReason: reason}})
 	var se *store.StateError
 	if errors.As(err, &se) && se.Status == protocol.StatusStopped {
-		return m.Get(ctx, c.Org, ref)
+		// Stopped already, perhaps by this very call: the Redis client sends it again when Redis'
+		// answer is lost, and then the runtime is still to end (stopLocal leaves one a resume owns).
+		rec, err := m.Get(ctx, c.Org, ref)
+		if err == nil {
+			m.stopLocal(ctx, rec)
+		}
+		return rec, err
 	}
 	return m.stopped(ctx, c, ref, reason, rec, err)
 }
@@ -184,6 +191,9 @@ func (m *Manager) stopped(ctx context.Context, c Caller, ref, reason string, rec
 }
 
 // stopLocal ends the runtime of a sandbox whose record no longer says running, here or on its node.
+// rec may be overtaken by the time the lifecycle lock is held: a resume may have claimed the record
+// since (and started it, or be waiting for the lock to), so the record is read again under the lock
+// and a runtime a start now owns is left to it (provision ends a leftover one before it starts).
 func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 	if rec.Node != m.cfg.Node {
 		m.notify(ctx, rec, cmdStop, "")
@@ -192,6 +202,10 @@ func (m *Manager) stopLocal(ctx context.Context, rec store.Record) {
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if now, err := m.cfg.Store.Get(context.WithoutCancel(ctx), rec.Org, rec.ID); err == nil &&
+		(now.Status == protocol.StatusRunning || now.Status == protocol.StatusProvisioning) {
+		return
+	}
 	if h.inst != nil {
 		if err := h.inst.Stop(context.WithoutCancel(ctx)); err != nil {
 			m.cfg.Log.Error("stopping sandbox processes", "sandbox_id", rec.ID, "err", err)

@@ -109,12 +109,9 @@ func (s *Server) dataplane(c echo.Context) error {
 		}
 		return protocol.Errorf(protocol.CodeInvalidArgument, "the dataplane needs the WebSocket subprotocol %s", protocol.Subprotocol)
 	}
-	cred := bearer(r)
-	if cred == "" {
-		cred = subprotocolCredential(r)
-	}
-	if cred == "" {
-		return errNoCredentials
+	cred, err := dataplaneCredential(r)
+	if err != nil {
+		return err
 	}
 	ctx := r.Context()
 	conn, releaseShare, err := s.authorizeConn(ctx, cred, c.Param("ref"), c.Response().Header())
@@ -268,6 +265,32 @@ func subprotocolCredential(r *http.Request) string {
 		}
 	}
 	return ""
+}
+
+// dataplaneCredential is the one credential of an upgrade: the Authorization header's, or one
+// sbx.bearer. subprotocol's (browsers cannot set the header). Both, or two subprotocols, are
+// refused: which one a proxy in front of the broker checked is anyone's guess.
+func dataplaneCredential(r *http.Request) (string, error) {
+	n := 0
+	for _, p := range websocket.Subprotocols(r) {
+		if strings.HasPrefix(p, protocol.BearerSubprotocolPrefix) {
+			n++
+		}
+	}
+	cred := bearer(r)
+	if cred != "" {
+		n++
+	} else {
+		cred = subprotocolCredential(r)
+	}
+	switch {
+	case n > 1:
+		return "", protocol.Errorf(protocol.CodeInvalidArgument,
+			"the upgrade carries %d credentials: send one credential, in the Authorization header or in one %s subprotocol", n, protocol.BearerSubprotocolPrefix)
+	case cred == "":
+		return "", errNoCredentials
+	}
+	return cred, nil
 }
 
 func clipHeader(s string) string {

@@ -491,3 +491,87 @@ func (c *hangUpConn) Read(p []byte) (int, error) {
 	}
 	return n, err
 }
+
+// A start whose move to running landed in Redis but whose answer was lost (a network blip or a
+// failover between the two) is running: before, the Redis client's resend found the record running
+// already, the broker took that for another's move and ended the runtime it had just started, so
+// the record said running with nothing behind it, no reconcile brought it back, and the owner's
+// resume answered it was running.
+func TestStartWhoseRunningAnswerRedisLost(t *testing.T) {
+	t.Parallel()
+	// Only the move from provisioning to running names both.
+	lossy := &redistest.LoseAnswers{Match: []byte("provisioning"), Also: []byte("running")}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "warm"}); err != nil {
+		t.Fatal(err)
+	}
+	works := func(what string, sb protocol.Sandbox, err error) {
+		t.Helper()
+		if lossy.Lose.Load() > 0 {
+			t.Fatalf("%s: no answer was lost: the test did not test", what)
+		}
+		if err != nil || sb.Status != protocol.StatusRunning {
+			t.Fatalf("%s: %v %+v, want running", what, err, sb.Status)
+		}
+		rec, err := b.Store.Get(ctx, b.Org, sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		inst, err := b.Manager.Instance(rec)
+		if err != nil {
+			t.Fatalf("%s: record %s, runtime: %v", what, rec.Status, err)
+		}
+		if res, err := inst.Exec(ctx, provider.ExecRequest{Command: "true"}); err != nil || res.ExitCode != 0 {
+			t.Fatalf("%s: exec: %v %+v", what, err, res)
+		}
+	}
+	// One answer lost: the Redis client's resend finds the record running. Four: every try of it.
+	for _, lose := range []int32{1, 4} {
+		name := fmt.Sprint("lost-", lose)
+		lossy.Lose.Store(lose)
+		res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: name})
+		works(fmt.Sprintf("a create, %d answers lost", lose), res.Sandbox, err)
+		if _, err := b.Client.StopSandbox(ctx, name); err != nil {
+			t.Fatal(err)
+		}
+		lossy.Lose.Store(lose)
+		sb, err := b.Client.ResumeSandbox(ctx, name)
+		works(fmt.Sprintf("a resume, %d answers lost", lose), sb, err)
+	}
+}
+
+// A stop whose answer Redis lost ends the runtime at once: before, the Redis client's resend found
+// the record stopped, the broker took that for a stop already made and left the runtime running
+// (its processes, its place on the host, outside the org's running count) until the next reconcile.
+func TestStopWhoseAnswerRedisLost(t *testing.T) {
+	t.Parallel()
+	lossy := &redistest.LoseAnswers{Also: []byte(protocol.StatusStopped)}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial})
+	ctx := t.Context()
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := b.Store.Get(ctx, b.Org, res.Sandbox.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst, err := b.Manager.Instance(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lossy.Match = []byte(res.Sandbox.ID)
+	lossy.Lose.Store(1)
+	if sb, err := b.Client.StopSandbox(ctx, "dev"); err != nil || sb.Status != protocol.StatusStopped {
+		t.Fatalf("stop, its answer lost: %v %+v", err, sb.Status)
+	}
+	if lossy.Lose.Load() > 0 {
+		t.Fatal("no answer was lost: the test did not test")
+	}
+	select {
+	case <-inst.Done():
+	default:
+		t.Fatal("the stopped sandbox's runtime still runs")
+	}
+}

@@ -113,6 +113,9 @@ func validRPCID(id json.RawMessage) bool {
 
 func (s *Server) mcpServe(c echo.Context) error {
 	r := c.Request()
+	if err := singleAuthorization(r); err != nil {
+		return err
+	}
 	cred := bearer(r)
 	if cred == "" {
 		return errMCPNoToken

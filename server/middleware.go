@@ -61,6 +61,30 @@ func withRequestID(next echo.HandlerFunc) echo.HandlerFunc {
 	}
 }
 
+// oneAuthorization refuses a request with more than one Authorization header (RFC 9110 allows one)
+// on the routes that read one (guardAuth's): a proxy in front of the broker may have checked another
+// than the one the broker would read. The MCP endpoint checks it itself, to answer in JSON-RPC.
+func oneAuthorization(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		r := c.Request()
+		if !strings.HasPrefix(r.URL.Path, "/v1/") && r.URL.Path != "/metrics" || c.Path() == mcpRoute {
+			return next(c)
+		}
+		if err := singleAuthorization(r); err != nil {
+			return err
+		}
+		return next(c)
+	}
+}
+
+// singleAuthorization is oneAuthorization's check.
+func singleAuthorization(r *http.Request) error {
+	if n := len(r.Header.Values(echo.HeaderAuthorization)); n > 1 {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "the request has %d Authorization headers: send one Authorization header", n)
+	}
+	return nil
+}
+
 // withAccessLog logs each request. Successes are debug (the heartbeat route alone does thousands a
 // second); client errors info; server errors were already logged with their cause.
 func (s *Server) withAccessLog(next echo.HandlerFunc) echo.HandlerFunc {

@@ -87,12 +87,18 @@ func newCredBuckets(now func() time.Time) *credBuckets {
 // take spends one token of cred's bucket (rps per second, up to burst) and answers how long to wait
 // when there is none. rps 0 means no limit.
 func (cb *credBuckets) take(cred string, rps, burst int) (time.Duration, bool) {
+	return cb.takeN(cred, 1, rps, burst)
+}
+
+// takeN is take for n tokens at once (at most burst: more could never be had).
+func (cb *credBuckets) takeN(cred string, n, rps, burst int) (time.Duration, bool) {
 	if rps <= 0 {
 		return 0, true
 	}
 	if burst < 1 {
 		burst = rps
 	}
+	need := float64(min(max(n, 1), burst))
 	now := cb.now()
 	cb.mu.Lock()
 	defer cb.mu.Unlock()
@@ -108,11 +114,11 @@ func (cb *credBuckets) take(cred string, rps, burst int) (time.Duration, bool) {
 		b.tokens = min(float64(burst), b.tokens+el*float64(rps))
 		b.last = now
 	}
-	if b.tokens >= 1 {
-		b.tokens--
+	if b.tokens >= need {
+		b.tokens -= need
 		return 0, true
 	}
-	return time.Duration((1 - b.tokens) / float64(rps) * float64(time.Second)), false
+	return time.Duration((need - b.tokens) / float64(rps) * float64(time.Second)), false
 }
 
 // sweep drops the buckets that would be full by now; the caller holds mu.
@@ -180,8 +186,26 @@ func (oc *orgLimitsCache) get(ctx context.Context, org string) store.Limits {
 // limitCredential spends one request of cred (an API key id or a token's jti) against its org's
 // rps limit on this broker.
 func (s *Server) limitCredential(ctx context.Context, org, cred string) error {
+	return s.limitCredentialN(ctx, org, cred, 1)
+}
+
+// batchItemsPerRequest is how many items of a batch (a batch heartbeat's refs) count as one request
+// against the rps limit: each is its own work in Redis.
+const batchItemsPerRequest = 100
+
+// limitBatch spends what a batch of n items costs beyond the one request its authentication spent.
+func (s *Server) limitBatch(ctx context.Context, p Principal, n int) error {
+	extra := (n+batchItemsPerRequest-1)/batchItemsPerRequest - 1
+	if extra < 1 {
+		return nil
+	}
+	return s.limitCredentialN(ctx, p.Org, "key:"+p.KeyID, extra)
+}
+
+// limitCredentialN is limitCredential for n requests' worth at once.
+func (s *Server) limitCredentialN(ctx context.Context, org, cred string, n int) error {
 	l := s.orgLimits.get(ctx, org)
-	wait, ok := s.buckets.take(cred, l.RPS, l.Burst)
+	wait, ok := s.buckets.takeN(cred, n, l.RPS, l.Burst)
 	if ok {
 		return nil
 	}

@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"net/http"
 	"strconv"
@@ -201,5 +202,26 @@ func TestRateLimitPerToken(t *testing.T) {
 	// request in the same instant still goes through.
 	if _, err := b.Client.ListSandboxes(ctx, client.ListOptions{}); err != nil {
 		t.Fatalf("owner request while the token is limited: %v", err)
+	}
+}
+
+// A batch heartbeat costs its credential a request per 100 refs against its rps, not one for up to
+// 1000: each ref is a renewal in the shared Redis, so a key sending full batches at its rate renewed
+// a hundred times what its rps allows, enough to saturate Redis for every org. A batch never costs
+// more than the burst, so that one can always pass.
+func TestBatchHeartbeatsCostTheirRefs(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Limits: store.Limits{RPS: 1, Burst: 20}})
+	refs := make([]string, 1000)
+	for i := range refs {
+		refs[i] = fmt.Sprint("gone-", i)
+	}
+	for i := range 2 {
+		if _, err := b.Client.Heartbeats(t.Context(), refs); err != nil {
+			t.Fatalf("batch %d of 1000 refs within a burst of 20: %v", i+1, err)
+		}
+	}
+	if _, err := b.Client.Heartbeats(t.Context(), refs); code(err) != protocol.CodeRateLimited {
+		t.Fatalf("a third batch of 1000 refs at rps 1, burst 20: %v, want rate_limited", err)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/labstack/echo/v4"
 
@@ -21,8 +22,9 @@ import (
 	"github.com/sbxbroker/broker/store"
 )
 
-// decodeJSON reads a JSON body strictly: one object, no unknown fields, bounded size. An empty body
-// is allowed when the route has no required fields (the zero value is used).
+// decodeJSON reads a JSON body strictly: one object of UTF-8, no unknown fields, no key given twice
+// or in another case than documented (exactKeys), bounded size. An empty body is allowed when the
+// route has no required fields (the zero value is used).
 func decodeJSON(c echo.Context, v any) error {
 	body, err := io.ReadAll(http.MaxBytesReader(c.Response(), c.Request().Body, maxBody))
 	if err != nil {
@@ -40,6 +42,10 @@ func decodeJSON(c echo.Context, v any) error {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil
 	}
+	// encoding/json would read such bytes as U+FFFD: what is kept would not be what was sent.
+	if !utf8.Valid(body) {
+		return protocol.Errorf(protocol.CodeInvalidJSON, "request body is not UTF-8: JSON text must be")
+	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
@@ -48,7 +54,7 @@ func decodeJSON(c echo.Context, v any) error {
 	if dec.More() {
 		return protocol.Errorf(protocol.CodeInvalidJSON, "request body has data after the JSON object")
 	}
-	return nil
+	return exactKeys(body, reflect.TypeOf(v))
 }
 
 // jsonProblem describes a decode error without echoing the input back.
@@ -286,7 +292,11 @@ func (s *Server) deleteSandboxes(c echo.Context) error {
 		out.Deleted = append(out.Deleted, sandbox.View(r))
 	}
 	if err != nil {
-		s.log.Error("batch delete partly failed", "request_id", requestID(c), "deleted", len(recs), "err", err)
+		// Only a batch that got under way failed partly; a refusal (no selector) is the caller's,
+		// and a failure before any delete is logged with the answer if it is the broker's.
+		if len(recs) > 0 && !dry {
+			s.log.Error("batch delete partly failed", "request_id", requestID(c), "deleted", len(recs), "err", err)
+		}
 		return err
 	}
 	return c.JSON(http.StatusOK, out)
@@ -316,6 +326,9 @@ func (s *Server) heartbeats(c echo.Context) error {
 	}
 	if len(req.Refs) == 0 || len(req.Refs) > maxBatchRefs {
 		return protocol.Errorf(protocol.CodeInvalidArgument, "refs must list 1 to %d sandbox ids or names", maxBatchRefs)
+	}
+	if err := s.limitBatch(c.Request().Context(), principal(c), len(req.Refs)); err != nil {
+		return err
 	}
 	leases, errs := s.sandboxes.HeartbeatMany(c.Request().Context(), principal(c).Org, req.Refs)
 	out := protocol.HeartbeatsResponse{Items: make([]protocol.HeartbeatItem, len(req.Refs))}

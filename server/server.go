@@ -197,6 +197,9 @@ type Server struct {
 	mcp *mcpFront
 }
 
+// mcpRoute is the MCP endpoint's route (echo's c.Path() form).
+const mcpRoute = "/v1/sandboxes/:ref/mcp"
+
 // maxBody bounds every REST request body.
 const maxBody = 1 << 20
 
@@ -224,7 +227,7 @@ func New(cfg Config) *Server {
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = s.errorHandler
-	e.Use(withRequestID, s.boundBody, s.withAccessLog, s.recoverPanics, s.guardAuth, checkQuery)
+	e.Use(withRequestID, s.boundBody, s.withAccessLog, s.recoverPanics, s.guardAuth, oneAuthorization, checkQuery)
 	s.e = e
 	s.bgCtx, s.stopBackground = context.WithCancel(context.Background())
 	s.http = &http.Server{
@@ -265,9 +268,9 @@ func New(cfg Config) *Server {
 	// Its upload operation over plain HTTP, for bulk bytes (dataplane_put.go).
 	e.PUT(uploadRoute, s.uploadPut)
 	// MCP (Streamable HTTP) takes a delegation token only, checked by its handler (mcp.go).
-	e.POST("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
-	e.GET("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
-	e.DELETE("/v1/sandboxes/:ref/mcp", s.mcpEndpoint)
+	e.POST(mcpRoute, s.mcpEndpoint)
+	e.GET(mcpRoute, s.mcpEndpoint)
+	e.DELETE(mcpRoute, s.mcpEndpoint)
 	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
 	e.GET("/v1/events", s.orgEvents, owner...)
 	e.GET("/v1/orphans", s.orphans, owner...)

@@ -450,7 +450,8 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := servertest.New(t, servertest.Options{})
+	logs := &lockedBuffer{}
+	b := servertest.New(t, servertest.Options{Log: slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 	ctx := t.Context()
 	sb, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "doc"})
 	if err != nil {
@@ -481,8 +482,8 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 			t.Fatal(err)
 		}
 		req.Header.Set("Content-Type", "application/json")
-		if credential != "" {
-			req.Header.Set("Authorization", "Bearer "+credential)
+		for _, c := range strings.Fields(credential) { // several: one header each
+			req.Header.Add("Authorization", "Bearer "+c)
 		}
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -499,14 +500,34 @@ func TestRouteRefusalsMatchOpenAPI(t *testing.T) {
 		check(op, "no credentials", "", "", "{}")
 		check(op, "a delegation token", m.Token, "", "{}")
 		check(op, "an unknown query parameter", key, "bogus=1", "{}")
+		check(op, "two Authorization headers", m.Token+" "+key, "", "{}")
 		if strings.HasPrefix(op, "POST") {
 			check(op, "a malformed body", key, "", "{")
 			check(op, "a 2 MiB body", key, "", huge)
 		}
 	}
+	check("DELETE /v1/sandboxes", "no tag selector", key, "", "")
+	// A refusal is the caller's mistake: it is never logged as the broker's error, and no log line
+	// carries a credential.
+	for _, line := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(line, `"level":"ERROR"`) {
+			t.Errorf("a refusal logged as the broker's error: %.300s", line)
+		}
+		if strings.Contains(line, key) || strings.Contains(line, m.Token) {
+			t.Errorf("a log line carries a credential: %.300s", line)
+		}
+	}
+	// The MCP endpoint takes a token; one never used, so that no cache of this broker answers for it.
+	fresh, err := b.Client.Delegate(ctx, "doc", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	b.Redis.Kill()
 	for _, op := range spec.Operations() {
 		check(op, "Redis gone", key, "", "{}")
+		if strings.HasSuffix(op, "/mcp") {
+			check(op, "Redis gone, a delegation token", fresh.Token, "", `{"jsonrpc":"2.0","id":1,"method":"ping"}`)
+		}
 	}
 }
 

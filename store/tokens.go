@@ -27,6 +27,15 @@ func (s *Store) RecordToken(ctx context.Context, org, sandboxID, jti string, met
 	return size.Val(), nil
 }
 
+// TokenCount answers how many tokens a sandbox's record holds, expired ones included.
+func (s *Store) TokenCount(ctx context.Context, org, sandboxID string) (int64, error) {
+	n, err := s.rdb.HLen(ctx, DelegationsKey(org, sandboxID)).Result()
+	if err != nil {
+		return 0, fmt.Errorf("store: count tokens: %w", err)
+	}
+	return n, nil
+}
+
 // Tokens reads the metadata of every token recorded for a sandbox, by jti.
 func (s *Store) Tokens(ctx context.Context, org, sandboxID string) (map[string]string, error) {
 	all, err := s.rdb.HGetAll(ctx, DelegationsKey(org, sandboxID)).Result()

@@ -29,8 +29,20 @@ func (f *grantFlags) register(cmd *cobra.Command, defaultScopes []string) {
 }
 
 func (f *grantFlags) request(cmd *cobra.Command) (protocol.MintRequest, error) {
+	if err := f.checkAllowCmd(cmd); err != nil {
+		return protocol.MintRequest{}, err
+	}
 	secs, err := secondsFlag(cmd, "expires", f.expires)
 	return protocol.MintRequest{Scopes: f.scopes, AllowCmd: f.allowCmd, TTLSeconds: secs}, err
+}
+
+// checkAllowCmd refuses --allow-cmd given empty: the request would drop the empty list (the broker
+// refuses one sent) and the token would run every program, the opposite of what was asked.
+func (f *grantFlags) checkAllowCmd(cmd *cobra.Command) error {
+	if cmd.Flags().Changed("allow-cmd") && len(f.allowCmd) == 0 {
+		return usageErr("--allow-cmd names no program: list the programs the token may run (e.g. --allow-cmd pytest,python), or leave the flag out to allow any")
+	}
+	return nil
 }
 
 func delegateCmd(g *globals) *cobra.Command {

@@ -58,6 +58,11 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"create", "x", "--ttl", "-5m"}, "less than a second"},
 		{[]string{"extend", "x", "--ttl", "0.5s"}, "less than a second"},
 		{[]string{"delegate", "x", "--scope", "exec", "--expires", "100ms"}, "less than a second"},
+		// An empty allowlist would be dropped from the request and allow every program.
+		{[]string{"delegate", "x", "--scope", "exec", "--allow-cmd", ""}, "--allow-cmd names no program"},
+		{[]string{"run-config", "x", "--allow-cmd", ""}, "--allow-cmd names no program"},
+		{[]string{"mcp", "x", "--allow-cmd", ""}, "--allow-cmd names no program"},
+		{[]string{"mcp", "config", "x", "--client", "claude-code", "--allow-cmd", ""}, "--allow-cmd names no program"},
 		{[]string{"run-config", "--thread", "t", "--ttl", "1ms"}, "less than a second"},
 		{[]string{"exec", "x", "--timeout", "1us", "--", "true"}, "at least 1ms"},
 		{[]string{"exec", "dev"}, "no command: give one after --"},

@@ -294,6 +294,9 @@ SBX_API_KEY or its config file).`,
 			if g.config != "" {
 				mcpArgs = append(mcpArgs, "--config", g.config)
 			}
+			if err := f.checkAllowCmd(cmd); err != nil {
+				return err
+			}
 			fl := cmd.Flags()
 			if fl.Changed("scope") {
 				mcpArgs = append(mcpArgs, "--scope", strings.Join(f.scopes, ","))

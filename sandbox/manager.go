@@ -177,6 +177,14 @@ func (m *Manager) StopExpired(ctx context.Context, c Caller, ref string, warning
 	rec, err := m.cfg.Store.Transition(ctx, c.Org, ref, store.Transition{
 		From: []string{protocol.StatusRunning}, To: protocol.StatusStopped, IfExpired: true, Warning: warning,
 		Fields: map[string]string{store.FieldStopReason: protocol.StopTTLExpired}})
+	var se *store.StateError
+	if errors.As(err, &se) && se.Status == protocol.StatusStopped {
+		// Stopped already, perhaps by this very call (resent when Redis' answer was lost), as in
+		// Stop: the runtime is still to end. The caller hears the refusal all the same.
+		if now, gerr := m.Get(ctx, c.Org, ref); gerr == nil {
+			m.stopLocal(ctx, now)
+		}
+	}
 	return m.stopped(ctx, c, ref, protocol.StopTTLExpired, rec, err)
 }
 

@@ -575,3 +575,47 @@ func TestStopWhoseAnswerRedisLost(t *testing.T) {
 		t.Fatal("the stopped sandbox's runtime still runs")
 	}
 }
+
+// TestExpiryStopWhoseAnswerRedisLost: the sweeper's stop of an expired sandbox, its answer lost
+// (the Redis client sends it again and finds the record stopped, by itself), still ends the
+// runtime at once, as a user's stop does: it ran on, outside the org's running count, until the
+// next reconcile.
+func TestExpiryStopWhoseAnswerRedisLost(t *testing.T) {
+	t.Parallel()
+	clock := servertest.NewClock(time.Now())
+	lossy := &redistest.LoseAnswers{Also: []byte(protocol.StopTTLExpired)}
+	b := servertest.New(t, servertest.Options{RedisDialer: lossy.Dial, Now: clock.Now})
+	ctx := t.Context()
+	ttl := int64(2)
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev", TTLSeconds: &ttl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := b.Store.Get(ctx, b.Org, res.Sandbox.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst, err := b.Manager.Instance(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(1500 * time.Millisecond)
+	if r, err := b.Sweeper.SweepOnce(ctx); err != nil || r.Warned != 1 {
+		t.Fatalf("first sweep: %+v %v", r, err)
+	}
+	clock.Advance(time.Second)
+	lossy.Match = []byte(res.Sandbox.ID)
+	lossy.Lose.Store(1)
+	b.Sweeper.SweepOnce(ctx)
+	if lossy.Lose.Load() > 0 {
+		t.Fatal("no answer was lost: the test did not test")
+	}
+	if got, err := b.Client.GetSandbox(ctx, "dev"); err != nil || got.Status != protocol.StatusStopped {
+		t.Fatalf("after the sweep: %v %+v", err, got)
+	}
+	select {
+	case <-inst.Done():
+	default:
+		t.Fatal("the expired sandbox's runtime still runs")
+	}
+}

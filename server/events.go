@@ -223,6 +223,13 @@ func (s *Server) streamEvents(c echo.Context, sandboxID string) error {
 				return nil
 			}
 		case e := <-sub.C:
+			// A select picks at random among ready cases: an event queued before the revocation
+			// must not go out after it.
+			select {
+			case <-revoked:
+				return nil
+			default:
+			}
 			if write(e) != nil {
 				return nil
 			}

@@ -649,6 +649,12 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 			testHookDirOpen(rel)
 		}
 		d, err := root.OpenFile(rel, os.O_RDONLY|dirFlags, 0)
+		if errors.Is(err, syscall.ENOTDIR) {
+			// Swapped since the lstat for what is no directory (a FIFO, a file, a link to one):
+			// skipped like a swapped file, not the end of the whole tar.
+			st.Skipped++
+			return nil
+		}
 		if err != nil {
 			return &EntryError{rel, err}
 		}

@@ -394,3 +394,57 @@ func TestExtractBoundsTheNamesItRemembers(t *testing.T) {
 		t.Fatalf("one name replaced 40 times: %v", err)
 	}
 }
+
+// TestAddSkipsASubdirectorySwappedForANonDirectory: a directory inside the tree that the sandbox
+// swaps for a FIFO or a file after Add looked at it is skipped, as a swapped file is
+// (docs/dataplane.md): it ended the whole tar with an error, the rest of the tree unsent.
+func TestAddSkipsASubdirectorySwappedForANonDirectory(t *testing.T) {
+	for _, swapIn := range []string{"fifo", "file", "link to a file"} {
+		t.Run(swapIn, func(t *testing.T) {
+			dir := t.TempDir()
+			for _, d := range []string{"t/d", "t/e"} {
+				if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, f := range []string{"t/e/kept.txt", "t/z.txt"} {
+				if err := os.WriteFile(filepath.Join(dir, f), []byte("kept"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			root, err := os.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			defer tartree.BeforeDirOpen(func(rel string) {
+				if rel != "t/d" {
+					return
+				}
+				p := filepath.Join(dir, "t/d")
+				if err := os.Remove(p); err != nil {
+					t.Error(err)
+				}
+				switch swapIn {
+				case "fifo":
+					err = unix.Mkfifo(p, 0o644)
+				case "file":
+					err = os.WriteFile(p, []byte("x"), 0o644)
+				default:
+					err = os.Symlink("z.txt", p)
+				}
+				if err != nil {
+					t.Error(err)
+				}
+			})()
+			var out bytes.Buffer
+			st, err := tartree.Add(t.Context(), tar.NewWriter(&out), root, "t", "t")
+			if err != nil {
+				t.Fatalf("a subdirectory swapped for a %s: %v; want it skipped", swapIn, err)
+			}
+			if st.Skipped != 1 || st.Files != 2 || st.Dirs != 2 {
+				t.Fatalf("stats %+v; want t and t/e, their two files, t/d skipped", st)
+			}
+		})
+	}
+}

@@ -793,3 +793,34 @@ func TestSessionsPerTokenBounded(t *testing.T) {
 		return status == 200
 	})
 }
+
+// TestTruncatedGrepSaysTheSearchStopped: a grep a cap stopped (here glob's match-work budget, spent
+// on names before any file was searched) with no match says that the search stopped before every
+// file was searched, so that an agent does not read an empty answer as "the text is absent". It
+// said only "(truncated)", which also means "more matches than max_count".
+func TestTruncatedGrepSaysTheSearchStopped(t *testing.T) {
+	f := newFixture(t)
+	cs := f.connect(t, f.mint(t, []string{protocol.ScopeFSRead, protocol.ScopeExec}).Token, nil)
+	// 6000 names of 200 bytes against a pattern of 4000 bytes spend more than the 2^32 budget.
+	if r := call(t, cs, "execute", map[string]any{"command": "mkdir -p many && cd many && for i in $(seq 6000); do : > $(printf '%0200d' $i); done"}); r.IsError {
+		t.Fatalf("making the files: %s", text(r))
+	}
+	gr := call(t, cs, "grep", map[string]any{"pattern": "needle", "path": "many", "glob": strings.Repeat("*", 4000) + "q"})
+	if gr.IsError || !strings.Contains(structured(t, gr), `"truncated":true`) {
+		t.Fatalf("grep over the glob budget: %s", structured(t, gr))
+	}
+	if got := text(gr); !strings.Contains(got, "stopped before every file was searched") {
+		t.Fatalf("a truncated grep with no match says %q; want it to say the search did not finish", got)
+	}
+	// So does a glob that the same budget stopped before any path matched.
+	g := call(t, cs, "glob", map[string]any{"pattern": strings.Repeat("*", 4000) + "q", "path": "many"})
+	if got := text(g); !strings.Contains(got, "stopped before the whole tree was searched") {
+		t.Fatalf("a truncated glob with no match says %q", got)
+	}
+	// More matches than max_count is truncated too, and says that more may exist.
+	call(t, cs, "execute", map[string]any{"command": "printf 'x\\nx\\n' > two.txt"})
+	gr = call(t, cs, "grep", map[string]any{"pattern": "x", "path": "two.txt", "max_count": 1})
+	if got := text(gr); !strings.Contains(got, "two.txt:1:x") || !strings.Contains(got, "more matches may exist") {
+		t.Fatalf("a grep cut at max_count says %q", got)
+	}
+}

@@ -375,7 +375,10 @@ func renderGlob(res json.RawMessage) string {
 	for _, e := range r.Files {
 		b.WriteString(e.Path + "\n")
 	}
-	if r.Truncated {
+	switch {
+	case r.Truncated && len(r.Files) == 0:
+		b.WriteString("(no path matched in what was searched, but the search stopped before the whole tree was searched: a limit cut it, so a match may still exist; narrow the pattern or path)\n")
+	case r.Truncated:
 		b.WriteString("(truncated)\n")
 	}
 	return b.String()
@@ -390,8 +393,13 @@ func renderGrep(res json.RawMessage) string {
 	for _, m := range r.Matches {
 		fmt.Fprintf(&b, "%s:%d:%s\n", m.Path, m.Line, m.Text)
 	}
-	if r.Truncated {
-		b.WriteString("(truncated)\n")
+	// Truncated means more matches than max_count or a cap (time, bytes read, entries, glob work)
+	// stopped the search: an agent must not read the matches given, or none, as all there are.
+	switch {
+	case r.Truncated && len(r.Matches) == 0:
+		b.WriteString("(no match in what was searched, but the search stopped before every file was searched: a limit cut it, so the text may still be there; narrow path or glob)\n")
+	case r.Truncated:
+		b.WriteString("(truncated: more matches may exist, or a limit stopped the search before every file was searched; narrow path or glob)\n")
 	}
 	return b.String()
 }

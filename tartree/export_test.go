@@ -7,11 +7,11 @@ func SetMaxDirs(n int) func() {
 	return func() { maxDirs = old }
 }
 
-// BeforeDirOpen calls hook with a directory's name after Add has looked at it and before it opens
-// it: the moment a sandbox could swap it for something else. It returns the undo.
-func BeforeDirOpen(hook func(rel string)) func() {
-	testHookDirOpen = hook
-	return func() { testHookDirOpen = nil }
+// AfterLstat calls hook with an entry's name after Add has looked at it and before it opens (or
+// reads) it: the moment a sandbox could swap it for something else. It returns the undo.
+func AfterLstat(hook func(rel string)) func() {
+	testHookAfterLstat = hook
+	return func() { testHookAfterLstat = nil }
 }
 
 // SetMaxNamesHeld lowers the bound on the names one Add holds and returns the undo.

@@ -642,13 +642,19 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 	if err != nil {
 		return &EntryError{rel, err}
 	}
+	if testHookAfterLstat != nil {
+		testHookAfterLstat(rel)
+	}
 	hdr := &tar.Header{Name: name, Mode: int64(fi.Mode().Perm()), ModTime: fi.ModTime(), Format: tar.FormatPAX}
 	switch m := fi.Mode(); {
 	case m.IsDir():
-		if testHookDirOpen != nil {
-			testHookDirOpen(rel)
-		}
 		d, err := root.OpenFile(rel, os.O_RDONLY|dirFlags, 0)
+		if err != nil && (errors.Is(err, syscall.ENOTDIR) || swapped(root, rel, fi)) {
+			// Swapped since the lstat for what is no directory (a FIFO, a file, a link to one or
+			// out of the tree): skipped like a swapped file, not the end of the whole tar.
+			st.Skipped++
+			return nil
+		}
 		if err != nil {
 			return &EntryError{rel, err}
 		}
@@ -681,6 +687,10 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 		return nil
 	case m&fs.ModeSymlink != 0:
 		target, err := root.Readlink(rel)
+		if err != nil && swapped(root, rel, fi) {
+			st.Skipped++ // swapped for what is no link since the lstat
+			return nil
+		}
 		if err != nil {
 			return &EntryError{rel, err}
 		}
@@ -689,6 +699,10 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 		return tw.WriteHeader(hdr)
 	case m.IsRegular():
 		f, err := root.OpenFile(rel, os.O_RDONLY|readFlags, 0)
+		if err != nil && swapped(root, rel, fi) {
+			st.Skipped++ // swapped since the lstat, for a link the root will not follow (out of the tree)
+			return nil
+		}
 		if err != nil {
 			return &EntryError{rel, err}
 		}
@@ -721,8 +735,17 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 	return nil
 }
 
-// testHookDirOpen, when a test sets it, runs between a directory's lstat and its open.
-var testHookDirOpen func(rel string)
+// swapped says whether rel, whose open or readlink failed, is no longer what fi was: the sandbox
+// swapped it since the lstat (for a link leading out of the tree, say), which is skipped like any
+// other swap rather than ending the whole tar. The type is compared too: a name removed and made
+// again at once often gets the freed inode number back.
+func swapped(root *os.Root, rel string, fi fs.FileInfo) bool {
+	now, err := root.Lstat(rel)
+	return err == nil && (now.Mode().Type() != fi.Mode().Type() || !os.SameFile(fi, now))
+}
+
+// testHookAfterLstat, when a test sets it, runs between an entry's lstat and its open (or readlink).
+var testHookAfterLstat func(rel string)
 
 func join(dir, name string) string {
 	if dir == "." || dir == "" {

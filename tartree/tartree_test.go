@@ -194,7 +194,7 @@ func TestAddDirSwappedForFIFOOrLink(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer root.Close()
-			defer tartree.BeforeDirOpen(func(rel string) {
+			defer tartree.AfterLstat(func(rel string) {
 				if rel != "d" {
 					return
 				}
@@ -392,5 +392,117 @@ func TestExtractBoundsTheNamesItRemembers(t *testing.T) {
 	}
 	if _, err := tartree.Extract(t.Context(), root, bytes.NewReader(archive(t, hdrs...)), tartree.ExtractOptions{}); err != nil {
 		t.Fatalf("one name replaced 40 times: %v", err)
+	}
+}
+
+// TestAddSkipsASubdirectorySwappedForANonDirectory: a directory inside the tree that the sandbox
+// swaps for a FIFO or a file after Add looked at it is skipped, as a swapped file is
+// (docs/dataplane.md): it ended the whole tar with an error, the rest of the tree unsent.
+func TestAddSkipsASubdirectorySwappedForANonDirectory(t *testing.T) {
+	for _, swapIn := range []string{"fifo", "file", "link to a file"} {
+		t.Run(swapIn, func(t *testing.T) {
+			dir := t.TempDir()
+			for _, d := range []string{"t/d", "t/e"} {
+				if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, f := range []string{"t/e/kept.txt", "t/z.txt"} {
+				if err := os.WriteFile(filepath.Join(dir, f), []byte("kept"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			root, err := os.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			defer tartree.AfterLstat(func(rel string) {
+				if rel != "t/d" {
+					return
+				}
+				p := filepath.Join(dir, "t/d")
+				if err := os.Remove(p); err != nil {
+					t.Error(err)
+				}
+				switch swapIn {
+				case "fifo":
+					err = unix.Mkfifo(p, 0o644)
+				case "file":
+					err = os.WriteFile(p, []byte("x"), 0o644)
+				default:
+					err = os.Symlink("z.txt", p)
+				}
+				if err != nil {
+					t.Error(err)
+				}
+			})()
+			var out bytes.Buffer
+			st, err := tartree.Add(t.Context(), tar.NewWriter(&out), root, "t", "t")
+			if err != nil {
+				t.Fatalf("a subdirectory swapped for a %s: %v; want it skipped", swapIn, err)
+			}
+			if st.Skipped != 1 || st.Files != 2 || st.Dirs != 2 {
+				t.Fatalf("stats %+v; want t and t/e, their two files, t/d skipped", st)
+			}
+		})
+	}
+}
+
+// TestAddSkipsAFileOrLinkSwappedSinceItsLstat: a file the sandbox swaps for a link out of the tree
+// (which the root refuses to open), or a link it swaps for a file (which has no target to read),
+// after Add looked at it is skipped, as other swaps are: either ended the whole tar with an error.
+func TestAddSkipsAFileOrLinkSwappedSinceItsLstat(t *testing.T) {
+	for _, tc := range []struct{ name, entry string }{
+		{"file for a link out of the tree", "t/f.txt"},
+		{"link for a file", "t/l"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			if err := os.MkdirAll(filepath.Join(dir, "t"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			for _, f := range []string{"t/f.txt", "t/z.txt"} {
+				if err := os.WriteFile(filepath.Join(dir, f), []byte("kept"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := os.Symlink("z.txt", filepath.Join(dir, "t/l")); err != nil {
+				t.Fatal(err)
+			}
+			root, err := os.OpenRoot(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer root.Close()
+			defer tartree.AfterLstat(func(rel string) {
+				if rel != tc.entry {
+					return
+				}
+				p := filepath.Join(dir, rel)
+				if err := os.Remove(p); err != nil {
+					t.Error(err)
+				}
+				if rel == "t/f.txt" {
+					err = os.Symlink("/etc/passwd", p)
+				} else {
+					err = os.WriteFile(p, []byte("x"), 0o644)
+				}
+				if err != nil {
+					t.Error(err)
+				}
+			})()
+			var out bytes.Buffer
+			st, err := tartree.Add(t.Context(), tar.NewWriter(&out), root, "t", "t")
+			if err != nil {
+				t.Fatalf("%s: %v; want it skipped", tc.name, err)
+			}
+			if st.Skipped != 1 || st.Files+st.Symlinks != 2 {
+				t.Fatalf("stats %+v; want the swapped entry skipped and the other two archived", st)
+			}
+			if strings.Contains(out.String(), "root:") {
+				t.Fatalf("the archive holds what the link leads to")
+			}
+		})
 	}
 }

@@ -72,9 +72,9 @@ type Options struct {
 	// path.Match costs about that, and a pattern of many stars and brace alternatives made each
 	// name cost milliseconds.
 	MaxMatchWork int64
-	// MaxGrepTime bounds the time one Grep spends matching (default 10 s): a regular expression
-	// costs per byte about its compiled size in Go's RE2, which has no DFA, so bytes read do not
-	// bound it.
+	// MaxGrepTime bounds one Grep's time from its start, its walk and reads included, the clock
+	// read as matching goes (default 10 s): a regular expression costs per byte about its compiled
+	// size in Go's RE2, which has no DFA, so bytes read do not bound it.
 	MaxGrepTime time.Duration
 }
 

@@ -48,7 +48,9 @@ type Backend interface {
 // ExecRequest is an exec with optional streaming writers.
 type ExecRequest struct {
 	protocol.ExecArgs
-	// Stdout and Stderr, when Stdout is set, receive output as it comes.
+	// Stdout and Stderr, when Stdout is set, receive output as it comes. A write error of either
+	// ends the call with that error, and Remote cancels the command at the broker (as a pipe's
+	// reader going away ends its writer) rather than have its output read and dropped.
 	Stdout io.Writer
 	Stderr io.Writer
 }

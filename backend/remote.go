@@ -264,6 +264,9 @@ type call struct {
 	mu       sync.Mutex
 	detached bool
 	sinkErr  error
+	// sinkFailed is closed when a sink's write first fails: the caller then cancels the call at the
+	// broker rather than have the rest of it read and discarded.
+	sinkFailed chan struct{}
 }
 
 // detach stops writes into the call's sinks (waiting for one in progress) and returns their error.
@@ -497,6 +500,7 @@ func (s *sinkWriter) Write(p []byte) (int, error) {
 	n, err := s.w.Write(p)
 	if err != nil {
 		s.cl.sinkErr = err
+		close(s.cl.sinkFailed) // once: later writes return above
 	}
 	return n, err
 }
@@ -539,7 +543,7 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 		return protocol.Errorf(protocol.CodeTooLarge, "the %s request is %d bytes, over the dataplane's limit of %d per frame; send large content with upload",
 			op, size, c.maxFrame)
 	}
-	cl.done = make(chan struct{})
+	cl.done, cl.sinkFailed = make(chan struct{}), make(chan struct{})
 	c.mu.Lock()
 	if c.isDead() {
 		c.mu.Unlock()
@@ -568,6 +572,12 @@ func (c *conn) roundTrip(ctx context.Context, op string, args any, cl *call, upl
 	}
 	select {
 	case <-cl.done:
+	case <-cl.sinkFailed:
+		// The caller's writer failed (a full disk, a capped buffer): what is left of the transfer
+		// would only be discarded, a file of any size read and sent for nothing. Sent from here,
+		// not from the reader goroutine, which must never wait for the writer.
+		c.cancel(id)
+		return cl.detach()
 	case <-ctx.Done():
 		c.cancel(id)
 		cl.detach()

@@ -17,7 +17,8 @@ import (
 
 // The operations whose bytes stream as data frames: Upload and Untar send a reader's, Download, Tar
 // and TarFiles write theirs to a writer as they come. None is retried: by the time the connection
-// breaks, the reader or the writer has been used in part.
+// breaks, the reader or the writer has been used in part. A writer's error cancels the transfer at
+// the broker and is the call's error.
 
 // Upload streams src into path (atomically replaced when the upload completes). The bytes go
 // through the dataplane's upload door, an HTTP PUT beside the WebSocket with the same credential

@@ -384,3 +384,50 @@ func TestDataplaneDownloadEndsAtItsSizeWhenOpened(t *testing.T) {
 		t.Fatalf("download sent %d bytes and answered size %d; want the %d the file had when opened", sent, res.Size, size)
 	}
 }
+
+// A download whose writer fails (a full disk under sbctl cp, a capped buffer) is cancelled at the
+// broker: the call returns the writer's error at once and the connection serves the next call,
+// where the client kept taking (and discarding) the rest of the file, here a sparse terabyte, until
+// its context ran out.
+func TestDownloadStopsWhenItsWriterFails(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	id, url := newSandbox(t, b, "huge")
+	f, err := os.Create(filepath.Join(workspaceDir(b, id), "huge.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(1 << 40); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	r, err := backend.Dial(t.Context(), backend.Config{URL: url, Credential: b.Client.APIKey()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	full := errors.New("no space left on the client's disk")
+	_, err = r.Download(ctx, "huge.bin", &failingWriter{left: 8 << 20, err: full})
+	if !errors.Is(err, full) {
+		t.Fatalf("a download whose writer failed: %v; want the writer's error", err)
+	}
+	if err := r.Ping(ctx); err != nil {
+		t.Fatalf("the connection after the cancelled download: %v", err)
+	}
+}
+
+// failingWriter takes left bytes, then fails every write with err.
+type failingWriter struct {
+	left int
+	err  error
+}
+
+func (w *failingWriter) Write(p []byte) (int, error) {
+	if len(p) > w.left {
+		return 0, w.err
+	}
+	w.left -= len(p)
+	return len(p), nil
+}

@@ -132,6 +132,10 @@ func TestDataplaneTakesOneCredential(t *testing.T) {
 	}{
 		{"a header and a subprotocol", authHeader(other), []string{protocol.Subprotocol, bearerProto(m.Token)}},
 		{"two subprotocols", nil, []string{protocol.Subprotocol, bearerProto(m.Token), bearerProto(other)}},
+		// The header may come as several lines (RFC 6455 4.1), and the broker's WebSocket library
+		// reads only the first: a second line's credential went unseen.
+		{"two subprotocols on two header lines", http.Header{"Sec-Websocket-Protocol": {protocol.Subprotocol + ", " + bearerProto(m.Token), bearerProto(other)}}, nil},
+		{"a header and a subprotocol on a second line", http.Header{"Authorization": {"Bearer " + other}, "Sec-Websocket-Protocol": {protocol.Subprotocol, bearerProto(m.Token)}}, nil},
 	} {
 		status, eb := dialStatus(t, url, tc.hdr, tc.protos)
 		if status != 400 || eb.Error.Code != protocol.CodeInvalidArgument || !strings.Contains(eb.Error.Message, "one credential") {

@@ -103,7 +103,20 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 		return protocol.MintResponse{}, err
 	}
 	meta, _ := json.Marshal(metadata{Scopes: c.Scopes(), AllowCmd: c.Cmd, Iat: c.IssuedAt.Unix(), Exp: c.ExpiresAt.Unix(), Sub: actor, Gen: c.Gen})
-	size, err := s.store.RecordToken(ctx, rec.Org, rec.ID, c.ID, meta)
+	size, err := s.store.RecordToken(ctx, rec.Org, rec.ID, c.ID, meta, MaxLiveTokens)
+	if errors.Is(err, store.ErrTokensFull) {
+		// Another mint took the last room since roomForToken looked: at the bound it forgets the
+		// tokens that ended, which may make room; a record full of live ones refuses this mint.
+		if err = s.roomForToken(ctx, rec); err == nil {
+			size, err = s.store.RecordToken(ctx, rec.Org, rec.ID, c.ID, meta, MaxLiveTokens)
+		}
+		if errors.Is(err, store.ErrTokensFull) {
+			err = tokensFull(rec, MaxLiveTokens)
+		}
+	}
+	if perr := (*protocol.Error)(nil); errors.As(err, &perr) {
+		return protocol.MintResponse{}, perr
+	}
 	if err != nil {
 		return protocol.MintResponse{}, fmt.Errorf("delegation: record token: %w", err)
 	}
@@ -202,10 +215,15 @@ func (s *Service) roomForToken(ctx context.Context, rec store.Record) error {
 	}
 	s.store.ForgetTokens(ctx, rec.Org, rec.ID, ended...)
 	if left := len(live) - len(ended); left >= MaxLiveTokens {
-		return protocol.Errorf(protocol.CodeQuotaExceeded,
-			"sandbox %s holds %d live delegation tokens, the most one may: revoke those no longer in use (sbctl revoke %s --all, or --jti J) or let them expire", rec.Name, left, rec.Name)
+		return tokensFull(rec, left)
 	}
 	return nil
+}
+
+// tokensFull is the refusal of a mint for a sandbox that holds live tokens at the bound.
+func tokensFull(rec store.Record, live int) error {
+	return protocol.Errorf(protocol.CodeQuotaExceeded,
+		"sandbox %s holds %d live delegation tokens, the most one may: revoke those no longer in use (sbctl revoke %s --all, or --jti J) or let them expire", rec.Name, live, rec.Name)
 }
 
 // pruneExpired removes the entries of expired (or unreadable) tokens from a sandbox's token record

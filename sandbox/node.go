@@ -352,12 +352,16 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 		}
 		h := m.hostedFor(id, org)
 		if h.mu.TryLock() {
-			idle := h.inst == nil
+			// Read again under the lifecycle lock: a start that ran since the read above has
+			// moved the record out of provisioning (a start holds the lock to its last write).
+			// A runtime here under a record still claimed is the one its stop left to the start
+			// (stopLocal), not a started one: provision ends it.
+			now, err := m.cfg.Store.Get(ctx, org, id)
 			h.mu.Unlock()
-			if idle {
+			if err == nil && now.Status == protocol.StatusProvisioning && now.Node == m.cfg.Node && now.Claim == rec.Claim {
 				// Claimed for a resume by another broker: start it here. (A repeated ask finds
 				// it locked, or running.)
-				m.start(ctx, Caller{Org: org, Actor: startBy}, rec)
+				m.start(ctx, Caller{Org: org, Actor: startBy}, now)
 			}
 		}
 	}

@@ -185,12 +185,19 @@ func (m *Manager) settleIfAbandoned(ctx context.Context, rec store.Record) (stor
 	delete(s.seen, rec.ID)
 	delete(s.own, rec.Claim)
 	s.mu.Unlock()
-	if held || h.inst != nil {
+	if held {
 		return rec, false
 	}
 	m.cfg.Log.Warn("settling a sandbox left provisioning by a start that was cut short (Redis lost its answers)",
 		"sandbox_id", rec.ID, "org", rec.Org, "provisioning_for_more_than", grace)
-	return m.settleCutShort(ctx, rec, "the broker lost Redis' answers to its create, so it never started it; delete it and create it again", protocol.ReasonStartFailed)
+	got, settled := m.settleCutShort(ctx, rec, "the broker lost Redis' answers to its create, so it never started it; delete it and create it again", protocol.ReasonStartFailed)
+	if settled {
+		// A runtime here is the one a stop left to this start (stopLocal read the record claimed):
+		// no start of this claim ran (each holds h.mu to its last write, and the record was still
+		// under it), so it is nobody's now.
+		h.release(context.WithoutCancel(ctx))
+	}
+	return got, settled
 }
 
 // settleCutShort settles a provisioning record whose start was cut short: a resume goes back to

@@ -36,6 +36,10 @@ func TestAmbiguousJSONIsRefused(t *testing.T) {
 		{"repeated token", "/v1/tokens/introspect", `{"token":"a.b.c","Token":"d.e.f"}`},
 		// encoding/json reads bytes that are not UTF-8 as U+FFFD: what is stored is not what was sent.
 		{"a tag that is not UTF-8", "/v1/sandboxes", "{\"name\":\"five\",\"tags\":{\"k\":\"a\xffb\"}}"},
+		// The same by escape: a lone surrogate names no character, and is read as U+FFFD too.
+		{"a tag with a lone surrogate", "/v1/sandboxes", `{"name":"six","tags":{"k":"a\ud800b"}}`},
+		{"a tag with a lone low surrogate", "/v1/sandboxes", `{"name":"seven","tags":{"k":"\uDC00"}}`},
+		{"a tag with a surrogate pair reversed", "/v1/sandboxes", `{"name":"eight","tags":{"k":"\udc00\ud800"}}`},
 	} {
 		before := b.RedisSnapshot()
 		status, eb, raw := rawRequest(t, "POST", b.URL+tc.path, key, tc.body)
@@ -44,6 +48,21 @@ func TestAmbiguousJSONIsRefused(t *testing.T) {
 		}
 		if after := b.RedisSnapshot(); !maps.Equal(before, after) {
 			t.Errorf("%s: a refused request changed Redis", tc.name)
+		}
+	}
+	// A character past U+FFFF given by its surrogate pair, escaped or not, and an escaped
+	// backslash before what reads as an escape, are taken as sent.
+	for _, tc := range []struct{ name, body, want string }{
+		{"pair", `{"name":"pair","tags":{"k":"\ud83d\ude00"}}`, "\U0001F600"},
+		{"backslash", `{"name":"backslash","tags":{"k":"\\ud800"}}`, `\ud800`},
+	} {
+		status, _, raw := rawRequest(t, "POST", b.URL+"/v1/sandboxes", key, tc.body)
+		if status != 201 && status != 200 {
+			t.Fatalf("%s: %d %.300s", tc.name, status, raw)
+		}
+		got, err := b.Client.GetSandbox(t.Context(), tc.name)
+		if err != nil || got.Tags["k"] != tc.want {
+			t.Fatalf("%s: %v %q, want %q", tc.name, err, got.Tags["k"], tc.want)
 		}
 	}
 	// Tag keys are case-sensitive: "env" and "ENV" are two tags, not one said twice.
@@ -132,6 +151,10 @@ func TestDataplaneTakesOneCredential(t *testing.T) {
 	}{
 		{"a header and a subprotocol", authHeader(other), []string{protocol.Subprotocol, bearerProto(m.Token)}},
 		{"two subprotocols", nil, []string{protocol.Subprotocol, bearerProto(m.Token), bearerProto(other)}},
+		// The header may come as several lines (RFC 6455 4.1), and the broker's WebSocket library
+		// reads only the first: a second line's credential went unseen.
+		{"two subprotocols on two header lines", http.Header{"Sec-Websocket-Protocol": {protocol.Subprotocol + ", " + bearerProto(m.Token), bearerProto(other)}}, nil},
+		{"a header and a subprotocol on a second line", http.Header{"Authorization": {"Bearer " + other}, "Sec-Websocket-Protocol": {protocol.Subprotocol, bearerProto(m.Token)}}, nil},
 	} {
 		status, eb := dialStatus(t, url, tc.hdr, tc.protos)
 		if status != 400 || eb.Error.Code != protocol.CodeInvalidArgument || !strings.Contains(eb.Error.Message, "one credential") {

@@ -259,7 +259,7 @@ func otherVersion(r *http.Request) string {
 }
 
 func subprotocolCredential(r *http.Request) string {
-	for _, p := range websocket.Subprotocols(r) {
+	for _, p := range allSubprotocols(r) {
 		if cred, ok := strings.CutPrefix(p, protocol.BearerSubprotocolPrefix); ok {
 			return cred
 		}
@@ -272,7 +272,7 @@ func subprotocolCredential(r *http.Request) string {
 // refused: which one a proxy in front of the broker checked is anyone's guess.
 func dataplaneCredential(r *http.Request) (string, error) {
 	n := 0
-	for _, p := range websocket.Subprotocols(r) {
+	for _, p := range allSubprotocols(r) {
 		if strings.HasPrefix(p, protocol.BearerSubprotocolPrefix) {
 			n++
 		}
@@ -291,6 +291,21 @@ func dataplaneCredential(r *http.Request) (string, error) {
 		return "", errNoCredentials
 	}
 	return cred, nil
+}
+
+// allSubprotocols lists the subprotocols of every Sec-WebSocket-Protocol line of an upgrade: the
+// header may come as several lines (RFC 6455 4.1), and websocket.Subprotocols reads the first only,
+// where a proxy in front of the broker may read them all.
+func allSubprotocols(r *http.Request) []string {
+	var out []string
+	for _, line := range r.Header.Values("Sec-Websocket-Protocol") {
+		for p := range strings.SplitSeq(line, ",") {
+			if p = strings.TrimSpace(p); p != "" {
+				out = append(out, p)
+			}
+		}
+	}
+	return out
 }
 
 func clipHeader(s string) string {

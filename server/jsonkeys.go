@@ -127,3 +127,51 @@ func clipField(s string) string {
 	}
 	return strings.ToValidUTF8(s, "?")
 }
+
+// loneSurrogate reports whether body escapes a UTF-16 surrogate that is not the first half of a
+// pair followed by its second: encoding/json reads one as U+FFFD, as it does bytes that are not
+// UTF-8, so what the broker keeps would not be what was sent. A backslash appears only inside a
+// string of valid JSON, where it starts an escape of two bytes or, for \u, of six.
+func loneSurrogate(body []byte) bool {
+	hex4 := func(i int) (rune, bool) {
+		if i+6 > len(body) || body[i] != '\\' || body[i+1] != 'u' {
+			return 0, false
+		}
+		var r rune
+		for _, c := range body[i+2 : i+6] {
+			switch {
+			case '0' <= c && c <= '9':
+				r = r<<4 | rune(c-'0')
+			case 'a' <= c && c <= 'f':
+				r = r<<4 | rune(c-'a'+10)
+			case 'A' <= c && c <= 'F':
+				r = r<<4 | rune(c-'A'+10)
+			default:
+				return 0, false
+			}
+		}
+		return r, true
+	}
+	for i := 0; i < len(body); i++ {
+		if body[i] != '\\' {
+			continue
+		}
+		r, ok := hex4(i)
+		if !ok {
+			i++ // a two-byte escape: its second byte may be a backslash
+			continue
+		}
+		i += 5
+		switch {
+		case 0xDC00 <= r && r <= 0xDFFF:
+			return true // a second half with no first
+		case 0xD800 <= r && r <= 0xDBFF:
+			lo, ok := hex4(i + 1)
+			if !ok || lo < 0xDC00 || lo > 0xDFFF {
+				return true
+			}
+			i += 6
+		}
+	}
+	return false
+}

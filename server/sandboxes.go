@@ -46,6 +46,9 @@ func decodeJSON(c echo.Context, v any) error {
 	if !utf8.Valid(body) {
 		return protocol.Errorf(protocol.CodeInvalidJSON, "request body is not UTF-8: JSON text must be")
 	}
+	if loneSurrogate(body) {
+		return protocol.Errorf(protocol.CodeInvalidJSON, "request body escapes a lone UTF-16 surrogate (\\uD800-\\uDFFF not in a pair), which names no character: JSON text must be UTF-8")
+	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {

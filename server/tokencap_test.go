@@ -69,3 +69,44 @@ func TestLiveTokensPerSandboxAreBounded(t *testing.T) {
 		t.Fatalf("a mint after revoking the sandbox's tokens: %v", err)
 	}
 }
+
+// Mints racing at the bound do not pass it together: each read the count below the bound before
+// any recorded its token, and all were minted, so a key sending its mints at once held the
+// bound plus as many as it had requests in flight.
+func TestLiveTokensBoundHoldsForMintsAtOnce(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	sb, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "racy"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const room, racers = 4, 32
+	for i := range delegation.MaxLiveTokens - room {
+		if _, err := b.Client.Delegate(ctx, "racy", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}}); err != nil {
+			t.Fatalf("mint %d: %v", i+1, err)
+		}
+	}
+	start := make(chan struct{})
+	errs := make(chan error, racers)
+	for range racers {
+		go func() {
+			<-start
+			_, err := b.Client.Delegate(ctx, "racy", protocol.MintRequest{Scopes: []string{protocol.ScopeFSRead}})
+			errs <- err
+		}()
+	}
+	close(start)
+	minted := 0
+	for range racers {
+		switch err := <-errs; {
+		case err == nil:
+			minted++
+		case code(err) != protocol.CodeQuotaExceeded:
+			t.Errorf("a racing mint: %v, want quota_exceeded or a token", err)
+		}
+	}
+	if n := b.RDB.HLen(ctx, store.DelegationsKey(b.Org, sb.Sandbox.ID)).Val(); minted != room || n != delegation.MaxLiveTokens {
+		t.Fatalf("%d mints at once with room for %d: %d minted, %d tokens recorded (the bound is %d)", racers, room, minted, n, delegation.MaxLiveTokens)
+	}
+}

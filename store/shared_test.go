@@ -26,7 +26,7 @@ func testTokens(t *testing.T, s *store.Store, clk *clock) {
 		t.Fatal(err)
 	}
 	for i, jti := range []string{"j1", "j2", "j3"} {
-		n, err := s.RecordToken(ctx, rec.Org, rec.ID, jti, []byte(`{"n":`+fmt.Sprint(i)+`}`))
+		n, err := s.RecordToken(ctx, rec.Org, rec.ID, jti, []byte(`{"n":`+fmt.Sprint(i)+`}`), 0)
 		if err != nil || n != int64(i+1) {
 			t.Fatalf("record %s: size %d, %v; want %d", jti, n, err, i+1)
 		}

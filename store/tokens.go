@@ -14,17 +14,36 @@ import (
 // token), the jti deny-list, and the one pipelined read that verification makes. The metadata is
 // opaque here: delegation encodes and decodes it.
 
+// ErrTokensFull means a sandbox's token record holds as many entries as a mint allowed.
+var ErrTokensFull = errors.New("store: the sandbox's token record is full")
+
+// recordTokenScript records a minted token's metadata unless the sandbox's record holds most
+// entries already: the bound is checked and the entry written in one step, so mints racing at the
+// bound cannot all pass it (each read the count below it before any wrote). A jti recorded already
+// is written again whatever the count (a resend of this very call, its answer lost).
+// KEYS: 1 the sandbox's delegations. ARGV: 1 jti, 2 metadata, 3 most entries (0: no bound).
+// Answers the record's size after the write, or -1 when it was full and nothing was written.
+var recordTokenScript = redis.NewScript(`
+local most = tonumber(ARGV[3])
+if most > 0 and redis.call('HLEN', KEYS[1]) >= most and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+  return -1
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('HLEN', KEYS[1])
+`)
+
 // RecordToken records a minted token's metadata under its sandbox and answers how many tokens the
-// sandbox's record now holds (one round trip).
-func (s *Store) RecordToken(ctx context.Context, org, sandboxID, jti string, meta []byte) (int64, error) {
-	key := DelegationsKey(org, sandboxID)
-	pipe := s.rdb.Pipeline()
-	pipe.HSet(ctx, key, jti, meta)
-	size := pipe.HLen(ctx, key)
-	if _, err := pipe.Exec(ctx); err != nil {
+// sandbox's record now holds (one round trip). With most > 0, a record that holds most entries
+// already takes no more: ErrTokensFull, and nothing is written.
+func (s *Store) RecordToken(ctx context.Context, org, sandboxID, jti string, meta []byte, most int64) (int64, error) {
+	size, err := recordTokenScript.Run(ctx, s.rdb, []string{DelegationsKey(org, sandboxID)}, jti, meta, most).Int64()
+	if err != nil {
 		return 0, fmt.Errorf("store: record token: %w", err)
 	}
-	return size.Val(), nil
+	if size < 0 {
+		return 0, ErrTokensFull
+	}
+	return size, nil
 }
 
 // TokenCount answers how many tokens a sandbox's record holds, expired ones included.

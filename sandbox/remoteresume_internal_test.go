@@ -1,0 +1,93 @@
+package sandbox
+
+import (
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/store/redistest"
+)
+
+// A resume made through another broker, claimed before the hosting broker ended the runtime of the
+// stop before it, must start the sandbox. The hosting broker's end of the runtime reads the record
+// provisioning and leaves the old runtime to the start (c9e0e56); the start it is asked for must
+// then end that runtime and start a new one. Before, the ask to start found a runtime there and
+// did nothing, every time it was asked again, and the settle passed over a record with a runtime:
+// the record stayed provisioning, the stopped sandbox's processes running, until it was deleted.
+func TestARemoteResumeOvertakingItsStopStarts(t *testing.T) {
+	ctx := t.Context()
+	st := store.New(redistest.Start(t).Client(t))
+	dir := t.TempDir()
+	for _, p := range []string{filepath.Dir(dir), dir} { // the sandbox uid reaches the workspaces through them
+		if err := os.Chmod(p, 0o711); err != nil {
+			t.Fatal(err)
+		}
+	}
+	prov, err := provider.NewDir(provider.Config{DataDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := NewManager(Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
+		Node: "n1", Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Now: time.Now,
+		DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour, IndexDir: filepath.Join(dir, "hosted")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close(ctx)
+	c := Caller{Org: "o", Actor: "key:k"}
+
+	for _, tc := range []struct {
+		name, sandbox string
+		// stopHere is the hosting broker's end of the runtime, after the resume's claim landed.
+		stopHere func(stale store.Record)
+	}{
+		{"its own stop's end of the runtime", "remote-resumed-a", func(stale store.Record) { m.stopLocal(ctx, stale) }},
+		{"the other broker's stop command", "remote-resumed-b", func(stale store.Record) { m.reconcileOne(ctx, stale.Org, stale.ID, "") }},
+	} {
+		rec, _, err := m.Create(ctx, c, CreateRequest{Name: tc.sandbox})
+		if err != nil {
+			t.Fatal(err)
+		}
+		old, err := m.Instance(rec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stale, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
+			Fields: map[string]string{store.FieldStopReason: protocol.StopRequested}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Another broker's resume claims it (Resume's own transition, under that broker's claim).
+		if _, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
+			Claim: "n2/" + rec.ID, Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}); err != nil {
+			t.Fatal(err)
+		}
+		tc.stopHere(stale)
+		m.reconcileOne(ctx, "o", rec.ID, "key:k") // the other broker's ask to start
+		got, err := st.Get(ctx, "o", rec.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Status != protocol.StatusRunning {
+			t.Fatalf("%s: the asked start left the sandbox %s", tc.name, got.Status)
+		}
+		select {
+		case <-old.Done():
+		default:
+			t.Errorf("%s: the stopped runtime still runs", tc.name)
+		}
+		inst, err := m.Instance(got)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if res, err := inst.Exec(ctx, provider.ExecRequest{Command: "true"}); err != nil || res.ExitCode != 0 {
+			t.Fatalf("%s: exec: %v %+v", tc.name, err, res)
+		}
+	}
+}

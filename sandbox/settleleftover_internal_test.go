@@ -1,0 +1,82 @@
+package sandbox
+
+import (
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/store/redistest"
+)
+
+// A resume whose claim landed with every answer lost (so it never starts the sandbox), after a stop
+// whose end of the runtime read the record claimed and left the runtime to that start, is settled
+// like any start cut short: the record goes back to stopped and the runtime its stop left ends.
+// Before, the settle passed over a record with a runtime behind it: provisioning for good, the
+// stopped sandbox's processes running, until it was deleted.
+func TestASettleEndsTheRuntimeAStopLeftToAStartCutShort(t *testing.T) {
+	ctx := t.Context()
+	st := store.New(redistest.Start(t).Client(t))
+	dir := t.TempDir()
+	for _, p := range []string{filepath.Dir(dir), dir} { // the sandbox uid reaches the workspaces through them
+		if err := os.Chmod(p, 0o711); err != nil {
+			t.Fatal(err)
+		}
+	}
+	prov, err := provider.NewDir(provider.Config{DataDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var skew atomic.Int64 // the broker's clock runs ahead by this (ns)
+	m, err := NewManager(Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
+		Node: "n1", Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Now: func() time.Time { return time.Now().Add(time.Duration(skew.Load())) },
+		DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour, IndexDir: filepath.Join(dir, "hosted")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close(ctx)
+	c := Caller{Org: "o", Actor: "key:k"}
+	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "cut-short"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	old, err := m.Instance(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
+		Fields: map[string]string{store.FieldStopReason: protocol.StopRequested}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// This broker's resume: its claim lands, every answer is lost, and it gives up (no start).
+	if _, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
+		Claim: m.newClaim(), Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}); err != nil {
+		t.Fatal(err)
+	}
+	m.stopLocal(ctx, stale) // reads it claimed: leaves the runtime to the start
+	claimed, err := st.Get(ctx, "o", rec.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.settleIfAbandoned(ctx, claimed) // the first sighting
+	skew.Store(int64(settleGrace + time.Second))
+	got, settled := m.settleIfAbandoned(ctx, claimed)
+	if !settled || got.Status != protocol.StatusStopped {
+		t.Fatalf("the settle past its grace: settled %v, the sandbox %s", settled, got.Status)
+	}
+	select {
+	case <-old.Done():
+	default:
+		t.Fatal("the settled sandbox's runtime, left by its stop, still runs")
+	}
+	if _, err := m.Resume(ctx, c, rec.ID); err != nil {
+		t.Fatalf("a resume after the settle: %v", err)
+	}
+}

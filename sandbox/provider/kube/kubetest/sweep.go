@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -22,11 +23,12 @@ const stateDirPrefix = "sbxkube-"
 // its processes (etcd, the API server, kubelet, containerd and its shims, kube-proxy: started in
 // their own process groups, they outlive the test), its state directories and their mounts, the
 // bridge, the KUBE-/CNI- chains, kube-proxy's leftovers, the kubepods cgroups and the CNI plugin's
-// network namespaces. The caller holds the machine's cluster lock, so no live cluster is running
-// and everything found is a dead run's.
+// network namespaces. The caller holds the machine's cluster lock, so no live cluster is running.
+// It acts only on the evidence of a dead run, a state directory left behind: chains, cgroups or
+// namespaces alone may be another program's (a container runtime's CNI networks).
 func sweepCrashedRun() error {
 	stale, _ := filepath.Glob(filepath.Join(os.TempDir(), stateDirPrefix+"*"))
-	if len(stale) == 0 && len(Leftovers()) == 0 {
+	if len(stale) == 0 {
 		return nil
 	}
 	var errs []error
@@ -67,8 +69,14 @@ func cleanNetworkAndCgroups() error {
 	return errors.Join(append(errs, cleanIptables("iptables"), cleanIptables("ip6tables"), cleanProxy(), removeCgroups())...)
 }
 
-// killUsersOf SIGKILLs every process whose command line names dir (a dead cluster's processes and
-// containerd's shims all name their state directory) and waits, bounded, for them to be gone.
+// clusterPrograms are the names (as /proc/PID/comm gives them, cut at 15 bytes) of what a cluster
+// runs: etcd, kube-apiserver, kubelet, kube-proxy, kube-scheduler, kube-controller-manager,
+// containerd and its shims.
+var clusterPrograms = []string{"etcd", "kube", "containerd"}
+
+// killUsersOf SIGKILLs every cluster program (clusterPrograms) whose command line names dir (a dead
+// cluster's processes and containerd's shims all name their state directory), nothing else (a shell
+// tailing a log there is left alone), and waits, bounded, for them to be gone.
 func killUsersOf(dir string) error {
 	var pids []int
 	ents, _ := os.ReadDir("/proc")
@@ -77,8 +85,12 @@ func killUsersOf(dir string) error {
 		if err != nil || pid == os.Getpid() {
 			continue
 		}
+		comm, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "comm"))
+		if !slices.ContainsFunc(clusterPrograms, func(p string) bool { return bytes.HasPrefix(comm, []byte(p)) }) {
+			continue
+		}
 		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && bytes.Contains(cmdline, []byte(dir)) {
+		if err == nil && bytes.Contains(cmdline, []byte(dir+"/")) {
 			syscall.Kill(pid, syscall.SIGKILL)
 			pids = append(pids, pid)
 		}

@@ -136,9 +136,29 @@ func (s *Service) Mint(ctx context.Context, rec store.Record, actor string, req 
 
 // List returns the metadata of a sandbox's unexpired tokens, newest first, pruning expired ones.
 func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delegation, error) {
-	all, err := s.store.Tokens(ctx, rec.Org, rec.ID)
+	live, revoked, err := s.unexpired(ctx, rec)
 	if err != nil {
 		return nil, fmt.Errorf("delegation: list: %w", err)
+	}
+	out := []protocol.Delegation{}
+	for jti, m := range live {
+		out = append(out, protocol.Delegation{
+			JTI: jti, SandboxID: rec.ID, Scopes: m.Scopes, AllowCmd: m.AllowCmd, IssuedBy: m.Sub,
+			IssuedAt: time.Unix(m.Iat, 0).UTC(), ExpiresAt: time.Unix(m.Exp, 0).UTC(),
+			Revoked: revoked(jti, m),
+		})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].IssuedAt.After(out[j].IssuedAt) })
+	return out, nil
+}
+
+// unexpired reads a sandbox's tokens, prunes the expired ones, and answers the others with whether
+// each is revoked: by its jti, with the whole sandbox (an older generation), or with the key that
+// minted it.
+func (s *Service) unexpired(ctx context.Context, rec store.Record) (map[string]metadata, func(jti string, m metadata) bool, error) {
+	all, err := s.store.Tokens(ctx, rec.Org, rec.ID)
+	if err != nil {
+		return nil, nil, err
 	}
 	live := s.pruneExpired(ctx, rec, all)
 	jtis := make([]string, 0, len(live))
@@ -153,19 +173,12 @@ func (s *Service) List(ctx context.Context, rec store.Record) ([]protocol.Delega
 	}
 	denied, liveKeys, err := s.store.TokensRevoked(ctx, rec.Org, jtis, keyIDs)
 	if err != nil {
-		return nil, fmt.Errorf("delegation: list: %w", err)
+		return nil, nil, err
 	}
-	out := []protocol.Delegation{}
-	for jti, m := range live {
+	return live, func(jti string, m metadata) bool {
 		id, isKey := strings.CutPrefix(m.Sub, KeySubjectPrefix)
-		out = append(out, protocol.Delegation{
-			JTI: jti, SandboxID: rec.ID, Scopes: m.Scopes, AllowCmd: m.AllowCmd, IssuedBy: m.Sub,
-			IssuedAt: time.Unix(m.Iat, 0).UTC(), ExpiresAt: time.Unix(m.Exp, 0).UTC(),
-			Revoked: denied[jti] || m.Gen < rec.Gen || !isKey || !liveKeys[id],
-		})
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].IssuedAt.After(out[j].IssuedAt) })
-	return out, nil
+		return denied[jti] || m.Gen < rec.Gen || !isKey || !liveKeys[id]
+	}, nil
 }
 
 // pruneAbove is the size of a sandbox's token record beyond which Mint removes expired entries.
@@ -187,29 +200,13 @@ func (s *Service) roomForToken(ctx context.Context, rec store.Record) error {
 	if n < MaxLiveTokens {
 		return nil
 	}
-	all, err := s.store.Tokens(ctx, rec.Org, rec.ID)
-	if err != nil {
-		return fmt.Errorf("delegation: mint: %w", err)
-	}
-	live := s.pruneExpired(ctx, rec, all)
-	jtis := make([]string, 0, len(live))
-	var keyIDs []string
-	seen := map[string]bool{}
-	for jti, m := range live {
-		jtis = append(jtis, jti)
-		if id, ok := strings.CutPrefix(m.Sub, KeySubjectPrefix); ok && !seen[id] {
-			seen[id] = true
-			keyIDs = append(keyIDs, id)
-		}
-	}
-	denied, liveKeys, err := s.store.TokensRevoked(ctx, rec.Org, jtis, keyIDs)
+	live, revoked, err := s.unexpired(ctx, rec)
 	if err != nil {
 		return fmt.Errorf("delegation: mint: %w", err)
 	}
 	var ended []string
 	for jti, m := range live {
-		id, isKey := strings.CutPrefix(m.Sub, KeySubjectPrefix)
-		if denied[jti] || m.Gen < rec.Gen || !isKey || !liveKeys[id] {
+		if revoked(jti, m) {
 			ended = append(ended, jti)
 		}
 	}

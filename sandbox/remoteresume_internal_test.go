@@ -1,17 +1,12 @@
 package sandbox
 
 import (
-	"io"
-	"log/slog"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
-	"github.com/sbxbroker/broker/store/redistest"
 )
 
 // A resume made through another broker, claimed before the hosting broker ended the runtime of the
@@ -22,24 +17,7 @@ import (
 // the record stayed provisioning, the stopped sandbox's processes running, until it was deleted.
 func TestARemoteResumeOvertakingItsStopStarts(t *testing.T) {
 	ctx := t.Context()
-	st := store.New(redistest.Start(t).Client(t))
-	dir := t.TempDir()
-	for _, p := range []string{filepath.Dir(dir), dir} { // the sandbox uid reaches the workspaces through them
-		if err := os.Chmod(p, 0o711); err != nil {
-			t.Fatal(err)
-		}
-	}
-	prov, err := provider.NewDir(provider.Config{DataDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := NewManager(Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
-		Node: "n1", Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Now: time.Now,
-		DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour, IndexDir: filepath.Join(dir, "hosted")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close(ctx)
+	m, st, _ := testManager(t, time.Now)
 	c := Caller{Org: "o", Actor: "key:k"}
 
 	for _, tc := range []struct {

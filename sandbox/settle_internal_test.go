@@ -1,18 +1,12 @@
 package sandbox
 
 import (
-	"io"
-	"log/slog"
-	"os"
-	"path/filepath"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
-	"github.com/sbxbroker/broker/store/redistest"
 )
 
 // A settle decided on a read of the record that is no longer current must not settle what the
@@ -23,25 +17,9 @@ import (
 // nothing runs: only the claim tells the record it would settle from the one it read.
 func TestASettleOnAStaleReadLeavesANewerStartAlone(t *testing.T) {
 	ctx := t.Context()
-	st := store.New(redistest.Start(t).Client(t))
-	dir := t.TempDir()
-	for _, p := range []string{filepath.Dir(dir), dir} { // the sandbox uid reaches the workspaces through them
-		if err := os.Chmod(p, 0o711); err != nil {
-			t.Fatal(err)
-		}
-	}
-	prov, err := provider.NewDir(provider.Config{DataDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var now atomic.Int64
 	now.Store(time.Now().UnixNano())
-	m, err := NewManager(Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
-		Node: "n1", Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Now: func() time.Time { return time.Unix(0, now.Load()) },
-		DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour, IndexDir: filepath.Join(dir, "hosted")})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m, st, _ := testManager(t, func() time.Time { return time.Unix(0, now.Load()) })
 	advance := func() { now.Add(int64(time.Hour)) }
 	created := time.Now()
 	rec := store.Record{ID: protocol.NewSandboxID(), Org: "o", Name: "s", Template: "default", Provider: "dir", Node: "n1",

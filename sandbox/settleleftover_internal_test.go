@@ -1,18 +1,12 @@
 package sandbox
 
 import (
-	"io"
-	"log/slog"
-	"os"
-	"path/filepath"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
-	"github.com/sbxbroker/broker/store/redistest"
 )
 
 // A resume whose claim landed with every answer lost (so it never starts the sandbox), after a stop
@@ -22,25 +16,8 @@ import (
 // stopped sandbox's processes running, until it was deleted.
 func TestASettleEndsTheRuntimeAStopLeftToAStartCutShort(t *testing.T) {
 	ctx := t.Context()
-	st := store.New(redistest.Start(t).Client(t))
-	dir := t.TempDir()
-	for _, p := range []string{filepath.Dir(dir), dir} { // the sandbox uid reaches the workspaces through them
-		if err := os.Chmod(p, 0o711); err != nil {
-			t.Fatal(err)
-		}
-	}
-	prov, err := provider.NewDir(provider.Config{DataDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var skew atomic.Int64 // the broker's clock runs ahead by this (ns)
-	m, err := NewManager(Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
-		Node: "n1", Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Now: func() time.Time { return time.Now().Add(time.Duration(skew.Load())) },
-		DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour, IndexDir: filepath.Join(dir, "hosted")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close(ctx)
+	m, st, _ := testManager(t, func() time.Time { return time.Now().Add(time.Duration(skew.Load())) })
 	c := Caller{Org: "o", Actor: "key:k"}
 	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "cut-short"})
 	if err != nil {

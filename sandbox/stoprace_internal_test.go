@@ -1,26 +1,13 @@
 package sandbox
 
 import (
-	"io"
-	"log/slog"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
-	"github.com/sbxbroker/broker/store/redistest"
 )
-
-// TestMain lets the dir provider run this test binary as its sandboxes' init.
-func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == provider.InitArg {
-		provider.RunInit()
-	}
-	os.Exit(m.Run())
-}
 
 // A stop decided on a read of the record that a resume has overtaken must not end the resumed
 // runtime, and a resume must not fail on a runtime whose stop has not ended it yet. The
@@ -31,24 +18,7 @@ func TestMain(m *testing.M) {
 // the resume failed ("sandbox is running") leaving the sandbox stopped with runtime_lost.
 func TestALateStopLeavesAResumedSandboxRunning(t *testing.T) {
 	ctx := t.Context()
-	st := store.New(redistest.Start(t).Client(t))
-	dir := t.TempDir()
-	for _, p := range []string{filepath.Dir(dir), dir} { // the sandbox uid reaches the workspaces through them
-		if err := os.Chmod(p, 0o711); err != nil {
-			t.Fatal(err)
-		}
-	}
-	prov, err := provider.NewDir(provider.Config{DataDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := NewManager(Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
-		Node: "n1", Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Now: time.Now,
-		DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour, IndexDir: filepath.Join(dir, "hosted")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close(ctx)
+	m, st, _ := testManager(t, time.Now)
 	c := Caller{Org: "o", Actor: "key:k"}
 	running := func(what string, rec store.Record) {
 		t.Helper()

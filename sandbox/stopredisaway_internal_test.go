@@ -1,17 +1,12 @@
 package sandbox
 
 import (
-	"io"
-	"log/slog"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
-	"github.com/sbxbroker/broker/store/redistest"
 )
 
 // A stop decided on a read that a resume has overtaken, whose read again under the lifecycle lock
@@ -21,25 +16,7 @@ import (
 // was taken for the stale read being right, and the resumed sandbox was ended.
 func TestALateStopWithRedisAwayLeavesAResumedSandboxRunning(t *testing.T) {
 	ctx := t.Context()
-	srv := redistest.Start(t)
-	st := store.New(srv.Client(t))
-	dir := t.TempDir()
-	for _, p := range []string{filepath.Dir(dir), dir} { // the sandbox uid reaches the workspaces through them
-		if err := os.Chmod(p, 0o711); err != nil {
-			t.Fatal(err)
-		}
-	}
-	prov, err := provider.NewDir(provider.Config{DataDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := NewManager(Config{Store: st, Provider: prov, Templates: map[string]provider.Template{"default": provider.DefaultTemplate()},
-		Node: "n1", Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Now: time.Now,
-		DefaultTTL: time.Hour, MaxTTL: 24 * time.Hour, IndexDir: filepath.Join(dir, "hosted")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close(ctx)
+	m, st, srv := testManager(t, time.Now)
 	c := Caller{Org: "o", Actor: "key:k"}
 	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "resumed"})
 	if err != nil {

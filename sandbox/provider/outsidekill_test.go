@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // TestTimeoutFiresWithoutTheInit: an exec's timeout is the broker's, not the init's. With the
@@ -40,6 +42,7 @@ func TestTimeoutFiresWithoutTheInit(t *testing.T) {
 			}()
 			waitHostRunning(t, main)
 			waitHostRunning(t, away)
+			waitCommandPids(t, inst)
 			inst.mu.Lock()
 			initPid := inst.initPid
 			inst.mu.Unlock()
@@ -95,6 +98,7 @@ func TestTimeoutFindsACommandByItsGroup(t *testing.T) {
 				done <- res
 			}()
 			waitHostRunning(t, main)
+			waitCommandPids(t, inst)
 			inst.mu.Lock()
 			initPid := inst.initPid
 			inst.mu.Unlock()
@@ -181,6 +185,7 @@ func TestHostilePidTableSignalsNothingOutside(t *testing.T) {
 					done <- res
 				}()
 				waitHostRunning(t, main)
+				waitCommandPids(t, inst)
 				inst.mu.Lock()
 				initPid := inst.initPid
 				if forged == 1 {
@@ -254,6 +259,7 @@ func TestKillOutsideSparesAReusedPid(t *testing.T) {
 				done <- res
 			}()
 			waitHostRunning(t, main)
+			waitCommandPids(t, inst)
 			if err := unix.Kill(initPid, unix.SIGSTOP); err != nil {
 				t.Fatal(err)
 			}
@@ -280,4 +286,26 @@ func TestKillOutsideSparesAReusedPid(t *testing.T) {
 			}
 		})
 	}
+}
+
+// waitCommandPids waits until the broker knows the pid of every command in flight, before a test
+// freezes the init: the init writes a command's pid into the pid table after its fork returns, and
+// one frozen in between (the command running already, its pid not yet written) leaves the broker no
+// process group to end from outside, which a CI run under load met.
+func waitCommandPids(t *testing.T, inst *instance) {
+	t.Helper()
+	wait.Eventually(t, 10*time.Second, func() bool {
+		inst.mu.Lock()
+		calls := make([]*call, 0, len(inst.calls))
+		for _, c := range inst.calls {
+			calls = append(calls, c)
+		}
+		inst.mu.Unlock()
+		for _, c := range calls {
+			if inst.commandPid(c) <= 0 {
+				return false
+			}
+		}
+		return true
+	}, "the init writing the pids of the commands in flight")
 }

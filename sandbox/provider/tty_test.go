@@ -164,6 +164,7 @@ func TestTerminalCancelWithoutTheInit(t *testing.T) {
 	out, _, done := ttyRun(t, ctx, in, []string{"bash", "-ic", "set -m; trap '' HUP; (" + job + " &); echo ready; sleep 1000"}, nil)
 	out.waitFor(t, "ready")
 	waitHostRunning(t, job)
+	waitCommandPids(t, inst)
 	inst.mu.Lock()
 	initPid := inst.initPid
 	inst.mu.Unlock()

@@ -241,6 +241,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		return fail(protocol.ReasonStartFailed, "the provider could not start it: "+err.Error(), err)
 	}
 	h.inst = inst
+	h.uid.Store(int64(rec.UID))
 	if first {
 		m.firstStarts.n.Add(1)
 		m.firstStarts.nanos.Add(int64(time.Since(started)))
@@ -302,14 +303,47 @@ func (m *Manager) allocateUID(ctx context.Context, org, id string) (int, error) 
 	if m.cfg.UIDs.Size() == 0 {
 		return 0, nil
 	}
-	uid, err := m.cfg.Store.AllocateUID(ctx, m.cfg.UIDs, org, id)
-	if errors.Is(err, store.ErrUIDsExhausted) {
-		m.cfg.Log.Error("no sandbox uid left", "sandbox_id", id, "first", m.cfg.UIDs.First, "last", m.cfg.UIDs.Last)
-		return 0, protocol.Errorf(protocol.CodeCapacity,
-			"the broker has no host uid left for a new sandbox (all %d of its --sandbox-uids range are in use): delete sandboxes you no longer need, or ask the operator to widen the range",
-			m.cfg.UIDs.Size())
+	for range m.cfg.UIDs.Size() {
+		uid, err := m.cfg.Store.AllocateUID(ctx, m.cfg.UIDs, org, id)
+		if errors.Is(err, store.ErrUIDsExhausted) {
+			break
+		}
+		if err != nil {
+			return 0, err
+		}
+		holderOrg, holderID := m.uidHolder(uid, id)
+		if holderID == "" {
+			return uid, nil
+		}
+		// Redis handed out the uid a sandbox here runs as: it lost its uid table (flushed, or an
+		// empty replica took over) and the reconcile has not yet found the loss. Two sandboxes as
+		// one host uid could signal and read each other's processes: give the uid back to its
+		// holder in the table and draw again.
+		m.cfg.Log.Warn("Redis handed out the uid of a sandbox this broker hosts (did it lose its data?): drawing another",
+			"sandbox_id", id, "uid", uid, "held_by", holderID)
+		if err := m.cfg.Store.ReleaseUID(ctx, org, id); err != nil {
+			return 0, err
+		}
+		if _, err := m.cfg.Store.ReserveUID(ctx, uid, holderOrg, holderID); err != nil {
+			return 0, err
+		}
 	}
-	return uid, err
+	m.cfg.Log.Error("no sandbox uid left", "sandbox_id", id, "first", m.cfg.UIDs.First, "last", m.cfg.UIDs.Last)
+	return 0, protocol.Errorf(protocol.CodeCapacity,
+		"the broker has no host uid left for a new sandbox (all %d of its --sandbox-uids range are in use): delete sandboxes you no longer need, or ask the operator to widen the range",
+		m.cfg.UIDs.Size())
+}
+
+// uidHolder names the sandbox hosted here, other than id, whose runtime was started as uid, if any.
+func (m *Manager) uidHolder(uid int, id string) (org, holder string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for hid, h := range m.host {
+		if hid != id && h.uid.Load() == int64(uid) {
+			return h.org, hid
+		}
+	}
+	return "", ""
 }
 
 // releaseUID gives back the uid of a sandbox that never came to exist.

@@ -73,6 +73,9 @@ type hosted struct {
 	org  string
 	inst provider.Instance // nil when not running
 	ws   *workspace.Workspace
+	// uid is the host uid its runtime was last started as (0: none here yet). Read without mu, by
+	// allocateUID's check against a uid table Redis lost.
+	uid atomic.Int64
 }
 
 // release stops the sandbox's processes and closes its workspace; the caller holds h.mu.

@@ -77,6 +77,7 @@ func (m *Manager) readopt(ctx context.Context, rec store.Record) bool {
 		return true
 	}
 	h.inst = inst
+	h.uid.Store(int64(rec.UID))
 	go m.watch(rec.Org, rec.ID, h, inst)
 	log.Info("sandbox taken back after the broker's restart: its runtime ran on, its processes with it")
 	return true

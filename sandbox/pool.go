@@ -221,6 +221,7 @@ func (p *pool) fill(ctx context.Context, name string) error {
 		return fail(fmt.Errorf("start a pooled sandbox: %w", err))
 	}
 	pd.h.inst = inst
+	pd.h.uid.Store(int64(pd.uid))
 	if tmpl.Setup != "" {
 		if why := runSetup(ctx, inst, tmpl.Setup); why != "" {
 			return fail(errors.New(why))

@@ -11,6 +11,7 @@ import (
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
@@ -239,5 +240,37 @@ func TestSandboxUIDKeptForFilesAfterFlush(t *testing.T) {
 	}
 	if got := recordUID(t, b2, res.Sandbox.ID); got == uid {
 		t.Fatalf("a new sandbox got uid %d, which the kept files of %s belong to", uid, id)
+	}
+}
+
+// A Redis that loses everything (flushed, or an empty replica taking over) while a sandbox runs:
+// until the reconcile finds its record gone, a create is handed uids from an empty table, the
+// running sandbox's first among them. Two sandboxes would run as one host uid (signals, /proc,
+// keyrings). The broker refuses a uid a sandbox it hosts runs as, gives it back to that sandbox in
+// the table, and draws another.
+func TestSandboxUIDOfARunningSandboxNotReusedAfterFlush(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 235000, Last: 235003}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids})
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "running"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, uid := res.Sandbox.ID, recordUID(t, b, res.Sandbox.ID)
+	if err := b.RDB.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// Straight to the manager: the flush took the API keys too.
+	rec, _, err := b.Manager.Create(ctx, sandbox.Caller{Org: b.Org, Actor: "test"}, sandbox.CreateRequest{Name: "new"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.UID == uid {
+		t.Fatalf("a new sandbox got uid %d, which running sandbox %s runs as", uid, id)
+	}
+	if owner, err := b.Store.UIDOwner(ctx, uid); err != nil || owner != b.Org+"/"+id {
+		t.Fatalf("uid %d after the refusal: owner %q, %v; want %s/%s", uid, owner, err, b.Org, id)
 	}
 }

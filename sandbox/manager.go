@@ -359,7 +359,9 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 		return fmt.Errorf("sandbox %s: remove files: %w", rec.ID, err)
 	}
 	// The uid goes back only now that its processes ended and its files are gone, and before the
-	// record: if this fails, the record stays deleting and the release is retried with it.
+	// record: if this fails, the record stays deleting and the release is retried with it. Nothing
+	// here runs as it any more: a create given it meanwhile must not find it held (uidHolder).
+	h.uid.Store(0)
 	if err := m.cfg.Store.ReleaseUID(ctx, rec.Org, rec.ID); err != nil {
 		m.cfg.Log.Error("releasing the sandbox uid failed; it stays deleting and is retried at next start", "sandbox_id", rec.ID, "uid", rec.UID, "err", err)
 		return fmt.Errorf("sandbox %s: release uid: %w", rec.ID, err)

@@ -334,14 +334,19 @@ func (m *Manager) allocateUID(ctx context.Context, org, id string) (int, error) 
 		m.cfg.UIDs.Size())
 }
 
-// uidHolder names the sandbox hosted here, other than id, whose runtime was started as uid, if any.
+// uidHolder names the sandbox hosted here, other than id, whose runtime was started as uid, if any:
+// one of the org's, or one waiting in the pool.
 func (m *Manager) uidHolder(uid int, id string) (org, holder string) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	for hid, h := range m.host {
 		if hid != id && h.uid.Load() == int64(uid) {
+			m.mu.Unlock()
 			return h.org, hid
 		}
+	}
+	m.mu.Unlock()
+	if pid := m.pool.uidHolder(uid); pid != "" && pid != id {
+		return store.PoolOrg, pid
 	}
 	return "", ""
 }

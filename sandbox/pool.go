@@ -196,7 +196,7 @@ func (p *pool) fill(ctx context.Context, name string) error {
 	}
 	pd := &pooled{id: id, template: name, h: &hosted{org: store.PoolOrg}}
 	if m.cfg.UIDs.Size() > 0 {
-		uid, err := m.cfg.Store.AllocateUID(ctx, m.cfg.UIDs, store.PoolOrg, id)
+		uid, err := m.allocateUID(ctx, store.PoolOrg, id)
 		if err != nil {
 			m.unindex(id)
 			return fmt.Errorf("a host uid for a pooled sandbox: %w", err)
@@ -469,6 +469,25 @@ func (p *pool) unclaim(ctx context.Context, org string, pd *pooled, createErr er
 	p.giveBack(pd)
 }
 
+// uidHolder names the pooled sandbox, ready or left over, that runs as uid, if any (allocateUID).
+func (p *pool) uidHolder(uid int) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, st := range p.tmpl {
+		for _, pd := range st.ready {
+			if pd.uid == uid {
+				return pd.id
+			}
+		}
+	}
+	for _, pd := range p.leftovers {
+		if pd.uid == uid {
+			return pd.id
+		}
+	}
+	return ""
+}
+
 // adopt makes a claimed sandbox, whose record CreateOrReuse just made (provisioning), the org's
 // running sandbox (step 5).
 func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *pooled) (store.Record, error) {
@@ -486,6 +505,7 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 		// Someone looked the id up between the record and now: give that entry the runtime.
 		pd.h.mu.Lock()
 		h.inst, h.ws = pd.h.inst, pd.h.ws
+		h.uid.Store(pd.h.uid.Load())
 		pd.h.mu.Unlock()
 	}
 	h.org = rec.Org

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -272,5 +273,33 @@ func TestSandboxUIDOfARunningSandboxNotReusedAfterFlush(t *testing.T) {
 	}
 	if owner, err := b.Store.UIDOwner(ctx, uid); err != nil || owner != b.Org+"/"+id {
 		t.Fatalf("uid %d after the refusal: owner %q, %v; want %s/%s", uid, owner, err, b.Org, id)
+	}
+}
+
+// The same for a sandbox waiting in the warm pool: a create after the flush is not given its uid.
+func TestSandboxUIDOfAPooledSandboxNotReusedAfterFlush(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 236000, Last: 236003}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, Templates: map[string]provider.Template{
+		"default": {Name: "default", Pool: provider.Pool{Size: 1}},
+		"plain":   {Name: "plain"},
+	}})
+	waitPool(t, b, 1)
+	pooled := sandboxDirs(t, b)
+	if len(pooled) != 1 {
+		t.Fatalf("sandboxes on disk: %v; want the pooled one", pooled)
+	}
+	uid := ownerOf(t, filepath.Join(b.DataDir, "sandboxes", pooled[0], "workspace"))
+	if err := b.RDB.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	rec, _, err := b.Manager.Create(ctx, sandbox.Caller{Org: b.Org, Actor: "test"}, sandbox.CreateRequest{Name: "new", Template: "plain"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.UID == uid {
+		t.Fatalf("a new sandbox got uid %d, which pooled sandbox %s runs as", uid, pooled[0])
 	}
 }

@@ -78,17 +78,14 @@ const RecordPath = Workspace + "/" + protocol.BaselineRecord
 
 // readRecord fetches the sandbox's baseline record: ok false when there is none. It reads at most
 // baseline.MaxRecordBytes of it: the sandbox may have put a file of any size there, which the
-// download would otherwise hold whole in memory. The download ends there too: a sink's write
-// error only makes the connection discard the rest, and a sparse terabyte there would be read and
-// sent whole before push went on.
+// download would otherwise hold whole in memory (the buffer's refusal cancels the download at the
+// broker).
 func readRecord(ctx context.Context, dp *backend.Remote) (baseline.Record, bool, error) {
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	buf := &cappedBuffer{max: baseline.MaxRecordBytes, full: func() { cancel(errRecordTooBig) }}
+	buf := &cappedBuffer{max: baseline.MaxRecordBytes}
 	if _, err := dp.Download(ctx, RecordPath, buf); err != nil {
 		var pe *protocol.Error
 		switch {
-		case errors.Is(err, errRecordTooBig), errors.Is(context.Cause(ctx), errRecordTooBig):
+		case errors.Is(err, errRecordTooBig):
 			return baseline.Record{}, true, fmt.Errorf("%w (it is over %d MiB)", baseline.ErrDamaged, baseline.MaxRecordBytes>>20)
 		case errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound:
 			return baseline.Record{}, false, nil
@@ -108,18 +105,14 @@ func readRecord(ctx context.Context, dp *backend.Remote) (baseline.Record, bool,
 // errRecordTooBig stops a record's download at baseline.MaxRecordBytes.
 var errRecordTooBig = errors.New("the baseline record is too big")
 
-// cappedBuffer is a bytes.Buffer that takes at most max bytes, then fails the write and calls full.
+// cappedBuffer is a bytes.Buffer that takes at most max bytes, then fails the write.
 type cappedBuffer struct {
 	bytes.Buffer
-	max  int
-	full func()
+	max int
 }
 
 func (b *cappedBuffer) Write(p []byte) (int, error) {
 	if b.Len()+len(p) > b.max {
-		if b.full != nil {
-			b.full()
-		}
 		return 0, errRecordTooBig
 	}
 	return b.Buffer.Write(p)

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
 	"github.com/sbxbroker/broker/store/redistest"
@@ -47,4 +48,34 @@ func testManager(t *testing.T, now func() time.Time) (m *Manager, st *store.Stor
 	}
 	t.Cleanup(func() { m.Close(context.Background()) })
 	return m, st, srv
+}
+
+// stoppedInRedisOnly creates a running sandbox, then moves its record to stopped in Redis alone,
+// as a stop's transition does before its end of the runtime: it answers the record, the runtime
+// still running, and the stopped record that stop read.
+func stoppedInRedisOnly(t *testing.T, m *Manager, st *store.Store, name string) (rec store.Record, old provider.Instance, stale store.Record) {
+	t.Helper()
+	ctx := t.Context()
+	rec, _, err := m.Create(ctx, Caller{Org: "o", Actor: "key:k"}, CreateRequest{Name: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if old, err = m.Instance(rec); err != nil {
+		t.Fatal(err)
+	}
+	stale, err = st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
+		Fields: map[string]string{store.FieldStopReason: protocol.StopRequested}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rec, old, stale
+}
+
+// claimForResume moves a stopped record to provisioning under claim, as a resume's transition does.
+func claimForResume(t *testing.T, st *store.Store, id, claim string) {
+	t.Helper()
+	if _, err := st.Transition(t.Context(), "o", id, store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
+		Claim: claim, Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}); err != nil {
+		t.Fatal(err)
+	}
 }

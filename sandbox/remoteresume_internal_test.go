@@ -18,7 +18,6 @@ import (
 func TestARemoteResumeOvertakingItsStopStarts(t *testing.T) {
 	ctx := t.Context()
 	m, st, _ := testManager(t, time.Now)
-	c := Caller{Org: "o", Actor: "key:k"}
 
 	for _, tc := range []struct {
 		name, sandbox string
@@ -28,24 +27,9 @@ func TestARemoteResumeOvertakingItsStopStarts(t *testing.T) {
 		{"its own stop's end of the runtime", "remote-resumed-a", func(stale store.Record) { m.stopLocal(ctx, stale) }},
 		{"the other broker's stop command", "remote-resumed-b", func(stale store.Record) { m.reconcileOne(ctx, stale.Org, stale.ID, "") }},
 	} {
-		rec, _, err := m.Create(ctx, c, CreateRequest{Name: tc.sandbox})
-		if err != nil {
-			t.Fatal(err)
-		}
-		old, err := m.Instance(rec)
-		if err != nil {
-			t.Fatal(err)
-		}
-		stale, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
-			Fields: map[string]string{store.FieldStopReason: protocol.StopRequested}})
-		if err != nil {
-			t.Fatal(err)
-		}
+		rec, old, stale := stoppedInRedisOnly(t, m, st, tc.sandbox)
 		// Another broker's resume claims it (Resume's own transition, under that broker's claim).
-		if _, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
-			Claim: "n2/" + rec.ID, Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}); err != nil {
-			t.Fatal(err)
-		}
+		claimForResume(t, st, rec.ID, "n2/"+rec.ID)
 		tc.stopHere(stale)
 		m.reconcileOne(ctx, "o", rec.ID, "key:k") // the other broker's ask to start
 		got, err := st.Get(ctx, "o", rec.ID)

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/store"
 )
 
 // A resume whose claim landed with every answer lost (so it never starts the sandbox), after a stop
@@ -19,24 +18,9 @@ func TestASettleEndsTheRuntimeAStopLeftToAStartCutShort(t *testing.T) {
 	var skew atomic.Int64 // the broker's clock runs ahead by this (ns)
 	m, st, _ := testManager(t, func() time.Time { return time.Now().Add(time.Duration(skew.Load())) })
 	c := Caller{Org: "o", Actor: "key:k"}
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "cut-short"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	old, err := m.Instance(rec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	stale, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
-		Fields: map[string]string{store.FieldStopReason: protocol.StopRequested}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	rec, old, stale := stoppedInRedisOnly(t, m, st, "cut-short")
 	// This broker's resume: its claim lands, every answer is lost, and it gives up (no start).
-	if _, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusProvisioning,
-		Claim: m.newClaim(), Fields: map[string]string{store.FieldStopReason: "", store.FieldFailure: ""}}); err != nil {
-		t.Fatal(err)
-	}
+	claimForResume(t, st, rec.ID, m.newClaim())
 	m.stopLocal(ctx, stale) // reads it claimed: leaves the runtime to the start
 	claimed, err := st.Get(ctx, "o", rec.ID)
 	if err != nil {

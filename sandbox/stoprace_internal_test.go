@@ -56,19 +56,7 @@ func TestALateStopLeavesAResumedSandboxRunning(t *testing.T) {
 	running("a stop decided on a read a resume overtook", resumed)
 
 	// A stop whose transition landed, and whose end of the runtime a resume comes before.
-	rec, _, err = m.Create(ctx, c, CreateRequest{Name: "stopped-then-resumed"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	old, err := m.Instance(rec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	stale, err = st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusRunning}, To: protocol.StatusStopped,
-		Fields: map[string]string{store.FieldStopReason: protocol.StopRequested}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	rec, old, stale := stoppedInRedisOnly(t, m, st, "stopped-then-resumed")
 	resumed, err = m.Resume(ctx, c, rec.ID)
 	if err != nil || resumed.Status != protocol.StatusRunning {
 		t.Fatalf("a resume before the stop ended the runtime: %v %s", err, resumed.Status)

@@ -514,15 +514,7 @@ func TestStartWhoseRunningAnswerRedisLost(t *testing.T) {
 		if err != nil || sb.Status != protocol.StatusRunning {
 			t.Fatalf("%s: %v %+v, want running", what, err, sb.Status)
 		}
-		rec, err := b.Store.Get(ctx, b.Org, sb.ID)
-		if err != nil {
-			t.Fatal(err)
-		}
-		inst, err := b.Manager.Instance(rec)
-		if err != nil {
-			t.Fatalf("%s: record %s, runtime: %v", what, rec.Status, err)
-		}
-		if res, err := inst.Exec(ctx, provider.ExecRequest{Command: "true"}); err != nil || res.ExitCode != 0 {
+		if res, err := runtimeOf(t, b, sb.ID).Exec(ctx, provider.ExecRequest{Command: "true"}); err != nil || res.ExitCode != 0 {
 			t.Fatalf("%s: exec: %v %+v", what, err, res)
 		}
 	}
@@ -553,14 +545,7 @@ func TestStopWhoseAnswerRedisLost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rec, err := b.Store.Get(ctx, b.Org, res.Sandbox.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst, err := b.Manager.Instance(rec)
-	if err != nil {
-		t.Fatal(err)
-	}
+	inst := runtimeOf(t, b, res.Sandbox.ID)
 	lossy.Match = []byte(res.Sandbox.ID)
 	lossy.Lose.Store(1)
 	if sb, err := b.Client.StopSandbox(ctx, "dev"); err != nil || sb.Status != protocol.StatusStopped {
@@ -591,14 +576,7 @@ func TestExpiryStopWhoseAnswerRedisLost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rec, err := b.Store.Get(ctx, b.Org, res.Sandbox.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst, err := b.Manager.Instance(rec)
-	if err != nil {
-		t.Fatal(err)
-	}
+	inst := runtimeOf(t, b, res.Sandbox.ID)
 	clock.Advance(1500 * time.Millisecond)
 	if r, err := b.Sweeper.SweepOnce(ctx); err != nil || r.Warned != 1 {
 		t.Fatalf("first sweep: %+v %v", r, err)

@@ -25,8 +25,8 @@ func needRoot(t *testing.T) {
 	}
 }
 
-// run runs a shell command in a sandbox hosted by b and returns its output.
-func run(t *testing.T, b *servertest.Broker, id, cmd string) string {
+// runtimeOf is the runtime of sandbox id of b's org, hosted by b.
+func runtimeOf(t *testing.T, b *servertest.Broker, id string) provider.Instance {
 	t.Helper()
 	rec, err := b.Store.Get(t.Context(), b.Org, id)
 	if err != nil {
@@ -34,10 +34,16 @@ func run(t *testing.T, b *servertest.Broker, id, cmd string) string {
 	}
 	inst, err := b.Manager.Instance(rec)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("sandbox %s, record %s: runtime: %v", id, rec.Status, err)
 	}
+	return inst
+}
+
+// run runs a shell command in a sandbox hosted by b and returns its output.
+func run(t *testing.T, b *servertest.Broker, id, cmd string) string {
+	t.Helper()
 	var out bytes.Buffer
-	res, err := inst.Exec(t.Context(), provider.ExecRequest{Command: cmd, Stdout: &out})
+	res, err := runtimeOf(t, b, id).Exec(t.Context(), provider.ExecRequest{Command: cmd, Stdout: &out})
 	if err != nil || res.ExitCode != 0 {
 		t.Fatalf("%s: exit %d, %v: %s", cmd, res.ExitCode, err, out.String())
 	}

@@ -1,6 +1,9 @@
 package protocol
 
-import "unicode/utf8"
+import (
+	"slices"
+	"unicode/utf8"
+)
 
 // DecodeFlat decodes the flat objects on the dataplane's hot paths (the args of write, read, edit,
 // exec and the file ops; read, write, file and exec results) without encoding/json, which scans
@@ -228,11 +231,19 @@ func flatObject(b []byte, field func(key string, p *flatParser) bool) bool {
 		p.space()
 		return p.i == len(b)
 	}
+	// A key given twice has no certain meaning (encoding/json keeps the last, a reader in front
+	// may keep the first): such input goes to the strict decoder, which refuses it.
+	var seen [8]string
+	n := 0
 	for {
 		var key string
 		if !p.str(&key) || !p.byte(':') {
 			return false
 		}
+		if slices.Contains(seen[:n], key) || n == len(seen) {
+			return false
+		}
+		seen[n], n = key, n+1
 		p.space()
 		if !field(key, p) {
 			return false

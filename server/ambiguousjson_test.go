@@ -165,3 +165,29 @@ func TestDataplaneTakesOneCredential(t *testing.T) {
 		t.Errorf("one credential in a subprotocol: %d, want 101", status)
 	}
 }
+
+// The dataplane decodes as strictly as REST (one decoder, decodeStrict): an exec whose args name its
+// command twice, or in another case, or a request frame whose op is given twice, is refused and
+// runs nothing, where the last (or the folded) key used to win.
+func TestAmbiguousDataplaneJSONIsRefused(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "dir"})
+	_, url := newSandbox(t, b, "dev")
+	c := dialRaw(t, url, b.Client.APIKey())
+	for i, frame := range []string{
+		`{"id":1,"op":"exec","args":{"command":"echo first","command":"echo second"}}`,
+		`{"id":2,"op":"exec","args":{"command":"echo first","COMMAND":"echo second"}}`,
+		`{"id":3,"op":"exec","args":{"command":"echo \ud800"}}`,
+		`{"id":4,"op":"ping","op":"exec","args":{"command":"echo op"}}`,
+	} {
+		c.sendText(frame)
+		id := uint32(i + 1)
+		if i == 3 {
+			id = 0 // a request frame that cannot be read is answered with id 0
+		}
+		if got := c.await(id); got.Error == nil {
+			t.Errorf("%s: answered %s, want a refusal", frame, got.Result)
+		}
+	}
+	c.ping()
+}

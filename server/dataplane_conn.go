@@ -1,7 +1,6 @@
 package server
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -578,18 +577,3 @@ func decodeArgs(raw json.RawMessage, v any) error {
 	}
 	return nil
 }
-
-// decodeStrict decodes exactly one JSON value with no unknown fields and nothing but space after it.
-func decodeStrict(b []byte, v any) error {
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		return err
-	}
-	if len(bytes.TrimSpace(b[dec.InputOffset():])) != 0 {
-		return errTrailingData
-	}
-	return nil
-}
-
-var errTrailingData = errors.New("data after the JSON value")

@@ -3,12 +3,42 @@ package server
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"reflect"
 	"strings"
 	"unicode"
 	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
+)
+
+// decodeStrict decodes exactly one JSON value into v, the one way both front ends do (REST bodies,
+// the dataplane's requests and args): UTF-8 with no lone surrogate escaped, no unknown field, no
+// key given twice or in another case than v's (exactKeys), nothing but space after it.
+func decodeStrict(b []byte, v any) error {
+	// encoding/json would read such bytes, or such an escape, as U+FFFD: what is kept would not be
+	// what was sent.
+	if !utf8.Valid(b) {
+		return errNotUTF8
+	}
+	if loneSurrogate(b) {
+		return errLoneSurrogate
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if len(bytes.TrimSpace(b[dec.InputOffset():])) != 0 {
+		return errTrailingData
+	}
+	return exactKeys(b, reflect.TypeOf(v))
+}
+
+var (
+	errNotUTF8       = errors.New("not UTF-8: JSON text must be")
+	errLoneSurrogate = errors.New("a lone UTF-16 surrogate is escaped (\\uD800-\\uDFFF not in a pair), which names no character: JSON text must be UTF-8")
+	errTrailingData  = errors.New("data after the JSON value")
 )
 
 // exactKeys refuses a body that encoding/json decodes into t by guessing: a key repeated in one

@@ -13,7 +13,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/labstack/echo/v4"
 
@@ -42,29 +41,31 @@ func decodeJSON(c echo.Context, v any) error {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil
 	}
-	// encoding/json would read such bytes as U+FFFD: what is kept would not be what was sent.
-	if !utf8.Valid(body) {
+	var pe *protocol.Error
+	switch err := decodeStrict(body, v); {
+	case err == nil:
+		return nil
+	case errors.As(err, &pe): // exactKeys' own answer
+		return pe
+	case errors.Is(err, errNotUTF8):
 		return protocol.Errorf(protocol.CodeInvalidJSON, "request body is not UTF-8: JSON text must be")
-	}
-	if loneSurrogate(body) {
-		return protocol.Errorf(protocol.CodeInvalidJSON, "request body escapes a lone UTF-16 surrogate (\\uD800-\\uDFFF not in a pair), which names no character: JSON text must be UTF-8")
-	}
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
+	case errors.Is(err, errLoneSurrogate):
+		return protocol.Errorf(protocol.CodeInvalidJSON, "request body: %v", err)
+	case errors.Is(err, errTrailingData):
+		return protocol.Errorf(protocol.CodeInvalidJSON, "request body has data after the JSON object")
+	default:
 		return protocol.Errorf(protocol.CodeInvalidJSON, "request body is not valid JSON for this route: %s", jsonProblem(err))
 	}
-	if dec.More() {
-		return protocol.Errorf(protocol.CodeInvalidJSON, "request body has data after the JSON object")
-	}
-	return exactKeys(body, reflect.TypeOf(v))
 }
 
 // jsonProblem describes a decode error without echoing the input back.
 func jsonProblem(err error) string {
 	var se *json.SyntaxError
 	var te *json.UnmarshalTypeError
+	var pe *protocol.Error
 	switch {
+	case errors.As(err, &pe): // exactKeys' answer
+		return pe.Message
 	case errors.As(err, &se):
 		return fmt.Sprintf("syntax error at byte %d", se.Offset)
 	case errors.As(err, &te) && te.Field == "":

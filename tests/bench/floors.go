@@ -62,40 +62,82 @@ const tcpEchoEnv = "SBX_BENCH_TCP_ECHO"
 // Each way wakes a thread of the other process, on this virtual machine often on an idle vCPU;
 // tcpRoundTrips' two goroutines of one process can hand the byte over on one thread.
 func tcpRoundTripsAcross(n int) (samples, error) {
-	self, err := os.Executable()
+	c, end, err := echoProcess("")
 	if err != nil {
 		return samples{}, err
 	}
-	cmd := exec.Command(self)
-	cmd.Env = append(os.Environ(), tcpEchoEnv+"=1")
-	stdin, err := cmd.StdinPipe() // the echo server ends when the bench closes it, or exits
-	if err != nil {
-		return samples{}, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return samples{}, err
-	}
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		return samples{}, err
-	}
-	defer cmd.Wait()
-	defer stdin.Close()
-	var addr string
-	if _, err := fmt.Fscanln(stdout, &addr); err != nil {
-		return samples{}, fmt.Errorf("the TCP echo process: %w", err)
-	}
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		return samples{}, err
-	}
-	defer c.Close()
+	defer end()
 	return pingPong(c, n), nil
 }
 
-// tcpEcho serves tcpRoundTripsAcross: it prints its address, echoes each byte of one connection,
-// and exits when its standard input closes.
+// tcpFileReadsAcross measures n reads of the file at path from another process over loopback TCP,
+// each into a new buffer as a client's read is: the floor under a dataplane read, which always
+// crosses from the broker's process to the client's (a local read copies the page cache once; this
+// copies it into the other process's buffer, then through the socket, then out of it).
+func tcpFileReadsAcross(n int, path string) (samples, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return samples{}, err
+	}
+	c, end, err := echoProcess(path)
+	if err != nil {
+		return samples{}, err
+	}
+	defer end()
+	ask := []byte{echoFileByte}
+	return sample(n, func() error {
+		if _, err := c.Write(ask); err != nil {
+			return err
+		}
+		_, err := io.ReadFull(c, make([]byte, fi.Size()))
+		return err
+	}), nil
+}
+
+// echoProcess starts the bench's binary as a TCP echo server (tcpEcho) and connects to it; file,
+// when set, is what the server sends for an echoFileByte.
+func echoProcess(file string) (c net.Conn, end func(), err error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, nil, err
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), tcpEchoEnv+"=1", tcpEchoFileEnv+"="+file)
+	stdin, err := cmd.StdinPipe() // the echo server ends when the bench closes it, or exits
+	if err != nil {
+		return nil, nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, nil, err
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, nil, err
+	}
+	stop := func() { stdin.Close(); cmd.Wait() }
+	var addr string
+	if _, err := fmt.Fscanln(stdout, &addr); err != nil {
+		stop()
+		return nil, nil, fmt.Errorf("the TCP echo process: %w", err)
+	}
+	if c, err = net.Dial("tcp", addr); err != nil {
+		stop()
+		return nil, nil, err
+	}
+	return c, func() { c.Close(); stop() }, nil
+}
+
+const (
+	// tcpEchoFileEnv names the file the echo process sends for an echoFileByte.
+	tcpEchoFileEnv = "SBX_BENCH_TCP_ECHO_FILE"
+	// echoFileByte asks the echo process for its file, read then (pread into a buffer it keeps, one
+	// write), as a server answering a read does.
+	echoFileByte = 'F'
+)
+
+// tcpEcho serves echoProcess: it prints its address, echoes each byte of one connection (or sends
+// its file for an echoFileByte), and exits when its standard input closes.
 func tcpEcho() {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -107,6 +149,16 @@ func tcpEcho() {
 		io.Copy(io.Discard, os.Stdin)
 		os.Exit(0)
 	}()
+	var file *os.File
+	var buf []byte
+	if p := os.Getenv(tcpEchoFileEnv); p != "" {
+		if file, err = os.Open(p); err != nil {
+			fmt.Fprintln(os.Stderr, "tcp echo:", err)
+			os.Exit(1)
+		}
+		fi, _ := file.Stat()
+		buf = make([]byte, fi.Size())
+	}
 	c, err := l.Accept()
 	if err != nil {
 		os.Exit(1)
@@ -115,6 +167,11 @@ func tcpEcho() {
 	for {
 		if _, err := c.Read(b); err != nil {
 			os.Exit(0)
+		}
+		if b[0] == echoFileByte && file != nil {
+			n, _ := file.ReadAt(buf, 0)
+			c.Write(buf[:n])
+			continue
 		}
 		c.Write(b)
 	}

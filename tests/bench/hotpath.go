@@ -77,6 +77,10 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 		return err
 	}
 	localRead := sample(big, func() error { _, err := os.ReadFile(local); return err })
+	readAcross, err := tcpFileReadsAcross(big, local)
+	if err != nil {
+		return err
+	}
 	localWrite := sample(big, func() error { return atomicWrite(filepath.Join(floorDir, "w"), text) })
 	// The same on the sandbox's own workspace file system (an ext4 image on a loop device under a
 	// root broker, for its disk quota), which every dataplane write goes through.
@@ -103,7 +107,8 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 		_, err := r.Write(ctx, protocol.WriteArgs{Path: "mibw.txt", Content: textS})
 		return err
 	})
-	add(row{"1 MiB read", p50p99(read1), "faster than envd, <= 3x floor", "0.97", "1.06", "local read " + p50p99(localRead) + ratio(read1, localRead)})
+	add(row{"1 MiB read", p50p99(read1), "faster than envd, <= 3x floor", "0.97", "1.06", "local read " + p50p99(localRead) + ratio(read1, localRead) +
+		"; from another process over TCP " + p50p99(readAcross) + ratio(read1, readAcross)})
 	add(row{"1 MiB write", p50p99(write1), "faster than envd, <= 3x floor", "1.8", "4.7", "local write+rename " + p50p99(localWrite) + ratio(write1, localWrite) +
 		"; on the workspace's fs " + p50p99(wsWrite) + ratio(write1, wsWrite)})
 

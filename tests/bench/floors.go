@@ -4,6 +4,7 @@ package main
 // process) and bytes between a socket and a file, with no protocol at all.
 
 import (
+	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -62,7 +63,7 @@ const tcpEchoEnv = "SBX_BENCH_TCP_ECHO"
 // Each way wakes a thread of the other process, on this virtual machine often on an idle vCPU;
 // tcpRoundTrips' two goroutines of one process can hand the byte over on one thread.
 func tcpRoundTripsAcross(n int) (samples, error) {
-	c, end, err := echoProcess("")
+	c, end, err := echoProcess("", "")
 	if err != nil {
 		return samples{}, err
 	}
@@ -79,7 +80,7 @@ func tcpFileReadsAcross(n int, path string) (samples, error) {
 	if err != nil {
 		return samples{}, err
 	}
-	c, end, err := echoProcess(path)
+	c, end, err := echoProcess(path, "")
 	if err != nil {
 		return samples{}, err
 	}
@@ -94,15 +95,59 @@ func tcpFileReadsAcross(n int, path string) (samples, error) {
 	}), nil
 }
 
+// tcpExecsAcross measures n execs of `true` by another process, asked over loopback TCP and
+// answered when it has exited: bare os/exec plus the two wakeups any exec served by a daemon pays.
+func tcpExecsAcross(n int) (samples, error) {
+	c, end, err := echoProcess("", "")
+	if err != nil {
+		return samples{}, err
+	}
+	defer end()
+	b := []byte{echoExecByte}
+	return sample(n, func() error {
+		if _, err := c.Write(b); err != nil {
+			return err
+		}
+		_, err := io.ReadFull(c, b)
+		return err
+	}), nil
+}
+
+// tcpWriteReadsAcross measures n 4 KiB write+reads by another process in dir, asked over loopback
+// TCP: the write (its content sent with the ask) as atomicWrite does it, answered once renamed,
+// then the file read back and sent. Two round trips and the file work, as a dataplane write+read.
+func tcpWriteReadsAcross(n int, dir string) (samples, error) {
+	c, end, err := echoProcess("", dir)
+	if err != nil {
+		return samples{}, err
+	}
+	defer end()
+	ask := append([]byte{echoWriteByte}, bytes.Repeat([]byte("x"), echoSmall)...)
+	got := make([]byte, echoSmall)
+	return sample(n, func() error {
+		if _, err := c.Write(ask); err != nil {
+			return err
+		}
+		if _, err := io.ReadFull(c, got[:1]); err != nil {
+			return err
+		}
+		if _, err := c.Write([]byte{echoReadByte}); err != nil {
+			return err
+		}
+		_, err := io.ReadFull(c, got)
+		return err
+	}), nil
+}
+
 // echoProcess starts the bench's binary as a TCP echo server (tcpEcho) and connects to it; file,
-// when set, is what the server sends for an echoFileByte.
-func echoProcess(file string) (c net.Conn, end func(), err error) {
+// when set, is what the server sends for an echoFileByte, dir where it writes for an echoWriteByte.
+func echoProcess(file, dir string) (c net.Conn, end func(), err error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, nil, err
 	}
 	cmd := exec.Command(self)
-	cmd.Env = append(os.Environ(), tcpEchoEnv+"=1", tcpEchoFileEnv+"="+file)
+	cmd.Env = append(os.Environ(), tcpEchoEnv+"=1", tcpEchoFileEnv+"="+file, tcpEchoDirEnv+"="+dir)
 	stdin, err := cmd.StdinPipe() // the echo server ends when the bench closes it, or exits
 	if err != nil {
 		return nil, nil, err
@@ -131,9 +176,18 @@ func echoProcess(file string) (c net.Conn, end func(), err error) {
 const (
 	// tcpEchoFileEnv names the file the echo process sends for an echoFileByte.
 	tcpEchoFileEnv = "SBX_BENCH_TCP_ECHO_FILE"
+	// tcpEchoDirEnv names the directory the echo process writes in for an echoWriteByte.
+	tcpEchoDirEnv = "SBX_BENCH_TCP_ECHO_DIR"
 	// echoFileByte asks the echo process for its file, read then (pread into a buffer it keeps, one
 	// write), as a server answering a read does.
 	echoFileByte = 'F'
+	// echoExecByte asks it to run `true` and answer (the byte back) when it has exited.
+	echoExecByte = 'X'
+	// echoWriteByte, followed by echoSmall bytes, asks it to write them to a file in its directory
+	// (atomicWrite) and answer a byte; echoReadByte to read that file and send it.
+	echoWriteByte = 'W'
+	echoReadByte  = 'R'
+	echoSmall     = 4096
 )
 
 // tcpEcho serves echoProcess: it prints its address, echoes each byte of one connection (or sends
@@ -163,17 +217,32 @@ func tcpEcho() {
 	if err != nil {
 		os.Exit(1)
 	}
+	dir := os.Getenv(tcpEchoDirEnv)
+	small := make([]byte, echoSmall)
 	b := make([]byte, 1)
 	for {
 		if _, err := c.Read(b); err != nil {
 			os.Exit(0)
 		}
-		if b[0] == echoFileByte && file != nil {
+		switch {
+		case b[0] == echoFileByte && file != nil:
 			n, _ := file.ReadAt(buf, 0)
 			c.Write(buf[:n])
-			continue
+		case b[0] == echoExecByte:
+			exec.Command("true").Run()
+			c.Write(b)
+		case b[0] == echoWriteByte && dir != "":
+			if _, err := io.ReadFull(c, small); err != nil {
+				os.Exit(0)
+			}
+			atomicWrite(filepath.Join(dir, "small"), small)
+			c.Write(b)
+		case b[0] == echoReadByte && dir != "":
+			got, _ := os.ReadFile(filepath.Join(dir, "small"))
+			c.Write(got)
+		default:
+			c.Write(b)
 		}
-		c.Write(b)
 	}
 }
 

@@ -123,7 +123,11 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 		}
 		return err
 	})
-	add(row{"4 KiB write+read", p50p99(rw), "p50 < 0.25 ms", "0.73", "", ""})
+	rwAcross, err := tcpWriteReadsAcross(n, wsFloor)
+	if err != nil {
+		return err
+	}
+	add(row{"4 KiB write+read", p50p99(rw), "p50 < 0.25 ms", "0.73", "", "the same by another process asked over TCP, on the workspace's fs " + p50p99(rwAcross) + ratio(rw, rwAcross)})
 	ping := sample(n*3, func() error { return r.Ping(ctx) })
 	add(row{"dataplane ping", p50p99(ping), "<= 3x TCP round trip", "0.158", "0.190", "TCP round trip to another process " + p50p99(tcpAcross) + ratio(ping, tcpAcross) +
 		"; within one process " + p50p99(tcp) + ratio(ping, tcp)})
@@ -134,7 +138,12 @@ func hotpath(ctx context.Context, r *backend.Remote, br *brokerProc, blk protoco
 		}
 		return err
 	})
-	add(row{"exec `true`", p50p99(execTrue), "<= 1.3x os/exec", "3.4", "", "bare os/exec " + p50p99(bare) + ratio(execTrue, bare)})
+	execAcross, err := tcpExecsAcross(n)
+	if err != nil {
+		return err
+	}
+	add(row{"exec `true`", p50p99(execTrue), "<= 1.3x os/exec", "3.4", "", "bare os/exec " + p50p99(bare) + ratio(execTrue, bare) +
+		"; by another process asked over TCP " + p50p99(execAcross) + ratio(execTrue, execAcross)})
 
 	// Bulk: 100 MiB each way, beside floors that met the same memory (bulk.go).
 	bulk, err := bulkRows(ctx, r, blk, br, wsDir)

@@ -1,8 +1,10 @@
 package server
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"sync"
@@ -30,6 +32,8 @@ type sourceLimiter struct {
 	refused prometheus.Counter
 	// refusal is the answer past the cap, made once.
 	refusal []byte
+	// refusers holds a token per refused connection being answered on a goroutine of its own.
+	refusers chan struct{}
 
 	mu   sync.Mutex
 	open map[netip.Addr]int
@@ -39,11 +43,13 @@ func newSourceLimiter(l net.Listener, max int, refused prometheus.Counter) *sour
 	body, _ := json.Marshal(protocol.ErrorBody{Error: protocol.Error{Code: protocol.CodeTooManyConnections,
 		Message: fmt.Sprintf("this address has %d connections open to this broker, its maximum: close some (keep-alive connections count), or retry later (the operator's --max-connections-per-source raises it)", max)}})
 	refusal := fmt.Appendf(nil, "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: %d\r\nRetry-After: 5\r\nConnection: close\r\n\r\n%s", len(body), body)
-	return &sourceLimiter{Listener: l, max: max, refused: refused, refusal: refusal, open: map[netip.Addr]int{}}
+	return &sourceLimiter{Listener: l, max: max, refused: refused, refusal: refusal,
+		refusers: make(chan struct{}, maxRefusers), open: map[netip.Addr]int{}}
 }
 
 // Accept returns the next connection whose source is under the cap; the others are answered and
-// closed here, without a goroutine each.
+// closed, each on a goroutine of its own up to maxRefusers at once and here past them, so refused
+// connections never hold more than those.
 func (l *sourceLimiter) Accept() (net.Conn, error) {
 	for {
 		c, err := l.Listener.Accept()
@@ -55,11 +61,66 @@ func (l *sourceLimiter) Accept() (net.Conn, error) {
 			return &sourceConn{Conn: c, release: func() { l.give(src) }}, nil
 		}
 		l.refused.Inc()
-		// A new socket's send buffer is empty: the answer fits and the write does not wait. The
-		// deadline is for a kernel that thinks otherwise.
-		c.SetWriteDeadline(time.Now().Add(time.Second))
-		c.Write(l.refusal)
-		c.Close()
+		select {
+		case l.refusers <- struct{}{}:
+			go func() {
+				defer func() { <-l.refusers }()
+				l.refuse(c, true)
+			}()
+		default:
+			l.refuse(c, false)
+		}
+	}
+}
+
+// maxRefusers bounds the refused connections answered after their request's head at once (a
+// goroutine and a 4 KiB buffer each, for at most refusalWait plus refusalLinger); past it a refused
+// connection is answered at once, on the accepting goroutine.
+const maxRefusers = 64
+
+const (
+	// refusalWait is how long a refusal waits for the request's head.
+	refusalWait = time.Second
+	// refusalLinger is how long it reads on after its FIN, so that a client still sending a body
+	// reads the answer before a reset (net/http's own grace is 500 ms).
+	refusalLinger = 500 * time.Millisecond
+)
+
+// refuse answers c 429 and closes it. afterHead waits first for the request's head (up to 16 KiB,
+// refusalWait): an answer that arrives before the client has sent anything meets an HTTP client
+// with no request on that connection, which reports a broken connection instead of the 429 (Go's
+// transport: "Unsolicited response received on idle HTTP channel").
+func (l *sourceLimiter) refuse(c net.Conn, afterHead bool) {
+	defer c.Close()
+	if afterHead {
+		c.SetReadDeadline(time.Now().Add(refusalWait))
+		readHead(c, 16<<10)
+	}
+	// A new socket's send buffer is empty: the answer fits and the write does not wait. The
+	// deadline is for a kernel that thinks otherwise.
+	c.SetWriteDeadline(time.Now().Add(time.Second))
+	if _, err := c.Write(l.refusal); err != nil || !afterHead {
+		return
+	}
+	if cw, ok := c.(interface{ CloseWrite() error }); ok && cw.CloseWrite() == nil {
+		c.SetReadDeadline(time.Now().Add(refusalLinger))
+		io.Copy(io.Discard, io.LimitReader(c, 1<<20))
+	}
+}
+
+// readHead reads from c until the end of an HTTP request's head (an empty line), limit bytes, or an
+// error (the deadline).
+func readHead(c net.Conn, limit int) {
+	buf := make([]byte, 3+4<<10) // the last 3 bytes of the read before, then this read's
+	kept := 0
+	for read := 0; read < limit; {
+		n, err := c.Read(buf[kept:])
+		read += n
+		seen := buf[:kept+n]
+		if bytes.Contains(seen, []byte("\r\n\r\n")) || err != nil {
+			return
+		}
+		kept = copy(buf, seen[max(0, len(seen)-3):])
 	}
 }
 

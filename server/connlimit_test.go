@@ -145,3 +145,41 @@ func TestSourceConnKeepsHalfClose(t *testing.T) {
 		t.Fatalf("after the answer: %v, want the broker's FIN (io.EOF) before any reset", err)
 	}
 }
+
+// A Go http.Client past the cap gets the 429 as an answer. Written at accept, before the client
+// had sent its request, the refusal met a transport that had no request on that connection yet:
+// it reported "Unsolicited response received on idle HTTP channel" and a closed connection
+// instead, so a client could not tell the cap from a broken broker. The refusal now waits for the
+// request's head (briefly, and only for a bounded number of refused connections at once).
+func TestGoClientPastTheSourceCapSeesThe429(t *testing.T) {
+	t.Parallel()
+	const perSource = 2
+	b := servertest.New(t, servertest.Options{Provider: "dir", ConnsPerSource: perSource})
+	addr := strings.TrimPrefix(b.URL, "http://")
+	for i := 0; i < perSource; i++ {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		io.WriteString(c, "GET /healthz HTTP/1.1\r\nHost: broker\r\n\r\n")
+		if resp, err := http.ReadResponse(bufio.NewReader(c), nil); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("connection %d of %d: %v %v", i+1, perSource, resp, err)
+		}
+	}
+	for i := 0; i < 300; i++ {
+		// A new transport each time: a new connection, as a client's first request makes.
+		hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+		resp, err := hc.Get(b.URL + "/healthz")
+		if err != nil {
+			t.Fatalf("request %d past the cap: %v; want the 429 answer", i+1, err)
+		}
+		var eb protocol.ErrorBody
+		json.NewDecoder(resp.Body).Decode(&eb)
+		resp.Body.Close()
+		if resp.StatusCode != 429 || eb.Error.Code != protocol.CodeTooManyConnections {
+			t.Fatalf("request %d past the cap: %d %+v; want 429 too_many_connections", i+1, resp.StatusCode, eb.Error)
+		}
+	}
+}

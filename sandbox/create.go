@@ -224,6 +224,9 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 			h.ws = nil
 		}
 	}
+	// Held from before the runtime exists, not after its start: a create drawing a uid from a
+	// Redis that lost its table meanwhile must find this one taken (uidHolder).
+	h.uid.Store(int64(rec.UID))
 	started := time.Now()
 	if first {
 		if err := m.cfg.Provider.Create(ctx, spec); err != nil {
@@ -241,7 +244,6 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		return fail(protocol.ReasonStartFailed, "the provider could not start it: "+err.Error(), err)
 	}
 	h.inst = inst
-	h.uid.Store(int64(rec.UID))
 	if first {
 		m.firstStarts.n.Add(1)
 		m.firstStarts.nanos.Add(int64(time.Since(started)))

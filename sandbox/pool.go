@@ -64,6 +64,10 @@ type pool struct {
 	closed bool
 	// leftovers are pooled sandboxes whose removal failed (the store away); the filler retries.
 	leftovers []*pooled
+	// uids are the pooled sandboxes' uids by id, from the uid's draw until their runtime is
+	// destroyed or an org adopts it (its hosted entry holds the uid then): being made, ready,
+	// claimed, left over. allocateUID never hands one out again (uidHolder).
+	uids map[string]int
 }
 
 type poolState struct {
@@ -202,6 +206,7 @@ func (p *pool) fill(ctx context.Context, name string) error {
 			return fmt.Errorf("a host uid for a pooled sandbox: %w", err)
 		}
 		pd.uid = uid
+		p.holdUID(pd)
 	}
 	fail := func(err error) error {
 		p.discard(context.WithoutCancel(ctx), pd, "")
@@ -350,6 +355,7 @@ func (p *pool) discard(ctx context.Context, pd *pooled, org string) {
 		p.mu.Unlock()
 		return
 	}
+	p.dropUID(pd)
 	m.unindex(pd.id)
 }
 
@@ -433,7 +439,9 @@ func (p *pool) hold(ctx context.Context, pd *pooled) {
 	pd.h.mu.Unlock()
 	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: pd.id, Template: m.cfg.Templates[pd.template], UID: pd.uid}); err != nil {
 		m.cfg.Log.Warn("removing a claimed pooled sandbox whose create's outcome is unknown failed; the next start removes it", "sandbox_id", pd.id, "err", err)
+		return
 	}
+	p.dropUID(pd) // nothing here runs as it any more; its record, if any, keeps it in Redis
 }
 
 // unclaim undoes a claim whose create did not make the record: createErr is nil when the name was
@@ -469,23 +477,34 @@ func (p *pool) unclaim(ctx context.Context, org string, pd *pooled, createErr er
 	p.giveBack(pd)
 }
 
-// uidHolder names the pooled sandbox, ready or left over, that runs as uid, if any (allocateUID).
+// uidHolder names the pooled sandbox that runs (or is being made to run) as uid, if any
+// (allocateUID).
 func (p *pool) uidHolder(uid int) string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, st := range p.tmpl {
-		for _, pd := range st.ready {
-			if pd.uid == uid {
-				return pd.id
-			}
-		}
-	}
-	for _, pd := range p.leftovers {
-		if pd.uid == uid {
-			return pd.id
+	for id, u := range p.uids {
+		if u == uid {
+			return id
 		}
 	}
 	return ""
+}
+
+// holdUID records pd's uid as taken by a runtime here, from its draw on.
+func (p *pool) holdUID(pd *pooled) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.uids == nil {
+		p.uids = map[string]int{}
+	}
+	p.uids[pd.id] = pd.uid
+}
+
+// dropUID forgets pd's uid: its runtime is gone, or an org's hosted entry holds the uid now.
+func (p *pool) dropUID(pd *pooled) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.uids, pd.id)
 }
 
 // adopt makes a claimed sandbox, whose record CreateOrReuse just made (provisioning), the org's
@@ -509,6 +528,7 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 		pd.h.mu.Unlock()
 	}
 	h.org = rec.Org
+	m.pool.dropUID(pd) // h holds it now (uidHolder reads both)
 	inst := h.inst
 	tmpl := m.cfg.Templates[rec.Template]
 	if cl, ok := m.cfg.Provider.(provider.Claimer); ok {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
@@ -16,6 +17,7 @@ import (
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 func needRoot(t *testing.T) {
@@ -307,5 +309,53 @@ func TestSandboxUIDOfAPooledSandboxNotReusedAfterFlush(t *testing.T) {
 	}
 	if rec.UID == uid {
 		t.Fatalf("a new sandbox got uid %d, which pooled sandbox %s runs as", uid, pooled[0])
+	}
+}
+
+// The same while the pooled sandbox is still being made (its template's setup running): its uid
+// was drawn and its processes run as it, but it is not in the pool's ready list yet. Before, only
+// ready and left-over pooled sandboxes were checked, and a create in that window (the setup's
+// length, a few ms to minutes) was given the uid.
+func TestSandboxUIDOfAPooledSandboxBeingMadeNotReusedAfterFlush(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 236100, Last: 236103}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, Templates: map[string]provider.Template{
+		// The setup waits until the test opens its FIFO for writing.
+		"default": {Name: "default", Pool: provider.Pool{Size: 1}, Setup: "mkfifo gate && read x < gate"},
+		"plain":   {Name: "plain"},
+	}})
+	var gate string
+	wait.Eventually(t, 60*time.Second, func() bool {
+		for _, id := range sandboxDirs(t, b) {
+			p := filepath.Join(b.DataDir, "sandboxes", id, "workspace", "gate")
+			if fi, err := os.Stat(p); err == nil && fi.Mode()&os.ModeNamedPipe != 0 {
+				gate = p
+				return true
+			}
+		}
+		return false
+	}, "the pooled sandbox's setup made its FIFO")
+	if st := poolStat(b); st.Ready != 0 {
+		t.Fatalf("the pool: %+v; want its sandbox still in its setup", st)
+	}
+	uid := ownerOf(t, filepath.Dir(gate))
+	if err := b.RDB.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	rec, _, err := b.Manager.Create(ctx, sandbox.Caller{Org: b.Org, Actor: "test"}, sandbox.CreateRequest{Name: "new", Template: "plain"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Let the setup end (its sandbox then enters the pool or is discarded, as the flush decides).
+	f, err := os.OpenFile(gate, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteString("go\n")
+	f.Close()
+	if rec.UID == uid {
+		t.Fatalf("a new sandbox got uid %d, which the pooled sandbox being made runs as", uid)
 	}
 }

@@ -168,6 +168,22 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 	defer h.mu.Unlock()
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
+	if h.inst != nil && rec.Claim != "" && h.claim == rec.Claim {
+		// Another start of this claim took the lock first (a resume's own and a reconcile's for
+		// the record it found provisioning): its runtime is this start's, and ending it would
+		// end whatever the sandbox ran since.
+		now, err := m.cfg.Store.Get(ctx, rec.Org, rec.ID)
+		if err != nil {
+			return rec, m.mapStoreErr(err, rec.Name)
+		}
+		select {
+		case <-h.inst.Done():
+		default:
+			if now.Status == protocol.StatusRunning && now.Claim == rec.Claim {
+				return now, nil
+			}
+		}
+	}
 	if h.inst != nil {
 		// A stop's transition landed and this resume took the lock before the stop ended the
 		// runtime (stopLocal then leaves it to us): end it here, as the stop would have.
@@ -283,6 +299,7 @@ func (m *Manager) markRunning(ctx context.Context, rec store.Record, h *hosted, 
 		h.closeWorkspace()
 		return rec, m.mapStoreErr(err, rec.Name)
 	}
+	h.claim = rec.Claim
 	go m.watch(rec.Org, rec.ID, h, inst)
 	return got, nil
 }

@@ -72,7 +72,10 @@ type hosted struct {
 	mu   sync.Mutex
 	org  string
 	inst provider.Instance // nil when not running
-	ws   *workspace.Workspace
+	// claim is the record's claim inst was started under: a second start of that claim finds
+	// its runtime here rather than a runtime a stop left (provision).
+	claim string
+	ws    *workspace.Workspace
 	// uid is the host uid its runtime was last started as (0: none here yet). Read without mu, by
 	// allocateUID's check against a uid table Redis lost.
 	uid atomic.Int64

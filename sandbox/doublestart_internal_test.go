@@ -1,0 +1,59 @@
+package sandbox
+
+import (
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
+)
+
+// Two starts of one claim (a resume's own start and a reconcile's for the record it found
+// provisioning under that claim, taking the lifecycle lock one after the other) start the runtime
+// once. Before, the second found the first's fresh runtime, ended it as a runtime a stop had left,
+// and started another: whatever the sandbox ran in between (a command an agent started at once)
+// was gone, while the record said running all along.
+func TestTwoStartsOfOneClaimStartItOnce(t *testing.T) {
+	ctx := t.Context()
+	m, st, _ := testManager(t, time.Now)
+	c := Caller{Org: "o", Actor: "key:k"}
+	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "twice"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
+		t.Fatal(err)
+	}
+	claimForResume(t, st, rec.ID, "claim-1")
+	claimed, err := st.Get(ctx, "o", rec.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := m.start(ctx, c, claimed)
+	if err != nil || first.Status != protocol.StatusRunning {
+		t.Fatalf("the first start: %v %s", err, first.Status)
+	}
+	inst, err := m.Instance(first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := m.start(ctx, c, claimed) // the same claim, read before the first ended
+	if err != nil || second.Status != protocol.StatusRunning {
+		t.Fatalf("the second start of the same claim: %v %s", err, second.Status)
+	}
+	select {
+	case <-inst.Done():
+		t.Fatal("the second start of the same claim ended the runtime the first had started")
+	default:
+	}
+	now, err := m.Instance(second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if now != inst {
+		t.Fatal("the second start of the same claim replaced the runtime the first had started")
+	}
+	if res, err := now.Exec(ctx, provider.ExecRequest{Command: "true"}); err != nil || res.ExitCode != 0 {
+		t.Fatalf("exec after both starts: %v %+v", err, res)
+	}
+}

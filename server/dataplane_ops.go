@@ -136,6 +136,11 @@ func (c *dpConn) run(ctx context.Context, r *request, o dpOp, raw json.RawMessag
 		if held, err := c.holdHeavy(ctx, r, o.class == opHeavy, wait); !held {
 			return nil, err, err != nil
 		}
+		// What these build in memory (names, answers) is drawn from the broker-wide budget and
+		// given back with the answer.
+		var mem *opMemory
+		ctx, mem = c.meterOp(ctx, "")
+		r.hold.add(mem.free)
 	}
 	res, err = o.run(ctx, c, r, raw)
 	return res, err, true

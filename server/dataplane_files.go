@@ -39,10 +39,6 @@ func opGrep(ctx context.Context, c *dpConn, _ *request, a protocol.GrepArgs) (an
 }
 
 func opEdit(ctx context.Context, c *dpConn, _ *request, a protocol.EditArgs) (any, error) {
-	// The file and its result, up to MaxEditBytes each, are held only while the edit runs: the
-	// broker-wide budget bounds them across the edits in flight on every connection.
-	ctx, mem := c.meterOp(ctx, protocol.OpEdit)
-	defer mem.free()
 	res, err := c.files.EditContext(ctx, a)
 	if err == nil {
 		c.emitPath(protocol.EventFileWritten, res.Path)

@@ -10,8 +10,9 @@ import "context"
 
 // Meter is one operation's account with a shared budget.
 type Meter interface {
-	// Grow takes n more bytes, or refuses with the error the operation must stop with (and return
-	// as it is: it says why, and what to do).
+	// Grow takes n more bytes, or refuses with the error the operation must stop with and return
+	// as it is (it says why, and what to do): a *protocol.Error, which the operations pass on
+	// untranslated.
 	Grow(n int64) error
 	// Shrink gives back n bytes taken by Grow and no longer held.
 	Shrink(n int64)

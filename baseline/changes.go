@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/sbxbroker/broker/membudget"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -65,12 +66,15 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 	if len(opt.Only) > 0 {
 		maxRecorded = 0 // no walk: the record is only looked up, and its size bounds it
 	}
-	rec, recTime, err := readRecord(root, maxRecorded)
+	// What the scan holds (the record, the names it reads, the paths to visit, the answer) is
+	// drawn from the caller's budget, shared with other operations, as well as bounded here.
+	mem := membudget.From(ctx)
+	rec, recTime, err := readRecord(root, maxRecorded, mem)
 	if err != nil {
 		return res, err
 	}
 	res.Commit = rec.Commit
-	s := &scanner{ctx: ctx, root: root, rec: rec, recTime: recTime, opt: opt, res: &res,
+	s := &scanner{ctx: ctx, mem: mem, root: root, rec: rec, recTime: recTime, opt: opt, res: &res,
 		seen: make([]bool, len(rec.Entries)), h: NewHasher(), buf: make([]byte, 256<<10)}
 	if len(opt.Only) > 0 {
 		return res, s.only(opt.Only)
@@ -93,7 +97,7 @@ func Changes(ctx context.Context, root *os.Root, opt Options) (protocol.ChangesR
 // sandbox may have put anything there: a FIFO is opened without waiting for a writer, then refused.
 // A record of more than maxEntries entries (when not 0) is refused before it is parsed: no walk
 // could compare more (MaxEntries looked at, MaxChanges answered), and each costs the broker memory.
-func readRecord(root *os.Root, maxEntries int) (Record, int64, error) {
+func readRecord(root *os.Root, maxEntries int, mem membudget.Meter) (Record, int64, error) {
 	f, err := root.OpenFile(protocol.BaselineRecord, os.O_RDONLY|noFollow|nonBlock, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return Record{}, 0, protocol.Errorf(protocol.CodeFileNotFound, "nothing was pushed here: there is no push baseline (%s); push a repository first (sbctl push)", protocol.BaselineRecord)
@@ -108,6 +112,10 @@ func readRecord(root *os.Root, maxEntries int) (Record, int64, error) {
 	}
 	if fi.Size() > MaxRecordBytes {
 		return Record{}, 0, protocol.Errorf(protocol.CodeInvalidArgument, "%v: %s is over %d MiB; push again with --force", ErrDamaged, protocol.BaselineRecord, MaxRecordBytes>>20)
+	}
+	// Its bytes, then what is parsed from them: about as much again.
+	if err := mem.Grow(2 * fi.Size()); err != nil {
+		return Record{}, 0, err
 	}
 	b, err := io.ReadAll(io.LimitReader(f, MaxRecordBytes+1))
 	if err != nil {
@@ -125,6 +133,7 @@ func readRecord(root *os.Root, maxEntries int) (Record, int64, error) {
 
 type scanner struct {
 	ctx     context.Context
+	mem     membudget.Meter
 	root    *os.Root
 	rec     Record
 	recTime int64
@@ -158,7 +167,7 @@ func (s *scanner) spend(n int) error {
 	if s.answer += n; s.answer > maxAnswerBytes {
 		return errCut(fmt.Sprintf("%d MiB of answer", maxAnswerBytes>>20))
 	}
-	return nil
+	return s.mem.Grow(int64(n))
 }
 
 // skip lists p among the names no git path can be.
@@ -184,6 +193,9 @@ func (s *scanner) walk() error {
 		rel := stack[len(stack)-1]
 		stack = stack[:len(stack)-1]
 		pending -= len(rel)
+		if rel != "." {
+			s.mem.Shrink(membudget.StringCost(rel))
+		}
 		if err := s.ctx.Err(); err != nil {
 			return err
 		}
@@ -224,6 +236,10 @@ func (s *scanner) walk() error {
 					d.Close()
 					return errCut(fmt.Sprintf("%d MiB of directory paths to visit", maxPendingBytes>>20))
 				}
+				if err := s.mem.Grow(membudget.StringCost(p)); err != nil {
+					d.Close()
+					return err
+				}
 				stack = append(stack, p)
 			case st.mode.IsRegular(), st.mode&fs.ModeSymlink != 0:
 				if ValidPath(p) != nil {
@@ -253,6 +269,13 @@ func (s *scanner) names(d *os.File, rel string) ([]string, error) {
 		batch, err := d.Readdirnames(256)
 		if s.entries += len(batch); s.entries > s.opt.MaxEntries {
 			return nil, errCut(fmt.Sprintf("%d entries", s.opt.MaxEntries))
+		}
+		var cost int64
+		for _, n := range batch {
+			cost += membudget.StringCost(n)
+		}
+		if err := s.mem.Grow(cost); err != nil {
+			return nil, err
 		}
 		names = append(names, batch...)
 		switch {

@@ -40,7 +40,8 @@ type Files interface {
 	GlobContext(ctx context.Context, a protocol.GlobArgs) (protocol.GlobResult, error)
 	Grep(ctx context.Context, a protocol.GrepArgs) (protocol.GrepResult, error)
 	Write(a protocol.WriteArgs) (protocol.WriteResult, error)
-	Edit(a protocol.EditArgs) (protocol.EditResult, error)
+	// EditContext draws what it holds (the file, then its result) from ctx's budget (membudget).
+	EditContext(ctx context.Context, a protocol.EditArgs) (protocol.EditResult, error)
 	Delete(a protocol.DeleteArgs) error
 	Mkdir(a protocol.MkdirArgs) error
 	Move(a protocol.MoveArgs) error

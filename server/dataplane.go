@@ -51,6 +51,16 @@ const (
 	// org's: an org whose clients do not read fills its share and then waits, alone.
 	dpQueuedBudget = 1 << 30
 	dpQueuedPerOrg = dpQueuedBudget / 4
+	// dpOpMemoryBudget bounds what operations build in memory, every request's together: the
+	// names a tar walk holds and an untar remembers, the names ls, glob and grep read and the
+	// answers they and changes assemble, an edit's file and result. Each operation bounds its
+	// own, but that bound times the requests a client may have in flight on every connection it
+	// may open is many GB. An operation draws on it as what it holds grows (dpOpMemoryGrain at a
+	// time) and gives it back when its request ends; past it, it stops with too_many_requests.
+	// One org holds at most dpOpMemoryPerOrg of it, so one tenant cannot starve the others.
+	dpOpMemoryBudget = 512 << 20
+	dpOpMemoryPerOrg = dpOpMemoryBudget / 4
+	dpOpMemoryGrain  = 64 << 10
 	// dpRetryAfter is the Retry-After (seconds) of an upgrade refused for too many connections.
 	dpRetryAfter = "5"
 	dpQueueBytes = 4 << 20

@@ -2,7 +2,11 @@ package server
 
 import (
 	"context"
+	"fmt"
 	"sync"
+
+	"github.com/sbxbroker/broker/membudget"
+	"github.com/sbxbroker/broker/protocol"
 )
 
 // What a dataplane request holds of the broker's shared resources (heavy slots, exec output
@@ -161,4 +165,85 @@ func (w *budgetWriter) Write(p []byte) (int, error) {
 	}
 	w.buf = append(w.buf, p...)
 	return len(p), nil
+}
+
+// opMemory is what one request's operation holds of the broker-wide budget for what operations
+// build in memory (dpOpMemoryBudget), drawn through membudget as it grows. It takes the budget a
+// grain at a time, so that an operation growing name by name does not take the budget's lock for
+// each, and gives back whole grains it no longer needs. free gives back everything when the
+// request ends, however it ends; a Grow after it is refused.
+type opMemory struct {
+	budget *quota
+	org    string
+	op     string // the op, for the refusal's message: an untar's says what stays
+
+	mu      sync.Mutex
+	held    int64 // what the operation says it holds
+	granted int64 // what it took of the budget: held rounded up to grains, with up to a grain spare
+	freed   bool
+}
+
+// meterOp makes req's account with the op memory budget and returns ctx carrying it, for the
+// operation's code (tartree, baseline, the workspace) to draw on.
+func (c *dpConn) meterOp(ctx context.Context, op string) (context.Context, *opMemory) {
+	m := &opMemory{budget: c.s.dpOpMemory, org: c.org, op: op}
+	return membudget.With(ctx, m), m
+}
+
+func grains(n int64) int64 { return (n + dpOpMemoryGrain - 1) / dpOpMemoryGrain * dpOpMemoryGrain }
+
+// Grow takes n more bytes, or refuses the operation: too_many_requests, since what fills the
+// budget is other requests in flight, which end.
+func (m *opMemory) Grow(n int64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if need := grains(m.held+n) - m.granted; need > 0 {
+		if m.freed || !m.budget.tryAcquire(m.org, need) {
+			return m.refusal()
+		}
+		m.granted += need
+	}
+	m.held += n
+	return nil
+}
+
+// Shrink gives back n bytes; grains past the one spare go back to the budget.
+func (m *opMemory) Shrink(n int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.freed {
+		return
+	}
+	m.held = max(m.held-n, 0)
+	if keep := grains(m.held) + dpOpMemoryGrain; m.granted > keep {
+		m.budget.release(m.org, m.granted-keep)
+		m.granted = keep
+	}
+}
+
+// free gives everything back to the budget, once.
+func (m *opMemory) free() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.freed {
+		m.budget.release(m.org, m.granted)
+		m.held, m.granted, m.freed = 0, 0, true
+	}
+}
+
+func (m *opMemory) refusal() error {
+	what, done := "the request", "nothing was changed"
+	if m.op == protocol.OpUntar {
+		what, done = "untar", "the entries before it stay extracted; nothing outside the target directory was changed"
+	}
+	return protocol.Errorf(protocol.CodeTooManyRequests, "%s was stopped: the operations in flight on this broker hold all the memory it gives them (%s, at most %s for one org's) and this one needed more; %s. Retry once requests in flight end, or ask for less at once (a narrower path, pattern or tree)",
+		what, sizeText(m.budget.max), sizeText(m.budget.share), done)
+}
+
+// sizeText shows a budget as the docs state it: "512 MiB", or KiB.
+func sizeText(n int64) string {
+	if n%(1<<20) == 0 {
+		return fmt.Sprintf("%d MiB", n>>20)
+	}
+	return fmt.Sprintf("%d KiB", n>>10)
 }

@@ -38,8 +38,8 @@ func opGrep(ctx context.Context, c *dpConn, _ *request, a protocol.GrepArgs) (an
 	return c.files.Grep(ctx, a)
 }
 
-func opEdit(_ context.Context, c *dpConn, _ *request, a protocol.EditArgs) (any, error) {
-	res, err := c.files.Edit(a)
+func opEdit(ctx context.Context, c *dpConn, _ *request, a protocol.EditArgs) (any, error) {
+	res, err := c.files.EditContext(ctx, a)
 	if err == nil {
 		c.emitPath(protocol.EventFileWritten, res.Path)
 	}

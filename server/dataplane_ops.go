@@ -18,16 +18,16 @@ var dpOps = map[string]dpOp{
 
 	protocol.OpEnv:      op(protocol.ScopeFSRead, opLight, opEnv),
 	protocol.OpStat:     op(protocol.ScopeFSRead, opLight, opStat).onOneFile(),
-	protocol.OpLs:       op(protocol.ScopeFSRead, opHeavy, opLs),
+	protocol.OpLs:       op(protocol.ScopeFSRead, opHeavy, opLs).drawingMemory(),
 	protocol.OpRead:     op(protocol.ScopeFSRead, opHeavy, opRead).onOneFile(),
-	protocol.OpGlob:     op(protocol.ScopeFSRead, opHeavy, opGlob),
-	protocol.OpGrep:     op(protocol.ScopeFSRead, opHeavy, opGrep),
+	protocol.OpGlob:     op(protocol.ScopeFSRead, opHeavy, opGlob).drawingMemory(),
+	protocol.OpGrep:     op(protocol.ScopeFSRead, opHeavy, opGrep).drawingMemory(),
 	protocol.OpDownload: op(protocol.ScopeFSRead, opStreamed, opDownload),
-	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar),
-	protocol.OpChanges:  op(protocol.ScopeFSRead, opHeavy, opChanges),
+	protocol.OpTar:      op(protocol.ScopeFSRead, opStreamed, opTar).drawingMemory(),
+	protocol.OpChanges:  op(protocol.ScopeFSRead, opHeavy, opChanges).drawingMemory(),
 
 	protocol.OpWrite:  op(protocol.ScopeFSWrite, opLight, opWrite).withBody().onOneFile().makingParents(),
-	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit).onOneFile(),
+	protocol.OpEdit:   op(protocol.ScopeFSWrite, opLight, opEdit).drawingMemory().onOneFile(),
 	protocol.OpDelete: op(protocol.ScopeFSWrite, opLight, opDelete),
 	protocol.OpMkdir:  op(protocol.ScopeFSWrite, opLight, opMkdir).onOneFile().makingParents(),
 	protocol.OpMove:   op(protocol.ScopeFSWrite, opLight, opMove).onOneFile().makingParents(),
@@ -66,6 +66,11 @@ type dpOp struct {
 	// startsOnReader marks an op that runs on the reader's goroutine until it would wait, and
 	// then calls its request's started, which moves the reading to a new goroutine (exec).
 	startsOnReader bool
+	// drawsMemory marks an op that builds in memory what its own bounds allow (names, an answer,
+	// a file's content): it draws that from the broker-wide op memory budget (dpOpMemoryBudget)
+	// until its answer is written. An untar draws on it too, for as long as its extraction runs
+	// (opUntarOpen).
+	drawsMemory bool
 }
 
 // startingOnReader marks an op that starts on the reader (see dpOp.startsOnReader).
@@ -76,6 +81,9 @@ func (o dpOp) withPrepare(prepare func(c *dpConn, ctx context.Context, r *reques
 	o.prepare = prepare
 	return o
 }
+
+// drawingMemory marks an op that draws on the op memory budget (see dpOp.drawsMemory).
+func (o dpOp) drawingMemory() dpOp { o.drawsMemory = true; return o }
 
 // onOneFile marks an op whose work is one file's (see dpOp.oneFile).
 func (o dpOp) onOneFile() dpOp { o.oneFile = true; return o }
@@ -136,6 +144,11 @@ func (c *dpConn) run(ctx context.Context, r *request, o dpOp, raw json.RawMessag
 		if held, err := c.holdHeavy(ctx, r, o.class == opHeavy, wait); !held {
 			return nil, err, err != nil
 		}
+	}
+	if o.drawsMemory {
+		var mem *opMemory
+		ctx, mem = c.meterOp(ctx, "")
+		r.hold.add(mem.free)
 	}
 	res, err = o.run(ctx, c, r, raw)
 	return res, err, true

@@ -102,8 +102,12 @@ func opUntarOpen(ctx context.Context, c *dpConn, r *request, a protocol.UntarArg
 	// The request's context ends when its end frame arrives (finish), before the extraction has
 	// taken the last bytes: the pipe is what stops it instead (Abort closes it).
 	ctx = context.WithoutCancel(ctx)
+	// The names it remembers are drawn from the broker-wide budget until the extraction ends,
+	// however it ends (its end frame, an abort, the connection's end all wait for it).
+	ctx, mem := c.meterOp(ctx, protocol.OpUntar)
 	go func() {
 		defer close(s.done)
+		defer mem.free()
 		s.res, s.err = c.files.Extract(ctx, a.Path, pr)
 		if s.err == nil {
 			// The archive's end-of-archive blocks and any padding after them are read and dropped,

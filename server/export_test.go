@@ -20,6 +20,9 @@ type DataplaneUsage struct {
 	QueuedBytes int64
 	// ShellInputBytes are keystrokes waiting for shells' terminals.
 	ShellInputBytes int64
+	// OpMemoryBytes is what operations build in memory (names, answers) against the broker-wide
+	// budget.
+	OpMemoryBytes int64
 }
 
 // Usage reads s's dataplane accounting.
@@ -28,7 +31,8 @@ func Usage(s *Server) DataplaneUsage {
 	exec, _ := s.dpExecOutput.inUse("")
 	queued, _ := s.dpQueued.inUse("")
 	shellIn, _ := s.dpShellInput.inUse("")
-	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued, ShellInputBytes: shellIn}
+	opMem, _ := s.dpOpMemory.inUse("")
+	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued, ShellInputBytes: shellIn, OpMemoryBytes: opMem}
 }
 
 // OrgUsage is Usage for one org.
@@ -36,8 +40,13 @@ func OrgUsage(s *Server, org string) DataplaneUsage {
 	_, heavy := s.dpHeavy.inUse(org)
 	_, exec := s.dpExecOutput.inUse(org)
 	_, queued := s.dpQueued.inUse(org)
-	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued}
+	_, opMem := s.dpOpMemory.inUse(org)
+	return DataplaneUsage{HeavySlots: heavy, ExecOutputBytes: exec, QueuedBytes: queued, OpMemoryBytes: opMem}
 }
+
+// SetOpMemoryBudget makes s's budget for what operations build in memory max bytes, at most share
+// for one org; call it before any connection.
+func SetOpMemoryBudget(s *Server, max, share int64) { s.dpOpMemory = newQuota(max, share) }
 
 // OpenLocal exposes the MCP front end's in-process dataplane connection (openLocal).
 var OpenLocal = (*Server).openLocal

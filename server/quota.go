@@ -105,7 +105,7 @@ func (q *quota) inUse(key string) (all, byKey int64) {
 }
 
 // dataplaneGauges export the dataplane's accounting: what clients hold of the shared slots, the
-// exec output budget and the queues.
+// exec output budget, the queues and the op memory budget.
 func (s *Server) dataplaneGauges() []prometheus.Collector {
 	gauge := func(name, help string, q *quota) prometheus.Collector {
 		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
@@ -117,5 +117,6 @@ func (s *Server) dataplaneGauges() []prometheus.Collector {
 		gauge("sbx_dataplane_heavy_slots", "Broker-wide read/ls/glob/grep slots held, until their answers are written.", s.dpHeavy),
 		gauge("sbx_dataplane_exec_output_bytes", "Non-streamed exec output held against the broker-wide budget, until written.", s.dpExecOutput),
 		gauge("sbx_dataplane_queued_bytes", "Bytes waiting to be written to dataplane clients.", s.dpQueued),
+		gauge("sbx_dataplane_op_memory_bytes", "What dataplane operations build in memory (names, answers) against the broker-wide budget.", s.dpOpMemory),
 	}
 }

@@ -177,6 +177,10 @@ type Server struct {
 	dpQueued *quota
 	// dpShellInput is the keystrokes waiting for shells' terminals, every connection's together.
 	dpShellInput *quota
+	// dpOpMemory is what operations build in memory (names a tar walk holds, an untar remembers,
+	// the answers ls, glob, grep and changes assemble, an edit's file), every request's together,
+	// with a share per org.
+	dpOpMemory *quota
 	// routes are the registered route paths (echo's c.Path() form), the only route labels.
 	routes map[string]bool
 	// dpLimits bound open dataplane connections (counted by hub).
@@ -211,7 +215,7 @@ func New(cfg Config) *Server {
 		allowedOrigins: cfg.AllowedOrigins, eventsHub: events.NewHub(cfg.Store, cfg.Log), clock: cfg.Now,
 		dpRenews: cfg.DataplaneRenewsLease, apiKeys: newKeyCache(cfg.Store), streams: newStreams(cmp.Or(max(cfg.EventStreamsPerKey, 0), DefaultEventStreamsPerKey)), connsPerSource: cmp.Or(max(cfg.ConnsPerSource, 0), DefaultConnsPerSource), dpHeavy: newQuota(dpHeavyPerBroker, dpHeavyPerOrg),
 		dpExecOutput: newQuota(dpExecOutputBudget, dpExecOutputPerOrg), dpQueued: newQuota(dpQueuedBudget, dpQueuedPerOrg),
-		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpLimits: cfg.Dataplane.withDefaults(), uploadIdle: dpPongWait, bodyWait: bodyWait}
+		dpShellInput: newQuota(dpShellInputBudget, dpShellInputPerOrg), dpOpMemory: newQuota(dpOpMemoryBudget, dpOpMemoryPerOrg), dpLimits: cfg.Dataplane.withDefaults(), uploadIdle: dpPongWait, bodyWait: bodyWait}
 	s.dataplaneURL = cfg.DataplaneURL
 	s.newMCP()
 	s.metrics.reg.MustRegister(s.dataplaneGauges()...)

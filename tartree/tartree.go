@@ -4,7 +4,8 @@
 // use it, so the two ends of a copy follow the same rules: modes and mtimes kept, symlinks copied as
 // symlinks and never followed out of the root, no device nodes, FIFOs or hard links leaving the
 // target, memory flat whatever the size. It owns no paths of its own: every name it touches is
-// relative to the os.Root it is given, and it imports nothing of ours but protocol.
+// relative to the os.Root it is given, and it imports nothing of ours but protocol and membudget
+// (what it holds in memory is drawn from a budget its caller may give it).
 package tartree
 
 import (
@@ -22,6 +23,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/sbxbroker/broker/membudget"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -107,16 +109,25 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// through it (the classic "link, then a file through the link" attack).
 	links := map[string]bool{}
 	var remembered int64 // bytes of the names in links and dirs (maxNamesRemembered)
+	// The caller's budget, shared with other operations, may be spent before this one's is.
+	meter := membudget.From(ctx)
+	defer func() { meter.Shrink(remembered) }()
 	remember := func(name string) error {
-		if remembered += nameCost(name); remembered > maxNamesRemembered {
+		cost := nameCost(name)
+		if remembered+cost > maxNamesRemembered {
 			return refuse(name, "the archive has more directories and symbolic links than one extraction remembers (%d MiB of their names); copy the tree in parts", maxNamesRemembered>>20)
 		}
+		if err := meter.Grow(cost); err != nil {
+			return err
+		}
+		remembered += cost
 		return nil
 	}
 	forgetLink := func(name string) {
 		if links[name] {
 			delete(links, name)
 			remembered -= nameCost(name)
+			meter.Shrink(nameCost(name))
 		}
 	}
 	var dirs []dirMeta
@@ -592,6 +603,8 @@ func Add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string) (
 	buf := make([]byte, 256<<10)
 	namesLeft := maxNamesHeld
 	err := add(ctx, tw, root, rel, name, &st, buf, &namesLeft)
+	// A walk that stopped early still held the names above where it stopped.
+	membudget.From(ctx).Shrink(maxNamesHeld - namesLeft)
 	return st, err
 }
 
@@ -602,7 +615,7 @@ func Add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string) (
 var maxNamesHeld int64 = 16 << 20
 
 // nameCost is what holding one name costs: its bytes and its string header.
-func nameCost(n string) int64 { return int64(len(n)) + 16 }
+func nameCost(n string) int64 { return membudget.StringCost(n) }
 
 // readNames reads the names of the directory d in batches, drawing on left, and sorts them; past
 // left it stops with an error naming the limit.
@@ -613,11 +626,17 @@ func readNames(ctx context.Context, d *os.File, rel string, left *int64) ([]stri
 			return nil, err
 		}
 		batch, err := d.Readdirnames(1024)
+		var cost int64
 		for _, n := range batch {
-			if *left -= nameCost(n); *left < 0 {
+			if cost += nameCost(n); *left-cost < 0 {
 				return nil, protocol.Errorf(protocol.CodeInvalidArgument, "%s has more entries than one tar lists at once (%d MiB of names, with the directories above it): archive its parts separately", quote(rel), maxNamesHeld>>20)
 			}
 		}
+		// The caller's budget, shared with other operations, may be spent before this one's is.
+		if err := membudget.From(ctx).Grow(cost); err != nil {
+			return nil, err
+		}
+		*left -= cost
 		names = append(names, batch...)
 		if errors.Is(err, io.EOF) || err == nil && len(batch) == 0 {
 			slices.Sort(names)
@@ -681,9 +700,12 @@ func add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string, s
 				return err
 			}
 		}
+		var cost int64
 		for _, n := range names {
-			*namesLeft += nameCost(n) // given back as the directory is done
+			cost += nameCost(n)
 		}
+		*namesLeft += cost // given back as the directory is done
+		membudget.From(ctx).Shrink(cost)
 		return nil
 	case m&fs.ModeSymlink != 0:
 		target, err := root.Readlink(rel)

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/sbxbroker/broker/membudget"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/tartree"
 )
@@ -504,5 +505,82 @@ func TestAddSkipsAFileOrLinkSwappedSinceItsLstat(t *testing.T) {
 				t.Fatalf("the archive holds what the link leads to")
 			}
 		})
+	}
+}
+
+// budgetMeter is a caller's budget of limit bytes that records what it holds and its peak.
+type budgetMeter struct{ limit, held, peak int64 }
+
+var errBudget = errors.New("the budget is spent")
+
+func (m *budgetMeter) Grow(n int64) error {
+	if m.held+n > m.limit {
+		return errBudget
+	}
+	m.held += n
+	m.peak = max(m.peak, m.held)
+	return nil
+}
+
+func (m *budgetMeter) Shrink(n int64) { m.held -= n }
+
+// TestAddAndExtractDrawOnTheCallersBudget: the names Add holds and Extract remembers are drawn
+// from the budget the caller puts in the context (shared, in the broker, by every request), all
+// given back by the time they return; one that would pass it stops with the budget's own error.
+func TestAddAndExtractDrawOnTheCallersBudget(t *testing.T) {
+	dir := t.TempDir()
+	for i := range 200 {
+		p := filepath.Join(dir, "tree", fmt.Sprintf("d%03d", i%4), fmt.Sprintf("file-%05d", i))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	var out bytes.Buffer
+	m := &budgetMeter{limit: 1 << 20}
+	if _, err := tartree.Add(membudget.With(t.Context(), m), tar.NewWriter(&out), root, "tree", "tree"); err != nil {
+		t.Fatal(err)
+	}
+	if m.peak == 0 || m.held != 0 {
+		t.Fatalf("Add drew %d at its peak and holds %d after it, want some and then nothing", m.peak, m.held)
+	}
+	small := &budgetMeter{limit: m.peak / 2}
+	if _, err := tartree.Add(membudget.With(t.Context(), small), tar.NewWriter(io.Discard), root, "tree", "tree"); !errors.Is(err, errBudget) {
+		t.Fatalf("Add past its caller's budget: %v, want the budget's error", err)
+	}
+	if small.held != 0 {
+		t.Fatalf("a refused Add holds %d after it returns", small.held)
+	}
+
+	dest, err := os.OpenRoot(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dest.Close()
+	m = &budgetMeter{limit: 1 << 20}
+	if _, err := tartree.Extract(membudget.With(t.Context(), m), dest, bytes.NewReader(out.Bytes()), tartree.ExtractOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if m.peak == 0 || m.held != 0 {
+		t.Fatalf("Extract drew %d at its peak and holds %d after it, want some and then nothing", m.peak, m.held)
+	}
+	dest2, err := os.OpenRoot(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dest2.Close()
+	small = &budgetMeter{limit: m.peak / 2}
+	if _, err := tartree.Extract(membudget.With(t.Context(), small), dest2, bytes.NewReader(out.Bytes()), tartree.ExtractOptions{}); !errors.Is(err, errBudget) {
+		t.Fatalf("Extract past its caller's budget: %v, want the budget's error", err)
+	}
+	if small.held != 0 {
+		t.Fatalf("a refused Extract holds %d after it returns", small.held)
 	}
 }

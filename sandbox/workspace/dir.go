@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/sbxbroker/broker/membudget"
 )
 
 // A walk reads a directory's names in batches (no stat each, as os.File.ReadDir does in a Root),
@@ -140,6 +142,13 @@ func (d *dir) names(sc *scan) ([]string, error) {
 			break
 		}
 		batch, err := d.f.Readdirnames(n)
+		var cost int64
+		for _, name := range batch {
+			cost += membudget.StringCost(name)
+		}
+		if err := sc.mem.Grow(cost); err != nil {
+			return nil, err
+		}
 		names = append(names, batch...)
 		sc.left -= len(batch)
 		if errors.Is(err, io.EOF) {

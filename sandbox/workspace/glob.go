@@ -283,7 +283,11 @@ func (g *globber) walk(d *dir, dirRel string, names []string, st states, depth i
 				g.res.Truncated = true
 				return errStop
 			}
-			g.res.Files = append(g.res.Files, g.w.describe(rel, sandboxPath(rel), fi))
+			e := g.w.describe(rel, sandboxPath(rel), fi)
+			if err := g.sc.mem.Grow(infoCost(e)); err != nil {
+				return err
+			}
+			g.res.Files = append(g.res.Files, e)
 		}
 		// fi is an lstat: a symlink to a directory is not IsDir, so it is never entered.
 		if fi.IsDir() && descend {

@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/sbxbroker/broker/membudget"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -307,6 +308,9 @@ func (g *grepper) file(rel string, fi fs.FileInfo) error {
 		return errStop
 	}
 	if int64(cap(g.buf)) < fi.Size() {
+		if err := g.sc.mem.Grow(fi.Size() - int64(cap(g.buf))); err != nil {
+			return err
+		}
 		g.buf = make([]byte, fi.Size())
 	}
 	n, err := io.ReadFull(f, g.buf[:fi.Size()])
@@ -341,7 +345,11 @@ func (g *grepper) file(rel string, fi fs.FileInfo) error {
 		if len(line) > maxMatchText {
 			line = trimPartialRune(line[:maxMatchText])
 		}
-		g.res.Matches = append(g.res.Matches, protocol.GrepMatch{Path: sp, Line: lineNo, Text: strings.ToValidUTF8(string(line), "\uFFFD")})
+		m := protocol.GrepMatch{Path: sp, Line: lineNo, Text: strings.ToValidUTF8(string(line), "\uFFFD")}
+		if err := g.sc.mem.Grow(membudget.StringCost(m.Path) + membudget.StringCost(m.Text) + 8); err != nil {
+			return err
+		}
+		g.res.Matches = append(g.res.Matches, m)
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/sbxbroker/broker/membudget"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -77,7 +78,11 @@ func (w *Workspace) ListContext(ctx context.Context, p string) (protocol.LsResul
 		if err != nil {
 			continue // vanished since it was listed
 		}
-		res.Entries = append(res.Entries, w.describe(join(rel, name), join(sp, name), fi))
+		e := w.describe(join(rel, name), join(sp, name), fi)
+		if err := sc.mem.Grow(infoCost(e)); err != nil {
+			return protocol.LsResult{}, err
+		}
+		res.Entries = append(res.Entries, e)
 	}
 	return res, nil
 }
@@ -90,10 +95,18 @@ type scan struct {
 	cut  bool // the budget ran out with entries left unread
 	// temps keeps the names of upload temporary files, which listings and searches leave out.
 	temps bool
+	// mem is the caller's budget for what the operation builds in memory: the names the scan
+	// reads (all of them, until the operation ends) and the answer.
+	mem membudget.Meter
 }
 
 func (w *Workspace) newScan(ctx context.Context) *scan {
-	return &scan{ctx: ctx, left: w.opts.MaxScanEntries}
+	return &scan{ctx: ctx, left: w.opts.MaxScanEntries, mem: membudget.From(ctx)}
+}
+
+// infoCost is what holding one answered entry costs: its strings and the rest of the struct.
+func infoCost(fi protocol.FileInfo) int64 {
+	return membudget.StringCost(fi.Path) + membudget.StringCost(fi.Name) + membudget.StringCost(fi.Type) + membudget.StringCost(fi.Target) + 48
 }
 
 // openDir opens the directory rel through the root (a symlink inside the workspace is followed)

@@ -2,6 +2,7 @@ package workspace
 
 import (
 	"bytes"
+	"context"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/sbxbroker/broker/membudget"
 	"github.com/sbxbroker/broker/protocol"
 	"golang.org/x/sys/unix"
 )
@@ -571,6 +573,14 @@ func ownerID(id int) int {
 // Edit replaces an exact string in a regular file and writes the result atomically, keeping the
 // file's permission bits.
 func (w *Workspace) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
+	return w.EditContext(context.Background(), a)
+}
+
+// EditContext is Edit drawing what it holds, the file's content and then its result, from the
+// caller's budget in ctx (membudget), shared with other operations: one that would pass it is
+// refused with the budget's error and the file is unchanged.
+func (w *Workspace) EditContext(ctx context.Context, a protocol.EditArgs) (protocol.EditResult, error) {
+	mem := membudget.From(ctx)
 	switch {
 	case a.Old == "":
 		return protocol.EditResult{}, protocol.Errorf(protocol.CodeInvalidArgument, "old is empty; give the exact text to replace")
@@ -605,6 +615,11 @@ func (w *Workspace) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
 		f.Close()
 		return protocol.EditResult{}, tooLargeToEdit(sp, fi.Size(), limit)
 	}
+	// ReadAll's buffer grows past the size as it reads: twice it at most.
+	if err := mem.Grow(2 * fi.Size()); err != nil {
+		f.Close()
+		return protocol.EditResult{}, err
+	}
 	data, err := io.ReadAll(io.LimitReader(f, limit+1))
 	f.Close()
 	if err != nil {
@@ -626,6 +641,8 @@ func (w *Workspace) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
 	// large is a fatal error of the whole broker, not a panic a recover catches.
 	if size := int64(len(data)) + int64(n)*(int64(len(a.New))-int64(len(old))); size > limit {
 		return protocol.EditResult{}, protocol.Errorf(protocol.CodeTooLarge, "the edit would make %s %d bytes; edit makes files up to %d bytes, so rewrite it with write instead", sp, size, limit)
+	} else if err := mem.Grow(size); err != nil {
+		return protocol.EditResult{}, err
 	}
 	data = bytes.Replace(data, old, []byte(a.New), n)
 

@@ -442,7 +442,8 @@ func (f agentFiles) Write(a protocol.WriteArgs) (protocol.WriteResult, error) {
 	return out, f.a.unary(context.Background(), agent.OpWrite, a, &out)
 }
 
-func (f agentFiles) Edit(a protocol.EditArgs) (protocol.EditResult, error) {
+// EditContext runs in the pod's agent, whose memory is the pod's: it draws on no broker budget.
+func (f agentFiles) EditContext(_ context.Context, a protocol.EditArgs) (protocol.EditResult, error) {
 	var out protocol.EditResult
 	return out, f.a.unary(context.Background(), agent.OpEdit, a, &out)
 }

@@ -146,7 +146,7 @@ func TestStoppedAgentHoldsNothing(t *testing.T) {
 		"upload begun before the stop": func() error { _, err := up.Write(make([]byte, 64<<20)); return err },
 		"write":                        func() error { _, err := f.Write(protocol.WriteArgs{Path: "/workspace/b", Content: "b"}); return err },
 		"edit": func() error {
-			_, err := f.Edit(protocol.EditArgs{Path: "/workspace/b", Old: "b", New: "c"})
+			_, err := f.EditContext(t.Context(), protocol.EditArgs{Path: "/workspace/b", Old: "b", New: "c"})
 			return err
 		},
 		"delete": func() error { return f.Delete(protocol.DeleteArgs{Path: "/workspace/b"}) },

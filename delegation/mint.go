@@ -2,6 +2,7 @@ package delegation
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -146,6 +147,17 @@ func (is *Issuer) Mint(g Grant) (token string, c Claims, err error) {
 	}
 	if why := checkAllowCmd(g.AllowCmd); why != "" {
 		return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument, "allow_cmd: %s", why)
+	}
+	if slices.Contains(scopes, protocol.ScopeFSWrite) {
+		for _, p := range g.AllowCmd {
+			if strings.HasPrefix(p, protocol.WorkspaceRoot+"/") {
+				// The token could write that file: with any program's bytes in it, the allowlist
+				// would allow everything.
+				return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument,
+					"allow_cmd: entry %s is in %s, which this token may rewrite (scope %s), so it could run any program under that name: name a program outside the workspace, or mint the token without %s",
+					quoteShort(p), protocol.WorkspaceRoot, protocol.ScopeFSWrite, protocol.ScopeFSWrite)
+			}
+		}
 	}
 	jti, err := uuid.NewRandom()
 	if err != nil {

@@ -121,6 +121,14 @@ func TestMintRejects(t *testing.T) {
 		{"cmd too long", base(func(g *Grant) { g.AllowCmd = []string{strings.Repeat("a", MaxAllowCmdLen+1)} }), protocol.CodeInvalidArgument, "255"},
 		{"cmd too many", base(func(g *Grant) { g.AllowCmd = many }), protocol.CodeInvalidArgument, "at most 32"},
 		{"cmd twice", base(func(g *Grant) { g.AllowCmd = []string{"pytest", "pytest"} }), protocol.CodeInvalidArgument, "twice"},
+		// A program the same token may rewrite (fs:write reaches everything under /workspace)
+		// allows every program: the allowlist would be void.
+		{"cmd in the workspace with fs:write", base(func(g *Grant) {
+			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"pytest", "/workspace/run.sh"}
+		}), protocol.CodeInvalidArgument, "fs:write"},
+		{"cmd deep in the workspace with fs:write", base(func(g *Grant) {
+			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"/workspace/.venv/bin/pytest"}
+		}), protocol.CodeInvalidArgument, "/workspace"},
 		{"no org", base(func(g *Grant) { g.Org = "" }), protocol.CodeInvalidArgument, "org"},
 		{"no sandbox", base(func(g *Grant) { g.SandboxID = "" }), protocol.CodeInvalidArgument, "sandbox"},
 		{"no subject", base(func(g *Grant) { g.Subject = "" }), protocol.CodeInvalidArgument, "subject"},
@@ -151,6 +159,18 @@ func TestMintRejects(t *testing.T) {
 	} {
 		if _, _, err := is.Mint(base(func(g *Grant) { g.AllowCmd = allow })); err != nil {
 			t.Errorf("AllowCmd %v refused: %v", allow, err)
+		}
+	}
+	// A workspace program without fs:write (the token cannot rewrite it), and paths that only
+	// look like the workspace's, are fine.
+	for _, g := range []Grant{
+		base(func(g *Grant) { g.AllowCmd = []string{"/workspace/run.sh"} }),
+		base(func(g *Grant) {
+			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"/workspaces/x", "/opt/workspace/x", "/usr/bin/pytest"}
+		}),
+	} {
+		if _, _, err := is.Mint(g); err != nil {
+			t.Errorf("%v with %v refused: %v", g.AllowCmd, g.Scopes, err)
 		}
 	}
 	for _, ttl := range []time.Duration{time.Second, DefaultMaxTTL} {

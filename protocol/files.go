@@ -10,6 +10,10 @@ import (
 // that the remote and local backends answer alike. Paths are sandbox paths: absolute under /workspace,
 // or relative to it.
 
+// WorkspaceRoot is the sandbox path of the workspace: the root of every file operation's path and
+// exec's default working directory, in every kind of sandbox.
+const WorkspaceRoot = "/workspace"
+
 // File types in FileInfo.Type.
 const (
 	FileTypeFile    = "file"

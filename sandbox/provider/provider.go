@@ -61,7 +61,7 @@ type Instance interface {
 
 // WorkspacePath is the sandbox path of the workspace: the default cwd of exec and the root of every
 // file operation path.
-const WorkspacePath = "/workspace"
+const WorkspacePath = protocol.WorkspaceRoot
 
 // ExecRequest is one command. Exactly one of Command and Argv is set.
 type ExecRequest struct {

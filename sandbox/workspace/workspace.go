@@ -16,7 +16,7 @@ import (
 )
 
 // Root is the sandbox path of the workspace directory itself.
-const Root = "/workspace"
+const Root = protocol.WorkspaceRoot
 
 // MaxPathBytes is the longest sandbox path Resolve accepts.
 const MaxPathBytes = 4096

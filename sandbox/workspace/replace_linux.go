@@ -1,6 +1,7 @@
 package workspace
 
 import (
+	"errors"
 	"os"
 	"path"
 
@@ -21,8 +22,8 @@ func (w *Workspace) replace(temp, target string) error {
 		// open of the directory (through os.Root, with its fcntl and epoll_ctl calls) and its close.
 		var err error
 		ran := w.withRootDir(func(fd int) { err = exchange(fd, temp, target) })
-		if ran && err == nil {
-			return nil
+		if ran && (err == nil || errors.Is(err, unix.EISDIR)) {
+			return err
 		}
 	}
 	dir, err := w.root.OpenFile(path.Dir(target), os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
@@ -30,22 +31,24 @@ func (w *Workspace) replace(temp, target string) error {
 		return err
 	}
 	defer dir.Close()
-	fd := int(dir.Fd())
-	tb, xb := path.Base(temp), path.Base(target)
-	if err := unix.Renameat2(fd, tb, fd, xb, unix.RENAME_EXCHANGE); err != nil {
-		// No RENAME_EXCHANGE here (old kernel, some file systems): a plain rename is still atomic.
-		return w.root.Rename(temp, target)
+	if err := exchange(int(dir.Fd()), path.Base(temp), path.Base(target)); err == nil || errors.Is(err, unix.EISDIR) {
+		return err
 	}
-	// temp now names the old content.
-	unix.Unlinkat(fd, tb, 0)
-	return nil
+	// No RENAME_EXCHANGE here (old kernel, some file systems): a plain rename is still atomic.
+	return w.root.Rename(temp, target)
 }
 
-// exchange swaps tb and xb, two names in the directory fd, and unlinks tb (the old content).
+// exchange swaps tb and xb, two names in the directory fd, and unlinks tb (the old content). A
+// directory found at xb (put there after the caller's checks) is swapped back and refused with
+// EISDIR, as rename(2) refuses a file over a directory: left under tb, a hidden temporary name,
+// it would vanish with everything in it.
 func exchange(fd int, tb, xb string) error {
 	if err := unix.Renameat2(fd, tb, fd, xb, unix.RENAME_EXCHANGE); err != nil {
 		return err
 	}
-	unix.Unlinkat(fd, tb, 0)
+	if err := unix.Unlinkat(fd, tb, 0); err == unix.EISDIR {
+		unix.Renameat2(fd, tb, fd, xb, unix.RENAME_EXCHANGE)
+		return &os.PathError{Op: "replace", Path: xb, Err: unix.EISDIR}
+	}
 	return nil
 }

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/sbxbroker/broker/membudget"
+	"github.com/sbxbroker/broker/membudget/membudgettest"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -357,37 +358,22 @@ func TestChangesBoundsItsAnswer(t *testing.T) {
 	}
 }
 
-// countingMeter is a caller's budget of limit bytes.
-type countingMeter struct{ limit, held int64 }
-
-var errSpent = errors.New("the budget is spent")
-
-func (m *countingMeter) Grow(n int64) error {
-	if m.held+n > m.limit {
-		return errSpent
-	}
-	m.held += n
-	return nil
-}
-
-func (m *countingMeter) Shrink(n int64) { m.held -= n }
-
 // TestChangesDrawsOnTheCallersBudget: the record, the names and the answer a scan holds are drawn
 // from the budget the caller puts in the context (in the broker, one shared by every request); a
 // scan that would pass it stops with the budget's own error.
 func TestChangesDrawsOnTheCallersBudget(t *testing.T) {
 	dir, root := tree(t, map[string]string{"a.txt": "alpha\n", "d/b.bin": "bin", "d/e/c.txt": "gamma\n"})
 	os.WriteFile(filepath.Join(dir, "new.txt"), []byte("n"), 0o644)
-	m := &countingMeter{limit: 1 << 20}
+	m := &membudgettest.Meter{Limit: 1 << 20}
 	res, err := Changes(membudget.With(context.Background(), m), root, Options{})
 	if err != nil || len(res.Changes) != 1 {
 		t.Fatalf("changes: %+v %v", res, err)
 	}
-	if m.held == 0 {
+	if m.Held == 0 {
 		t.Fatal("the scan drew nothing from its caller's budget")
 	}
-	small := &countingMeter{limit: m.held / 2}
-	if _, err := Changes(membudget.With(context.Background(), small), root, Options{}); !errors.Is(err, errSpent) {
+	small := &membudgettest.Meter{Limit: m.Held / 2}
+	if _, err := Changes(membudget.With(context.Background(), small), root, Options{}); !errors.Is(err, membudgettest.ErrSpent) {
 		t.Fatalf("a scan past its caller's budget: %v, want the budget's error", err)
 	}
 }

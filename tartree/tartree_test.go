@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/sbxbroker/broker/membudget"
+	"github.com/sbxbroker/broker/membudget/membudgettest"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/tartree"
 )
@@ -508,22 +509,6 @@ func TestAddSkipsAFileOrLinkSwappedSinceItsLstat(t *testing.T) {
 	}
 }
 
-// budgetMeter is a caller's budget of limit bytes that records what it holds and its peak.
-type budgetMeter struct{ limit, held, peak int64 }
-
-var errBudget = errors.New("the budget is spent")
-
-func (m *budgetMeter) Grow(n int64) error {
-	if m.held+n > m.limit {
-		return errBudget
-	}
-	m.held += n
-	m.peak = max(m.peak, m.held)
-	return nil
-}
-
-func (m *budgetMeter) Shrink(n int64) { m.held -= n }
-
 // TestAddAndExtractDrawOnTheCallersBudget: the names Add holds and Extract remembers are drawn
 // from the budget the caller puts in the context (shared, in the broker, by every request), all
 // given back by the time they return; one that would pass it stops with the budget's own error.
@@ -544,19 +529,19 @@ func TestAddAndExtractDrawOnTheCallersBudget(t *testing.T) {
 	}
 	defer root.Close()
 	var out bytes.Buffer
-	m := &budgetMeter{limit: 1 << 20}
+	m := &membudgettest.Meter{Limit: 1 << 20}
 	if _, err := tartree.Add(membudget.With(t.Context(), m), tar.NewWriter(&out), root, "tree", "tree"); err != nil {
 		t.Fatal(err)
 	}
-	if m.peak == 0 || m.held != 0 {
-		t.Fatalf("Add drew %d at its peak and holds %d after it, want some and then nothing", m.peak, m.held)
+	if m.Peak == 0 || m.Held != 0 {
+		t.Fatalf("Add drew %d at its peak and holds %d after it, want some and then nothing", m.Peak, m.Held)
 	}
-	small := &budgetMeter{limit: m.peak / 2}
-	if _, err := tartree.Add(membudget.With(t.Context(), small), tar.NewWriter(io.Discard), root, "tree", "tree"); !errors.Is(err, errBudget) {
+	small := &membudgettest.Meter{Limit: m.Peak / 2}
+	if _, err := tartree.Add(membudget.With(t.Context(), small), tar.NewWriter(io.Discard), root, "tree", "tree"); !errors.Is(err, membudgettest.ErrSpent) {
 		t.Fatalf("Add past its caller's budget: %v, want the budget's error", err)
 	}
-	if small.held != 0 {
-		t.Fatalf("a refused Add holds %d after it returns", small.held)
+	if small.Held != 0 {
+		t.Fatalf("a refused Add holds %d after it returns", small.Held)
 	}
 
 	dest, err := os.OpenRoot(t.TempDir())
@@ -564,23 +549,23 @@ func TestAddAndExtractDrawOnTheCallersBudget(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer dest.Close()
-	m = &budgetMeter{limit: 1 << 20}
+	m = &membudgettest.Meter{Limit: 1 << 20}
 	if _, err := tartree.Extract(membudget.With(t.Context(), m), dest, bytes.NewReader(out.Bytes()), tartree.ExtractOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if m.peak == 0 || m.held != 0 {
-		t.Fatalf("Extract drew %d at its peak and holds %d after it, want some and then nothing", m.peak, m.held)
+	if m.Peak == 0 || m.Held != 0 {
+		t.Fatalf("Extract drew %d at its peak and holds %d after it, want some and then nothing", m.Peak, m.Held)
 	}
 	dest2, err := os.OpenRoot(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer dest2.Close()
-	small = &budgetMeter{limit: m.peak / 2}
-	if _, err := tartree.Extract(membudget.With(t.Context(), small), dest2, bytes.NewReader(out.Bytes()), tartree.ExtractOptions{}); !errors.Is(err, errBudget) {
+	small = &membudgettest.Meter{Limit: m.Peak / 2}
+	if _, err := tartree.Extract(membudget.With(t.Context(), small), dest2, bytes.NewReader(out.Bytes()), tartree.ExtractOptions{}); !errors.Is(err, membudgettest.ErrSpent) {
 		t.Fatalf("Extract past its caller's budget: %v, want the budget's error", err)
 	}
-	if small.held != 0 {
-		t.Fatalf("a refused Extract holds %d after it returns", small.held)
+	if small.Held != 0 {
+		t.Fatalf("a refused Extract holds %d after it returns", small.Held)
 	}
 }

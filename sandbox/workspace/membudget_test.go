@@ -7,23 +7,9 @@ import (
 	"testing"
 
 	"github.com/sbxbroker/broker/membudget"
+	"github.com/sbxbroker/broker/membudget/membudgettest"
 	"github.com/sbxbroker/broker/protocol"
 )
-
-// budget is a caller's budget of limit bytes; its refusal is a protocol error, as the broker's is.
-type budget struct{ limit, held int64 }
-
-var errSpent = protocol.Errorf(protocol.CodeTooManyRequests, "the budget is spent")
-
-func (b *budget) Grow(n int64) error {
-	if b.held+n > b.limit {
-		return errSpent
-	}
-	b.held += n
-	return nil
-}
-
-func (b *budget) Shrink(n int64) { b.held -= n }
 
 // TestOperationsDrawOnTheCallersBudget: ls, glob, grep and edit draw what they build (names,
 // answers, a file's content) from the budget the caller puts in the context, which the broker
@@ -50,8 +36,8 @@ func TestOperationsDrawOnTheCallersBudget(t *testing.T) {
 		},
 	}
 	for name, run := range ops {
-		spent := &budget{limit: 1}
-		if err := run(membudget.With(t.Context(), spent)); !errors.Is(err, errSpent) {
+		spent := &membudgettest.Meter{Limit: 1}
+		if err := run(membudget.With(t.Context(), spent)); !errors.Is(err, membudgettest.ErrSpent) {
 			t.Errorf("%s past its caller's budget: %v, want the budget's error", name, err)
 		}
 	}
@@ -59,9 +45,9 @@ func TestOperationsDrawOnTheCallersBudget(t *testing.T) {
 		t.Fatalf("a refused edit changed the file: %q", got)
 	}
 	for name, run := range ops {
-		b := &budget{limit: 1 << 20}
-		if err := run(membudget.With(t.Context(), b)); err != nil || b.held == 0 {
-			t.Errorf("%s within its caller's budget: %v, drew %d", name, err, b.held)
+		b := &membudgettest.Meter{Limit: 1 << 20}
+		if err := run(membudget.With(t.Context(), b)); err != nil || b.Held == 0 {
+			t.Errorf("%s within its caller's budget: %v, drew %d", name, err, b.Held)
 		}
 	}
 }

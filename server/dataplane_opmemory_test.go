@@ -174,17 +174,18 @@ func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	_, url := newSandbox(t, b, "untars")
 	key := b.Client.APIKey()
 
-	// The first untar remembers 1,500 names of 200 bytes (324 KB) and waits for more.
+	// The first untar remembers 1,200 names of 200 bytes (about 430 KB with what it keeps beside
+	// each) and waits for more.
 	first := dialRaw(t, url, key)
 	first.sendJSON(protocol.Request{ID: 1, Op: protocol.OpUntar, Args: map[string]any{"path": "t1"}})
-	first.sendData(1, dirsArchive(t, "a", 1500))
+	first.sendData(1, dirsArchive(t, "a", 1200))
 	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).OpMemoryBytes >= 300<<10 }) {
 		t.Fatalf("the first untar holds %+v, want its names", server.Usage(b.Server))
 	}
 	// A second as large passes the org's share: stopped.
 	second := dialRaw(t, url, key)
 	second.sendJSON(protocol.Request{ID: 1, Op: protocol.OpUntar, Args: map[string]any{"path": "t2"}})
-	second.sendData(1, dirsArchive(t, "b", 1500))
+	second.sendData(1, dirsArchive(t, "b", 1200))
 	second.sendBinary(dataFrame(protocol.FrameEnd, 1, nil))
 	a := second.await(1)
 	if a.code() != protocol.CodeTooManyRequests || !strings.Contains(a.Error.Message, "untar was stopped") || !strings.Contains(a.Error.Message, "stay extracted") {
@@ -202,7 +203,7 @@ func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	}
 	// The refused untar sent again is served, and an untar that ends gives its names back.
 	second.sendJSON(protocol.Request{ID: 2, Op: protocol.OpUntar, Args: map[string]any{"path": "t2"}})
-	second.sendData(2, append(dirsArchive(t, "b", 1500), make([]byte, 1024)...))
+	second.sendData(2, append(dirsArchive(t, "b", 1200), make([]byte, 1024)...))
 	second.sendBinary(dataFrame(protocol.FrameEnd, 2, nil))
 	if a := second.await(2); a.Error != nil {
 		t.Fatalf("the untar sent again: %s", a)

@@ -42,7 +42,7 @@ func (m *heapMeter) Shrink(n int64) { m.held -= n }
 // directory names made an extraction hold several times what it drew, and so one org's untars
 // held several times the share of the broker's op memory budget they were given.
 func TestExtractDrawsWhatItRemembersOfEachDirectory(t *testing.T) {
-	const n = 20_000
+	const n = 10_000
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	for i := range n {

@@ -170,7 +170,7 @@ func (c *rawConn) sendData(id uint32, b []byte) {
 // mid-stream.
 func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	b := servertest.New(t, servertest.Options{})
-	server.SetOpMemoryBudget(b.Server, 1<<20, 512<<10)
+	server.SetOpMemoryBudget(b.Server, 6<<20, 3<<20) // one untar (1.25 MiB of buffers, 430 KB of names) and a second's buffers fit
 	_, url := newSandbox(t, b, "untars")
 	key := b.Client.APIKey()
 
@@ -179,8 +179,8 @@ func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	first := dialRaw(t, url, key)
 	first.sendJSON(protocol.Request{ID: 1, Op: protocol.OpUntar, Args: map[string]any{"path": "t1"}})
 	first.sendData(1, dirsArchive(t, "a", 1200))
-	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).OpMemoryBytes >= 300<<10 }) {
-		t.Fatalf("the first untar holds %+v, want its names", server.Usage(b.Server))
+	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).OpMemoryBytes >= 1<<20+256<<10+420_000 }) {
+		t.Fatalf("the first untar holds %+v, want its buffers and its names", server.Usage(b.Server))
 	}
 	// A second as large passes the org's share: stopped.
 	second := dialRaw(t, url, key)
@@ -191,7 +191,7 @@ func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	if a.code() != protocol.CodeTooManyRequests || !strings.Contains(a.Error.Message, "untar was stopped") || !strings.Contains(a.Error.Message, "stay extracted") {
 		t.Fatalf("an untar past the org's share: %s, want too_many_requests saying what stays", a)
 	}
-	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 512<<10 {
+	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 3<<20 {
 		t.Errorf("the org holds %d bytes of the budget, over its share", got)
 	}
 	second.ping()
@@ -210,5 +210,34 @@ func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	}
 	if got := server.Usage(b.Server).OpMemoryBytes; got != 0 {
 		t.Fatalf("after the untar ended the broker still holds %d bytes", got)
+	}
+}
+
+// An untar holds its buffers (the pipe the connection fills, the extraction's copy buffer, over
+// 1 MiB) for as long as it runs, and a client may open 64 on each of its connections and send them
+// nothing: one credential's idle untars held GBs that no budget counted. They are drawn from the
+// op memory budget with its names: past the org's share an untar is refused before it starts.
+func TestDataplaneUntarBuffersDrawOnTheOpMemoryBudget(t *testing.T) {
+	b := servertest.New(t, servertest.Options{})
+	server.SetOpMemoryBudget(b.Server, 8<<20, 4<<20)
+	_, url := newSandbox(t, b, "untarbufs")
+	c := dialRaw(t, url, b.Client.APIKey())
+	for id := uint32(1); id <= 3; id++ {
+		c.sendJSON(protocol.Request{ID: id, Op: protocol.OpUntar, Args: map[string]any{"path": fmt.Sprintf("t%d", id)}})
+	}
+	c.ping() // the three are open
+	if got := server.Usage(b.Server).OpMemoryBytes; got < 3<<20 {
+		t.Fatalf("three idle untars hold %d bytes of the op memory budget, want their buffers (over 1 MiB each)", got)
+	}
+	c.sendJSON(protocol.Request{ID: 4, Op: protocol.OpUntar, Args: map[string]any{"path": "t4"}})
+	if a := c.await(4); a.code() != protocol.CodeTooManyRequests {
+		t.Fatalf("an untar past the org's share: %s, want too_many_requests", a)
+	}
+	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 4<<20 {
+		t.Errorf("the org holds %d bytes of the budget, over its share", got)
+	}
+	c.ws.UnderlyingConn().Close()
+	if !wait.Until(10*time.Second, func() bool { return server.Usage(b.Server).OpMemoryBytes == 0 }) {
+		t.Fatalf("after the connection dropped the broker still holds %+v", server.Usage(b.Server))
 	}
 }

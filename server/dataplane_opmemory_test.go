@@ -55,14 +55,14 @@ func (c *rawConn) firstFrame(id uint32) (streaming bool, a answer) {
 }
 
 // One org's tar walks on many connections, each bounded to 16 MiB of names, together held as much
-// as they liked: with a 2 MiB budget (1 MiB for one org), six walks of 250 KB of names whose
-// clients do not read all held them. Now the walks past the org's share are refused too_many_requests (saying
+// as they liked: with a 4.5 MiB budget (2.25 MiB for one org), six walks of 250 KB of names and a
+// 256 KiB copy buffer each, whose clients do not read, all held them. Now the walks past the org's share are refused too_many_requests (saying
 // to retry or ask for less), an ls and an edit past it too (the file unchanged), while another org
 // is still served; and when the
 // connections drop mid-walk, everything is given back.
 func TestDataplaneOpMemoryIsOneBudget(t *testing.T) {
 	b := servertest.New(t, servertest.Options{})
-	server.SetOpMemoryBudget(b.Server, 2<<20, 1<<20)
+	server.SetOpMemoryBudget(b.Server, 4<<20+512<<10, 2<<20+256<<10)
 	id, url := newSandbox(t, b, "wide")
 	wideTree(t, workspaceDir(b, id))
 	// An edit holds the file and its result while it runs: 128 KiB, twice over.
@@ -88,11 +88,11 @@ func TestDataplaneOpMemoryIsOneBudget(t *testing.T) {
 		}
 	}
 	if len(holding) != 4 || len(refused) != 2 {
-		t.Fatalf("%d tar walks hold their names and %d were refused, want 4 and 2 (the org's share is 1 MiB; %+v held)",
+		t.Fatalf("%d tar walks hold their names and %d were refused, want 4 and 2 (the org's share is 2.25 MiB; %+v held)",
 			len(holding), len(refused), server.Usage(b.Server))
 	}
-	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 1<<20 || got < 900<<10 {
-		t.Errorf("the org holds %d bytes of the budget, want its four walks' names, at most its share", got)
+	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 2<<20+256<<10 || got < 1900<<10 {
+		t.Errorf("the org holds %d bytes of the budget, want its four walks' names and buffers, at most its share", got)
 	}
 	// A listing draws on the same budget: the org's share is spent.
 	if a := refused[0].call(2, protocol.OpLs, map[string]any{"path": "wide"}); a.code() != protocol.CodeTooManyRequests {

@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"fmt"
+	"io"
 	"os"
 	"runtime"
 	"testing"
@@ -67,5 +68,33 @@ func TestExtractDrawsWhatItRemembersOfEachDirectory(t *testing.T) {
 	}
 	if m.held != 0 {
 		t.Fatalf("the extraction holds %d of its budget after it returned", m.held)
+	}
+}
+
+// peakMeter records the most an operation drew at once.
+type peakMeter struct{ held, peak int64 }
+
+func (m *peakMeter) Grow(n int64) error { m.held += n; m.peak = max(m.peak, m.held); return nil }
+func (m *peakMeter) Shrink(n int64)     { m.held -= n }
+
+// A tar walk holds its copy buffer (256 KiB) from its start to its end, whatever the tree: it is
+// drawn with the names. A client may have two tars on each of its connections, each waiting for it
+// to read, and the buffers of one org's were counted nowhere.
+func TestAddDrawsItsCopyBuffer(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(dir+"/f", []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	m := &peakMeter{}
+	if _, err := tartree.Add(membudget.With(t.Context(), m), tar.NewWriter(io.Discard), root, ".", "tree"); err != nil {
+		t.Fatal(err)
+	}
+	if m.peak < 256<<10 || m.held != 0 {
+		t.Fatalf("a tar of one file drew %d at its peak and holds %d after it, want its 256 KiB buffer and then nothing", m.peak, m.held)
 	}
 }

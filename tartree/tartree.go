@@ -151,7 +151,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// t does the writing: on Linux through open directory descriptors, elsewhere through root.
 	t := newTree(root, opt)
 	defer t.close()
-	buf := make([]byte, 256<<10)
+	buf := make([]byte, copyBuffer)
 	for {
 		if err := ctx.Err(); err != nil {
 			return st, err
@@ -614,13 +614,23 @@ func owner(id int) int {
 // corrupt entry.
 func Add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string) (Stats, error) {
 	var st Stats
-	buf := make([]byte, 256<<10)
+	// Its copy buffer is held from here to its end, whatever the tree: drawn with the names.
+	// (Extract's is its caller's to draw: the broker draws it with the untar's pipe, at its start.)
+	mem := membudget.From(ctx)
+	if err := mem.Grow(copyBuffer); err != nil {
+		return st, err
+	}
+	defer mem.Shrink(copyBuffer)
+	buf := make([]byte, copyBuffer)
 	namesLeft := maxNamesHeld
 	err := add(ctx, tw, root, rel, name, &st, buf, &namesLeft)
 	// A walk that stopped early still held the names above where it stopped.
 	membudget.From(ctx).Shrink(maxNamesHeld - namesLeft)
 	return st, err
 }
+
+// copyBuffer is the buffer Add and Extract copy file contents through.
+const copyBuffer = 256 << 10
 
 // maxNamesHeld bounds the memory of the names one Add holds: a directory's names are read whole
 // and sorted before its entries are written, and those of every directory above it are held

@@ -162,6 +162,21 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 // only), Start, the template's setup command (first time only), then running. Failures leave the
 // sandbox failed (first time) or stopped (resume) with the reason recorded.
 func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmpl provider.Template, first bool) (store.Record, error) {
+	got, err := m.provisionClaim(ctx, c, rec, tmpl, first)
+	if errors.Is(err, errStartedAlready) {
+		return got, nil
+	}
+	return got, err
+}
+
+// errStartedAlready is provisionClaim's answer when another start of the same claim started the
+// sandbox: the record it answers is running, and this start did nothing (so it says nothing: no
+// second resumed event).
+var errStartedAlready = errors.New("another start of this claim started it")
+
+// provisionClaim is provision, answering errStartedAlready (with the running record) when another
+// start of the same claim took the lifecycle lock first and started the sandbox.
+func (m *Manager) provisionClaim(ctx context.Context, c Caller, rec store.Record, tmpl provider.Template, first bool) (store.Record, error) {
 	defer m.holdStart(startKey(rec))() // whoever asked (a remote resume, Recover) is held too
 	h := m.hostedFor(rec.ID, rec.Org)
 	h.mu.Lock()
@@ -180,7 +195,7 @@ func (m *Manager) provision(ctx context.Context, c Caller, rec store.Record, tmp
 		case <-h.inst.Done():
 		default:
 			if now.Status == protocol.StatusRunning && now.Claim == rec.Claim {
-				return now, nil
+				return now, errStartedAlready
 			}
 		}
 	}

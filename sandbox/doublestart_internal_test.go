@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"sync"
 	"testing"
 	"time"
 
@@ -55,5 +56,46 @@ func TestTwoStartsOfOneClaimStartItOnce(t *testing.T) {
 	}
 	if res, err := now.Exec(ctx, provider.ExecRequest{Command: "true"}); err != nil || res.ExitCode != 0 {
 		t.Fatalf("exec after both starts: %v %+v", err, res)
+	}
+}
+
+// The second start of one claim starts nothing, so it says nothing: one resume is one `resumed`
+// event. Before, the second start answered the first's record as its own start and emitted a
+// second `resumed` (a pane showed the sandbox resumed twice, by two actors).
+func TestTwoStartsOfOneClaimEmitOneResumed(t *testing.T) {
+	ctx := t.Context()
+	m, st, _ := testManager(t, time.Now)
+	var mu sync.Mutex
+	var resumed []protocol.Event
+	m.cfg.Events = func(_ string, e protocol.Event) {
+		if e.Type == protocol.EventResumed {
+			mu.Lock()
+			resumed = append(resumed, e)
+			mu.Unlock()
+		}
+	}
+	c := Caller{Org: "o", Actor: "key:k"}
+	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "once"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
+		t.Fatal(err)
+	}
+	claimForResume(t, st, rec.ID, "claim-1")
+	claimed, err := st.Get(ctx, "o", rec.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.start(ctx, c, claimed); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := m.start(ctx, Caller{Org: "o", Actor: "broker"}, claimed); err != nil || got.Status != protocol.StatusRunning {
+		t.Fatalf("the second start of the same claim: %v %s", err, got.Status)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(resumed) != 1 {
+		t.Fatalf("%d resumed events for one resume started twice, want 1: %+v", len(resumed), resumed)
 	}
 }

@@ -280,7 +280,10 @@ func (m *Manager) start(ctx context.Context, c Caller, rec store.Record) (store.
 		tmpl = m.cfg.Templates["default"]
 		m.cfg.Log.Warn("sandbox template no longer exists; resuming with the default", "sandbox_id", rec.ID, "template", rec.Template)
 	}
-	got, err := m.provision(ctx, c, rec, tmpl, false)
+	got, err := m.provisionClaim(ctx, c, rec, tmpl, false)
+	if errors.Is(err, errStartedAlready) {
+		return got, nil // the start that did it said so
+	}
 	if err == nil {
 		m.emit(c, got, protocol.EventResumed, nil)
 	}

@@ -55,14 +55,14 @@ func (c *rawConn) firstFrame(id uint32) (streaming bool, a answer) {
 }
 
 // One org's tar walks on many connections, each bounded to 16 MiB of names, together held as much
-// as they liked: with a 2 MiB budget (1 MiB for one org), six walks of 250 KB of names whose
-// clients do not read all held them. Now the walks past the org's share are refused too_many_requests (saying
+// as they liked: with a 4.5 MiB budget (2.25 MiB for one org), six walks of 250 KB of names and a
+// 256 KiB copy buffer each, whose clients do not read, all held them. Now the walks past the org's share are refused too_many_requests (saying
 // to retry or ask for less), an ls and an edit past it too (the file unchanged), while another org
 // is still served; and when the
 // connections drop mid-walk, everything is given back.
 func TestDataplaneOpMemoryIsOneBudget(t *testing.T) {
 	b := servertest.New(t, servertest.Options{})
-	server.SetOpMemoryBudget(b.Server, 2<<20, 1<<20)
+	server.SetOpMemoryBudget(b.Server, 4<<20+512<<10, 2<<20+256<<10)
 	id, url := newSandbox(t, b, "wide")
 	wideTree(t, workspaceDir(b, id))
 	// An edit holds the file and its result while it runs: 128 KiB, twice over.
@@ -88,11 +88,11 @@ func TestDataplaneOpMemoryIsOneBudget(t *testing.T) {
 		}
 	}
 	if len(holding) != 4 || len(refused) != 2 {
-		t.Fatalf("%d tar walks hold their names and %d were refused, want 4 and 2 (the org's share is 1 MiB; %+v held)",
+		t.Fatalf("%d tar walks hold their names and %d were refused, want 4 and 2 (the org's share is 2.25 MiB; %+v held)",
 			len(holding), len(refused), server.Usage(b.Server))
 	}
-	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 1<<20 || got < 900<<10 {
-		t.Errorf("the org holds %d bytes of the budget, want its four walks' names, at most its share", got)
+	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 2<<20+256<<10 || got < 1900<<10 {
+		t.Errorf("the org holds %d bytes of the budget, want its four walks' names and buffers, at most its share", got)
 	}
 	// A listing draws on the same budget: the org's share is spent.
 	if a := refused[0].call(2, protocol.OpLs, map[string]any{"path": "wide"}); a.code() != protocol.CodeTooManyRequests {
@@ -170,27 +170,28 @@ func (c *rawConn) sendData(id uint32, b []byte) {
 // mid-stream.
 func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	b := servertest.New(t, servertest.Options{})
-	server.SetOpMemoryBudget(b.Server, 1<<20, 512<<10)
+	server.SetOpMemoryBudget(b.Server, 6<<20, 3<<20) // one untar (1.25 MiB of buffers, 430 KB of names) and a second's buffers fit
 	_, url := newSandbox(t, b, "untars")
 	key := b.Client.APIKey()
 
-	// The first untar remembers 1,500 names of 200 bytes (324 KB) and waits for more.
+	// The first untar remembers 1,200 names of 200 bytes (about 430 KB with what it keeps beside
+	// each) and waits for more.
 	first := dialRaw(t, url, key)
 	first.sendJSON(protocol.Request{ID: 1, Op: protocol.OpUntar, Args: map[string]any{"path": "t1"}})
-	first.sendData(1, dirsArchive(t, "a", 1500))
-	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).OpMemoryBytes >= 300<<10 }) {
-		t.Fatalf("the first untar holds %+v, want its names", server.Usage(b.Server))
+	first.sendData(1, dirsArchive(t, "a", 1200))
+	if !wait.Until(20*time.Second, func() bool { return server.Usage(b.Server).OpMemoryBytes >= 1<<20+256<<10+420_000 }) {
+		t.Fatalf("the first untar holds %+v, want its buffers and its names", server.Usage(b.Server))
 	}
 	// A second as large passes the org's share: stopped.
 	second := dialRaw(t, url, key)
 	second.sendJSON(protocol.Request{ID: 1, Op: protocol.OpUntar, Args: map[string]any{"path": "t2"}})
-	second.sendData(1, dirsArchive(t, "b", 1500))
+	second.sendData(1, dirsArchive(t, "b", 1200))
 	second.sendBinary(dataFrame(protocol.FrameEnd, 1, nil))
 	a := second.await(1)
 	if a.code() != protocol.CodeTooManyRequests || !strings.Contains(a.Error.Message, "untar was stopped") || !strings.Contains(a.Error.Message, "stay extracted") {
 		t.Fatalf("an untar past the org's share: %s, want too_many_requests saying what stays", a)
 	}
-	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 512<<10 {
+	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 3<<20 {
 		t.Errorf("the org holds %d bytes of the budget, over its share", got)
 	}
 	second.ping()
@@ -202,12 +203,41 @@ func TestDataplaneUntarsShareTheOpMemoryBudget(t *testing.T) {
 	}
 	// The refused untar sent again is served, and an untar that ends gives its names back.
 	second.sendJSON(protocol.Request{ID: 2, Op: protocol.OpUntar, Args: map[string]any{"path": "t2"}})
-	second.sendData(2, append(dirsArchive(t, "b", 1500), make([]byte, 1024)...))
+	second.sendData(2, append(dirsArchive(t, "b", 1200), make([]byte, 1024)...))
 	second.sendBinary(dataFrame(protocol.FrameEnd, 2, nil))
 	if a := second.await(2); a.Error != nil {
 		t.Fatalf("the untar sent again: %s", a)
 	}
 	if got := server.Usage(b.Server).OpMemoryBytes; got != 0 {
 		t.Fatalf("after the untar ended the broker still holds %d bytes", got)
+	}
+}
+
+// An untar holds its buffers (the pipe the connection fills, the extraction's copy buffer, over
+// 1 MiB) for as long as it runs, and a client may open 64 on each of its connections and send them
+// nothing: one credential's idle untars held GBs that no budget counted. They are drawn from the
+// op memory budget with its names: past the org's share an untar is refused before it starts.
+func TestDataplaneUntarBuffersDrawOnTheOpMemoryBudget(t *testing.T) {
+	b := servertest.New(t, servertest.Options{})
+	server.SetOpMemoryBudget(b.Server, 8<<20, 4<<20)
+	_, url := newSandbox(t, b, "untarbufs")
+	c := dialRaw(t, url, b.Client.APIKey())
+	for id := uint32(1); id <= 3; id++ {
+		c.sendJSON(protocol.Request{ID: id, Op: protocol.OpUntar, Args: map[string]any{"path": fmt.Sprintf("t%d", id)}})
+	}
+	c.ping() // the three are open
+	if got := server.Usage(b.Server).OpMemoryBytes; got < 3<<20 {
+		t.Fatalf("three idle untars hold %d bytes of the op memory budget, want their buffers (over 1 MiB each)", got)
+	}
+	c.sendJSON(protocol.Request{ID: 4, Op: protocol.OpUntar, Args: map[string]any{"path": "t4"}})
+	if a := c.await(4); a.code() != protocol.CodeTooManyRequests {
+		t.Fatalf("an untar past the org's share: %s, want too_many_requests", a)
+	}
+	if got := server.OrgUsage(b.Server, b.Org).OpMemoryBytes; got > 4<<20 {
+		t.Errorf("the org holds %d bytes of the budget, over its share", got)
+	}
+	c.ws.UnderlyingConn().Close()
+	if !wait.Until(10*time.Second, func() bool { return server.Usage(b.Server).OpMemoryBytes == 0 }) {
+		t.Fatalf("after the connection dropped the broker still holds %+v", server.Usage(b.Server))
 	}
 }

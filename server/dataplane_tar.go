@@ -93,18 +93,29 @@ func (c *dpConn) emitSynced(res protocol.TreeResult, direction string) {
 // untarAhead is what an untar buffers between the connection and the extractor.
 const untarAhead = 1 << 20
 
+// untarBuffers is what an untar holds from its start to its end whatever the archive: the pipe's
+// buffer and the extraction's copy buffer (tartree.Extract's 256 KiB).
+const untarBuffers = untarAhead + 256<<10
+
 // opUntarOpen starts the extraction on the reader's goroutine, so that the binary frames that
 // follow find it; the end frame answers it (binary).
 func opUntarOpen(ctx context.Context, c *dpConn, r *request, a protocol.UntarArgs) (any, error) {
-	pr := newAheadPipe(untarAhead)
-	pw := pr
-	s := &untarStream{c: c, pw: pw, done: make(chan struct{})}
 	// The request's context ends when its end frame arrives (finish), before the extraction has
 	// taken the last bytes: the pipe is what stops it instead (Abort closes it).
 	ctx = context.WithoutCancel(ctx)
-	// The names it remembers are drawn from the broker-wide budget until the extraction ends,
-	// however it ends (its end frame, an abort, the connection's end all wait for it).
-	ctx, mem := c.meterOp(ctx, protocol.OpUntar)
+	// Its buffers and the names it remembers are drawn from the broker-wide budget until the
+	// extraction ends, however it ends (its end frame, an abort, the connection's end all wait for
+	// it). The buffers first, before they exist: a client may open max_inflight untars on each of
+	// its connections and send them nothing.
+	ctx, mem := c.meterOp(ctx, "")
+	if err := mem.Grow(untarBuffers); err != nil {
+		mem.free()
+		return nil, err
+	}
+	mem.op = protocol.OpUntar // from here its refusal says what stays
+	pr := newAheadPipe(untarAhead)
+	pw := pr
+	s := &untarStream{c: c, pw: pw, done: make(chan struct{})}
 	go func() {
 		defer close(s.done)
 		defer mem.free()

@@ -86,6 +86,15 @@ var maxDirs = 200_000
 // a few GB of names.
 var maxNamesRemembered int64 = 32 << 20
 
+// What an extraction keeps beside each name it remembers, drawn from its caller's budget with the
+// name: a directory's dirMeta in dirs and its dirAt entry, with the spare capacity a growing slice
+// and map carry (about 120 bytes of heap per directory of short names,
+// TestExtractDrawsWhatItRemembersOfEachDirectory); a symbolic link's entry in links.
+const (
+	dirKept  = 144
+	linkKept = 64
+)
+
 // dirMeta is a directory's mode and mtime, applied once everything inside it is written.
 type dirMeta struct {
 	name  string
@@ -109,25 +118,30 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// through it (the classic "link, then a file through the link" attack).
 	links := map[string]bool{}
 	var remembered int64 // bytes of the names in links and dirs (maxNamesRemembered)
-	// The caller's budget, shared with other operations, may be spent before this one's is.
+	// The caller's budget, shared with other operations, may be spent before this one's is: it
+	// is drawn for each name and what is kept beside it (kept), which is most of it for short
+	// names.
 	meter := membudget.From(ctx)
-	defer func() { meter.Shrink(remembered) }()
-	remember := func(name string) error {
+	var drawn int64
+	defer func() { meter.Shrink(drawn) }()
+	remember := func(name string, kept int64) error {
 		cost := nameCost(name)
 		if remembered+cost > maxNamesRemembered {
 			return refuse(name, "the archive has more directories and symbolic links than one extraction remembers (%d MiB of their names); copy the tree in parts", maxNamesRemembered>>20)
 		}
-		if err := meter.Grow(cost); err != nil {
+		if err := meter.Grow(cost + kept); err != nil {
 			return err
 		}
 		remembered += cost
+		drawn += cost + kept
 		return nil
 	}
 	forgetLink := func(name string) {
 		if links[name] {
 			delete(links, name)
 			remembered -= nameCost(name)
-			meter.Shrink(nameCost(name))
+			drawn -= nameCost(name) + linkKept
+			meter.Shrink(nameCost(name) + linkKept)
 		}
 	}
 	var dirs []dirMeta
@@ -137,7 +151,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 	// t does the writing: on Linux through open directory descriptors, elsewhere through root.
 	t := newTree(root, opt)
 	defer t.close()
-	buf := make([]byte, 256<<10)
+	buf := make([]byte, copyBuffer)
 	for {
 		if err := ctx.Err(); err != nil {
 			return st, err
@@ -179,7 +193,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 			if len(dirs) >= maxDirs {
 				return st, refuse(hdr.Name, "the archive has more than %d directories; copy the tree in parts", maxDirs)
 			}
-			if err := remember(name); err != nil {
+			if err := remember(name, dirKept); err != nil {
 				return st, err
 			}
 			dirAt[name] = len(dirs)
@@ -204,7 +218,7 @@ func Extract(ctx context.Context, root *os.Root, r io.Reader, opt ExtractOptions
 				return st, err
 			}
 			if !links[name] {
-				if err := remember(name); err != nil {
+				if err := remember(name, linkKept); err != nil {
 					return st, err
 				}
 			}
@@ -600,13 +614,23 @@ func owner(id int) int {
 // corrupt entry.
 func Add(ctx context.Context, tw *tar.Writer, root *os.Root, rel, name string) (Stats, error) {
 	var st Stats
-	buf := make([]byte, 256<<10)
+	// Its copy buffer is held from here to its end, whatever the tree: drawn with the names.
+	// (Extract's is its caller's to draw: the broker draws it with the untar's pipe, at its start.)
+	mem := membudget.From(ctx)
+	if err := mem.Grow(copyBuffer); err != nil {
+		return st, err
+	}
+	defer mem.Shrink(copyBuffer)
+	buf := make([]byte, copyBuffer)
 	namesLeft := maxNamesHeld
 	err := add(ctx, tw, root, rel, name, &st, buf, &namesLeft)
 	// A walk that stopped early still held the names above where it stopped.
 	membudget.From(ctx).Shrink(maxNamesHeld - namesLeft)
 	return st, err
 }
+
+// copyBuffer is the buffer Add and Extract copy file contents through.
+const copyBuffer = 256 << 10
 
 // maxNamesHeld bounds the memory of the names one Add holds: a directory's names are read whole
 // and sorted before its entries are written, and those of every directory above it are held

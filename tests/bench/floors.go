@@ -235,10 +235,17 @@ func tcpEcho() {
 			if _, err := io.ReadFull(c, small); err != nil {
 				os.Exit(0)
 			}
-			atomicWrite(filepath.Join(dir, "small"), small)
+			if err := atomicWrite(filepath.Join(dir, "small"), small); err != nil {
+				fmt.Fprintln(os.Stderr, "tcp echo:", err)
+				os.Exit(1) // the bench's read then fails, rather than wait for an answer
+			}
 			c.Write(b)
 		case b[0] == echoReadByte && dir != "":
-			got, _ := os.ReadFile(filepath.Join(dir, "small"))
+			got, err := os.ReadFile(filepath.Join(dir, "small"))
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "tcp echo:", err)
+				os.Exit(1)
+			}
 			c.Write(got)
 		default:
 			c.Write(b)

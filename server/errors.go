@@ -92,9 +92,6 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 		}
 		s.countRefusal(c, err)
 	}
-	if c.Request().Method == http.MethodHead {
-		c.NoContent(status)
-		return
-	}
+	// A HEAD gets the same headers; net/http drops the body.
 	c.JSON(status, protocol.ErrorBody{Error: *pe})
 }

@@ -835,6 +835,9 @@ func TestConnectionCapAnswersMatchOpenAPI(t *testing.T) {
 	}
 	for _, op := range spec.Operations() {
 		method, path, _ := strings.Cut(op, " ")
+		if method == http.MethodHead {
+			continue // the refusal is written before the request is read: its GET's stands for it
+		}
 		path = strings.NewReplacer("{ref}", "doc", "{jti}", "x").Replace(path)
 		if err := spec.CheckResponse(method, path, resp.StatusCode, resp.Header.Get("Content-Type"), body); err != nil {
 			t.Errorf("%s past the connection cap: %v", op, err)

@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/store"
@@ -67,6 +68,8 @@ rps and burst (requests per second of each of its credentials, per broker), conn
 dataplane connections, per broker). An org without limits of its own gets the serving brokers'
 defaults (--org-max-running, --org-max-sandboxes, --org-rps, --org-burst, --max-dataplane-connections-per-org). 0 means
 no limit. Changes reach max_running at once and the rate limits of every broker within 5 seconds.`,
+		Example: `  broker orgs get-limits acme
+  broker orgs set-limits acme --max-running 20 --rps 50`,
 	}
 	orgs.AddCommand(orgsSetLimitsCmd(c), orgsGetLimitsCmd(c))
 	// The defaults, to show beside an org's own: give the same flags or SBX_* variables as serve.
@@ -123,7 +126,7 @@ func orgsSetLimitsCmd(c *config) *cobra.Command {
 				}
 			}
 			if len(set)+len(clear) == 0 {
-				return errors.New("nothing to set: give --max-running, --max-sandboxes, --rps, --burst or --connections (see --help)")
+				return usage.Errorf("nothing to set: give --max-running, --max-sandboxes, --rps, --burst or --connections; see %s --help", cmd.CommandPath())
 			}
 			org := args[0]
 			return withStore(cmd, c, func(s *store.Store) error {
@@ -172,7 +175,7 @@ func orgsGetLimitsCmd(c *config) *cobra.Command {
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if output != "table" && output != "json" {
-				return fmt.Errorf("-o must be table or json, not %q", output)
+				return usage.Errorf("-o must be table or json, not %q", output)
 			}
 			return withStore(cmd, c, func(s *store.Store) error {
 				return printLimits(cmd, c, s, args[0], output)

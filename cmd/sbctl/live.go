@@ -17,6 +17,7 @@ import (
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -47,19 +48,19 @@ from it.`,
   echo 'print(2+2)' | sbctl exec dev -i -- python3`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) < 1 {
-				return usageErr("exec takes REF and a command; see sbctl exec --help")
+				return usage.Errorf("exec takes REF and a command; see sbctl exec --help")
 			}
 			if shell == "" && len(args) == 1 {
-				return usageErr("no command: give one after -- (a program and its arguments) or with -c (a shell string)")
+				return usage.Errorf("no command: give one after -- (a program and its arguments) or with -c (a shell string)")
 			}
 			if shell != "" && len(args) > 1 {
-				return usageErr("give the command either after -- (a program and its arguments) or with -c (a shell string), not both")
+				return usage.Errorf("give the command either after -- (a program and its arguments) or with -c (a shell string), not both")
 			}
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if timeout < 0 || (timeout > 0 && timeout < time.Millisecond) {
-				return usageErr("--timeout %s: give at least 1ms, e.g. 500ms, 30s or 2h (0 is the sandbox's default)", timeout)
+				return usage.Errorf("--timeout %s: give at least 1ms, e.g. 500ms, 30s or 2h (0 is the sandbox's default)", timeout)
 			}
 			c, err := g.client()
 			if err != nil {
@@ -71,7 +72,7 @@ from it.`,
 				for _, kv := range env {
 					k, v, ok := strings.Cut(kv, "=")
 					if !ok {
-						return usageErr("--env %q is not NAME=value", kv)
+						return usage.Errorf("--env %q is not NAME=value", kv)
 					}
 					a.Env[k] = v
 				}
@@ -132,10 +133,10 @@ func readStdin(r io.Reader, maxFrame int) (string, error) {
 		return "", fmt.Errorf("read stdin: %w", err)
 	}
 	if len(b) > limit {
-		return "", usageErr("exec -i: stdin is larger than %d bytes, what one exec request carries; write it to a file in the workspace and redirect from it", limit)
+		return "", usage.Errorf("exec -i: stdin is larger than %d bytes, what one exec request carries; write it to a file in the workspace and redirect from it", limit)
 	}
 	if !utf8.Valid(b) {
-		return "", usageErr("exec -i: stdin is not UTF-8 text, which is all an exec request carries; write binary input to a file in the workspace and redirect from it")
+		return "", usage.Errorf("exec -i: stdin is not UTF-8 text, which is all an exec request carries; write binary input to a file in the workspace and redirect from it")
 	}
 	return string(b), nil
 }
@@ -153,13 +154,13 @@ stopped it), attach says so and exits with code 5.`,
 		Example: "  sbctl attach dev\n  sbctl attach dev --stop-on-exit\n  sbctl attach $(sbctl list --tag thread_id=T42 -q)",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) == 0 {
-				return usageErr("attach takes one or more REFs (sandbox ids or names)")
+				return usage.Errorf("attach takes one or more REFs (sandbox ids or names)")
 			}
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, refs []string) error {
 			if stopOnExit && deleteOnExit {
-				return usageErr("give at most one of --stop-on-exit and --delete-on-exit")
+				return usage.Errorf("give at most one of --stop-on-exit and --delete-on-exit")
 			}
 			c, err := g.client()
 			if err != nil {
@@ -287,10 +288,10 @@ connection resumes exactly where it left off; following one sandbox ends at its 
 		Example: "  sbctl events dev -f\n  sbctl events --all -f -o json | jq -c 'select(.type==\"exec\")'",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == all || len(args) > 1 {
-				return usageErr("give either REF or --all")
+				return usage.Errorf("give either REF or --all")
 			}
 			if since != "" && !eventID.MatchString(since) {
-				return usageErr("--since %q is not an event id: give the id of an event as -o json prints it (e.g. 1795790386522-2)", since)
+				return usage.Errorf("--since %q is not an event id: give the id of an event as -o json prints it (e.g. 1795790386522-2)", since)
 			}
 			return nil
 		},
@@ -419,7 +420,7 @@ sbctl delete --tag k=v for a batch.`,
 		Args:    maxArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if !dryRun {
-				return usageErr("sweep only reports (--dry-run); the broker stops expired sandboxes itself, and sbctl delete cleans up")
+				return usage.Errorf("sweep only reports (--dry-run); the broker stops expired sandboxes itself, and sbctl delete cleans up")
 			}
 			c, err := g.client()
 			if err != nil {

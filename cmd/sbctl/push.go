@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/gitsync"
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -82,7 +83,7 @@ Needs the fs:read and fs:write scopes (an owner's key has both).`,
 func rangeArgs(lo, hi int, what string) cobra.PositionalArgs {
 	return func(cmd *cobra.Command, args []string) error {
 		if len(args) < lo || len(args) > hi {
-			return usageErr("%s takes %s; see sbctl %s --help", cmd.Name(), what, cmd.Name())
+			return usage.Errorf("%s takes %s; see %s --help", cmd.Name(), what, cmd.CommandPath())
 		}
 		return nil
 	}
@@ -109,7 +110,7 @@ func (g *globals) dialRef(ctx context.Context, ref string) (*backend.Remote, pro
 func (g *globals) push(ctx context.Context, ref, dir string, opt gitsync.PushOptions) (gitsync.PushResult, error) {
 	repo, err := gitsync.Open(ctx, dir)
 	if err != nil {
-		return gitsync.PushResult{}, usageErr("%v", err)
+		return gitsync.PushResult{}, usage.Errorf("%v", err)
 	}
 	r, sb, err := g.dialRef(ctx, ref)
 	if err != nil {
@@ -165,7 +166,7 @@ func stateErr(err error) error {
 func (g *globals) fetch(ctx context.Context, ref, dir string) (*gitsync.Repo, *gitsync.Fetched, protocol.Sandbox, error) {
 	repo, err := gitsync.Open(ctx, dir)
 	if err != nil {
-		return nil, nil, protocol.Sandbox{}, usageErr("%v", err)
+		return nil, nil, protocol.Sandbox{}, usage.Errorf("%v", err)
 	}
 	r, sb, err := g.dialRef(ctx, ref)
 	if err != nil {
@@ -208,7 +209,7 @@ Needs the fs:read scope only.`,
 			format := ""
 			switch {
 			case stat && nameOnly:
-				return usageErr("--stat and --name-only are two formats: choose one")
+				return usage.Errorf("--stat and --name-only are two formats: choose one")
 			case stat:
 				format = "stat"
 			case nameOnly:
@@ -265,7 +266,7 @@ Needs the fs:read scope only.`,
 			if branch != "" {
 				c, err := gitsync.Branch(ctx, repo, f, branch, sb.Name)
 				if err != nil {
-					return usageErr("%v", err)
+					return usage.Errorf("%v", err)
 				}
 				out := map[string]any{"branch": branch, "commit": c, "base": f.Base, "changes": len(f.Changes)}
 				if g.quiet {

@@ -191,7 +191,16 @@ func summary(res protocol.TreeResult, d time.Duration) string {
 	if s := d.Seconds(); s > 0 {
 		rate = fmt.Sprintf(", %s/s", sizeIEC(int64(float64(res.Bytes)/s)))
 	}
-	return fmt.Sprintf("%d files, %d dirs, %d symlinks, %s in %s%s", res.Files, res.Dirs, res.Symlinks, sizeIEC(res.Bytes), d.Round(time.Millisecond), rate)
+	return fmt.Sprintf("%s, %s, %s, %s in %s%s", count(res.Files, "file", "files"), count(res.Dirs, "dir", "dirs"),
+		count(res.Symlinks, "symlink", "symlinks"), sizeIEC(res.Bytes), d.Round(time.Millisecond), rate)
+}
+
+// count is n and the noun that goes with it: "1 file", "2 files".
+func count[N int | int64](n N, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return fmt.Sprintf("%d %s", n, many)
 }
 
 func sizeIEC(n int64) string {

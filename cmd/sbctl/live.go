@@ -385,7 +385,7 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 			if e.Direction == "out" {
 				arrow = "->"
 			}
-			fmt.Fprintf(&b, "%s %s %d files, %s", termSafe(e.Path), arrow, *e.Files, sizeIEC(*e.Bytes))
+			fmt.Fprintf(&b, "%s %s %s, %s", termSafe(e.Path), arrow, count(*e.Files, "file", "files"), sizeIEC(*e.Bytes))
 		}
 	case protocol.EventExpiring:
 		if e.SecondsLeft != nil {

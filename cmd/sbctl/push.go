@@ -131,7 +131,8 @@ func (g *globals) push(ctx context.Context, ref, dir string, opt gitsync.PushOpt
 		if opt.Rev == "" {
 			why = "the repository has no .gitmodules (they are embedded repositories); register them with git submodule add, or copy them with sbctl cp"
 		}
-		fmt.Fprintf(g.stderr, "sbctl: warning: %d submodules were not pushed (%s): %s\n", len(res.Submodules), termSafe(res.Submodules[0]), why)
+		were := count(len(res.Submodules), "submodule was", "submodules were")
+		fmt.Fprintf(g.stderr, "sbctl: warning: %s not pushed (%s): %s\n", were, termSafe(res.Submodules[0]), why)
 	}
 	if f, ok := g.stderr.(*os.File); ok && isTerminal(f) && !g.quiet && g.output == "table" {
 		g.status("pushed in %s\n", time.Since(start).Round(time.Millisecond))
@@ -148,7 +149,7 @@ func (g *globals) printPush(res gitsync.PushResult) error {
 		if !res.Synthetic {
 			what = "commit"
 		}
-		fmt.Fprintf(w, "pushed %s %s: %d files sent (%s), %d deleted, %d unchanged\n", what, res.Commit[:12], res.Sent, sizeIEC(res.Bytes), res.Deleted, res.Unchanged)
+		fmt.Fprintf(w, "pushed %s %s: %s sent (%s), %d deleted, %d unchanged\n", what, res.Commit[:12], count(res.Sent, "file", "files"), sizeIEC(res.Bytes), res.Deleted, res.Unchanged)
 	})
 }
 
@@ -274,7 +275,7 @@ Needs the fs:read scope only.`,
 					return nil
 				}
 				return g.print(out, func(w io.Writer) {
-					fmt.Fprintf(w, "branch %s: %d changed paths from sandbox %s, on the pushed commit %s (commit %s)\n", branch, len(f.Changes), termSafe(sb.Name), f.Base[:12], c[:12])
+					fmt.Fprintf(w, "branch %s: %s from sandbox %s, on the pushed commit %s (commit %s)\n", branch, count(len(f.Changes), "changed path", "changed paths"), termSafe(sb.Name), f.Base[:12], c[:12])
 					fmt.Fprintf(w, "merge it with:  git merge %s\n", branch)
 				})
 			}
@@ -286,7 +287,7 @@ Needs the fs:read scope only.`,
 				if g.quiet {
 					return
 				}
-				fmt.Fprintf(w, "%d updated, %d deleted, %d merged, %d conflicts, %d already the same\n", len(res.Updated), len(res.Deleted), len(res.Merged), len(res.Conflicts), res.Same)
+				fmt.Fprintf(w, "%d updated, %d deleted, %d merged, %s, %d already the same\n", len(res.Updated), len(res.Deleted), len(res.Merged), count(len(res.Conflicts), "conflict", "conflicts"), res.Same)
 				for _, c := range res.Conflicts {
 					fmt.Fprintf(w, "conflict: %s\n", termSafe(c))
 				}
@@ -324,6 +325,6 @@ func (g *globals) createFrom(ctx context.Context, res protocol.CreateSandboxResp
 	}{res, pr}
 	return g.print(out, func(w io.Writer) {
 		fmt.Fprintf(w, "%s sandbox %s (%s), %s\n", termSafe(res.Outcome), termSafe(res.Sandbox.Name), termSafe(res.Sandbox.ID), statusLine(res.Sandbox))
-		fmt.Fprintf(w, "pushed %s: %d files sent (%s), %d deleted, %d unchanged\n", pr.Commit[:12], pr.Sent, sizeIEC(pr.Bytes), pr.Deleted, pr.Unchanged)
+		fmt.Fprintf(w, "pushed %s: %s sent (%s), %d deleted, %d unchanged\n", pr.Commit[:12], count(pr.Sent, "file", "files"), sizeIEC(pr.Bytes), pr.Deleted, pr.Unchanged)
 	})
 }

@@ -383,10 +383,14 @@ only shows. Delegation tokens for a deleted sandbox stop working at once.`,
 			}
 			if !yes {
 				if !g.isTTY {
-					return usage.Errorf("refusing to delete %d sandboxes without --yes (stdin is not a terminal)", len(preview.Deleted))
+					return usage.Errorf("refusing to delete %s without --yes (stdin is not a terminal)", count(len(preview.Deleted), "sandbox", "sandboxes"))
 				}
 				sandboxTable(g.stderr, preview.Deleted)
-				fmt.Fprintf(g.stderr, "Delete these %d sandboxes and their files? [y/N] ", len(preview.Deleted))
+				if len(preview.Deleted) == 1 {
+					fmt.Fprint(g.stderr, "Delete this sandbox and its files? [y/N] ")
+				} else {
+					fmt.Fprintf(g.stderr, "Delete these %d sandboxes and their files? [y/N] ", len(preview.Deleted))
+				}
 				answer, _ := bufio.NewReader(g.stdin).ReadString('\n')
 				if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
 					return fmt.Errorf("nothing deleted")

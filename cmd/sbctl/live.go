@@ -93,6 +93,9 @@ from it.`,
 				}
 			}
 			res, err := r.Exec(cmd.Context(), backend.ExecRequest{ExecArgs: a, Stdout: g.stdout, Stderr: g.stderr})
+			if pe := (*protocol.Error)(nil); errors.As(err, &pe) && pe.Code == protocol.CodeInvalidPath && cwd != "" {
+				return usage.Errorf("--cwd: %s", pe.Message) // exec's one path
+			}
 			if err != nil {
 				return err
 			}

@@ -121,7 +121,8 @@ first start on the embedded defaults.
 
 A REF is a sandbox id (sb_...) or name.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 not authorized, 5 conflict (name taken, sandbox
+Exit codes: 0 ok, 1 error, 2 usage (a wrong command line, or an argument the broker refuses as
+such: a path outside /workspace, a bad --ttl), 3 not found, 4 not authorized, 5 conflict (name taken, sandbox
 stopped or failed, or hosted by another broker), 6 broker unreachable or unavailable, 7 refused by
 a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C); sbctl exec exits with the
 command's own code.`,
@@ -263,7 +264,10 @@ func exitCodeOf(err error) int {
 		case protocol.CodeUnreachable, protocol.CodeUnavailable: // the dataplane, or a broker that says retry
 			return exitUnreachable
 		}
-		if pe.Status == 400 {
+		// A path the dataplane's rules refuse (outside /workspace, empty, too long) is the caller's
+		// mistake whatever the sandbox holds, as a REST 400 is; the dataplane's refusals carry no
+		// HTTP status. Its invalid_argument may depend on the sandbox (a missing cwd or program): 1.
+		if pe.Status == 400 || (pe.Status == 0 && pe.Code == protocol.CodeInvalidPath) {
 			return exitUsage
 		}
 	}

@@ -112,6 +112,9 @@ func (c *call) complete(r reply) {
 			if c.hostWS != "" {
 				msg = strings.ReplaceAll(msg, c.hostWS, WorkspacePath)
 			}
+			if r.Kind == errKindCwd {
+				msg += "; the working directory must be an existing directory of the sandbox: create it first (mkdir -p) or give another"
+			}
 			c.err = invalidRequest("%s", msg)
 		} else if r.Kind == sbxinit.ErrKindBusy {
 			c.err = &BusyError{Reason: r.Err}

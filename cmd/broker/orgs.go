@@ -169,7 +169,7 @@ func orgsGetLimitsCmd(c *config) *cobra.Command {
 	var output string
 	cmd := &cobra.Command{
 		Use:   "get-limits ORG",
-		Short: "Show an org's limits (its own, else the defaults) and its running sandboxes",
+		Short: "Show an org's limits (its own, else the defaults) and its sandboxes, running and all",
 		Example: `  broker orgs get-limits acme
   broker orgs get-limits default -o json`,
 		Args: cobra.ExactArgs(1),
@@ -207,9 +207,13 @@ func printLimits(cmd *cobra.Command, c *config, s *store.Store, org, output stri
 	if err != nil {
 		return err
 	}
+	sandboxes, err := s.Sandboxes(ctx, org)
+	if err != nil {
+		return err
+	}
 	l := c.orgDefaults().With(own)
 	res := protocol.LimitsResponse{Org: org, Limits: protocol.OrgLimits{MaxRunning: l.MaxRunning, MaxSandboxes: l.MaxSandboxes, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections},
-		Usage: protocol.LimitsUsage{Running: running}, Own: []string{}}
+		Usage: protocol.LimitsUsage{Running: running, Sandboxes: sandboxes}, Own: []string{}}
 	for _, name := range store.LimitNames {
 		if _, ok := own[name]; ok {
 			res.Own = append(res.Own, name)
@@ -228,8 +232,11 @@ func printLimits(cmd *cobra.Command, c *config, s *store.Store, org, output stri
 		if _, ok := own[name]; ok {
 			from = "org"
 		}
-		if name == store.LimitMaxRunning {
+		switch name {
+		case store.LimitMaxRunning:
 			used = strconv.Itoa(running)
+		case store.LimitMaxSandboxes:
+			used = strconv.Itoa(sandboxes)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", name, v, used, from)
 	}

@@ -115,7 +115,7 @@ from it.`,
 		},
 	}, "it passes the command's own output through", "table")
 	cmd.Flags().StringVarP(&shell, "command", "c", "", "a shell command string, run with /bin/sh -c")
-	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, a sandbox path (default /workspace)")
+	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, an existing directory under /workspace, absolute or relative to it (default /workspace)")
 	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable NAME=value (repeatable)")
 	cmd.Flags().Var(client.Duration{D: &timeout}, "timeout", "kill the command's process tree after this long, e.g. 30s or 2h (default: the sandbox's, 10m)")
 	cmd.Flags().BoolVarP(&stdin, "stdin", "i", false, "send sbctl's standard input (text, up to about 1 MiB) to the command")

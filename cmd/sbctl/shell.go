@@ -86,7 +86,7 @@ the exec scope opens the same shell through the dataplane (docs/dataplane.md, "s
 			return nil
 		},
 	}, "it is an interactive terminal", "table")
-	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, a sandbox path (default /workspace)")
+	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, an existing directory under /workspace, absolute or relative to it (default /workspace)")
 	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable NAME=value (repeatable)")
 	return cmd
 }

@@ -266,8 +266,13 @@ Needs the fs:read scope only.`,
 			}
 			if branch != "" {
 				c, err := gitsync.Branch(ctx, repo, f, branch, sb.Name)
-				if err != nil {
+				switch {
+				case errors.Is(err, gitsync.ErrBadBranchName):
 					return usage.Errorf("%v", err)
+				case errors.Is(err, gitsync.ErrBranchExists):
+					return &protocol.Error{Code: protocol.CodeNameConflict, Status: 409, Message: err.Error()} // exit 5, as a name taken
+				case err != nil:
+					return err // nothing changed, or git failed: the command line was right
 				}
 				out := map[string]any{"branch": branch, "commit": c, "base": f.Base, "changes": len(f.Changes)}
 				if g.quiet {

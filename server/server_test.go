@@ -328,6 +328,10 @@ func TestBadInput(t *testing.T) {
 			t.Errorf("%s: %q does not say the range allowed", path, eb.Error.Message)
 		}
 	}
+	// An unknown template is refused with the names there are.
+	if _, eb, _ := rawRequest(t, "POST", b.URL+"/v1/sandboxes", key, `{"name":"a","template":"nope"}`); !strings.Contains(eb.Error.Message, "default") {
+		t.Errorf("unknown template: %q does not name the templates there are", eb.Error.Message)
+	}
 }
 
 func TestDelegationOnOwnerRoutes(t *testing.T) {

@@ -291,7 +291,7 @@ connection resumes exactly where it left off; following one sandbox ends at its 
 		Example: "  sbctl events dev -f\n  sbctl events --all -f -o json | jq -c 'select(.type==\"exec\")'",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == all || len(args) > 1 {
-				return usage.Errorf("give either REF or --all")
+				return usage.Errorf("give a REF, or --all for the whole org (not both); see sbctl events --help")
 			}
 			if since != "" && !eventID.MatchString(since) {
 				return usage.Errorf("--since %q is not an event id: give the id of an event as -o json prints it (e.g. 1795790386522-2)", since)

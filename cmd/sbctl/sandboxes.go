@@ -372,7 +372,7 @@ only shows. Delegation tokens for a deleted sandbox stop working at once.`,
 				return g.printDeleted(res)
 			case len(args) == 0 && len(sel) > 0:
 			default:
-				return usage.Errorf("give either REF or at least one --tag k=v, not both")
+				return usage.Errorf("give a REF, or at least one --tag k=v (not both); see sbctl delete --help")
 			}
 			preview, err := c.DeleteSandboxes(cmd.Context(), sel, true)
 			if err != nil {

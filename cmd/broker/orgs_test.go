@@ -76,6 +76,7 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"help", "kyes"}, `(did you mean keys?)`},
 		{[]string{"kyes"}, `unknown command "kyes" (did you mean keys?); see broker --help`},
 		{[]string{"kyes", "list"}, `unknown command "kyes"`},
+		{[]string{"version"}, `unknown command "version" (did you mean --version?)`},
 		{[]string{"keys", "nope"}, `unknown command "nope" for "broker keys"; see broker keys --help`},
 		{[]string{"keys", "lsit"}, `(did you mean list?)`},
 		{[]string{"orgs", "nope"}, `see broker orgs --help`},

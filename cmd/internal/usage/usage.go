@@ -64,10 +64,15 @@ func Guard(root *cobra.Command) {
 	guardHelpTopics(root)
 }
 
-// DidYouMean names the subcommands of parent close to name, as " (did you mean x?)", or is "".
+// DidYouMean names the subcommands of parent close to name, or its flag of that name ("broker
+// version": --version), as " (did you mean x?)", or is "".
 func DidYouMean(parent *cobra.Command, name string) string {
 	parent.SuggestionsMinimumDistance = parent.Root().SuggestionsMinimumDistance
-	if s := parent.SuggestionsFor(name); len(s) > 0 {
+	s := parent.SuggestionsFor(name)
+	if f := parent.Flags().Lookup(name); f != nil && name != "help" {
+		s = append(s, "--"+f.Name)
+	}
+	if len(s) > 0 {
 		return " (did you mean " + strings.Join(s, " or ") + "?)"
 	}
 	return ""

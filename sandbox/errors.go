@@ -20,7 +20,7 @@ func (e *LimitError) Unwrap() error { return e.Err }
 // NotFound is the one answer for a sandbox ref that a caller may not see, whether it is missing,
 // being deleted or not the caller's: the same code and message, so none of them can be told apart.
 func NotFound(ref string) error {
-	return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
+	return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found: sbctl list (GET /v1/sandboxes) shows the org's sandboxes", clip(ref))
 }
 
 // mapStoreErr turns store sentinels into protocol errors a caller can act on.

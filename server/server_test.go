@@ -332,6 +332,10 @@ func TestBadInput(t *testing.T) {
 	if _, eb, _ := rawRequest(t, "POST", b.URL+"/v1/sandboxes", key, `{"name":"a","template":"nope"}`); !strings.Contains(eb.Error.Message, "default") {
 		t.Errorf("unknown template: %q does not name the templates there are", eb.Error.Message)
 	}
+	// A missing sandbox says where the org's are listed.
+	if _, eb, _ := rawRequest(t, "GET", b.URL+"/v1/sandboxes/nope", key, ""); eb.Error.Code != "not_found" || !strings.Contains(eb.Error.Message, "sbctl list") {
+		t.Errorf("a missing sandbox: %+v does not say where sandboxes are listed", eb.Error)
+	}
 }
 
 func TestDelegationOnOwnerRoutes(t *testing.T) {

@@ -292,7 +292,7 @@ TOKEN is "-" or absent, so it stays out of shell history.`,
 				token = strings.TrimSpace(line)
 			}
 			if token == "" {
-				return usage.Errorf("no token given")
+				return usage.Errorf("no token given: pass it as TOKEN, or pipe it in (sbctl introspect - < token.txt); see sbctl introspect --help")
 			}
 			c, err := g.client()
 			if err != nil {

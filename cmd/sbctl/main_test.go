@@ -43,6 +43,7 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"mcp", "config"}, "see sbctl mcp config --help"},
 		{[]string{"completion", "nope"}, `unknown command "nope" for "sbctl completion"; see sbctl completion --help`},
 		{[]string{"completion", "bash", "x"}, "see sbctl completion bash --help"},
+		{[]string{"introspect"}, "no token given: pass it as TOKEN, or pipe it in"},
 		{[]string{"version"}, `unknown command "version" (did you mean --version?)`},
 		{[]string{"delete"}, "give a REF, or at least one --tag k=v (not both); see sbctl delete --help"},
 		{[]string{"events"}, "give a REF, or --all for the whole org (not both); see sbctl events --help"},

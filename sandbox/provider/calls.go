@@ -113,9 +113,10 @@ func (c *call) complete(r reply) {
 				msg = strings.ReplaceAll(msg, c.hostWS, WorkspacePath)
 			}
 			if r.Kind == errKindCwd {
-				msg += "; the working directory must be an existing directory of the sandbox: create it first (mkdir -p) or give another"
+				c.err = CwdError(msg)
+			} else {
+				c.err = invalidRequest("%s", msg)
 			}
-			c.err = invalidRequest("%s", msg)
 		} else if r.Kind == sbxinit.ErrKindBusy {
 			c.err = &BusyError{Reason: r.Err}
 		} else {

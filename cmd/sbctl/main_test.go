@@ -43,6 +43,7 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{[]string{"mcp", "config"}, "see sbctl mcp config --help"},
 		{[]string{"completion", "nope"}, `unknown command "nope" for "sbctl completion"; see sbctl completion --help`},
 		{[]string{"completion", "bash", "x"}, "see sbctl completion bash --help"},
+		{[]string{"mcp", "config", "dev"}, `--client must be claude-code, cursor or vscode, not ""; see sbctl mcp config --help`},
 		{[]string{"introspect"}, "no token given: pass it as TOKEN, or pipe it in"},
 		{[]string{"version"}, `unknown command "version" (did you mean --version?)`},
 		{[]string{"delete"}, "give a REF, or at least one --tag k=v (not both); see sbctl delete --help"},

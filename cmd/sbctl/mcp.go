@@ -278,7 +278,7 @@ SBX_API_KEY or its config file).`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			where, ok := mcpClients[clientName]
 			if !ok {
-				return usage.Errorf("--client must be claude-code, cursor or vscode")
+				return usage.Errorf("--client must be claude-code, cursor or vscode, not %q; see sbctl mcp config --help", clientName)
 			}
 			exe, err := os.Executable()
 			if err != nil || !filepath.IsAbs(exe) {

@@ -361,17 +361,33 @@ func removeEmptyParents(root *os.Root, p string) {
 	}
 }
 
+// Why Branch makes no branch, for callers to tell apart (errors.Is).
+var (
+	ErrBadBranchName  = errors.New("not a valid branch name")
+	ErrBranchExists   = errors.New("the branch exists already")
+	ErrNothingChanged = errors.New("nothing changed since the push")
+)
+
+// branchError says why Branch refused in words, and which of the reasons above it is.
+type branchError struct {
+	why error
+	msg string
+}
+
+func (e *branchError) Error() string { return e.msg }
+func (e *branchError) Unwrap() error { return e.why }
+
 // Branch commits the sandbox's tree on top of the pushed base as a new local branch and returns
 // the commit. An existing branch of that name is an error.
 func Branch(ctx context.Context, repo *Repo, f *Fetched, name, sandbox string) (string, error) {
 	if _, err := repo.git(ctx, nil, nil, "check-ref-format", "--branch", name); err != nil {
-		return "", fmt.Errorf("%q is not a valid branch name", name)
+		return "", &branchError{ErrBadBranchName, fmt.Sprintf("%q is not a valid branch name", name)}
 	}
 	if len(f.Changes) == 0 {
-		return "", fmt.Errorf("nothing changed in sandbox %s since the push of %s: no branch made", sandbox, short(f.Base))
+		return "", &branchError{ErrNothingChanged, fmt.Sprintf("nothing changed in sandbox %s since the push of %s: no branch made", sandbox, short(f.Base))}
 	}
 	if _, err := repo.git(ctx, nil, nil, "rev-parse", "-q", "--verify", "refs/heads/"+name); err == nil {
-		return "", fmt.Errorf("branch %s exists already; choose another name (or delete it: git branch -D %s)", name, name)
+		return "", &branchError{ErrBranchExists, fmt.Sprintf("branch %s exists already; choose another name (or delete it: git branch -D %s)", name, name)}
 	}
 	links, err := repo.flattened(ctx, f.Base)
 	if err != nil {

@@ -26,6 +26,9 @@ type OrgLimits struct {
 // LimitsUsage is what the org uses of its limits now.
 type LimitsUsage struct {
 	Running int `json:"running"`
+	// Sandboxes counts the org's sandboxes in any state, stopped ones included: what max_sandboxes
+	// bounds.
+	Sandboxes int `json:"sandboxes"`
 }
 
 // LimitsResponse is the answer of GET /v1/limits.

@@ -9,7 +9,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -40,7 +43,8 @@ func (m *Manager) Create(ctx context.Context, c Caller, req CreateRequest) (stor
 	}
 	tmpl, ok := m.cfg.Templates[req.Template]
 	if !ok {
-		return store.Record{}, "", protocol.Errorf(protocol.CodeUnknownTemplate, "template %q does not exist on this broker", clip(req.Template))
+		return store.Record{}, "", protocol.Errorf(protocol.CodeUnknownTemplate, "template %q does not exist on this broker; it has %s (the broker's --templates)",
+			clip(req.Template), strings.Join(slices.Sorted(maps.Keys(m.cfg.Templates)), ", "))
 	}
 	tmpl, err := withIsolation(m.cfg.Provider, tmpl, req.Isolation)
 	if err != nil {

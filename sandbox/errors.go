@@ -20,7 +20,7 @@ func (e *LimitError) Unwrap() error { return e.Err }
 // NotFound is the one answer for a sandbox ref that a caller may not see, whether it is missing,
 // being deleted or not the caller's: the same code and message, so none of them can be told apart.
 func NotFound(ref string) error {
-	return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found", clip(ref))
+	return protocol.Errorf(protocol.CodeNotFound, "sandbox %q not found: sbctl list (GET /v1/sandboxes) shows the org's sandboxes", clip(ref))
 }
 
 // mapStoreErr turns store sentinels into protocol errors a caller can act on.
@@ -41,11 +41,11 @@ func (m *Manager) mapStoreErr(err error, ref string) error {
 		return protocol.Errorf(protocol.CodeNameConflict, "a sandbox named %q already exists with another template (%q): delete it or pick another name", clip(ref), clip(tm.Template))
 	case errors.As(err, &qe) && qe.Name == store.LimitMaxSandboxes:
 		return &LimitError{Limit: qe.Name, Err: protocol.Errorf(protocol.CodeQuotaExceeded,
-			"org %s already has %d sandboxes, its max_sandboxes limit (stopped ones count: they keep their files): delete one first (sbctl list --status stopped; sbctl delete REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-sandboxes N); sbctl limits shows the org's limits",
+			"org %s is at its max_sandboxes limit (%d; stopped sandboxes count: they keep their files): delete one first (sbctl list --status stopped; sbctl delete REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-sandboxes N); sbctl limits shows the org's limits",
 			qe.Org, qe.Limit, qe.Org)}
 	case errors.As(err, &qe):
 		return &LimitError{Limit: qe.Name, Err: protocol.Errorf(protocol.CodeQuotaExceeded,
-			"org %s already has %d sandboxes running or starting, its max_running limit: stop or delete one first (sbctl list --status running; sbctl stop REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-running N); sbctl limits shows the org's limits",
+			"org %s is at its max_running limit (%d running or starting): stop or delete one first (sbctl list --status running; sbctl stop REF), or ask the broker's operator to raise the limit (broker orgs set-limits %s --max-running N); sbctl limits shows the org's limits",
 			qe.Org, qe.Limit, qe.Org)}
 	case errors.Is(err, store.ErrBadCursor):
 		return protocol.Errorf(protocol.CodeInvalidCursor, "the cursor is not one this broker gave out: start again without it")

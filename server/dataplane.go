@@ -132,6 +132,9 @@ func (s *Server) dataplane(c echo.Context) error {
 		return err
 	}
 	defer releaseShare()
+	if r.Method == http.MethodHead {
+		return protocol.Errorf(protocol.CodeInvalidArgument, "a HEAD cannot open the dataplane: upgrade with a GET (docs/dataplane.md)")
+	}
 	ws, err := s.upgrade(c)
 	if err != nil {
 		return nil // upgrade answered already

@@ -812,8 +812,8 @@ func TestDataplanePathAttacks(t *testing.T) {
 		"sub/deep/x", "chain/x",
 	}
 	// Links that lead out, as the last component: an lstat, deleting or renaming the link itself
-	// is fine; following it is invalid_path. Paths are cleaned lexically, so "etc/" and "up/." name
-	// the link too.
+	// is fine; following it is invalid_path. A stat of "etc/" or "up/." follows the link, as
+	// stat(2) does, so it is refused too.
 	links := []string{"secretlink", "sub/deep", "abslink", "chain", "hostlink", "etc", "up", "viaup", "etc/", "up/."}
 
 	type attack struct {
@@ -862,7 +862,10 @@ func TestDataplanePathAttacks(t *testing.T) {
 		if strings.HasSuffix(p, "/") {
 			moveOntoCodes = []string{"not_directory"}
 		}
-		removeCodes := []string{""}
+		removeCodes, statCodes := []string{""}, []string{""}
+		if strings.HasSuffix(p, "/") || strings.HasSuffix(p, "/.") {
+			statCodes = invalid
+		}
 		switch {
 		case strings.HasSuffix(p, "/."):
 			removeCodes = invalid
@@ -870,7 +873,7 @@ func TestDataplanePathAttacks(t *testing.T) {
 			removeCodes = []string{"not_directory"}
 		}
 		attacks = append(attacks,
-			attack{"stat", map[string]any{"path": p}, []string{""}},
+			attack{"stat", map[string]any{"path": p}, statCodes},
 			attack{"ls", map[string]any{"path": p}, invalid},
 			attack{"read", map[string]any{"path": p}, invalid},
 			attack{"download", map[string]any{"path": p}, invalid},

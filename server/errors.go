@@ -51,7 +51,7 @@ func apiError(err error) (int, *protocol.Error) {
 		case http.StatusNotFound:
 			return 404, protocol.Errorf(protocol.CodeRouteNotFound, "no such route: see docs/openapi.yaml for the API")
 		case http.StatusMethodNotAllowed:
-			return 405, protocol.Errorf(protocol.CodeMethodNotAllowed, "method not allowed on this route")
+			return 405, protocol.Errorf(protocol.CodeMethodNotAllowed, "method not allowed on this route: its Allow header lists the ones it takes (docs/openapi.yaml)")
 		case http.StatusRequestEntityTooLarge:
 			return 413, protocol.Errorf(protocol.CodeTooLarge, "request body too large")
 		case http.StatusUnauthorized:
@@ -92,9 +92,6 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 		}
 		s.countRefusal(c, err)
 	}
-	if c.Request().Method == http.MethodHead {
-		c.NoContent(status)
-		return
-	}
+	// A HEAD gets the same headers; net/http drops the body.
 	c.JSON(status, protocol.ErrorBody{Error: *pe})
 }

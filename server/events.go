@@ -154,6 +154,11 @@ func (s *Server) streamEvents(c echo.Context, sandboxID string) error {
 			return protocol.Errorf(protocol.CodeInvalidArgument, "follow must be true or false")
 		}
 	}
+	// A HEAD gets the headers of a stream that would follow, and ends: it takes no stream slot.
+	head := c.Request().Method == http.MethodHead
+	if head {
+		follow = false
+	}
 	ctx := c.Request().Context()
 	org := principal(c).Org
 	var sub *events.Subscription
@@ -184,6 +189,9 @@ func (s *Server) streamEvents(c echo.Context, sandboxID string) error {
 	h.Set("Connection", "keep-alive")
 	h.Set("X-Accel-Buffering", "no") // nginx: do not buffer
 	c.Response().WriteHeader(http.StatusOK)
+	if head {
+		return nil
+	}
 	w := c.Response()
 	fmt.Fprint(w, "retry: 2000\n\n")
 	w.Flush()

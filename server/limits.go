@@ -26,8 +26,12 @@ func (s *Server) getLimits(c echo.Context) error {
 	if err != nil {
 		return err
 	}
+	sandboxes, err := s.store.Sandboxes(ctx, org)
+	if err != nil {
+		return err
+	}
 	l := s.store.DefaultLimits().With(own)
-	res := protocol.LimitsResponse{Org: org, Usage: protocol.LimitsUsage{Running: running}, Own: []string{}}
+	res := protocol.LimitsResponse{Org: org, Usage: protocol.LimitsUsage{Running: running, Sandboxes: sandboxes}, Own: []string{}}
 	for _, name := range store.LimitNames {
 		if _, ok := own[name]; ok {
 			res.Own = append(res.Own, name)

@@ -193,7 +193,7 @@ func (s *Server) ownerKey(ctx context.Context, cred string) (Principal, error) {
 func (s *Server) ownerKeyAt(ctx context.Context, cred string) (Principal, time.Time, error) {
 	k, readAt, err := s.apiKeys.authenticateAt(ctx, cred)
 	if errors.Is(err, store.ErrBadKey) {
-		return Principal{}, readAt, protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key")
+		return Principal{}, readAt, protocol.Errorf(protocol.CodeUnauthenticated, "invalid or revoked API key: check the key sent (sbctl: --api-key, SBX_API_KEY or its config file), or get one from the broker's operator (broker keys create)")
 	}
 	if err != nil {
 		return Principal{}, readAt, err

@@ -2,6 +2,7 @@ package server
 
 import (
 	"errors"
+	"net/http"
 	"net/url"
 	"slices"
 	"strings"
@@ -62,7 +63,11 @@ func checkQuery(next echo.HandlerFunc) echo.HandlerFunc {
 			return protocol.Errorf(protocol.CodeInvalidArgument,
 				"the query is malformed (%s): separate parameters with &, and percent-encode ; %% and &", queryProblem(err))
 		}
-		names, listed := queryParams[c.Request().Method+" "+c.Path()]
+		method := c.Request().Method
+		if method == http.MethodHead {
+			method = http.MethodGet // a HEAD takes its GET's query
+		}
+		names, listed := queryParams[method+" "+c.Path()]
 		if !listed {
 			return next(c)
 		}

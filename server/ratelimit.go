@@ -210,8 +210,8 @@ func (s *Server) limitCredentialN(ctx context.Context, org, cred string, n int) 
 		return nil
 	}
 	return &retryError{after: wait, limit: limitRPS, org: org, pe: protocol.Errorf(protocol.CodeRateLimited,
-		"this credential sent more than %d requests per second, org %s's rps limit on this broker: slow down and retry in %s s, or ask the broker's operator to raise it (broker orgs set-limits %s --rps N)",
-		l.RPS, org, seconds(wait), org)}
+		"this credential is over org %s's rps limit on this broker (rps %d): slow down and retry in %s s, or ask the broker's operator to raise it (broker orgs set-limits %s --rps N)",
+		org, l.RPS, seconds(wait), org)}
 }
 
 // authGuard counts failed authentications per source address in a window; a source with max of

@@ -241,44 +241,51 @@ func New(cfg Config) *Server {
 		ErrorLog:          slog.NewLogLogger(cfg.Log.Handler(), slog.LevelDebug),
 	}
 
-	e.GET("/healthz", s.healthz)
-	e.GET("/readyz", s.readyz)
-	e.GET("/metrics", s.metrics.handler(cfg.MetricsTokenHash))
-	e.GET("/.well-known/jwks.json", s.jwks)
+	// get registers a GET route and its HEAD, answered by the same handler: the GET's status and
+	// headers, its body dropped by net/http. Load balancers' health checks and `curl -I` send HEAD.
+	// Handlers that would hold a stream answer a HEAD at once (streamEvents, dataplane).
+	get := func(path string, h echo.HandlerFunc, m ...echo.MiddlewareFunc) {
+		e.GET(path, h, m...)
+		e.HEAD(path, h, m...)
+	}
+	get("/healthz", s.healthz)
+	get("/readyz", s.readyz)
+	get("/metrics", s.metrics.handler(cfg.MetricsTokenHash))
+	get("/.well-known/jwks.json", s.jwks)
 
 	// Middleware is attached per route, not per group: echo's group middleware adds catch-all
 	// routes that would turn 405 into 404.
 	owner := []echo.MiddlewareFunc{s.requireOwner}
 	ownerOne := []echo.MiddlewareFunc{s.requireOwner, s.loadSandbox}
 	e.POST("/v1/sandboxes", s.createSandbox, owner...)
-	e.GET("/v1/sandboxes", s.listSandboxes, owner...)
+	get("/v1/sandboxes", s.listSandboxes, owner...)
 	e.DELETE("/v1/sandboxes", s.deleteSandboxes, owner...)
 	// Heartbeats resolve the ref inside their one Redis script: no loader on the hottest route.
 	e.POST("/v1/sandboxes/:ref/heartbeat", s.heartbeat, owner...)
 	e.POST("/v1/heartbeats", s.heartbeats, owner...)
-	e.GET("/v1/sandboxes/:ref", s.getSandbox, ownerOne...)
+	get("/v1/sandboxes/:ref", s.getSandbox, ownerOne...)
 	e.DELETE("/v1/sandboxes/:ref", s.deleteSandbox, ownerOne...)
 	e.POST("/v1/sandboxes/:ref/stop", s.stopSandbox, ownerOne...)
 	e.POST("/v1/sandboxes/:ref/resume", s.resumeSandbox, ownerOne...)
 	e.POST("/v1/sandboxes/:ref/ttl", s.setTTL, ownerOne...)
-	e.GET("/v1/sandboxes/:ref/environment", s.environment, ownerOne...)
+	get("/v1/sandboxes/:ref/environment", s.environment, ownerOne...)
 	e.POST("/v1/sandboxes/:ref/delegations", s.mintDelegation, ownerOne...)
-	e.GET("/v1/sandboxes/:ref/delegations", s.listDelegations, ownerOne...)
+	get("/v1/sandboxes/:ref/delegations", s.listDelegations, ownerOne...)
 	e.DELETE("/v1/sandboxes/:ref/delegations", s.revokeAllDelegations, ownerOne...)
 	e.DELETE("/v1/sandboxes/:ref/delegations/:jti", s.revokeDelegation, ownerOne...)
 	e.POST("/v1/tokens/introspect", s.introspect, owner...)
 	// The dataplane authenticates API keys and delegation tokens itself (docs/dataplane.md).
-	e.GET("/v1/sandboxes/:ref/dataplane", s.dataplane)
+	get("/v1/sandboxes/:ref/dataplane", s.dataplane)
 	// Its upload operation over plain HTTP, for bulk bytes (dataplane_put.go).
 	e.PUT(uploadRoute, s.uploadPut)
 	// MCP (Streamable HTTP) takes a delegation token only, checked by its handler (mcp.go).
 	e.POST(mcpRoute, s.mcpEndpoint)
-	e.GET(mcpRoute, s.mcpEndpoint)
+	e.GET(mcpRoute, s.mcpEndpoint) // no HEAD: a HEAD cannot open an MCP stream (405)
 	e.DELETE(mcpRoute, s.mcpEndpoint)
-	e.GET("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
-	e.GET("/v1/events", s.orgEvents, owner...)
-	e.GET("/v1/orphans", s.orphans, owner...)
-	e.GET("/v1/limits", s.getLimits, owner...)
+	get("/v1/sandboxes/:ref/events", s.sandboxEvents, ownerOne...)
+	get("/v1/events", s.orgEvents, owner...)
+	get("/v1/orphans", s.orphans, owner...)
+	get("/v1/limits", s.getLimits, owner...)
 	s.routes = map[string]bool{}
 	for _, r := range e.Routes() {
 		s.routes[r.Path] = true

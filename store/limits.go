@@ -218,6 +218,16 @@ func (s *Store) Running(ctx context.Context, org string) (int, error) {
 	return int(n), nil
 }
 
+// Sandboxes counts the org's sandboxes in any state: what max_sandboxes bounds (the create script
+// counts the same set).
+func (s *Store) Sandboxes(ctx context.Context, org string) (int, error) {
+	n, err := s.rdb.ZCard(ctx, AllKey(org)).Result()
+	if err != nil {
+		return 0, fmt.Errorf("store: sandbox count: %w", err)
+	}
+	return int(n), nil
+}
+
 // recountScript rebuilds the org's active set from the records' statuses, which are the truth.
 // KEYS: 1 all, 2 active. ARGV: 1 sandbox key prefix. Answers the count.
 // It makes the set right for records written before the set existed; it is atomic, so running it

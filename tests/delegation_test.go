@@ -108,7 +108,8 @@ func TestExecAndEventsThroughSbctl(t *testing.T) {
 	if out := b.sbctlIn("print-me", "exec", "box", "-i", "--", "cat"); out.stdout != "print-me" {
 		t.Fatalf("stdin: %+v", out)
 	}
-	if r := b.sbctl("exec", "box", "--cwd", "/etc", "--", "true"); r.code != 1 || !strings.Contains(r.stderr, "outside /workspace") {
+	// A cwd the path rules refuse is the caller's mistake: exit 2, naming the flag.
+	if r := b.sbctl("exec", "box", "--cwd", "/etc", "--", "true"); r.code != 2 || !strings.Contains(r.stderr, "--cwd") || !strings.Contains(r.stderr, "outside /workspace") {
 		t.Fatalf("cwd escape: %+v", r)
 	}
 	// The events of a pane: created, connected, exec with exit code.

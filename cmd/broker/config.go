@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/events"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
@@ -197,7 +198,10 @@ func applyEnv(cmd *cobra.Command) error {
 			}
 		}
 	})
-	return errors.Join(errs...)
+	if err := errors.Join(errs...); err != nil {
+		return usage.Errorf("%v", err) // a setting is wrong: exit 2, as for a flag
+	}
+	return nil
 }
 
 // validate checks the settings serve uses; each error names the setting and how to fix it.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/store"
 )
@@ -24,6 +25,9 @@ func keysCmd(c *config) *cobra.Command {
 		Short: "Manage org API keys (and the token signing keys)",
 		Long: `API keys authenticate owners (sbctl, clients, agent servers doing introspection). A key is
 shown once when created; the broker keeps only its SHA-256 hash.`,
+		Example: `  broker keys create --org acme --name ci
+  broker keys list
+  broker keys revoke KEY_ID`,
 	}
 	keys.AddCommand(keysCreateCmd(c), keysListCmd(c), keysRevokeCmd(c), rotateSigningCmd(c), importSigningCmd(c))
 	return keys
@@ -53,14 +57,14 @@ func keysCreateCmd(c *config) *cobra.Command {
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if org == "" || name == "" {
-				return errors.New("--org and --name are required")
+				return usage.Errorf("--org and --name are required; see %s --help", cmd.CommandPath())
 			}
 			// Refused here, before withStore starts an embedded Redis in a data dir it may create.
 			if !store.ValidOrg(org) {
-				return fmt.Errorf("invalid org name %q: use lowercase letters, digits and '-', at most 63", org)
+				return usage.Errorf("invalid org name %q: use lowercase letters, digits and '-', at most 63", org)
 			}
 			if output != "text" && output != "json" && output != "key" {
-				return fmt.Errorf("-o must be text, json or key, not %q", output)
+				return usage.Errorf("-o must be text, json or key, not %q", output)
 			}
 			return withStore(cmd, c, func(s *store.Store) error {
 				key, k, err := s.CreateAPIKey(cmd.Context(), org, name, time.Now())
@@ -95,7 +99,7 @@ func keysListCmd(c *config) *cobra.Command {
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if output != "table" && output != "json" {
-				return fmt.Errorf("-o must be table or json, not %q", output)
+				return usage.Errorf("-o must be table or json, not %q", output)
 			}
 			return withStore(cmd, c, func(s *store.Store) error {
 				keys, err := s.ListAPIKeys(cmd.Context(), org)
@@ -221,7 +225,7 @@ brokers sharing a Redis share their keys through one Secret, imported by each at
 				return err
 			}
 			if from == "" {
-				return errors.New("--from is required: the directory holding keyring.json and its keys")
+				return usage.Errorf("--from is required: the directory holding keyring.json and its keys")
 			}
 			kid, err := importSigning(from, c.signingDir())
 			if err != nil {

@@ -8,11 +8,13 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"os"
 
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/sandbox/provider"
 )
 
@@ -21,10 +23,25 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == provider.InitArg {
 		provider.RunInit()
 	}
-	if err := rootCmd().Execute(); err != nil {
-		fmt.Fprintln(os.Stderr, "broker:", err)
-		os.Exit(1)
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// run runs the broker's command line and returns its exit code: 2 for a wrong command line
+// (usage.Error), 1 for any other error.
+func run(args []string, stdout, stderr io.Writer) int {
+	root := rootCmd()
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	err := root.Execute()
+	if err == nil {
+		return 0
 	}
+	fmt.Fprintln(stderr, "broker:", err)
+	if usage.Is(err) {
+		return 2
+	}
+	return 1
 }
 
 func rootCmd() *cobra.Command {
@@ -44,13 +61,22 @@ Every flag has an environment fallback, named in its help (SBX_LISTEN, SBX_REDIS
 
 Listening on every interface (--listen 0.0.0.0:7070) for agent servers on other hosts? Set
 --advertise-url to the URL they reach this broker at: dataplane_url in run-config blocks is built
-from it, and without it points at 127.0.0.1.`,
+from it, and without it points at 127.0.0.1.
+
+Exit codes: 0 ok, 2 a wrong command line or setting (the message says which and what to do),
+1 anything else.`,
 		Example: `  broker                                   # embedded defaults
   broker --provider namespace --log-format json
   broker --redis-url redis://10.0.0.5:6379 --advertise-url http://broker.internal:7070
   SBX_REDIS_URL=redis-sentinel://s1:26379,s2:26379/main broker`,
-		// No Args: cobra's own check of a root with subcommands refuses any argument and suggests a
-		// command close to it (broker kyes: did you mean keys?), which cobra.NoArgs does not.
+		// The root serves and takes no arguments: one is a mistyped command (broker kyes: did you
+		// mean keys?).
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) > 0 {
+				return usage.Errorf("unknown command %q%s; see broker --help", args[0], usage.DidYouMean(cmd, args[0]))
+			}
+			return nil
+		},
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -58,7 +84,7 @@ from it, and without it points at 127.0.0.1.`,
 				return err
 			}
 			if err := c.validate(); err != nil {
-				return fmt.Errorf("invalid configuration:\n%w", err)
+				return usage.Errorf("invalid configuration:\n%v", err)
 			}
 			return serve(cmd.Context(), c)
 		},
@@ -71,5 +97,6 @@ from it, and without it points at 127.0.0.1.`,
 	authFlags(root.Flags(), c)
 	root.AddCommand(keysCmd(c), orgsCmd(c))
 	annotateEnv(root)
+	usage.Guard(root)
 	return root
 }

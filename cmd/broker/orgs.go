@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server"
 	"github.com/sbxbroker/broker/store"
@@ -67,6 +68,8 @@ rps and burst (requests per second of each of its credentials, per broker), conn
 dataplane connections, per broker). An org without limits of its own gets the serving brokers'
 defaults (--org-max-running, --org-max-sandboxes, --org-rps, --org-burst, --max-dataplane-connections-per-org). 0 means
 no limit. Changes reach max_running at once and the rate limits of every broker within 5 seconds.`,
+		Example: `  broker orgs get-limits acme
+  broker orgs set-limits acme --max-running 20 --rps 50`,
 	}
 	orgs.AddCommand(orgsSetLimitsCmd(c), orgsGetLimitsCmd(c))
 	// The defaults, to show beside an org's own: give the same flags or SBX_* variables as serve.
@@ -123,7 +126,7 @@ func orgsSetLimitsCmd(c *config) *cobra.Command {
 				}
 			}
 			if len(set)+len(clear) == 0 {
-				return errors.New("nothing to set: give --max-running, --max-sandboxes, --rps, --burst or --connections (see --help)")
+				return usage.Errorf("nothing to set: give --max-running, --max-sandboxes, --rps, --burst or --connections; see %s --help", cmd.CommandPath())
 			}
 			org := args[0]
 			return withStore(cmd, c, func(s *store.Store) error {
@@ -166,13 +169,13 @@ func orgsGetLimitsCmd(c *config) *cobra.Command {
 	var output string
 	cmd := &cobra.Command{
 		Use:   "get-limits ORG",
-		Short: "Show an org's limits (its own, else the defaults) and its running sandboxes",
+		Short: "Show an org's limits (its own, else the defaults) and its sandboxes, running and all",
 		Example: `  broker orgs get-limits acme
   broker orgs get-limits default -o json`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if output != "table" && output != "json" {
-				return fmt.Errorf("-o must be table or json, not %q", output)
+				return usage.Errorf("-o must be table or json, not %q", output)
 			}
 			return withStore(cmd, c, func(s *store.Store) error {
 				return printLimits(cmd, c, s, args[0], output)
@@ -204,9 +207,13 @@ func printLimits(cmd *cobra.Command, c *config, s *store.Store, org, output stri
 	if err != nil {
 		return err
 	}
+	sandboxes, err := s.Sandboxes(ctx, org)
+	if err != nil {
+		return err
+	}
 	l := c.orgDefaults().With(own)
 	res := protocol.LimitsResponse{Org: org, Limits: protocol.OrgLimits{MaxRunning: l.MaxRunning, MaxSandboxes: l.MaxSandboxes, RPS: l.RPS, Burst: l.Burst, Connections: l.Connections},
-		Usage: protocol.LimitsUsage{Running: running}, Own: []string{}}
+		Usage: protocol.LimitsUsage{Running: running, Sandboxes: sandboxes}, Own: []string{}}
 	for _, name := range store.LimitNames {
 		if _, ok := own[name]; ok {
 			res.Own = append(res.Own, name)
@@ -225,8 +232,11 @@ func printLimits(cmd *cobra.Command, c *config, s *store.Store, org, output stri
 		if _, ok := own[name]; ok {
 			from = "org"
 		}
-		if name == store.LimitMaxRunning {
+		switch name {
+		case store.LimitMaxRunning:
 			used = strconv.Itoa(running)
+		case store.LimitMaxSandboxes:
+			used = strconv.Itoa(sandboxes)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", name, v, used, from)
 	}

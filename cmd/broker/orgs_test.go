@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"errors"
 	"os"
 	"strings"
@@ -63,11 +64,43 @@ func TestKeysRefuseBadInputBeforeTheStore(t *testing.T) {
 	}
 }
 
-// A mistyped command is refused with the command it was probably meant to be.
-func TestUnknownCommandSuggests(t *testing.T) {
-	cmd := rootCmd()
-	cmd.SetArgs([]string{"kyes", "list"})
-	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "Did you mean this?\n\tkeys") {
-		t.Fatalf("%v, want an unknown command suggesting keys", err)
+// A wrong command line exits 2 with a line saying what to do, and touches no data dir: cobra's own
+// answers (help for an unknown topic or subcommand, exit 0; its unknown-command and flag errors,
+// exit 1) told a script nothing.
+func TestUsageErrorsExit2(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"help", "nope"}, `unknown help topic "nope"; see broker --help`},
+		{[]string{"help", "kyes"}, `(did you mean keys?)`},
+		{[]string{"kyes"}, `unknown command "kyes" (did you mean keys?); see broker --help`},
+		{[]string{"kyes", "list"}, `unknown command "kyes"`},
+		{[]string{"version"}, `unknown command "version" (did you mean --version?)`},
+		{[]string{"keys", "nope"}, `unknown command "nope" for "broker keys"; see broker keys --help`},
+		{[]string{"keys", "lsit"}, `(did you mean list?)`},
+		{[]string{"orgs", "nope"}, `see broker orgs --help`},
+		{[]string{"keys", "list", "extra"}, `see broker keys list --help`},
+		{[]string{"keys", "create"}, `--org and --name are required; see broker keys create --help`},
+		{[]string{"keys", "create", "--org", "acme", "--name", "x", "-o", "yaml"}, "-o must be text, json or key"},
+		{[]string{"--nope"}, "unknown flag: --nope (did you mean --node?); see broker --help"},
+		{[]string{"--listn", ":1"}, "(did you mean --listen?)"},
+		{[]string{"keys", "list", "--ogr", "x"}, "see broker keys list --help"},
+	} {
+		dataDir := t.TempDir() + "/data"
+		var out, errb bytes.Buffer
+		code := run(append(tc.args, "--data-dir", dataDir), &out, &errb)
+		if code != 2 || !strings.Contains(errb.String(), tc.want) {
+			t.Errorf("broker %v: exit %d %q; want exit 2 saying %q", tc.args, code, errb.String(), tc.want)
+		}
+		if _, err := os.Stat(dataDir); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%v: the data dir was made (%v)", tc.args, err)
+		}
+	}
+	for _, args := range [][]string{{"help"}, {"help", "keys"}, {"keys"}, {"keys", "--help"}, {"help", "keys", "create"}} {
+		var out, errb bytes.Buffer
+		if code := run(args, &out, &errb); code != 0 || !strings.Contains(out.String(), "Usage:") {
+			t.Errorf("broker %v: exit %d %q, want its help", args, code, errb.String())
+		}
 	}
 }

@@ -102,6 +102,10 @@ func serve(parent context.Context, c *config) error {
 		go serveDebug(c.DebugListen, log)
 	}
 	l, err := net.Listen("tcp", c.Listen)
+	if errors.Is(err, syscall.EADDRINUSE) {
+		b.Shutdown(context.Background())
+		return fmt.Errorf("--listen (SBX_LISTEN): another process listens on %s (a broker already running?): stop it, or give this one another address, e.g. --listen 127.0.0.1:7071", c.Listen)
+	}
 	if err != nil {
 		b.Shutdown(context.Background())
 		return fmt.Errorf("--listen (SBX_LISTEN): %w", err)

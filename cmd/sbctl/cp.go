@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/tartree"
 )
@@ -53,7 +54,7 @@ otherwise cp is quiet (-o json prints what moved).`,
   sbctl cp dev:/workspace/logs - | tar t    # a tar stream of logs/ to stdout`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) < 2 {
-				return usageErr("cp takes at least a source and a destination; see sbctl cp --help")
+				return usage.Errorf("cp takes at least a source and a destination; see sbctl cp --help")
 			}
 			return nil
 		},
@@ -68,11 +69,11 @@ otherwise cp is quiet (-o json prints what moved).`,
 			}
 			switch {
 			case dremote && nremote > 0:
-				return usageErr("cp copies between this machine and one sandbox: copy from a sandbox to a local directory first")
+				return usage.Errorf("cp copies between this machine and one sandbox: copy from a sandbox to a local directory first")
 			case !dremote && nremote == 0:
-				return usageErr("neither side is a sandbox: write the sandbox side as REF:PATH (e.g. dev:/workspace/src)")
+				return usage.Errorf("neither side is a sandbox: write the sandbox side as REF:PATH (e.g. dev:/workspace/src)")
 			case !dremote && len(srcs) > 1:
-				return usageErr("copy out of a sandbox one REF:PATH at a time")
+				return usage.Errorf("copy out of a sandbox one REF:PATH at a time")
 			}
 			start := time.Now()
 			ctx := cmd.Context()
@@ -190,7 +191,16 @@ func summary(res protocol.TreeResult, d time.Duration) string {
 	if s := d.Seconds(); s > 0 {
 		rate = fmt.Sprintf(", %s/s", sizeIEC(int64(float64(res.Bytes)/s)))
 	}
-	return fmt.Sprintf("%d files, %d dirs, %d symlinks, %s in %s%s", res.Files, res.Dirs, res.Symlinks, sizeIEC(res.Bytes), d.Round(time.Millisecond), rate)
+	return fmt.Sprintf("%s, %s, %s, %s in %s%s", count(res.Files, "file", "files"), count(res.Dirs, "dir", "dirs"),
+		count(res.Symlinks, "symlink", "symlinks"), sizeIEC(res.Bytes), d.Round(time.Millisecond), rate)
+}
+
+// count is n and the noun that goes with it: "1 file", "2 files".
+func count[N int | int64](n N, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return fmt.Sprintf("%d %s", n, many)
 }
 
 func sizeIEC(n int64) string {
@@ -233,14 +243,14 @@ func followLinks(ctx context.Context, r *backend.Remote, p string) (string, prot
 		}
 		p = next
 	}
-	return p, protocol.FileInfo{}, usageErr("%s: too many levels of symbolic links", p)
+	return p, protocol.FileInfo{}, usage.Errorf("%s: too many levels of symbolic links", p)
 }
 
 // cpIn copies local sources (or a tar stream on stdin) into the sandbox.
 func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (protocol.TreeResult, error) {
 	for _, s := range srcs {
 		if s == "-" && len(srcs) > 1 {
-			return protocol.TreeResult{}, usageErr("\"-\" (a tar stream on stdin) is the only source when it is given")
+			return protocol.TreeResult{}, usage.Errorf("\"-\" (a tar stream on stdin) is the only source when it is given")
 		}
 	}
 	// Local sources are checked before anything is sent.
@@ -252,7 +262,7 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 				_, err = os.Lstat(a)
 			}
 			if err != nil {
-				return protocol.TreeResult{}, usageErr("cannot copy %s: %v", s, errors.Unwrap(err))
+				return protocol.TreeResult{}, usage.Errorf("cannot copy %s: %v", s, errors.Unwrap(err))
 			}
 			abs[i] = a
 		}
@@ -275,7 +285,7 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 	dst, fi, err := followLinks(ctx, r, dst)
 	var pe *protocol.Error
 	if dst != given && errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound {
-		return protocol.TreeResult{}, usageErr("%s:%s is a symbolic link to %s, which does not exist", ref, given, dst)
+		return protocol.TreeResult{}, usage.Errorf("%s:%s is a symbolic link to %s, which does not exist", ref, given, dst)
 	}
 	dir, as := dst, ""
 	switch {
@@ -286,15 +296,15 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 				break
 			}
 			if len(srcs) > 1 {
-				return protocol.TreeResult{}, usageErr("%s:%s is not a directory; several sources go into a directory", ref, given)
+				return protocol.TreeResult{}, usage.Errorf("%s:%s is not a directory; several sources go into a directory", ref, given)
 			}
-			return protocol.TreeResult{}, usageErr("%s:%s is not a directory (a trailing / names one)", ref, given)
+			return protocol.TreeResult{}, usage.Errorf("%s:%s is not a directory (a trailing / names one)", ref, given)
 		}
 		dir, as = path.Dir(path.Clean(dst)), path.Base(path.Clean(dst))
 	case errors.As(err, &pe) && pe.Code == protocol.CodeNotDirectory && strings.HasSuffix(dst, "/"):
 		// The broker's stat answers not_directory for "file/"; a file by that name says why here.
 		if fi, serr := r.Stat(ctx, strings.TrimRight(dst, "/")); serr == nil && fi.Type != protocol.FileTypeDir {
-			return protocol.TreeResult{}, usageErr("%s:%s is not a directory (a trailing / names one)", ref, given)
+			return protocol.TreeResult{}, usage.Errorf("%s:%s is not a directory (a trailing / names one)", ref, given)
 		}
 		return protocol.TreeResult{}, err
 	default:
@@ -348,16 +358,16 @@ func (g *globals) cpOut(ctx context.Context, ref, src, dst string) (protocol.Tre
 	}
 	abs, err := filepath.Abs(dst)
 	if err != nil {
-		return protocol.TreeResult{}, usageErr("%s: %v", dst, err)
+		return protocol.TreeResult{}, usage.Errorf("%s: %v", dst, err)
 	}
 	dir, as := abs, ""
 	if fi, err := os.Stat(abs); err != nil || !fi.IsDir() {
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return protocol.TreeResult{}, usageErr("%s: %v", dst, errors.Unwrap(err))
+			return protocol.TreeResult{}, usage.Errorf("%s: %v", dst, errors.Unwrap(err))
 		}
 		if strings.HasSuffix(dst, "/") {
 			if err := os.MkdirAll(abs, 0o755); err != nil {
-				return protocol.TreeResult{}, usageErr("%s: %v", dst, errors.Unwrap(err))
+				return protocol.TreeResult{}, usage.Errorf("%s: %v", dst, errors.Unwrap(err))
 			}
 		} else {
 			dir, as = filepath.Dir(abs), filepath.Base(abs)
@@ -365,7 +375,7 @@ func (g *globals) cpOut(ctx context.Context, ref, src, dst string) (protocol.Tre
 	}
 	root, err := os.OpenRoot(dir)
 	if err != nil {
-		return protocol.TreeResult{}, usageErr("%s: the directory to copy into cannot be opened: %v", dst, errors.Unwrap(err))
+		return protocol.TreeResult{}, usage.Errorf("%s: the directory to copy into cannot be opened: %v", dst, errors.Unwrap(err))
 	}
 	defer root.Close()
 	r, err := g.dial(ctx, ref)

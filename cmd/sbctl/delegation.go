@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -40,7 +41,7 @@ func (f *grantFlags) request(cmd *cobra.Command) (protocol.MintRequest, error) {
 // refuses one sent) and the token would run every program, the opposite of what was asked.
 func (f *grantFlags) checkAllowCmd(cmd *cobra.Command) error {
 	if cmd.Flags().Changed("allow-cmd") && len(f.allowCmd) == 0 {
-		return usageErr("--allow-cmd names no program: list the programs the token may run (e.g. --allow-cmd pytest,python), or leave the flag out to allow any")
+		return usage.Errorf("--allow-cmd names no program: list the programs the token may run (e.g. --allow-cmd pytest,python), or leave the flag out to allow any")
 	}
 	return nil
 }
@@ -58,7 +59,7 @@ func delegateCmd(g *globals) *cobra.Command {
 		Args: exactArgs(1, "REF (a sandbox id or name)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("scope") {
-				return usageErr("--scope is required: what the token allows, e.g. --scope fs:read,fs:write,exec")
+				return usage.Errorf("--scope is required: what the token allows, e.g. --scope fs:read,fs:write,exec")
 			}
 			req, err := f.request(cmd)
 			if err != nil {
@@ -138,7 +139,7 @@ func revokeCmd(g *globals) *cobra.Command {
 		Args: exactArgs(1, "REF (a sandbox id or name)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if (jti == "") == !all {
-				return usageErr("give exactly one of --jti J or --all")
+				return usage.Errorf("give exactly one of --jti J or --all")
 			}
 			c, err := g.client()
 			if err != nil {
@@ -205,12 +206,12 @@ builds its own run request).`,
 		Args: maxArgs(1, "one REF (or --thread T)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == (thread != "") {
-				return usageErr("give either REF or --thread T")
+				return usage.Errorf("give either REF or --thread T")
 			}
 			switch format {
 			case "config", "block", "env":
 			default:
-				return usageErr("--format must be config, block or env")
+				return usage.Errorf("--format must be config, block or env")
 			}
 			req, err := f.request(cmd)
 			if err != nil {
@@ -291,7 +292,7 @@ TOKEN is "-" or absent, so it stays out of shell history.`,
 				token = strings.TrimSpace(line)
 			}
 			if token == "" {
-				return usageErr("no token given")
+				return usage.Errorf("no token given: pass it as TOKEN, or pipe it in (sbctl introspect - < token.txt); see sbctl introspect --help")
 			}
 			c, err := g.client()
 			if err != nil {

@@ -16,8 +16,10 @@ func limitsCmd(g *globals) *cobra.Command {
 		Use:   "limits",
 		Short: "Show your org's limits and what it uses of them",
 		Long: `Show the org's limits: max_running (sandboxes provisioning or running at once, on every broker),
-rps and burst (requests per second of each API key, per broker). FROM says whether the org has a
-limit of its own or the broker's default; none means no limit. A request past a limit is refused
+max_sandboxes (sandboxes in any state, stopped ones included), rps and burst (requests per second
+of each API key, per broker) and connections (open dataplane connections, per broker). IN USE is
+what the org holds now of max_running and max_sandboxes. FROM says whether the org has a limit of
+its own or the broker's default; none means no limit. A request past a limit is refused
 with quota_exceeded or rate_limited (exit 7); the broker's operator raises limits with
 broker orgs set-limits.`,
 		Example: "  sbctl limits\n  sbctl limits -o json",
@@ -44,7 +46,7 @@ broker orgs set-limits.`,
 					used  string
 				}{
 					{"max_running", res.Limits.MaxRunning, strconv.Itoa(res.Usage.Running)},
-					{"max_sandboxes", res.Limits.MaxSandboxes, ""},
+					{"max_sandboxes", res.Limits.MaxSandboxes, strconv.Itoa(res.Usage.Sandboxes)},
 					{"rps", res.Limits.RPS, ""},
 					{"burst", res.Limits.Burst, ""},
 					{"connections", res.Limits.Connections, ""},

@@ -17,6 +17,7 @@ import (
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -47,19 +48,19 @@ from it.`,
   echo 'print(2+2)' | sbctl exec dev -i -- python3`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) < 1 {
-				return usageErr("exec takes REF and a command; see sbctl exec --help")
+				return usage.Errorf("exec takes REF and a command; see sbctl exec --help")
 			}
 			if shell == "" && len(args) == 1 {
-				return usageErr("no command: give one after -- (a program and its arguments) or with -c (a shell string)")
+				return usage.Errorf("no command: give one after -- (a program and its arguments) or with -c (a shell string)")
 			}
 			if shell != "" && len(args) > 1 {
-				return usageErr("give the command either after -- (a program and its arguments) or with -c (a shell string), not both")
+				return usage.Errorf("give the command either after -- (a program and its arguments) or with -c (a shell string), not both")
 			}
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if timeout < 0 || (timeout > 0 && timeout < time.Millisecond) {
-				return usageErr("--timeout %s: give at least 1ms, e.g. 500ms, 30s or 2h (0 is the sandbox's default)", timeout)
+				return usage.Errorf("--timeout %s: give at least 1ms, e.g. 500ms, 30s or 2h (0 is the sandbox's default)", timeout)
 			}
 			c, err := g.client()
 			if err != nil {
@@ -71,7 +72,7 @@ from it.`,
 				for _, kv := range env {
 					k, v, ok := strings.Cut(kv, "=")
 					if !ok {
-						return usageErr("--env %q is not NAME=value", kv)
+						return usage.Errorf("--env %q is not NAME=value", kv)
 					}
 					a.Env[k] = v
 				}
@@ -92,6 +93,9 @@ from it.`,
 				}
 			}
 			res, err := r.Exec(cmd.Context(), backend.ExecRequest{ExecArgs: a, Stdout: g.stdout, Stderr: g.stderr})
+			if pe := (*protocol.Error)(nil); errors.As(err, &pe) && pe.Code == protocol.CodeInvalidPath && cwd != "" {
+				return usage.Errorf("--cwd: %s", pe.Message) // exec's one path
+			}
 			if err != nil {
 				return err
 			}
@@ -111,7 +115,7 @@ from it.`,
 		},
 	}, "it passes the command's own output through", "table")
 	cmd.Flags().StringVarP(&shell, "command", "c", "", "a shell command string, run with /bin/sh -c")
-	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, a sandbox path (default /workspace)")
+	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, an existing directory under /workspace, absolute or relative to it (default /workspace)")
 	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable NAME=value (repeatable)")
 	cmd.Flags().Var(client.Duration{D: &timeout}, "timeout", "kill the command's process tree after this long, e.g. 30s or 2h (default: the sandbox's, 10m)")
 	cmd.Flags().BoolVarP(&stdin, "stdin", "i", false, "send sbctl's standard input (text, up to about 1 MiB) to the command")
@@ -132,10 +136,10 @@ func readStdin(r io.Reader, maxFrame int) (string, error) {
 		return "", fmt.Errorf("read stdin: %w", err)
 	}
 	if len(b) > limit {
-		return "", usageErr("exec -i: stdin is larger than %d bytes, what one exec request carries; write it to a file in the workspace and redirect from it", limit)
+		return "", usage.Errorf("exec -i: stdin is larger than %d bytes, what one exec request carries; write it to a file in the workspace and redirect from it", limit)
 	}
 	if !utf8.Valid(b) {
-		return "", usageErr("exec -i: stdin is not UTF-8 text, which is all an exec request carries; write binary input to a file in the workspace and redirect from it")
+		return "", usage.Errorf("exec -i: stdin is not UTF-8 text, which is all an exec request carries; write binary input to a file in the workspace and redirect from it")
 	}
 	return string(b), nil
 }
@@ -153,13 +157,13 @@ stopped it), attach says so and exits with code 5.`,
 		Example: "  sbctl attach dev\n  sbctl attach dev --stop-on-exit\n  sbctl attach $(sbctl list --tag thread_id=T42 -q)",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) == 0 {
-				return usageErr("attach takes one or more REFs (sandbox ids or names)")
+				return usage.Errorf("attach takes one or more REFs (sandbox ids or names)")
 			}
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, refs []string) error {
 			if stopOnExit && deleteOnExit {
-				return usageErr("give at most one of --stop-on-exit and --delete-on-exit")
+				return usage.Errorf("give at most one of --stop-on-exit and --delete-on-exit")
 			}
 			c, err := g.client()
 			if err != nil {
@@ -287,10 +291,10 @@ connection resumes exactly where it left off; following one sandbox ends at its 
 		Example: "  sbctl events dev -f\n  sbctl events --all -f -o json | jq -c 'select(.type==\"exec\")'",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == all || len(args) > 1 {
-				return usageErr("give either REF or --all")
+				return usage.Errorf("give a REF, or --all for the whole org (not both); see sbctl events --help")
 			}
 			if since != "" && !eventID.MatchString(since) {
-				return usageErr("--since %q is not an event id: give the id of an event as -o json prints it (e.g. 1795790386522-2)", since)
+				return usage.Errorf("--since %q is not an event id: give the id of an event as -o json prints it (e.g. 1795790386522-2)", since)
 			}
 			return nil
 		},
@@ -384,7 +388,7 @@ func eventLine(e protocol.Event, withSandbox bool) string {
 			if e.Direction == "out" {
 				arrow = "->"
 			}
-			fmt.Fprintf(&b, "%s %s %d files, %s", termSafe(e.Path), arrow, *e.Files, sizeIEC(*e.Bytes))
+			fmt.Fprintf(&b, "%s %s %s, %s", termSafe(e.Path), arrow, count(*e.Files, "file", "files"), sizeIEC(*e.Bytes))
 		}
 	case protocol.EventExpiring:
 		if e.SecondsLeft != nil {
@@ -419,7 +423,7 @@ sbctl delete --tag k=v for a batch.`,
 		Args:    maxArgs(0, "no arguments"),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if !dryRun {
-				return usageErr("sweep only reports (--dry-run); the broker stops expired sandboxes itself, and sbctl delete cleans up")
+				return usage.Errorf("sweep only reports (--dry-run); the broker stops expired sandboxes itself, and sbctl delete cleans up")
 			}
 			c, err := g.client()
 			if err != nil {

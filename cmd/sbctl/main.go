@@ -16,11 +16,11 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
-	"github.com/spf13/pflag"
 	"golang.org/x/term"
 	"sigs.k8s.io/yaml"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/cmd/sbctl/quietterm"
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -121,10 +121,11 @@ first start on the embedded defaults.
 
 A REF is a sandbox id (sb_...) or name.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 not authorized, 5 conflict (name taken, sandbox
-stopped or failed, or hosted by another broker), 6 broker unreachable or unavailable, 7 refused by
-a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C); sbctl exec exits with the
-command's own code.`,
+Exit codes: 0 ok, 1 error, 2 usage (a wrong command line, or an argument the broker refuses as
+such: a path outside /workspace, a bad --ttl), 3 not found, 4 not authorized, 5 conflict (name
+taken, sandbox stopped or failed, or hosted by another broker), 6 broker unreachable or
+unavailable, 7 refused by a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C);
+sbctl exec exits with the command's own code.`,
 		Example: `  sbctl create dev --ttl 30m --tag thread_id=T42
   sbctl exec dev -c 'echo hi > hello.txt && ls'
   sbctl cp ./src dev:/workspace/
@@ -140,24 +141,22 @@ command's own code.`,
 			if len(args) == 0 {
 				return cmd.Help()
 			}
-			return usageErr("unknown command %q%s; see sbctl --help", args[0], didYouMean(cmd, args[0]))
+			return usage.Errorf("unknown command %q%s; see sbctl --help", args[0], usage.DidYouMean(cmd, args[0]))
 		},
 		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
 			switch g.output {
 			case "table", "json", "yaml":
 			default:
-				return usageErr("-o must be table, json or yaml, not %q", g.output)
+				return usage.Errorf("-o must be table, json or yaml, not %q", g.output)
 			}
 			if ok, why := outputAllowed(cmd, g.output); !ok {
-				return usageErr("%s does not print -o %s: %s", cmd.Name(), g.output, why)
+				return usage.Errorf("%s does not print -o %s: %s", cmd.Name(), g.output, why)
 			}
 			return nil
 		},
 	}
 	root.Version = client.Version()
 	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
-	root.SuggestionsMinimumDistance = 2
-	root.SetFlagErrorFunc(flagError)
 	pf := root.PersistentFlags()
 	pf.StringVar(&g.broker, "broker", "", "broker URL (env SBX_BROKER_URL; default from the config file, else http://127.0.0.1:7070)")
 	pf.StringVar(&g.apiKey, "api-key", "", "org API key (env SBX_API_KEY; default from the config file)")
@@ -171,36 +170,8 @@ command's own code.`,
 		mcpCmd(g), cpCmd(g), pushCmd(g), diffCmd(g), pullCmd(g), shellCmd(g),
 	)
 	addCompletions(g, root)
-	guardHelpTopics(root)
+	usage.Guard(root)
 	return root
-}
-
-// didYouMean names the commands close to name, as " (did you mean x?)", or is "".
-func didYouMean(root *cobra.Command, name string) string {
-	if s := root.SuggestionsFor(name); len(s) > 0 {
-		return " (did you mean " + strings.Join(s, " or ") + "?)"
-	}
-	return ""
-}
-
-// guardHelpTopics makes "sbctl help TOPIC" a usage error when TOPIC is no command: cobra's own help
-// command shows the root's help for it and exits 0, since the root takes arguments.
-func guardHelpTopics(root *cobra.Command) {
-	root.InitDefaultHelpCmd()
-	help, _, err := root.Find([]string{"help"})
-	if err != nil || help == root {
-		return
-	}
-	show := help.Run
-	help.Run = nil
-	help.RunE = func(c *cobra.Command, args []string) error {
-		if _, rest, err := root.Find(args); err != nil || len(rest) > 0 {
-			topic := strings.Join(args, " ")
-			return usageErr("unknown help topic %q%s; see sbctl --help", topic, didYouMean(root, args[0]))
-		}
-		show(c, args)
-		return nil
-	}
 }
 
 // client builds an SDK client from flags, env and the config file, in that order.
@@ -211,7 +182,7 @@ func (g *globals) client() (*client.Client, error) {
 	}
 	cfg, err := client.LoadConfig(path)
 	if err != nil {
-		return nil, usageErr("%v", err)
+		return nil, usage.Errorf("%v", err)
 	}
 	broker := first(g.broker, os.Getenv("SBX_BROKER_URL"), cfg.Broker, "http://127.0.0.1:7070")
 	key := first(g.apiKey, os.Getenv("SBX_API_KEY"), cfg.APIKey)
@@ -226,7 +197,7 @@ func (g *globals) client() (*client.Client, error) {
 	}
 	c, err := client.New(broker, key)
 	if err != nil {
-		return nil, usageErr("%v", err)
+		return nil, usage.Errorf("%v", err)
 	}
 	if u, err := url.Parse(broker); err == nil {
 		g.brokerURL = u.Redacted() // a password in the URL stays out of messages
@@ -263,63 +234,12 @@ func (g *globals) print(v any, table func(w io.Writer)) error {
 	return nil
 }
 
-// flagError makes cobra's flag errors usage errors that point at the command's help, with the
-// flag the person probably meant when one is close to what they typed.
-func flagError(cmd *cobra.Command, err error) error {
-	msg := err.Error()
-	if typed, ok := strings.CutPrefix(msg, "unknown flag: --"); ok {
-		if near := nearestFlag(cmd, typed); near != "" {
-			msg += " (did you mean --" + near + "?)"
-		}
-	}
-	return usageErr("%s; see %s --help", msg, cmd.CommandPath())
-}
-
-// nearestFlag is the name of cmd's flag within two edits of typed, or "".
-func nearestFlag(cmd *cobra.Command, typed string) string {
-	best, bestDist := "", 3
-	cmd.Flags().VisitAll(func(f *pflag.Flag) {
-		if d := editDistance(typed, f.Name); d < bestDist {
-			best, bestDist = f.Name, d
-		}
-	})
-	return best
-}
-
-// editDistance is the Levenshtein distance between a and b.
-func editDistance(a, b string) int {
-	prev := make([]int, len(b)+1)
-	for j := range prev {
-		prev[j] = j
-	}
-	for i := 1; i <= len(a); i++ {
-		cur := make([]int, len(b)+1)
-		cur[0] = i
-		for j := 1; j <= len(b); j++ {
-			cost := 1
-			if a[i-1] == b[j-1] {
-				cost = 0
-			}
-			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
-		}
-		prev = cur
-	}
-	return prev[len(b)]
-}
-
-type usageError struct{ msg string }
-
-func (e *usageError) Error() string { return e.msg }
-
-func usageErr(format string, args ...any) error { return &usageError{fmt.Sprintf(format, args...)} }
-
 // exitCodeOf classifies an error for scripts.
 func exitCodeOf(err error) int {
-	var ue *usageError
 	var pe *protocol.Error
 	var un *client.UnreachableError
 	switch {
-	case errors.As(err, &ue):
+	case usage.Is(err):
 		return exitUsage
 	case errors.As(err, &un):
 		return exitUnreachable
@@ -344,7 +264,10 @@ func exitCodeOf(err error) int {
 		case protocol.CodeUnreachable, protocol.CodeUnavailable: // the dataplane, or a broker that says retry
 			return exitUnreachable
 		}
-		if pe.Status == 400 {
+		// A path the dataplane's rules refuse (outside /workspace, empty, too long) is the caller's
+		// mistake whatever the sandbox holds, as a REST 400 is; the dataplane's refusals carry no
+		// HTTP status. Its invalid_argument may depend on the sandbox (a missing cwd or program): 1.
+		if pe.Status == 400 || (pe.Status == 0 && pe.Code == protocol.CodeInvalidPath) {
 			return exitUsage
 		}
 	}

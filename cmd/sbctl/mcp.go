@@ -16,6 +16,7 @@ import (
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/mcp"
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -277,7 +278,7 @@ SBX_API_KEY or its config file).`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			where, ok := mcpClients[clientName]
 			if !ok {
-				return usageErr("--client must be claude-code, cursor or vscode")
+				return usage.Errorf("--client must be claude-code, cursor or vscode, not %q; see sbctl mcp config --help", clientName)
 			}
 			exe, err := os.Executable()
 			if err != nil || !filepath.IsAbs(exe) {

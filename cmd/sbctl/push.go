@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/gitsync"
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -82,7 +83,7 @@ Needs the fs:read and fs:write scopes (an owner's key has both).`,
 func rangeArgs(lo, hi int, what string) cobra.PositionalArgs {
 	return func(cmd *cobra.Command, args []string) error {
 		if len(args) < lo || len(args) > hi {
-			return usageErr("%s takes %s; see sbctl %s --help", cmd.Name(), what, cmd.Name())
+			return usage.Errorf("%s takes %s; see %s --help", cmd.Name(), what, cmd.CommandPath())
 		}
 		return nil
 	}
@@ -109,7 +110,7 @@ func (g *globals) dialRef(ctx context.Context, ref string) (*backend.Remote, pro
 func (g *globals) push(ctx context.Context, ref, dir string, opt gitsync.PushOptions) (gitsync.PushResult, error) {
 	repo, err := gitsync.Open(ctx, dir)
 	if err != nil {
-		return gitsync.PushResult{}, usageErr("%v", err)
+		return gitsync.PushResult{}, usage.Errorf("%v", err)
 	}
 	r, sb, err := g.dialRef(ctx, ref)
 	if err != nil {
@@ -130,7 +131,8 @@ func (g *globals) push(ctx context.Context, ref, dir string, opt gitsync.PushOpt
 		if opt.Rev == "" {
 			why = "the repository has no .gitmodules (they are embedded repositories); register them with git submodule add, or copy them with sbctl cp"
 		}
-		fmt.Fprintf(g.stderr, "sbctl: warning: %d submodules were not pushed (%s): %s\n", len(res.Submodules), termSafe(res.Submodules[0]), why)
+		were := count(len(res.Submodules), "submodule was", "submodules were")
+		fmt.Fprintf(g.stderr, "sbctl: warning: %s not pushed (%s): %s\n", were, termSafe(res.Submodules[0]), why)
 	}
 	if f, ok := g.stderr.(*os.File); ok && isTerminal(f) && !g.quiet && g.output == "table" {
 		g.status("pushed in %s\n", time.Since(start).Round(time.Millisecond))
@@ -147,7 +149,7 @@ func (g *globals) printPush(res gitsync.PushResult) error {
 		if !res.Synthetic {
 			what = "commit"
 		}
-		fmt.Fprintf(w, "pushed %s %s: %d files sent (%s), %d deleted, %d unchanged\n", what, res.Commit[:12], res.Sent, sizeIEC(res.Bytes), res.Deleted, res.Unchanged)
+		fmt.Fprintf(w, "pushed %s %s: %s sent (%s), %d deleted, %d unchanged\n", what, res.Commit[:12], count(res.Sent, "file", "files"), sizeIEC(res.Bytes), res.Deleted, res.Unchanged)
 	})
 }
 
@@ -165,7 +167,7 @@ func stateErr(err error) error {
 func (g *globals) fetch(ctx context.Context, ref, dir string) (*gitsync.Repo, *gitsync.Fetched, protocol.Sandbox, error) {
 	repo, err := gitsync.Open(ctx, dir)
 	if err != nil {
-		return nil, nil, protocol.Sandbox{}, usageErr("%v", err)
+		return nil, nil, protocol.Sandbox{}, usage.Errorf("%v", err)
 	}
 	r, sb, err := g.dialRef(ctx, ref)
 	if err != nil {
@@ -208,7 +210,7 @@ Needs the fs:read scope only.`,
 			format := ""
 			switch {
 			case stat && nameOnly:
-				return usageErr("--stat and --name-only are two formats: choose one")
+				return usage.Errorf("--stat and --name-only are two formats: choose one")
 			case stat:
 				format = "stat"
 			case nameOnly:
@@ -264,8 +266,13 @@ Needs the fs:read scope only.`,
 			}
 			if branch != "" {
 				c, err := gitsync.Branch(ctx, repo, f, branch, sb.Name)
-				if err != nil {
-					return usageErr("%v", err)
+				switch {
+				case errors.Is(err, gitsync.ErrBadBranchName):
+					return usage.Errorf("%v", err)
+				case errors.Is(err, gitsync.ErrBranchExists):
+					return &protocol.Error{Code: protocol.CodeNameConflict, Status: 409, Message: err.Error()} // exit 5, as a name taken
+				case err != nil:
+					return err // nothing changed, or git failed: the command line was right
 				}
 				out := map[string]any{"branch": branch, "commit": c, "base": f.Base, "changes": len(f.Changes)}
 				if g.quiet {
@@ -273,7 +280,7 @@ Needs the fs:read scope only.`,
 					return nil
 				}
 				return g.print(out, func(w io.Writer) {
-					fmt.Fprintf(w, "branch %s: %d changed paths from sandbox %s, on the pushed commit %s (commit %s)\n", branch, len(f.Changes), termSafe(sb.Name), f.Base[:12], c[:12])
+					fmt.Fprintf(w, "branch %s: %s from sandbox %s, on the pushed commit %s (commit %s)\n", branch, count(len(f.Changes), "changed path", "changed paths"), termSafe(sb.Name), f.Base[:12], c[:12])
 					fmt.Fprintf(w, "merge it with:  git merge %s\n", branch)
 				})
 			}
@@ -285,7 +292,7 @@ Needs the fs:read scope only.`,
 				if g.quiet {
 					return
 				}
-				fmt.Fprintf(w, "%d updated, %d deleted, %d merged, %d conflicts, %d already the same\n", len(res.Updated), len(res.Deleted), len(res.Merged), len(res.Conflicts), res.Same)
+				fmt.Fprintf(w, "%d updated, %d deleted, %d merged, %s, %d already the same\n", len(res.Updated), len(res.Deleted), len(res.Merged), count(len(res.Conflicts), "conflict", "conflicts"), res.Same)
 				for _, c := range res.Conflicts {
 					fmt.Fprintf(w, "conflict: %s\n", termSafe(c))
 				}
@@ -323,6 +330,6 @@ func (g *globals) createFrom(ctx context.Context, res protocol.CreateSandboxResp
 	}{res, pr}
 	return g.print(out, func(w io.Writer) {
 		fmt.Fprintf(w, "%s sandbox %s (%s), %s\n", termSafe(res.Outcome), termSafe(res.Sandbox.Name), termSafe(res.Sandbox.ID), statusLine(res.Sandbox))
-		fmt.Fprintf(w, "pushed %s: %d files sent (%s), %d deleted, %d unchanged\n", pr.Commit[:12], pr.Sent, sizeIEC(pr.Bytes), pr.Deleted, pr.Unchanged)
+		fmt.Fprintf(w, "pushed %s: %s sent (%s), %d deleted, %d unchanged\n", pr.Commit[:12], count(pr.Sent, "file", "files"), sizeIEC(pr.Bytes), pr.Deleted, pr.Unchanged)
 	})
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/gitsync"
 	"github.com/sbxbroker/broker/protocol"
 )
@@ -27,7 +28,7 @@ func parseTags(flags []string) (map[string]string, error) {
 	for _, t := range flags {
 		k, v, ok := strings.Cut(t, "=")
 		if !ok || k == "" {
-			return nil, usageErr("--tag %q is not key=value", t)
+			return nil, usage.Errorf("--tag %q is not key=value", t)
 		}
 		tags[k] = v
 	}
@@ -91,7 +92,7 @@ A sandbox the broker cannot isolate (its dir provider) comes with a warning on s
 			}
 			if from != "" { // before anything is created: a wrong DIR changes nothing
 				if _, err := gitsync.Open(cmd.Context(), from); err != nil {
-					return usageErr("--from: %v", err)
+					return usage.Errorf("--from: %v", err)
 				}
 			}
 			res, err := c.CreateSandbox(cmd.Context(), req)
@@ -371,7 +372,7 @@ only shows. Delegation tokens for a deleted sandbox stop working at once.`,
 				return g.printDeleted(res)
 			case len(args) == 0 && len(sel) > 0:
 			default:
-				return usageErr("give either REF or at least one --tag k=v, not both")
+				return usage.Errorf("give a REF, or at least one --tag k=v (not both); see sbctl delete --help")
 			}
 			preview, err := c.DeleteSandboxes(cmd.Context(), sel, true)
 			if err != nil {
@@ -382,10 +383,14 @@ only shows. Delegation tokens for a deleted sandbox stop working at once.`,
 			}
 			if !yes {
 				if !g.isTTY {
-					return usageErr("refusing to delete %d sandboxes without --yes (stdin is not a terminal)", len(preview.Deleted))
+					return usage.Errorf("refusing to delete %s without --yes (stdin is not a terminal)", count(len(preview.Deleted), "sandbox", "sandboxes"))
 				}
 				sandboxTable(g.stderr, preview.Deleted)
-				fmt.Fprintf(g.stderr, "Delete these %d sandboxes and their files? [y/N] ", len(preview.Deleted))
+				if len(preview.Deleted) == 1 {
+					fmt.Fprint(g.stderr, "Delete this sandbox and its files? [y/N] ")
+				} else {
+					fmt.Fprintf(g.stderr, "Delete these %d sandboxes and their files? [y/N] ", len(preview.Deleted))
+				}
 				answer, _ := bufio.NewReader(g.stdin).ReadString('\n')
 				if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
 					return fmt.Errorf("nothing deleted")
@@ -434,7 +439,7 @@ func extendCmd(g *globals) *cobra.Command {
 		Args:    exactArgs(1, "REF (a sandbox id or name)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("ttl") {
-				return usageErr("--ttl is required, e.g. --ttl 2h")
+				return usage.Errorf("--ttl is required, e.g. --ttl 2h")
 			}
 			if _, err := secondsFlag(cmd, "ttl", ttl); err != nil {
 				return err
@@ -462,7 +467,7 @@ func heartbeatCmd(g *globals) *cobra.Command {
   sbctl heartbeat $(sbctl list --tag team=infra -q)   # many leases, one request`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) == 0 {
-				return usageErr("heartbeat takes one or more REFs (sandbox ids or names)")
+				return usage.Errorf("heartbeat takes one or more REFs (sandbox ids or names)")
 			}
 			return nil
 		},
@@ -525,7 +530,7 @@ func (g *globals) printLease(ref string, l protocol.HeartbeatResponse) error {
 func exactArgs(n int, what string) cobra.PositionalArgs {
 	return func(cmd *cobra.Command, args []string) error {
 		if len(args) != n {
-			return usageErr("%s takes %s; see sbctl %s --help", cmd.Name(), what, cmd.Name())
+			return usage.Errorf("%s takes %s; see %s --help", cmd.Name(), what, cmd.CommandPath())
 		}
 		return nil
 	}
@@ -535,7 +540,7 @@ func exactArgs(n int, what string) cobra.PositionalArgs {
 func maxArgs(n int, what string) cobra.PositionalArgs {
 	return func(cmd *cobra.Command, args []string) error {
 		if len(args) > n {
-			return usageErr("%s takes %s, not %q; see sbctl %s --help", cmd.Name(), what, strings.Join(args, " "), cmd.Name())
+			return usage.Errorf("%s takes %s, not %q; see %s --help", cmd.Name(), what, strings.Join(args, " "), cmd.CommandPath())
 		}
 		return nil
 	}
@@ -548,7 +553,7 @@ func secondsFlag(cmd *cobra.Command, flag string, d time.Duration) (*int64, erro
 		return nil, nil
 	}
 	if d < time.Second {
-		return nil, usageErr("--%s %s is less than a second: leases and tokens are counted in whole seconds; use e.g. 90s, 30m, 2h or 7d", flag, d)
+		return nil, usage.Errorf("--%s %s is less than a second: leases and tokens are counted in whole seconds; use e.g. 90s, 30m, 2h or 7d", flag, d)
 	}
 	secs := int64(d / time.Second)
 	return &secs, nil

@@ -16,6 +16,7 @@ import (
 
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/client"
+	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -45,10 +46,10 @@ the exec scope opens the same shell through the dataplane (docs/dataplane.md, "s
   sbctl shell dev --cwd /workspace/app --env DEBUG=1 -- bash -l`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) < 1 {
-				return usageErr("shell takes REF, then optionally -- and a program; see sbctl shell --help")
+				return usage.Errorf("shell takes REF, then optionally -- and a program; see sbctl shell --help")
 			}
 			if cmd.ArgsLenAtDash() > 1 || (cmd.ArgsLenAtDash() < 0 && len(args) > 1) {
-				return usageErr("shell takes one REF; give a program after --, e.g. sbctl shell %s -- python3", args[0])
+				return usage.Errorf("shell takes one REF; give a program after --, e.g. sbctl shell %s -- python3", args[0])
 			}
 			return nil
 		},
@@ -59,14 +60,14 @@ the exec scope opens the same shell through the dataplane (docs/dataplane.md, "s
 				for _, kv := range env {
 					k, v, ok := strings.Cut(kv, "=")
 					if !ok {
-						return usageErr("--env %q is not NAME=value", kv)
+						return usage.Errorf("--env %q is not NAME=value", kv)
 					}
 					a.Env[k] = v
 				}
 			}
 			in, ok := g.stdin.(*os.File)
 			if !ok || !term.IsTerminal(int(in.Fd())) {
-				return usageErr("sbctl shell needs a terminal, and its standard input is not one; run commands from scripts with sbctl exec %s -- CMD", args[0])
+				return usage.Errorf("sbctl shell needs a terminal, and its standard input is not one; run commands from scripts with sbctl exec %s -- CMD", args[0])
 			}
 			c, err := g.client()
 			if err != nil {
@@ -85,7 +86,7 @@ the exec scope opens the same shell through the dataplane (docs/dataplane.md, "s
 			return nil
 		},
 	}, "it is an interactive terminal", "table")
-	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, a sandbox path (default /workspace)")
+	cmd.Flags().StringVar(&cwd, "cwd", "", "working directory, an existing directory under /workspace, absolute or relative to it (default /workspace)")
 	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable NAME=value (repeatable)")
 	return cmd
 }

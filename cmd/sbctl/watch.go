@@ -483,7 +483,7 @@ var (
 func (m *watchModel) View() string {
 	w, h := max(m.width, 20), max(m.height, 8)
 	var lines []string
-	title := fmt.Sprintf("sbctl watch  %s  %d sandboxes", termSafe(m.broker), len(m.sandboxes))
+	title := fmt.Sprintf("sbctl watch  %s  %s", termSafe(m.broker), count(len(m.sandboxes), "sandbox", "sandboxes"))
 	if len(m.filter) > 0 {
 		title += "  tag " + termSafe(filterString(m.filter))
 	}

@@ -112,7 +112,11 @@ func (c *call) complete(r reply) {
 			if c.hostWS != "" {
 				msg = strings.ReplaceAll(msg, c.hostWS, WorkspacePath)
 			}
-			c.err = invalidRequest("%s", msg)
+			if r.Kind == errKindCwd {
+				c.err = CwdError(msg)
+			} else {
+				c.err = invalidRequest("%s", msg)
+			}
 		} else if r.Kind == sbxinit.ErrKindBusy {
 			c.err = &BusyError{Reason: r.Err}
 		} else {

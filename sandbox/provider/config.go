@@ -118,6 +118,12 @@ func (e *BusyError) Error() string { return ErrBusy.Error() + ": " + e.Reason }
 // Is makes every BusyError match ErrBusy.
 func (e *BusyError) Is(target error) bool { return target == ErrBusy }
 
+// CwdError is the refusal of a command whose working directory is missing or no directory: what
+// the sandbox said, and what to do about it.
+func CwdError(said string) error {
+	return invalidRequest("%s; the working directory must be an existing directory of the sandbox: create it first (mkdir -p) or give another", said)
+}
+
 // invalidRequest makes an *InvalidRequestError with a formatted reason.
 func invalidRequest(format string, args ...any) error {
 	return &InvalidRequestError{Reason: fmt.Sprintf(format, args...)}

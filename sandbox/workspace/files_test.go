@@ -675,11 +675,17 @@ func TestFileNamedAsADirectory(t *testing.T) {
 	// Stat, grep and tar answer the same, never describing, searching or archiving the file.
 	symlink(t, "f.txt", filepath.Join(dir, "lf"))
 	symlink(t, "d", filepath.Join(dir, "ld"))
-	for _, p := range []string{"f.txt/", "f.txt/.", "lf/"} {
-		if p != "lf/" { // a link named so is the link itself, below
-			_, err = w.Stat(p)
-			wantCode(t, err, protocol.CodeNotDirectory, dir)
-		}
+	for _, p := range []string{"f.txt/", "f.txt/.", "lf/", "lf/."} {
+		// A link named with a trailing / is followed, as stat(2) follows "link/": a link to a
+		// file so named is ENOTDIR.
+		_, err = w.Stat(p)
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		_, err = w.List(p)
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		_, err = w.Read(protocol.ReadArgs{Path: p})
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
+		_, _, err = w.OpenRead(p)
+		wantCode(t, err, protocol.CodeNotDirectory, dir)
 		_, err = w.Grep(t.Context(), protocol.GrepArgs{Path: p, Pattern: "content"})
 		wantCode(t, err, protocol.CodeNotDirectory, dir)
 		var tarred bytes.Buffer
@@ -689,11 +695,31 @@ func TestFileNamedAsADirectory(t *testing.T) {
 			t.Errorf("tar of %q wrote %d bytes", p, tarred.Len())
 		}
 	}
-	// A link named with a trailing / is the link itself for stat, as Resolve cleans it.
-	if fi, err := w.Stat("lf/"); err != nil || fi.Type != protocol.FileTypeSymlink {
-		t.Errorf("stat lf/ = %+v, %v; want the link itself", fi, err)
+	// Without the slash, stat describes the link itself.
+	if fi, err := w.Stat("lf"); err != nil || fi.Type != protocol.FileTypeSymlink || fi.Target != "f.txt" {
+		t.Errorf("stat lf = %+v, %v; want the link itself", fi, err)
 	}
-	// A link to a directory named with a trailing / is the link (stat) or the directory (the rest).
+	// A link to a directory named with a trailing / is the directory, for stat and ls too.
+	for _, p := range []string{"ld/", "ld/."} {
+		if fi, err := w.Stat(p); err != nil || fi.Type != protocol.FileTypeDir || fi.Path != "/workspace/ld" {
+			t.Errorf("stat %s = %+v, %v; want the directory ld points to", p, fi, err)
+		}
+		if _, err := w.List(p); err != nil {
+			t.Errorf("ls %s: %v; want the directory's entries", p, err)
+		}
+	}
+	// Followed within the workspace only: a link leading out is refused as ever, and a dangling
+	// one named so does not exist.
+	symlink(t, "../"+filepath.Base(dir)+"-outside", filepath.Join(dir, "lout"))
+	symlink(t, "/etc", filepath.Join(dir, "labs"))
+	symlink(t, "gone", filepath.Join(dir, "ldangling"))
+	for _, tc := range []struct{ p, code string }{{"lout/", protocol.CodeInvalidPath}, {"labs/", protocol.CodeInvalidPath}, {"ldangling/", protocol.CodeFileNotFound}} {
+		_, err = w.Stat(tc.p)
+		wantCode(t, err, tc.code, dir)
+		if fi, err := w.Stat(strings.TrimSuffix(tc.p, "/")); err != nil || fi.Type != protocol.FileTypeSymlink {
+			t.Errorf("stat %s = %+v, %v; want the link itself", tc.p, fi, err)
+		}
+	}
 	for _, p := range []string{"ld/", "d/", "d/."} {
 		_, err = w.Stat(p)
 		wantCode(t, err, "", dir)

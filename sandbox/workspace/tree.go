@@ -28,11 +28,15 @@ func (w *Workspace) Stat(p string) (protocol.FileInfo, error) {
 	if err != nil {
 		return protocol.FileInfo{}, fsErr(sp, err)
 	}
-	// "link/" names the link itself (docs/dataplane.md); "f.txt/" names no file.
-	if fi.Mode()&fs.ModeSymlink == 0 {
-		if err := fileByName(p, sp, fi); err != nil {
-			return protocol.FileInfo{}, err
+	// "link/" follows the link, as stat(2) does, through the root (never out of the workspace);
+	// "link" is the link itself. "f.txt/" and "link/" to a file name no file.
+	if fi.Mode()&fs.ModeSymlink != 0 && namesDir(p) {
+		if fi, err = w.root.Stat(rel); err != nil {
+			return protocol.FileInfo{}, fsErr(sp, err)
 		}
+	}
+	if err := fileByName(p, sp, fi); err != nil {
+		return protocol.FileInfo{}, err
 	}
 	return w.describe(rel, sp, fi), nil
 }

@@ -85,13 +85,18 @@ func pathRE(tmpl string) string {
 	return b.String()
 }
 
-// Operations lists "METHOD /path/{param}" for every operation in the spec.
+// Operations lists "METHOD /path/{param}" for every operation in the spec, with the HEAD the
+// spec's preamble promises beside every GET not marked x-no-head.
 func (s *Spec) Operations() []string {
 	var out []string
 	for _, p := range s.paths {
-		for m := range p.item {
-			if m != "parameters" {
-				out = append(out, strings.ToUpper(m)+" "+p.template)
+		for m, op := range p.item {
+			if m == "parameters" {
+				continue
+			}
+			out = append(out, strings.ToUpper(m)+" "+p.template)
+			if op, _ := op.(map[string]any); m == "get" && op["x-no-head"] != true {
+				out = append(out, "HEAD "+p.template)
 			}
 		}
 	}
@@ -119,7 +124,8 @@ func (s *Spec) path(keys ...string) map[string]any {
 }
 
 // CheckResponse validates one response against the spec: the route, method and status must be
-// documented, and a JSON body must match the documented schema.
+// documented, and a JSON body must match the documented schema. A HEAD is held to its GET's
+// statuses, with no body.
 func (s *Spec) CheckResponse(method, path string, status int, contentType string, body []byte) error {
 	var item map[string]any
 	for _, p := range s.paths {
@@ -131,7 +137,14 @@ func (s *Spec) CheckResponse(method, path string, status int, contentType string
 	if item == nil {
 		return fmt.Errorf("%s %s: path not in docs/openapi.yaml", method, path)
 	}
+	head := method == http.MethodHead
+	if head {
+		method = http.MethodGet
+	}
 	op, ok := item[strings.ToLower(method)].(map[string]any)
+	if head && ok && op["x-no-head"] == true {
+		op, ok = nil, false
+	}
 	if !ok {
 		if status == 405 {
 			return nil
@@ -142,6 +155,12 @@ func (s *Spec) CheckResponse(method, path string, status int, contentType string
 	resp, ok := responses[strconv.Itoa(status)]
 	if !ok {
 		return fmt.Errorf("%s %s: status %d not documented", method, path, status)
+	}
+	if head {
+		if len(body) > 0 {
+			return fmt.Errorf("HEAD %s %d: a body of %d bytes", path, status, len(body))
+		}
+		return nil
 	}
 	r := s.resolve(resp)
 	content, _ := r["content"].(map[string]any)

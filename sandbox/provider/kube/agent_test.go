@@ -116,6 +116,11 @@ func TestAgentExec(t *testing.T) {
 	if !errors.As(err, &ire) {
 		t.Errorf("cwd outside the workspace: %v, want an invalid request", err)
 	}
+	// A missing cwd says what to do, as the other providers' do.
+	_, err = in.Exec(ctx, provider.ExecRequest{Command: "true", Cwd: "/workspace/missing"})
+	if !errors.As(err, &ire) || !strings.Contains(err.Error(), "create it first") {
+		t.Errorf("a missing cwd: %v, want an invalid request saying to create it", err)
+	}
 }
 
 func TestAgentRefusesAWrongSecret(t *testing.T) {

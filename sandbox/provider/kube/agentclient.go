@@ -568,11 +568,13 @@ func (f agentFiles) OpenRead(path string) (io.ReadCloser, protocol.FileInfo, err
 	if err != nil {
 		return nil, protocol.FileInfo{}, err
 	}
-	var info protocol.FileInfo
-	if s.Info != nil {
-		info = *s.Info
+	// A download sends the size the file had when opened, no more: without it, it would end empty
+	// and look like success.
+	if s.Info == nil {
+		c.abort()
+		return nil, protocol.FileInfo{}, fmt.Errorf("the sandbox's agent opened %s without saying its size, which a download needs: its image is older than or not the broker's sbx-agent; rebuild it", path)
 	}
-	return &download{a: f.a, c: c, stop: f.a.watch(context.Background(), c)}, info, nil
+	return &download{a: f.a, c: c, stop: f.a.watch(context.Background(), c)}, *s.Info, nil
 }
 
 // download reads a file's data frames.

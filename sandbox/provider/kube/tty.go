@@ -205,7 +205,9 @@ func execResult(p []byte) (provider.ExecResult, error) {
 	}
 	if r.Error != nil {
 		switch {
-		case r.Error.Kind == agent.KindCwd, r.Error.Kind == agent.KindArgs:
+		case r.Error.Kind == agent.KindCwd:
+			return provider.ExecResult{}, provider.CwdError(r.Error.Message)
+		case r.Error.Kind == agent.KindArgs:
 			return provider.ExecResult{}, &provider.InvalidRequestError{Reason: r.Error.Message}
 		case r.Error.Code != "": // an agent older than the operation says so
 			return provider.ExecResult{}, r.Error.AsError()

@@ -66,7 +66,7 @@ func TestOrgLimitsThroughTheCLIs(t *testing.T) {
 		t.Fatalf("create past max_running: exit %d %q", r.code, r.stderr)
 	}
 	table := b.ok("limits")
-	for _, want := range []string{"org default", "max_running    2      2       org", "max_sandboxes  1000           default", "rps            50", "burst          200", "default"} {
+	for _, want := range []string{"org default", "max_running    2      2       org", "max_sandboxes  1000   2       default", "rps            50", "burst          200", "default"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("sbctl limits lacks %q:\n%s", want, table)
 		}

@@ -80,7 +80,7 @@ func TestPushSubmodules(t *testing.T) {
 		t.Fatalf("a second push sent files: %q", out)
 	}
 	write(t, repo, "lib/vendor/deep/deep.txt", "deeper\n")
-	if out := b.ok("push", "box", repo); !strings.Contains(out, "1 files sent") {
+	if out := b.ok("push", "box", repo); !strings.Contains(out, "1 file sent") {
 		t.Fatalf("an edit in the nested submodule: %q", out)
 	}
 	if out := b.ok("diff", "box", "--dir", repo); out != "" {

@@ -111,7 +111,7 @@ func TestPushDiffPull(t *testing.T) {
 	}
 	write(t, repo, "README.md", "# demo, edited\n")
 	os.Remove(filepath.Join(repo, "keep/deleted-here"))
-	if out := b.ok("push", "box", repo); !strings.Contains(out, "1 files sent") || !strings.Contains(out, "1 deleted") {
+	if out := b.ok("push", "box", repo); !strings.Contains(out, "1 file sent") || !strings.Contains(out, "1 deleted") {
 		t.Fatalf("incremental push: %q", out)
 	}
 	if got := b.ok("exec", "box", "-c", "cat README.md; test -e keep && echo keep-still-there; true"); got != "# demo, edited\n" {

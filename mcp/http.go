@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/auth"
@@ -85,8 +86,18 @@ type HTTP struct {
 }
 
 // opening is what a session-opening request learns on its way through the SDK: the server that
-// took it, whose session it then watches.
-type opening struct{ srv *sdk.Server }
+// took it, whose session it then watches; and whether its place was given back.
+type opening struct {
+	srv      *sdk.Server
+	released atomic.Bool
+}
+
+// release gives the request's place among its token's sessions back, once.
+func (o *opening) release(h *HTTP, jti string) {
+	if o.released.CompareAndSwap(false, true) {
+		h.release(jti)
+	}
+}
 
 type openingKey struct{}
 
@@ -191,6 +202,7 @@ func (h *HTTP) Serve(w http.ResponseWriter, r *http.Request) error {
 		}
 		o := &opening{}
 		r = r.WithContext(context.WithValue(r.Context(), openingKey{}, o))
+		w = &openingAnswer{ResponseWriter: w, noSession: func() { o.release(h, id.JTI) }}
 		defer h.opened(id.JTI, o, w.Header().Get)
 	}
 	h.handler.ServeHTTP(w, r)
@@ -226,14 +238,47 @@ func (h *HTTP) opened(jti string, o *opening, header func(string) string) {
 			if ss.ID() == sid {
 				go func() {
 					ss.Wait()
-					h.release(jti)
+					o.release(h, jti)
 				}()
 				return
 			}
 		}
 	}
-	h.release(jti)
+	o.release(h, jti)
 }
+
+// openingAnswer is the answer to a request that may open a session. An answer that opens none (no
+// Mcp-Session-Id in its header: server/discover, a refused initialize) gives the request's place
+// back as its header is written, not once the handler returns: the SDK's client sends its next
+// request (initialize after discover) on the answer, and a token allowed one session was refused
+// it while the handler had yet to return.
+type openingAnswer struct {
+	http.ResponseWriter
+	noSession func()
+	checked   bool
+}
+
+func (a *openingAnswer) check() {
+	if !a.checked {
+		a.checked = true
+		if a.Header().Get("Mcp-Session-Id") == "" {
+			a.noSession()
+		}
+	}
+}
+
+func (a *openingAnswer) WriteHeader(status int) { a.check(); a.ResponseWriter.WriteHeader(status) }
+
+func (a *openingAnswer) Write(p []byte) (int, error) { a.check(); return a.ResponseWriter.Write(p) }
+
+func (a *openingAnswer) Flush() {
+	a.check()
+	if f, ok := a.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+func (a *openingAnswer) Unwrap() http.ResponseWriter { return a.ResponseWriter }
 
 // requestID is the id of a single JSON-RPC request, or nil.
 func requestID(body []byte) any {

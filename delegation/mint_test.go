@@ -129,6 +129,13 @@ func TestMintRejects(t *testing.T) {
 		{"cmd deep in the workspace with fs:write", base(func(g *Grant) {
 			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"/workspace/.venv/bin/pytest"}
 		}), protocol.CodeInvalidArgument, "/workspace"},
+		// /proc reaches the workspace by other names: exec's cwd, the sandbox's root.
+		{"cmd through /proc/self/cwd with fs:write", base(func(g *Grant) {
+			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"/proc/self/cwd/run.sh"}
+		}), protocol.CodeInvalidArgument, "/proc"},
+		{"cmd through /proc/self/root with fs:write", base(func(g *Grant) {
+			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"/proc/self/root/workspace/run.sh"}
+		}), protocol.CodeInvalidArgument, "/proc"},
 		{"no org", base(func(g *Grant) { g.Org = "" }), protocol.CodeInvalidArgument, "org"},
 		{"no sandbox", base(func(g *Grant) { g.SandboxID = "" }), protocol.CodeInvalidArgument, "sandbox"},
 		{"no subject", base(func(g *Grant) { g.Subject = "" }), protocol.CodeInvalidArgument, "subject"},

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strings"
 	"sync"
 
 	"github.com/modelcontextprotocol/go-sdk/jsonrpc"
@@ -88,57 +89,61 @@ func (o *openRequests) wait() {
 	}
 }
 
-// stdioMessage is what the transport reads of a message: its id, method, and for a cancellation
-// the request it cancels.
-type stdioMessage struct {
-	Version *string         `json:"jsonrpc"`
-	ID      json.RawMessage `json:"id"`
-	Method  string          `json:"method"`
-	Params  struct {
-		RequestID json.RawMessage `json:"requestId"`
-	} `json:"params"`
-}
-
 // answerID is the id a response (a message with an id and no method) answers.
 func answerID(msg []byte) (string, bool) {
-	var m struct {
-		ID     json.RawMessage `json:"id"`
-		Method string          `json:"method"`
-	}
-	if json.Unmarshal(bytes.TrimSpace(msg), &m) != nil || m.Method != "" {
-		return "", false
-	}
-	return idKey(m.ID)
-}
-
-// idKey names a JSON-RPC id as the SDK answers it: a string as itself, a number as its integer
-// part (3, 3.0 and 3.5 are answered as 3); an absent or null id is no request's.
-func idKey(raw json.RawMessage) (string, bool) {
-	var v any
-	if len(raw) == 0 || json.Unmarshal(raw, &v) != nil {
-		return "", false
-	}
-	switch v := v.(type) {
-	case string:
-		return "s:" + v, true
-	case float64:
-		return fmt.Sprintf("n:%d", int64(v)), true
+	m, err := jsonrpc.DecodeMessage(bytes.TrimSpace(msg))
+	if r, ok := m.(*jsonrpc.Response); err == nil && ok {
+		return idKey(r.ID)
 	}
 	return "", false
 }
 
-// validID reports whether raw is absent or an id the SDK takes (a string, a number or null): any
-// other ends the SDK's session.
-func validID(raw json.RawMessage) bool {
+// idKey names a JSON-RPC id as the SDK decoded it (an int64 or a string: 3, 3.0 and 3.5 are all
+// answered as 3); a null id is no request's. Both sides of the count decode with the SDK's own
+// decoder, so that they agree on every spelling the SDK takes (exact-case keys, its depth limit):
+// a message this transport read as a request and the SDK as a notification would be waited for
+// forever.
+func idKey(id jsonrpc.ID) (string, bool) {
+	switch v := id.Raw().(type) {
+	case string:
+		return "s:" + v, true
+	case int64:
+		return fmt.Sprintf("n:%d", v), true
+	}
+	return "", false
+}
+
+// rawID is the id to refuse a message with: its exact-case "id" if that is a string or a number,
+// else none (id null).
+func rawID(msg []byte) json.RawMessage {
+	var keys map[string]json.RawMessage
+	if json.Unmarshal(msg, &keys) != nil {
+		return nil
+	}
 	var v any
-	if len(raw) == 0 || json.Unmarshal(raw, &v) != nil {
-		return len(raw) == 0
+	if json.Unmarshal(keys["id"], &v) != nil {
+		return nil
 	}
 	switch v.(type) {
-	case nil, string, float64:
-		return true
+	case string, float64:
+		return keys["id"]
 	}
-	return false
+	return nil
+}
+
+// cancelled is the request a notifications/cancelled names, read with exact-case keys as the SDK
+// reads it.
+func cancelled(params json.RawMessage) (jsonrpc.ID, bool) {
+	var p map[string]json.RawMessage
+	if json.Unmarshal(params, &p) != nil {
+		return jsonrpc.ID{}, false
+	}
+	var v any
+	if json.Unmarshal(p["requestId"], &v) != nil {
+		return jsonrpc.ID{}, false
+	}
+	id, err := jsonrpc.MakeID(v)
+	return id, err == nil && id.IsValid()
 }
 
 // lineFilter passes whole lines that are JSON and answers the others.
@@ -168,22 +173,29 @@ func (f *lineFilter) Read(p []byte) (int, error) {
 			case trimmed[0] != '{':
 				f.refuse(nil, jsonrpc.CodeInvalidRequest, "a message is one JSON object on a line (no batches)")
 			default:
-				var m stdioMessage
-				json.Unmarshal(trimmed, &m)
-				// Each of these would end the SDK's session: refused here, the session goes on.
-				if !validID(m.ID) {
-					f.refuse(nil, jsonrpc.CodeInvalidRequest, "the message's id is not a string, a number or null")
+				// Decoded by the SDK's own decoder: what it cannot decode (an id that is an object,
+				// no "jsonrpc":"2.0", a "JSONRPC" key, a method that is no string, nesting past its
+				// depth limit) would end its session, so it is refused here on its own.
+				m, err := jsonrpc.DecodeMessage(trimmed)
+				if err != nil {
+					why := "the message is not a JSON-RPC 2.0 request, notification or response: " + clip(err.Error())
+					var v struct {
+						Version *string `json:"jsonrpc"`
+					}
+					if json.Unmarshal(trimmed, &v); v.Version == nil || *v.Version != "2.0" {
+						why = `the message is not JSON-RPC 2.0: give "jsonrpc":"2.0"`
+					}
+					f.refuse(rawID(trimmed), jsonrpc.CodeInvalidRequest, why)
 					continue
 				}
-				if m.Version != nil && *m.Version != "2.0" || m.Version == nil && (m.Method != "" || len(m.ID) > 0) {
-					f.refuse(m.ID, jsonrpc.CodeInvalidRequest, `the message is not JSON-RPC 2.0: give "jsonrpc":"2.0"`)
-					continue
-				}
-				if id, ok := idKey(m.ID); ok && m.Method != "" {
-					f.open.read(id)
-				}
-				if id, ok := idKey(m.Params.RequestID); ok && m.Method == "notifications/cancelled" {
-					f.open.answered(id) // a cancelled request may get no answer
+				if r, ok := m.(*jsonrpc.Request); ok {
+					if id, ok := idKey(r.ID); ok {
+						f.open.read(id)
+					} else if id, ok := cancelled(r.Params); ok && r.Method == "notifications/cancelled" {
+						if key, ok := idKey(id); ok {
+							f.open.answered(key) // a cancelled request may get no answer
+						}
+					}
 				}
 				f.pending = append(trimmed, '\n')
 			}
@@ -223,7 +235,7 @@ func (f *lineFilter) readLine() (line []byte, tooLong bool, err error) {
 // (a string or a number), else of id null.
 func (f *lineFilter) refuse(id json.RawMessage, code int64, msg string) {
 	var answer any
-	if _, ok := idKey(id); ok {
+	if len(id) > 0 {
 		answer = id
 	}
 	type rpcError struct {
@@ -236,4 +248,12 @@ func (f *lineFilter) refuse(id json.RawMessage, code int64, msg string) {
 		Error   rpcError `json:"error"`
 	}{"2.0", answer, rpcError{code, msg}})
 	f.w.Write(append(b, '\n'))
+}
+
+// clip bounds a decoder's complaint, which may quote the value it refused, in an answer.
+func clip(s string) string {
+	if len(s) > 200 {
+		return strings.ToValidUTF8(s[:200], "") + "..."
+	}
+	return s
 }

@@ -697,3 +697,39 @@ func TestDataplaneTwoBrokers(t *testing.T) {
 	}
 	assertAlive(t, b1, url, b1.Client.APIKey())
 }
+
+// A token with fs:write is refused an allowlist entry that reaches the workspace through /proc (the
+// exec's cwd, /workspace by default, or the sandbox's root), as one under /workspace is: the token
+// could rewrite that program, so the allowlist would allow any. In a real sandbox, such an entry
+// ran the program the token had just written.
+func TestAllowlistEntryThroughProcReachesTheWorkspace(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "namespace"})
+	ctx := t.Context()
+	res, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "proc"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ws := workspaceDir(b, res.Sandbox.ID)
+	for i, entry := range []string{"/proc/self/cwd/run.sh", "/proc/self/root/workspace/run.sh", "/proc/thread-self/cwd/run.sh", "/proc/1/cwd/run.sh"} {
+		m, err := b.Client.Delegate(ctx, "proc", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{entry}})
+		var pe *protocol.Error
+		if errors.As(err, &pe) && pe.Code == protocol.CodeInvalidArgument {
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", entry, err)
+		}
+		// Minted: show what the token can do with it.
+		c := dialRaw(t, m.Sandbox.DataplaneURL, m.Token)
+		marker := fmt.Sprintf("pwned-%d", i)
+		script := "#!/bin/sh\ntouch /workspace/" + marker + "\n"
+		if got := c.call(1, "write", map[string]any{"path": "run.sh", "content": script}); got.Error != nil {
+			t.Fatalf("write: %s", got)
+		}
+		os.Chmod(filepath.Join(ws, "run.sh"), 0o755) // as the sandbox itself could
+		got := c.call(2, "exec", map[string]any{"argv": []string{entry}})
+		_, serr := os.Stat(filepath.Join(ws, marker))
+		t.Errorf("%s with fs:write was minted, and ran the program the token wrote: %v (exec %s)", entry, serr == nil, got)
+	}
+}

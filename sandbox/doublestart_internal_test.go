@@ -7,6 +7,7 @@ import (
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/sandbox/provider"
+	"github.com/sbxbroker/broker/store"
 )
 
 // Two starts of one claim (a resume's own start and a reconcile's for the record it found
@@ -18,18 +19,7 @@ func TestTwoStartsOfOneClaimStartItOnce(t *testing.T) {
 	ctx := t.Context()
 	m, st, _ := testManager(t, time.Now)
 	c := Caller{Org: "o", Actor: "key:k"}
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "twice"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
-	claimForResume(t, st, rec.ID, "claim-1")
-	claimed, err := st.Get(ctx, "o", rec.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
+	claimed := stoppedAndClaimed(t, m, st, c, "twice")
 	first, err := m.start(ctx, c, claimed)
 	if err != nil || first.Status != protocol.StatusRunning {
 		t.Fatalf("the first start: %v %s", err, first.Status)
@@ -75,18 +65,7 @@ func TestTwoStartsOfOneClaimEmitOneResumed(t *testing.T) {
 		}
 	}
 	c := Caller{Org: "o", Actor: "key:k"}
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "once"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
-	claimForResume(t, st, rec.ID, "claim-1")
-	claimed, err := st.Get(ctx, "o", rec.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
+	claimed := stoppedAndClaimed(t, m, st, c, "once")
 	if _, err := m.start(ctx, c, claimed); err != nil {
 		t.Fatal(err)
 	}
@@ -98,4 +77,24 @@ func TestTwoStartsOfOneClaimEmitOneResumed(t *testing.T) {
 	if len(resumed) != 1 {
 		t.Fatalf("%d resumed events for one resume started twice, want 1: %+v", len(resumed), resumed)
 	}
+}
+
+// stoppedAndClaimed creates a sandbox, stops it and claims its record for a resume ("claim-1"),
+// as a resume's transition does: it answers the claimed record, for the starts to come.
+func stoppedAndClaimed(t *testing.T, m *Manager, st *store.Store, c Caller, name string) store.Record {
+	t.Helper()
+	ctx := t.Context()
+	rec, _, err := m.Create(ctx, c, CreateRequest{Name: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
+		t.Fatal(err)
+	}
+	claimForResume(t, st, rec.ID, "claim-1")
+	claimed, err := st.Get(ctx, "o", rec.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return claimed
 }

@@ -205,47 +205,27 @@ func TestAgentFiles(t *testing.T) {
 // request; one that answers the handshake without it gets nothing, and the broker's own answer
 // to its challenge cannot serve as that proof.
 func TestAgentClientRefusesAnImpostor(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
 	// It holds no key for the pinned certificate, so it cannot even take TLS: it is given its own,
-	// and the broker pins the sandbox's. The listener is wrapped before the accept loop starts
-	// (wrapping it after raced the loop's read of ln, and could let the loop accept in clear).
+	// and the broker pins the sandbox's.
 	cert, key, _ := testCredentials(t)
 	_, _, pin := testCredentials(t)
-	srvTLS, err := agent.ServerTLS(cert, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tln := tls.NewListener(ln, srvTLS)
 	got := make(chan []byte, 8)
-	go func() {
-		for {
-			nc, err := tln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer nc.Close()
-				challenge := bytes.Repeat([]byte{7}, agent.ChallengeSize)
-				nc.Write(challenge)
-				hs := make([]byte, 2*agent.ChallengeSize)
-				n, _ := io.ReadAtLeast(nc, hs, agent.ChallengeSize)
-				// Reflect what the broker sent as the proof: its own answer, or its challenge.
-				nc.Write(hs[:agent.ChallengeSize])
-				if n >= 2*agent.ChallengeSize {
-					nc.Write(hs[agent.ChallengeSize:])
-				}
-				nc.SetReadDeadline(time.Now().Add(2 * time.Second))
-				rest, _ := io.ReadAll(nc)
-				got <- rest
-			}()
+	addr := fakeAgent(t, cert, key, func(nc net.Conn) {
+		challenge := bytes.Repeat([]byte{7}, agent.ChallengeSize)
+		nc.Write(challenge)
+		hs := make([]byte, 2*agent.ChallengeSize)
+		n, _ := io.ReadAtLeast(nc, hs, agent.ChallengeSize)
+		// Reflect what the broker sent as the proof: its own answer, or its challenge.
+		nc.Write(hs[:agent.ChallengeSize])
+		if n >= 2*agent.ChallengeSize {
+			nc.Write(hs[agent.ChallengeSize:])
 		}
-	}()
+		nc.SetReadDeadline(time.Now().Add(2 * time.Second))
+		rest, _ := io.ReadAll(nc)
+		got <- rest
+	})
 	in := &instance{name: "test", done: make(chan struct{})}
-	in.client = &agentClient{addr: tln.Addr().String(), secret: []byte("the-pods-secret-0123456789"), tls: pin, gone: in.goneErr}
+	in.client = &agentClient{addr: addr, secret: []byte("the-pods-secret-0123456789"), tls: pin, gone: in.goneErr}
 	defer in.client.close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

@@ -1,6 +1,8 @@
 package delegation
 
 import (
+	"path"
+	"slices"
 	"strings"
 
 	"github.com/sbxbroker/broker/protocol"
@@ -58,6 +60,46 @@ func CheckCommand(allow []string, command string, argv []string, env map[string]
 		}
 	}
 	return notAllowed(quoteShort(program) + " is not in the token's command allowlist (" + strings.Join(allow, ", ") + ")")
+}
+
+// CheckSearchPath decides whether a token of scopes may be minted with allowlist allow for a sandbox
+// whose commands find bare program names through searchPath (its PATH). With fs:write, a bare name
+// found through a directory the token may write (under the workspace, or /proc, which reaches it),
+// or through an entry resolved against the working directory (empty, ".", relative: the token
+// chooses the cwd), names whatever program the token plants there, so the allowlist would allow
+// every program. It returns nil, or a *protocol.Error with code invalid_argument saying which
+// entry and what to do.
+func CheckSearchPath(scopes, allow []string, searchPath string) error {
+	if !slices.Contains(scopes, protocol.ScopeFSWrite) {
+		return nil
+	}
+	for _, p := range allow {
+		if strings.Contains(p, "/") {
+			continue // an absolute path: PATH is not searched
+		}
+		for _, dir := range strings.Split(searchPath, ":") {
+			if why := writableDir(dir); why != "" {
+				return protocol.Errorf(protocol.CodeInvalidArgument,
+					"allow_cmd: %s is looked up through the sandbox's PATH, whose entry %s %s, which this token may write into (scope %s): it could put any program there under that name. Name the program by its absolute path outside the workspace (e.g. /usr/bin/%s), mint the token without %s, or take that entry out of the template's PATH",
+					quoteShort(p), quoteShort(dir), why, protocol.ScopeFSWrite, p, protocol.ScopeFSWrite)
+			}
+		}
+	}
+	return nil
+}
+
+// writableDir says how a PATH entry lets a token with fs:write place programs in it, or "".
+func writableDir(dir string) string {
+	if !strings.HasPrefix(dir, "/") {
+		return "is resolved against the working directory"
+	}
+	clean := path.Clean(dir)
+	for _, root := range []string{protocol.WorkspaceRoot, "/proc"} {
+		if clean == root || strings.HasPrefix(clean, root+"/") {
+			return "is in " + root
+		}
+	}
+	return ""
 }
 
 func notAllowed(msg string) *protocol.Error {

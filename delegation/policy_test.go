@@ -277,3 +277,34 @@ func oracleFirstWord(s string) (first string, why string) {
 	}
 	return word.String(), ""
 }
+
+// A bare allowlisted name is found through the sandbox's PATH. An entry the token may write into
+// (under /workspace or /proc with fs:write) or one resolved against the working directory (empty,
+// ".", relative: the cwd is the token's to choose) lets it plant any program under that name.
+func TestCheckSearchPath(t *testing.T) {
+	write := []string{protocol.ScopeFSRead, protocol.ScopeFSWrite, protocol.ScopeExec}
+	for _, path := range []string{
+		"/workspace/.venv/bin:/usr/bin", "/usr/bin:/workspace", "/usr/bin:", ":/usr/bin", "/usr/bin::/bin",
+		".:/usr/bin", "bin:/usr/bin", "/usr/../workspace/bin", "//workspace/bin", "/proc/self/cwd",
+	} {
+		err := CheckSearchPath(write, []string{"/usr/bin/true", "pytest"}, path)
+		if code(t, err) != protocol.CodeInvalidArgument || !strings.Contains(err.Error(), "pytest") || !strings.Contains(err.Error(), "PATH") {
+			t.Errorf("PATH %q with fs:write and a bare name: %v, want invalid_argument naming pytest and PATH", path, err)
+		}
+	}
+	for _, tc := range []struct {
+		scopes []string
+		allow  []string
+		path   string
+	}{
+		{write, []string{"pytest"}, "/usr/local/bin:/usr/bin:/bin"},
+		{write, []string{"/usr/bin/pytest"}, "/workspace/bin:/usr/bin"}, // absolute: PATH is not used
+		{[]string{protocol.ScopeFSRead, protocol.ScopeExec}, []string{"pytest"}, "/workspace/bin:/usr/bin"},
+		{write, nil, "/workspace/bin"}, // no allowlist: every program may run anyway
+		{write, []string{"pytest"}, "/workspaces/bin:/opt/workspace/bin"},
+	} {
+		if err := CheckSearchPath(tc.scopes, tc.allow, tc.path); err != nil {
+			t.Errorf("%v %v PATH %q: %v, want it allowed", tc.scopes, tc.allow, tc.path, err)
+		}
+	}
+}

@@ -22,6 +22,7 @@ import (
 
 	"github.com/sbxbroker/broker/client"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/tests/wait"
 )
@@ -731,5 +732,41 @@ func TestAllowlistEntryThroughProcReachesTheWorkspace(t *testing.T) {
 		got := c.call(2, "exec", map[string]any{"argv": []string{entry}})
 		_, serr := os.Stat(filepath.Join(ws, marker))
 		t.Errorf("%s with fs:write was minted, and ran the program the token wrote: %v (exec %s)", entry, serr == nil, got)
+	}
+}
+
+// A template whose PATH names a directory the token may write (here the workspace's own bin) lets
+// a token with fs:write and a bare allowlisted name plant any program under that name: the
+// exec finds the planted one first. Such a mint is refused, saying which PATH entry; without
+// fs:write, or with the program named by an absolute path, it is minted.
+func TestAllowlistNameFoundThroughAWritablePATHIsRefused(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{Provider: "namespace", Templates: map[string]provider.Template{
+		"default": {Name: "default"},
+		"venv":    {Name: "venv", Env: map[string]string{"PATH": "/workspace/.venv/bin:/usr/bin:/bin"}},
+	}})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "venv", Template: "venv"}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := b.Client.Delegate(ctx, "venv", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"pytest"}})
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "/workspace/.venv/bin") {
+		t.Fatalf("fs:write with pytest found through /workspace/.venv/bin: %v, want invalid_argument naming the PATH entry", err)
+	}
+	for _, req := range []protocol.MintRequest{
+		{Scopes: []string{"exec", "fs:read"}, AllowCmd: []string{"pytest"}},
+		{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"/usr/bin/true"}},
+	} {
+		if _, err := b.Client.Delegate(ctx, "venv", req); err != nil {
+			t.Errorf("%v %v: %v, want it minted", req.Scopes, req.AllowCmd, err)
+		}
+	}
+	// The default template's PATH is the image's own directories: a bare name is fine there.
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "plain"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.Delegate(ctx, "plain", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"pytest"}}); err != nil {
+		t.Errorf("a bare name under the default PATH: %v", err)
 	}
 }

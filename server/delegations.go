@@ -5,6 +5,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 
+	"github.com/sbxbroker/broker/delegation"
 	"github.com/sbxbroker/broker/protocol"
 )
 
@@ -14,6 +15,9 @@ func (s *Server) mintDelegation(c echo.Context) error {
 		return err
 	}
 	rec := sandboxOf(c)
+	if err := delegation.CheckSearchPath(req.Scopes, req.AllowCmd, s.sandboxes.SearchPath(rec)); err != nil {
+		return err
+	}
 	res, err := s.delegation.Mint(c.Request().Context(), rec, principal(c).Actor(), req)
 	if err != nil {
 		return err

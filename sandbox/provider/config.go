@@ -70,6 +70,16 @@ const (
 // basePath is PATH inside every sandbox.
 const basePath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+// SearchPath is the PATH a sandbox of template t finds a bare program name through: the template's
+// own PATH, or the base one. (On kubernetes a template without PATH gets its image's, which the
+// broker does not know: this answers the base one for it.)
+func SearchPath(t Template) string {
+	if p, ok := t.Env["PATH"]; ok {
+		return p
+	}
+	return basePath
+}
+
 // Errors the providers return; callers test them with errors.Is.
 var (
 	// ErrInvalidID is returned for a sandbox id that is not "sb_" + a UUID. No path is ever built

@@ -74,8 +74,8 @@ func CheckSearchPath(scopes, allow []string, searchPath string) error {
 		return nil
 	}
 	for _, p := range allow {
-		if strings.Contains(p, "/") {
-			continue // an absolute path: PATH is not searched
+		if strings.Contains(p, "/") || checkCmdEntry(p) != "" {
+			continue // an absolute path (PATH is not searched), or an entry Mint refuses for itself
 		}
 		for _, dir := range strings.Split(searchPath, ":") {
 			if why := writableDir(dir); why != "" {

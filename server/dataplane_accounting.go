@@ -199,7 +199,7 @@ func (m *opMemory) Grow(n int64) error {
 	defer m.mu.Unlock()
 	if need := grains(m.held+n) - m.granted; need > 0 {
 		if m.freed || !m.budget.tryAcquire(m.org, need) {
-			return m.refusal()
+			return m.refusal(grains(m.held+n) > m.budget.share)
 		}
 		m.granted += need
 	}
@@ -231,10 +231,16 @@ func (m *opMemory) free() {
 	}
 }
 
-func (m *opMemory) refusal() error {
+// refusal is the error of a Grow the budget refused; overShare: the request alone needs more than
+// one org's share, which no retry gets.
+func (m *opMemory) refusal(overShare bool) error {
 	what, done := "the request", "nothing was changed"
 	if m.op == protocol.OpUntar {
 		what, done = "untar", "the entries before it stay extracted; nothing outside the target directory was changed"
+	}
+	if overShare {
+		return protocol.Errorf(protocol.CodeTooManyRequests, "%s was stopped: it alone needed more memory than one org's share of this broker's operations (%s of %s); %s. A retry gets no more: ask for less at once (a narrower path, pattern or tree, or the tree in parts)",
+			what, sizeText(m.budget.share), sizeText(m.budget.max), done)
 	}
 	return protocol.Errorf(protocol.CodeTooManyRequests, "%s was stopped: the operations in flight on this broker hold all the memory it gives them (%s, at most %s for one org's) and this one needed more; %s. Retry once requests in flight end, or ask for less at once (a narrower path, pattern or tree)",
 		what, sizeText(m.budget.max), sizeText(m.budget.share), done)

@@ -53,3 +53,26 @@ func TestOpMemoryAccounting(t *testing.T) {
 		t.Fatalf("a Shrink after free moved the budget to %d", all)
 	}
 }
+
+// A request that alone needs more than its org's share can never be served, whatever else ends:
+// its refusal says so and to ask for less, instead of to retry (a changes over a baseline record of
+// tens of MiB, an ls of a directory of a few hundred thousand long names).
+func TestOpMemoryRefusalOfARequestOverTheShareSaysToAskForLess(t *testing.T) {
+	budget := newQuota(16*dpOpMemoryGrain, 8*dpOpMemoryGrain)
+	a := &opMemory{budget: budget, org: "a"}
+	defer a.free()
+	if err := a.Grow(dpOpMemoryGrain); err != nil {
+		t.Fatal(err)
+	}
+	err := a.Grow(8 * dpOpMemoryGrain)
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeTooManyRequests {
+		t.Fatalf("a request over its org's share: %v, want too_many_requests", err)
+	}
+	if strings.Contains(pe.Message, "Retry") || !strings.Contains(pe.Message, "alone") || !strings.Contains(pe.Message, "ask for less") {
+		t.Fatalf("the refusal of a request over its org's share says %q: want that it alone is over the share and to ask for less, not to retry", pe.Message)
+	}
+	if all, _ := budget.inUse(""); all != dpOpMemoryGrain {
+		t.Fatalf("a refused growth moved the budget to %d, want the grain taken before it", all)
+	}
+}

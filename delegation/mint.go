@@ -2,6 +2,7 @@ package delegation
 
 import (
 	"fmt"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -151,19 +152,11 @@ func (is *Issuer) Mint(g Grant) (token string, c Claims, err error) {
 	if slices.Contains(scopes, protocol.ScopeFSWrite) {
 		for _, p := range g.AllowCmd {
 			// The token could write that file: with any program's bytes in it, the allowlist
-			// would allow everything.
-			if strings.HasPrefix(p, protocol.WorkspaceRoot+"/") {
+			// would allow everything (CheckSearchPath is the same rule for bare names).
+			if where := writableDir(path.Dir(p)); strings.HasPrefix(p, "/") && where != "" {
 				return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument,
-					"allow_cmd: entry %s is in %s, which this token may rewrite (scope %s), so it could run any program under that name: name a program outside the workspace, or mint the token without %s",
-					quoteShort(p), protocol.WorkspaceRoot, protocol.ScopeFSWrite, protocol.ScopeFSWrite)
-			}
-			// /proc names the workspace's files by other paths (/proc/self/cwd/x, exec's cwd
-			// being /workspace by default; /proc/self/root/workspace/x), and no program anyone
-			// means to allow.
-			if strings.HasPrefix(p, "/proc/") {
-				return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument,
-					"allow_cmd: entry %s is in /proc, which reaches %s (/proc/self/cwd, /proc/self/root) where this token may rewrite files (scope %s), so it could run any program under that name: name a program outside the workspace, or mint the token without %s",
-					quoteShort(p), protocol.WorkspaceRoot, protocol.ScopeFSWrite, protocol.ScopeFSWrite)
+					"allow_cmd: entry %s %s, where this token may rewrite files (scope %s; /proc reaches %s as /proc/self/cwd and /proc/self/root), so it could run any program under that name: name a program outside the workspace, or mint the token without %s",
+					quoteShort(p), where, protocol.ScopeFSWrite, protocol.WorkspaceRoot, protocol.ScopeFSWrite)
 			}
 		}
 	}

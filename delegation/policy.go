@@ -88,7 +88,8 @@ func CheckSearchPath(scopes, allow []string, searchPath string) error {
 	return nil
 }
 
-// writableDir says how a PATH entry lets a token with fs:write place programs in it, or "".
+// writableDir says how a directory (a PATH entry, an allowlisted program's) lets a token with
+// fs:write place programs in it, or "".
 func writableDir(dir string) string {
 	if !strings.HasPrefix(dir, "/") {
 		return "is resolved against the working directory"

@@ -63,11 +63,8 @@ type pool struct {
 	// closed: Close ran; nothing enters the pool any more.
 	closed bool
 	// leftovers are pooled sandboxes whose removal failed (the store away); the filler retries.
+	// Their uids stay in the Manager's table until it succeeds.
 	leftovers []*pooled
-	// uids are the pooled sandboxes' uids by id, from the uid's draw until their runtime is
-	// destroyed or an org adopts it (its hosted entry holds the uid then): being made, ready,
-	// claimed, left over. allocateUID never hands one out again (uidHolder).
-	uids map[string]int
 }
 
 type poolState struct {
@@ -206,7 +203,6 @@ func (p *pool) fill(ctx context.Context, name string) error {
 			return fmt.Errorf("a host uid for a pooled sandbox: %w", err)
 		}
 		pd.uid = uid
-		p.holdUID(pd)
 	}
 	fail := func(err error) error {
 		p.discard(context.WithoutCancel(ctx), pd, "")
@@ -226,7 +222,6 @@ func (p *pool) fill(ctx context.Context, name string) error {
 		return fail(fmt.Errorf("start a pooled sandbox: %w", err))
 	}
 	pd.h.inst = inst
-	pd.h.uid.Store(int64(pd.uid))
 	if tmpl.Setup != "" {
 		if why := runSetup(ctx, inst, tmpl.Setup); why != "" {
 			return fail(errors.New(why))
@@ -355,7 +350,7 @@ func (p *pool) discard(ctx context.Context, pd *pooled, org string) {
 		p.mu.Unlock()
 		return
 	}
-	p.dropUID(pd)
+	m.uids.drop(pd.id)
 	m.unindex(pd.id)
 }
 
@@ -424,6 +419,9 @@ func (p *pool) claim(ctx context.Context, org string, pd *pooled) error {
 		go p.discard(context.WithoutCancel(ctx), pd, org)
 		return indexErr
 	}
+	if pd.uid > 0 {
+		m.uids.hold(org, pd.id, pd.uid) // the org's now, in Redis too
+	}
 	return nil
 }
 
@@ -441,7 +439,7 @@ func (p *pool) hold(ctx context.Context, pd *pooled) {
 		m.cfg.Log.Warn("removing a claimed pooled sandbox whose create's outcome is unknown failed; the next start removes it", "sandbox_id", pd.id, "err", err)
 		return
 	}
-	p.dropUID(pd) // nothing here runs as it any more; its record, if any, keeps it in Redis
+	m.uids.drop(pd.id) // nothing here runs as it any more; its record, if any, keeps it in Redis
 }
 
 // unclaim undoes a claim whose create did not make the record: createErr is nil when the name was
@@ -469,42 +467,13 @@ func (p *pool) unclaim(ctx context.Context, org string, pd *pooled, createErr er
 			go p.discard(ctx, pd, org)
 			return
 		}
+		m.uids.hold(store.PoolOrg, pd.id, pd.uid)
 	}
 	if err := m.indexPooled(pd.id, pd.template, ""); err != nil {
 		go p.discard(ctx, pd, "")
 		return
 	}
 	p.giveBack(pd)
-}
-
-// uidHolder names the pooled sandbox that runs (or is being made to run) as uid, if any
-// (allocateUID).
-func (p *pool) uidHolder(uid int) string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for id, u := range p.uids {
-		if u == uid {
-			return id
-		}
-	}
-	return ""
-}
-
-// holdUID records pd's uid as taken by a runtime here, from its draw on.
-func (p *pool) holdUID(pd *pooled) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.uids == nil {
-		p.uids = map[string]int{}
-	}
-	p.uids[pd.id] = pd.uid
-}
-
-// dropUID forgets pd's uid: its runtime is gone, or an org's hosted entry holds the uid now.
-func (p *pool) dropUID(pd *pooled) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	delete(p.uids, pd.id)
 }
 
 // adopt makes a claimed sandbox, whose record CreateOrReuse just made (provisioning), the org's
@@ -524,11 +493,9 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 		// Someone looked the id up between the record and now: give that entry the runtime.
 		pd.h.mu.Lock()
 		h.inst, h.ws = pd.h.inst, pd.h.ws
-		h.uid.Store(pd.h.uid.Load())
 		pd.h.mu.Unlock()
 	}
 	h.org = rec.Org
-	m.pool.dropUID(pd) // h holds it now (uidHolder reads both)
 	inst := h.inst
 	tmpl := m.cfg.Templates[rec.Template]
 	if cl, ok := m.cfg.Provider.(provider.Claimer); ok {

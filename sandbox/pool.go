@@ -52,6 +52,9 @@ type pooled struct {
 	id, template string
 	uid          int
 	h            *hosted // its instance and workspace; h.org is store.PoolOrg until adopted
+	// held: its claim's create has an unknown outcome, so its uid and index entry stay for the
+	// record it may have made; only its runtime and files go (hold), and a leftover is retried so.
+	held bool
 }
 
 // pool is the Manager's warm pool.
@@ -62,8 +65,8 @@ type pool struct {
 	kick chan struct{} // wakes the filler
 	// closed: Close ran; nothing enters the pool any more.
 	closed bool
-	// leftovers are pooled sandboxes whose removal failed (the store away); the filler retries.
-	// Their uids stay in the Manager's table until it succeeds.
+	// leftovers are pooled sandboxes whose removal failed (the store or the provider failed);
+	// the filler retries. Their uids stay in the Manager's table until it succeeds.
 	leftovers []*pooled
 }
 
@@ -343,15 +346,29 @@ func (p *pool) discard(ctx context.Context, pd *pooled, org string) {
 	}
 	if err != nil {
 		m.cfg.Log.Warn("removing a pooled sandbox failed; retrying later", "sandbox_id", pd.id, "err", err)
-		p.mu.Lock()
-		if !slices.Contains(p.leftovers, pd) {
-			p.leftovers = append(p.leftovers, pd)
-		}
-		p.mu.Unlock()
+		p.leaveOver(pd)
 		return
 	}
 	m.uids.drop(pd.id)
 	m.unindex(pd.id)
+}
+
+// leaveOver keeps pd, whose removal failed, for the filler to retry.
+func (p *pool) leaveOver(pd *pooled) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !slices.Contains(p.leftovers, pd) {
+		p.leftovers = append(p.leftovers, pd)
+	}
+}
+
+// removeLeftover tries again to remove pd, as discard or hold would have.
+func (p *pool) removeLeftover(ctx context.Context, pd *pooled) {
+	if pd.held {
+		p.hold(ctx, pd)
+		return
+	}
+	p.discard(ctx, pd, p.claimedBy(pd.id))
 }
 
 func (p *pool) retryLeftovers(ctx context.Context) {
@@ -366,7 +383,7 @@ func (p *pool) retryLeftovers(ctx context.Context) {
 			p.mu.Unlock()
 			continue
 		}
-		p.discard(ctx, pd, p.claimedBy(pd.id))
+		p.removeLeftover(ctx, pd)
 	}
 }
 
@@ -393,7 +410,7 @@ func (p *pool) close(ctx context.Context) {
 	p.leftovers = nil
 	p.mu.Unlock()
 	for _, pd := range all {
-		p.discard(ctx, pd, p.claimedBy(pd.id))
+		p.removeLeftover(ctx, pd)
 	}
 }
 
@@ -430,13 +447,17 @@ func (p *pool) claim(ctx context.Context, org string, pd *pooled) error {
 // entry naming the org stay, as a create's of unknown outcome do: a record that landed fails as any
 // create cut short (settle.go while the broker runs, recoverPooled at its next start), and its
 // delete frees the uid; none found, the next start removes the rest. Only its processes and files go: nothing of the org's is in them.
+// A destroy that fails keeps the uid in the broker's table (its processes may live) and is retried
+// by the filler; the one that succeeds gives it back to the range here.
 func (p *pool) hold(ctx context.Context, pd *pooled) {
 	m := p.m
+	pd.held = true
 	pd.h.mu.Lock()
 	pd.h.release(ctx)
 	pd.h.mu.Unlock()
 	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: pd.id, Template: m.cfg.Templates[pd.template], UID: pd.uid}); err != nil {
-		m.cfg.Log.Warn("removing a claimed pooled sandbox whose create's outcome is unknown failed; the next start removes it", "sandbox_id", pd.id, "err", err)
+		m.cfg.Log.Warn("removing a claimed pooled sandbox whose create's outcome is unknown failed; retrying later", "sandbox_id", pd.id, "err", err)
+		p.leaveOver(pd)
 		return
 	}
 	m.uids.drop(pd.id) // nothing here runs as it any more; its record, if any, keeps it in Redis

@@ -263,7 +263,7 @@ func (m *Manager) provisionClaim(ctx context.Context, c Caller, rec store.Record
 	// here, or at Recover): a create drawing a uid from a Redis that lost its table meanwhile must
 	// find this one taken. One that another sandbox here holds is never run as twice.
 	if !m.holdUID(rec) {
-		return fail(protocol.ReasonStartFailed, fmt.Sprintf("its host uid %d is held by another sandbox on this broker (did Redis lose its data?)", rec.UID), nil)
+		return fail(protocol.ReasonStartFailed, "its host uid is held by another sandbox on this broker (Redis lost its data?); the broker's log names both for the operator", nil)
 	}
 	started := time.Now()
 	if first {

@@ -2,7 +2,9 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"maps"
+	"strings"
 	"testing"
 	"time"
 
@@ -105,5 +107,37 @@ func TestTheBrokersUIDTableFollowsEverySandbox(t *testing.T) {
 	wantHeld(t, m2, "a delete after the restart", map[string]int{})
 	if owners, err := st.UIDOwner(ctx, p.UID); err != nil || owners != "" {
 		t.Fatalf("uid %d in Redis after the delete: %q, %v", p.UID, owners, err)
+	}
+}
+
+// A sandbox whose recorded uid another sandbox on this broker holds (Redis lost its uid table and
+// handed the uid out again, then got the record back from an old snapshot) is not started as it:
+// two sandboxes would run as one host uid. The start fails, saying why; its files stay.
+func TestAStartAsAUIDAnotherSandboxHereHoldsIsRefused(t *testing.T) {
+	ctx := t.Context()
+	m, _, _ := testManager(t, time.Now)
+	m.cfg.UIDs = store.UIDRange{First: 239200, Last: 239203}
+	c := Caller{Org: "o", Actor: "key:k"}
+	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
+		t.Fatal(err)
+	}
+	m.uids.drop(rec.ID) // as after a restart, before Recover
+	if org, id := m.uids.hold("other-org", "sb-other", rec.UID); id != "" {
+		t.Fatalf("uid %d is held by %s/%s", rec.UID, org, id)
+	}
+	got, err := m.Resume(ctx, c, rec.ID)
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeSandboxFailed || !strings.Contains(pe.Message, "held by another sandbox") {
+		t.Fatalf("a resume as a uid another sandbox holds: %v, want %s saying why", err, protocol.CodeSandboxFailed)
+	}
+	if _, ierr := m.Instance(got); ierr == nil {
+		t.Fatal("the sandbox runs as a uid another sandbox holds")
+	}
+	if now, err := m.Get(ctx, "o", rec.ID); err != nil || now.Status != protocol.StatusStopped {
+		t.Fatalf("after the refused start: %v %s, want stopped", err, now.Status)
 	}
 }

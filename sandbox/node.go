@@ -170,8 +170,11 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 		return
 	}
 	// Its uid, drawn by an earlier run of the broker, is held here until its destroy (uids.go),
-	// whatever its state: its files belong to it, and it may be started again.
+	// whatever its state: its files belong to it, and it may be started again. Its entry puts it
+	// among the sandboxes the reconcile reads, as one this run made: a delete or stop by another
+	// broker whose message is lost is then still carried out here.
 	m.holdUID(rec)
+	m.hostedFor(id, org)
 	switch rec.Status {
 	case protocol.StatusDeleting:
 		if m.destroy(ctx, rec) == nil {

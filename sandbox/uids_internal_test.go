@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"maps"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -140,4 +141,47 @@ func TestAStartAsAUIDAnotherSandboxHereHoldsIsRefused(t *testing.T) {
 	if now, err := m.Get(ctx, "o", rec.ID); err != nil || now.Status != protocol.StatusStopped {
 		t.Fatalf("after the refused start: %v %s, want stopped", err, now.Status)
 	}
+}
+
+// A stopped sandbox that another broker deletes while its message to this one, the hosting broker,
+// is lost (a Redis blip on the channel) is destroyed by this broker's next reconcile: its files go
+// and its uid comes back to the range. Before, a sandbox this broker had not touched since its start
+// (stopped at the restart) was not among those its reconcile reads: it stayed deleting, its files
+// on disk and its uid held, until the broker's next restart.
+func TestADeleteWhoseMessageWasLostIsFinishedByTheReconcileAfterARestart(t *testing.T) {
+	ctx := t.Context()
+	m, st, _ := testManager(t, time.Now)
+	m.cfg.UIDs = store.UIDRange{First: 239300, Last: 239303}
+	c := Caller{Org: "o", Actor: "key:k"}
+	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "s"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
+		t.Fatal(err)
+	}
+	m.Close(ctx)
+	m2, err := NewManager(m.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m2.Close(context.Background()) })
+	if err := m2.Recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Another broker's delete: the record moves; the message to this node is lost.
+	if _, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusDeleting}); err != nil {
+		t.Fatal(err)
+	}
+	m2.Reconcile(ctx)
+	if _, err := st.Get(ctx, "o", rec.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("the record after the reconcile: %v, want it gone", err)
+	}
+	if _, err := os.Stat(m2.cfg.Provider.WorkspaceDir(provider.Spec{ID: rec.ID})); !os.IsNotExist(err) {
+		t.Fatalf("the deleted sandbox's files after the reconcile: %v", err)
+	}
+	if owner, err := st.UIDOwner(ctx, rec.UID); err != nil || owner != "" {
+		t.Fatalf("uid %d after the reconcile: held by %q, %v", rec.UID, owner, err)
+	}
+	wantHeld(t, m2, "after the reconcile", map[string]int{})
 }

@@ -259,9 +259,12 @@ func (m *Manager) provisionClaim(ctx context.Context, c Caller, rec store.Record
 			h.ws = nil
 		}
 	}
-	// Held from before the runtime exists, not after its start: a create drawing a uid from a
-	// Redis that lost its table meanwhile must find this one taken (uidHolder).
-	h.uid.Store(int64(rec.UID))
+	// Held from before the runtime exists (a uid drawn by an earlier run of the broker is entered
+	// here, or at Recover): a create drawing a uid from a Redis that lost its table meanwhile must
+	// find this one taken. One that another sandbox here holds is never run as twice.
+	if !m.holdUID(rec) {
+		return fail(protocol.ReasonStartFailed, "its host uid is held by another sandbox on this broker (Redis lost its data?); the broker's log names both for the operator", nil)
+	}
 	started := time.Now()
 	if first {
 		if err := m.cfg.Provider.Create(ctx, spec); err != nil {
@@ -334,66 +337,6 @@ func (m *Manager) ProviderStarts() (n int64, took time.Duration) {
 type placed interface {
 	Node() string
 	Pod() string
-}
-
-// allocateUID takes a host uid for the sandbox from the range, or answers 0 when there is none.
-func (m *Manager) allocateUID(ctx context.Context, org, id string) (int, error) {
-	if m.cfg.UIDs.Size() == 0 {
-		return 0, nil
-	}
-	for range m.cfg.UIDs.Size() {
-		uid, err := m.cfg.Store.AllocateUID(ctx, m.cfg.UIDs, org, id)
-		if errors.Is(err, store.ErrUIDsExhausted) {
-			break
-		}
-		if err != nil {
-			return 0, err
-		}
-		holderOrg, holderID := m.uidHolder(uid, id)
-		if holderID == "" {
-			return uid, nil
-		}
-		// Redis handed out the uid a sandbox here runs as: it lost its uid table (flushed, or an
-		// empty replica took over) and the reconcile has not yet found the loss. Two sandboxes as
-		// one host uid could signal and read each other's processes: give the uid back to its
-		// holder in the table and draw again.
-		m.cfg.Log.Warn("Redis handed out the uid of a sandbox this broker hosts (did it lose its data?): drawing another",
-			"sandbox_id", id, "uid", uid, "held_by", holderID)
-		if err := m.cfg.Store.ReleaseUID(ctx, org, id); err != nil {
-			return 0, err
-		}
-		if _, err := m.cfg.Store.ReserveUID(ctx, uid, holderOrg, holderID); err != nil {
-			return 0, err
-		}
-	}
-	m.cfg.Log.Error("no sandbox uid left", "sandbox_id", id, "first", m.cfg.UIDs.First, "last", m.cfg.UIDs.Last)
-	return 0, protocol.Errorf(protocol.CodeCapacity,
-		"the broker has no host uid left for a new sandbox (all %d of its --sandbox-uids range are in use): delete sandboxes you no longer need, or ask the operator to widen the range",
-		m.cfg.UIDs.Size())
-}
-
-// uidHolder names the sandbox hosted here, other than id, whose runtime was started as uid, if any:
-// one of the org's, or one waiting in the pool.
-func (m *Manager) uidHolder(uid int, id string) (org, holder string) {
-	m.mu.Lock()
-	for hid, h := range m.host {
-		if hid != id && h.uid.Load() == int64(uid) {
-			m.mu.Unlock()
-			return h.org, hid
-		}
-	}
-	m.mu.Unlock()
-	if pid := m.pool.uidHolder(uid); pid != "" && pid != id {
-		return store.PoolOrg, pid
-	}
-	return "", ""
-}
-
-// releaseUID gives back the uid of a sandbox that never came to exist.
-func (m *Manager) releaseUID(ctx context.Context, rec store.Record) {
-	if err := m.cfg.Store.ReleaseUID(ctx, rec.Org, rec.ID); err != nil {
-		m.cfg.Log.Error("releasing the uid of a sandbox that was not created failed; it stays taken", "sandbox_id", rec.ID, "uid", rec.UID, "err", err)
-	}
 }
 
 // runSetup runs the template's setup command and returns why it failed, or "".

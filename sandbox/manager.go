@@ -57,6 +57,9 @@ type Manager struct {
 	host map[string]*hosted // sandbox id -> local runtime state, for sandboxes this node hosts
 	// closing is set by Close: instances ending then are the broker's doing, not a crash.
 	closing bool
+	// uids are the host uids this broker's sandboxes hold, from their draw until nothing runs as
+	// them (uids.go).
+	uids uidTable
 	// pool keeps started sandboxes ready for templates that ask for it (pool.go).
 	pool *pool
 	// settle knows the starts in flight, to settle records whose start was cut short (settle.go).
@@ -76,9 +79,6 @@ type hosted struct {
 	// its runtime here rather than a runtime a stop left (provision).
 	claim string
 	ws    *workspace.Workspace
-	// uid is the host uid its runtime was last started as (0: none here yet). Read without mu, by
-	// allocateUID's check against a uid table Redis lost.
-	uid atomic.Int64
 }
 
 // SearchPath is the PATH rec's commands find a bare program name through (provider.SearchPath of
@@ -376,8 +376,8 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 	}
 	// The uid goes back only now that its processes ended and its files are gone, and before the
 	// record: if this fails, the record stays deleting and the release is retried with it. Nothing
-	// here runs as it any more: a create given it meanwhile must not find it held (uidHolder).
-	h.uid.Store(0)
+	// here runs as it any more: a create given it meanwhile must not find it held (uids.go).
+	m.uids.drop(rec.ID)
 	if err := m.cfg.Store.ReleaseUID(ctx, rec.Org, rec.ID); err != nil {
 		m.cfg.Log.Error("releasing the sandbox uid failed; it stays deleting and is retried at next start", "sandbox_id", rec.ID, "uid", rec.UID, "err", err)
 		return fmt.Errorf("sandbox %s: release uid: %w", rec.ID, err)

@@ -169,6 +169,12 @@ func (m *Manager) recoverOne(ctx context.Context, org, id string) {
 	case rec.Node != m.cfg.Node:
 		return
 	}
+	// Its uid, drawn by an earlier run of the broker, is held here until its destroy (uids.go),
+	// whatever its state: its files belong to it, and it may be started again. Its entry puts it
+	// among the sandboxes the reconcile reads, as one this run made: a delete or stop by another
+	// broker whose message is lost is then still carried out here.
+	m.holdUID(rec)
+	m.hostedFor(id, org)
 	switch rec.Status {
 	case protocol.StatusDeleting:
 		if m.destroy(ctx, rec) == nil {
@@ -231,6 +237,7 @@ func (m *Manager) expireOnRecover(ctx context.Context, c Caller, rec store.Recor
 func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 	dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: id})
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
+		m.uids.drop(id) // nothing ran as it: no runtime starts before its files
 		m.unindex(id)
 		return
 	}
@@ -247,17 +254,21 @@ func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 		"sandbox_id", id, "org", org, "files", dir, "index_entry", filepath.Join(m.cfg.IndexDir, id))
 }
 
-// keepUID holds the uid that the kept files of a sandbox with no record belong to: had Redis lost
-// the uid table with the record, the uid would go to a new sandbox, which would then own them.
+// keepUID holds the uid that the kept files of a sandbox with no record belong to, in Redis and in
+// the broker's table: had Redis lost the uid table with the record, the uid would go to a new
+// sandbox, which would then own them.
 func (m *Manager) keepUID(ctx context.Context, org, id, ws string) {
 	var st syscall.Stat_t
 	if m.cfg.UIDs.Size() == 0 || syscall.Lstat(ws, &st) != nil {
+		m.uids.drop(id)
 		return
 	}
 	uid := int(st.Uid)
 	if uid < m.cfg.UIDs.First || uid > m.cfg.UIDs.Last || uid == m.cfg.UIDs.Skip {
+		m.uids.drop(id)
 		return
 	}
+	m.uids.hold(org, id, uid)
 	if _, err := m.cfg.Store.ReserveUID(ctx, uid, org, id); err != nil {
 		m.cfg.Log.Error("the kept files of a sandbox with no record belong to a uid another sandbox now has: remove them",
 			"sandbox_id", id, "org", org, "uid", uid, "files", ws, "err", err)

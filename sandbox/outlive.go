@@ -57,6 +57,9 @@ func (m *Manager) readopt(ctx context.Context, rec store.Record) bool {
 	if level := provider.RecordedIsolation(rec.Provider); level != "" {
 		tmpl.Isolation = level
 	}
+	if !m.holdUID(rec) {
+		return false // another sandbox here holds its uid: the fresh start refuses it (provision)
+	}
 	inst, err := o.Adopt(ctx, provider.Spec{ID: rec.ID, Template: tmpl, UID: rec.UID, Org: rec.Org, Name: rec.Name})
 	if err != nil {
 		var na *provider.NotAdoptedError
@@ -77,7 +80,6 @@ func (m *Manager) readopt(ctx context.Context, rec store.Record) bool {
 		return true
 	}
 	h.inst = inst
-	h.uid.Store(int64(rec.UID))
 	go m.watch(rec.Org, rec.ID, h, inst)
 	log.Info("sandbox taken back after the broker's restart: its runtime ran on, its processes with it")
 	return true

@@ -52,6 +52,9 @@ type pooled struct {
 	id, template string
 	uid          int
 	h            *hosted // its instance and workspace; h.org is store.PoolOrg until adopted
+	// held: its claim's create has an unknown outcome, so its uid and index entry stay for the
+	// record it may have made; only its runtime and files go (hold), and a leftover is retried so.
+	held bool
 }
 
 // pool is the Manager's warm pool.
@@ -62,12 +65,9 @@ type pool struct {
 	kick chan struct{} // wakes the filler
 	// closed: Close ran; nothing enters the pool any more.
 	closed bool
-	// leftovers are pooled sandboxes whose removal failed (the store away); the filler retries.
+	// leftovers are pooled sandboxes whose removal failed (the store or the provider failed);
+	// the filler retries. Their uids stay in the Manager's table until it succeeds.
 	leftovers []*pooled
-	// uids are the pooled sandboxes' uids by id, from the uid's draw until their runtime is
-	// destroyed or an org adopts it (its hosted entry holds the uid then): being made, ready,
-	// claimed, left over. allocateUID never hands one out again (uidHolder).
-	uids map[string]int
 }
 
 type poolState struct {
@@ -206,7 +206,6 @@ func (p *pool) fill(ctx context.Context, name string) error {
 			return fmt.Errorf("a host uid for a pooled sandbox: %w", err)
 		}
 		pd.uid = uid
-		p.holdUID(pd)
 	}
 	fail := func(err error) error {
 		p.discard(context.WithoutCancel(ctx), pd, "")
@@ -226,7 +225,6 @@ func (p *pool) fill(ctx context.Context, name string) error {
 		return fail(fmt.Errorf("start a pooled sandbox: %w", err))
 	}
 	pd.h.inst = inst
-	pd.h.uid.Store(int64(pd.uid))
 	if tmpl.Setup != "" {
 		if why := runSetup(ctx, inst, tmpl.Setup); why != "" {
 			return fail(errors.New(why))
@@ -348,15 +346,29 @@ func (p *pool) discard(ctx context.Context, pd *pooled, org string) {
 	}
 	if err != nil {
 		m.cfg.Log.Warn("removing a pooled sandbox failed; retrying later", "sandbox_id", pd.id, "err", err)
-		p.mu.Lock()
-		if !slices.Contains(p.leftovers, pd) {
-			p.leftovers = append(p.leftovers, pd)
-		}
-		p.mu.Unlock()
+		p.leaveOver(pd)
 		return
 	}
-	p.dropUID(pd)
+	m.uids.drop(pd.id)
 	m.unindex(pd.id)
+}
+
+// leaveOver keeps pd, whose removal failed, for the filler to retry.
+func (p *pool) leaveOver(pd *pooled) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !slices.Contains(p.leftovers, pd) {
+		p.leftovers = append(p.leftovers, pd)
+	}
+}
+
+// removeLeftover tries again to remove pd, as discard or hold would have.
+func (p *pool) removeLeftover(ctx context.Context, pd *pooled) {
+	if pd.held {
+		p.hold(ctx, pd)
+		return
+	}
+	p.discard(ctx, pd, p.claimedBy(pd.id))
 }
 
 func (p *pool) retryLeftovers(ctx context.Context) {
@@ -371,7 +383,7 @@ func (p *pool) retryLeftovers(ctx context.Context) {
 			p.mu.Unlock()
 			continue
 		}
-		p.discard(ctx, pd, p.claimedBy(pd.id))
+		p.removeLeftover(ctx, pd)
 	}
 }
 
@@ -398,7 +410,7 @@ func (p *pool) close(ctx context.Context) {
 	p.leftovers = nil
 	p.mu.Unlock()
 	for _, pd := range all {
-		p.discard(ctx, pd, p.claimedBy(pd.id))
+		p.removeLeftover(ctx, pd)
 	}
 }
 
@@ -424,6 +436,9 @@ func (p *pool) claim(ctx context.Context, org string, pd *pooled) error {
 		go p.discard(context.WithoutCancel(ctx), pd, org)
 		return indexErr
 	}
+	if pd.uid > 0 {
+		m.uids.hold(org, pd.id, pd.uid) // the org's now, in Redis too
+	}
 	return nil
 }
 
@@ -432,16 +447,20 @@ func (p *pool) claim(ctx context.Context, org string, pd *pooled) error {
 // entry naming the org stay, as a create's of unknown outcome do: a record that landed fails as any
 // create cut short (settle.go while the broker runs, recoverPooled at its next start), and its
 // delete frees the uid; none found, the next start removes the rest. Only its processes and files go: nothing of the org's is in them.
+// A destroy that fails keeps the uid in the broker's table (its processes may live) and is retried
+// by the filler; the one that succeeds gives it back to the range here.
 func (p *pool) hold(ctx context.Context, pd *pooled) {
 	m := p.m
+	pd.held = true
 	pd.h.mu.Lock()
 	pd.h.release(ctx)
 	pd.h.mu.Unlock()
 	if err := m.cfg.Provider.Destroy(ctx, provider.Spec{ID: pd.id, Template: m.cfg.Templates[pd.template], UID: pd.uid}); err != nil {
-		m.cfg.Log.Warn("removing a claimed pooled sandbox whose create's outcome is unknown failed; the next start removes it", "sandbox_id", pd.id, "err", err)
+		m.cfg.Log.Warn("removing a claimed pooled sandbox whose create's outcome is unknown failed; retrying later", "sandbox_id", pd.id, "err", err)
+		p.leaveOver(pd)
 		return
 	}
-	p.dropUID(pd) // nothing here runs as it any more; its record, if any, keeps it in Redis
+	m.uids.drop(pd.id) // nothing here runs as it any more; its record, if any, keeps it in Redis
 }
 
 // unclaim undoes a claim whose create did not make the record: createErr is nil when the name was
@@ -469,42 +488,13 @@ func (p *pool) unclaim(ctx context.Context, org string, pd *pooled, createErr er
 			go p.discard(ctx, pd, org)
 			return
 		}
+		m.uids.hold(store.PoolOrg, pd.id, pd.uid)
 	}
 	if err := m.indexPooled(pd.id, pd.template, ""); err != nil {
 		go p.discard(ctx, pd, "")
 		return
 	}
 	p.giveBack(pd)
-}
-
-// uidHolder names the pooled sandbox that runs (or is being made to run) as uid, if any
-// (allocateUID).
-func (p *pool) uidHolder(uid int) string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for id, u := range p.uids {
-		if u == uid {
-			return id
-		}
-	}
-	return ""
-}
-
-// holdUID records pd's uid as taken by a runtime here, from its draw on.
-func (p *pool) holdUID(pd *pooled) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.uids == nil {
-		p.uids = map[string]int{}
-	}
-	p.uids[pd.id] = pd.uid
-}
-
-// dropUID forgets pd's uid: its runtime is gone, or an org's hosted entry holds the uid now.
-func (p *pool) dropUID(pd *pooled) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	delete(p.uids, pd.id)
 }
 
 // adopt makes a claimed sandbox, whose record CreateOrReuse just made (provisioning), the org's
@@ -524,11 +514,9 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 		// Someone looked the id up between the record and now: give that entry the runtime.
 		pd.h.mu.Lock()
 		h.inst, h.ws = pd.h.inst, pd.h.ws
-		h.uid.Store(pd.h.uid.Load())
 		pd.h.mu.Unlock()
 	}
 	h.org = rec.Org
-	m.pool.dropUID(pd) // h holds it now (uidHolder reads both)
 	inst := h.inst
 	tmpl := m.cfg.Templates[rec.Template]
 	if cl, ok := m.cfg.Provider.(provider.Claimer); ok {

@@ -17,6 +17,7 @@ import (
 	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/store/redistest"
 	"github.com/sbxbroker/broker/tests/wait"
 )
 
@@ -357,5 +358,48 @@ func TestSandboxUIDOfAPooledSandboxBeingMadeNotReusedAfterFlush(t *testing.T) {
 	f.Close()
 	if rec.UID == uid {
 		t.Fatalf("a new sandbox got uid %d, which the pooled sandbox being made runs as", uid)
+	}
+}
+
+// The same for an org's create between its uid's draw and its start: the uid is drawn before the
+// record is written, and the create's Redis round trips come before its runtime exists. Redis
+// loses everything in that window (here while the create script's answer is on its way), and a
+// create of another org is handed the uids from an empty table, the first create's among them.
+// Before, only sandboxes with a runtime (and pooled ones) were checked, and both sandboxes ran as
+// one host uid.
+func TestSandboxUIDOfACreateUnderWayNotReusedAfterFlush(t *testing.T) {
+	needRoot(t)
+	t.Parallel()
+	ctx := context.Background()
+	uids := store.UIDRange{First: 238000, Last: 238003}
+	lossy := &redistest.LoseAnswers{Match: []byte("under-way")}
+	b := servertest.New(t, servertest.Options{Provider: "namespace", SandboxUIDs: &uids, RedisDialer: lossy.Dial})
+	var other store.Record
+	var otherErr error
+	lossy.Lost = func([]byte) {
+		// The first create has drawn its uid and sent its record: Redis loses everything, and
+		// another org's create runs to the end before the first's record is sent again.
+		if err := b.RDB.FlushAll(ctx).Err(); err != nil {
+			otherErr = err
+			return
+		}
+		other, _, otherErr = b.Manager.Create(ctx, sandbox.Caller{Org: "other-org", Actor: "test"}, sandbox.CreateRequest{Name: "other"})
+	}
+	lossy.Lose.Store(1)
+	rec, _, err := b.Manager.Create(ctx, sandbox.Caller{Org: b.Org, Actor: "test"}, sandbox.CreateRequest{Name: "under-way"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lossy.Lose.Load() > 0 {
+		t.Fatal("no answer was lost: the test did not test")
+	}
+	if otherErr != nil {
+		t.Fatalf("the other org's create: %v", otherErr)
+	}
+	if rec.UID == 0 || other.UID == rec.UID {
+		t.Fatalf("sandbox %s of %s and sandbox %s of other-org were both given uid %d", rec.ID, b.Org, other.ID, rec.UID)
+	}
+	if got := run(t, b, rec.ID, "id -u"); got != "1000" {
+		t.Fatalf("the first sandbox inside: %q", got)
 	}
 }

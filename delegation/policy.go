@@ -96,13 +96,15 @@ func CheckSearchPath(scopes, allow []string, searchPath string, known bool) erro
 }
 
 // writableDir says how a directory (a PATH entry, an allowlisted program's) lets a token with
-// fs:write place programs in it, or "".
+// fs:write place programs in it, or "". /proc reaches the workspace (/proc/self/cwd,
+// /proc/self/root/workspace), and so does /dev/fd, which is /proc/self/fd in every sandbox: a
+// directory descriptor the program's exec inherits (the kubernetes agent holds one on /workspace).
 func writableDir(dir string) string {
 	if !strings.HasPrefix(dir, "/") {
 		return "is resolved against the working directory"
 	}
 	clean := path.Clean(dir)
-	for _, root := range []string{protocol.WorkspaceRoot, "/proc"} {
+	for _, root := range []string{protocol.WorkspaceRoot, "/proc", "/dev/fd"} {
 		if clean == root || strings.HasPrefix(clean, root+"/") {
 			return "is in " + root
 		}

@@ -285,7 +285,7 @@ func TestCheckSearchPath(t *testing.T) {
 	write := []string{protocol.ScopeFSRead, protocol.ScopeFSWrite, protocol.ScopeExec}
 	for _, path := range []string{
 		"/workspace/.venv/bin:/usr/bin", "/usr/bin:/workspace", "/usr/bin:", ":/usr/bin", "/usr/bin::/bin",
-		".:/usr/bin", "bin:/usr/bin", "/usr/../workspace/bin", "//workspace/bin", "/proc/self/cwd",
+		".:/usr/bin", "bin:/usr/bin", "/usr/../workspace/bin", "//workspace/bin", "/proc/self/cwd", "/dev/fd/3",
 	} {
 		err := CheckSearchPath(write, []string{"/usr/bin/true", "pytest"}, path, true)
 		if code(t, err) != protocol.CodeInvalidArgument || !strings.Contains(err.Error(), "pytest") || !strings.Contains(err.Error(), "PATH") {

@@ -155,7 +155,7 @@ func (is *Issuer) Mint(g Grant) (token string, c Claims, err error) {
 			// would allow everything (CheckSearchPath is the same rule for bare names).
 			if where := writableDir(path.Dir(p)); strings.HasPrefix(p, "/") && where != "" {
 				return "", Claims{}, protocol.Errorf(protocol.CodeInvalidArgument,
-					"allow_cmd: entry %s %s, where this token may rewrite files (scope %s; /proc reaches %s as /proc/self/cwd and /proc/self/root), so it could run any program under that name: name a program outside the workspace, or mint the token without %s",
+					"allow_cmd: entry %s %s, where this token may rewrite files (scope %s; /proc reaches %s as /proc/self/cwd and /proc/self/root, and /dev/fd is /proc/self/fd), so it could run any program under that name: name a program outside the workspace, or mint the token without %s",
 					quoteShort(p), where, protocol.ScopeFSWrite, protocol.WorkspaceRoot, protocol.ScopeFSWrite)
 			}
 		}

@@ -136,6 +136,11 @@ func TestMintRejects(t *testing.T) {
 		{"cmd through /proc/self/root with fs:write", base(func(g *Grant) {
 			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"/proc/self/root/workspace/run.sh"}
 		}), protocol.CodeInvalidArgument, "/proc"},
+		// /dev/fd is /proc/self/fd in every sandbox: a directory descriptor the exec inherits
+		// (the kubernetes agent holds one on /workspace) reaches the workspace through it.
+		{"cmd through /dev/fd with fs:write", base(func(g *Grant) {
+			g.Scopes, g.AllowCmd = []string{"exec", "fs:write"}, []string{"/dev/fd/3/run.sh"}
+		}), protocol.CodeInvalidArgument, "/dev/fd"},
 		{"no org", base(func(g *Grant) { g.Org = "" }), protocol.CodeInvalidArgument, "org"},
 		{"no sandbox", base(func(g *Grant) { g.SandboxID = "" }), protocol.CodeInvalidArgument, "sandbox"},
 		{"no subject", base(func(g *Grant) { g.Subject = "" }), protocol.CodeInvalidArgument, "subject"},

@@ -67,15 +67,22 @@ func CheckCommand(allow []string, command string, argv []string, env map[string]
 // found through a directory the token may write (under the workspace, or /proc, which reaches it),
 // or through an entry resolved against the working directory (empty, ".", relative: the token
 // chooses the cwd), names whatever program the token plants there, so the allowlist would allow
-// every program. It returns nil, or a *protocol.Error with code invalid_argument saying which
-// entry and what to do.
-func CheckSearchPath(scopes, allow []string, searchPath string) error {
+// every program. A searchPath the broker does not know (known false: a kubernetes sandbox runs its
+// image's PATH) may hold such an entry, so a bare name is refused under it. It returns nil, or a
+// *protocol.Error with code invalid_argument saying which entry, or that PATH is unknown, and what
+// to do.
+func CheckSearchPath(scopes, allow []string, searchPath string, known bool) error {
 	if !slices.Contains(scopes, protocol.ScopeFSWrite) {
 		return nil
 	}
 	for _, p := range allow {
 		if strings.Contains(p, "/") || checkCmdEntry(p) != "" {
 			continue // an absolute path (PATH is not searched), or an entry Mint refuses for itself
+		}
+		if !known {
+			return protocol.Errorf(protocol.CodeInvalidArgument,
+				"allow_cmd: %s is looked up through the sandbox's PATH, which the broker does not know (its template sets no PATH, so the sandbox runs its image's): that PATH may name a directory this token may write into (scope %s), where it could put any program under that name. Name the program by its absolute path outside the workspace (e.g. /usr/bin/%s), set PATH in the template's env, or mint the token without %s",
+				quoteShort(p), protocol.ScopeFSWrite, p, protocol.ScopeFSWrite)
 		}
 		for _, dir := range strings.Split(searchPath, ":") {
 			if why := writableDir(dir); why != "" {
@@ -89,13 +96,15 @@ func CheckSearchPath(scopes, allow []string, searchPath string) error {
 }
 
 // writableDir says how a directory (a PATH entry, an allowlisted program's) lets a token with
-// fs:write place programs in it, or "".
+// fs:write place programs in it, or "". /proc reaches the workspace (/proc/self/cwd,
+// /proc/self/root/workspace), and so does /dev/fd, which is /proc/self/fd in every sandbox: a
+// directory descriptor the program's exec inherits (the kubernetes agent holds one on /workspace).
 func writableDir(dir string) string {
 	if !strings.HasPrefix(dir, "/") {
 		return "is resolved against the working directory"
 	}
 	clean := path.Clean(dir)
-	for _, root := range []string{protocol.WorkspaceRoot, "/proc"} {
+	for _, root := range []string{protocol.WorkspaceRoot, "/proc", "/dev/fd"} {
 		if clean == root || strings.HasPrefix(clean, root+"/") {
 			return "is in " + root
 		}

@@ -285,9 +285,9 @@ func TestCheckSearchPath(t *testing.T) {
 	write := []string{protocol.ScopeFSRead, protocol.ScopeFSWrite, protocol.ScopeExec}
 	for _, path := range []string{
 		"/workspace/.venv/bin:/usr/bin", "/usr/bin:/workspace", "/usr/bin:", ":/usr/bin", "/usr/bin::/bin",
-		".:/usr/bin", "bin:/usr/bin", "/usr/../workspace/bin", "//workspace/bin", "/proc/self/cwd",
+		".:/usr/bin", "bin:/usr/bin", "/usr/../workspace/bin", "//workspace/bin", "/proc/self/cwd", "/dev/fd/3",
 	} {
-		err := CheckSearchPath(write, []string{"/usr/bin/true", "pytest"}, path)
+		err := CheckSearchPath(write, []string{"/usr/bin/true", "pytest"}, path, true)
 		if code(t, err) != protocol.CodeInvalidArgument || !strings.Contains(err.Error(), "pytest") || !strings.Contains(err.Error(), "PATH") {
 			t.Errorf("PATH %q with fs:write and a bare name: %v, want invalid_argument naming pytest and PATH", path, err)
 		}
@@ -303,8 +303,37 @@ func TestCheckSearchPath(t *testing.T) {
 		{write, nil, "/workspace/bin"}, // no allowlist: every program may run anyway
 		{write, []string{"pytest"}, "/workspaces/bin:/opt/workspace/bin"},
 	} {
-		if err := CheckSearchPath(tc.scopes, tc.allow, tc.path); err != nil {
+		if err := CheckSearchPath(tc.scopes, tc.allow, tc.path, true); err != nil {
 			t.Errorf("%v %v PATH %q: %v, want it allowed", tc.scopes, tc.allow, tc.path, err)
+		}
+	}
+}
+
+// A sandbox whose PATH the broker does not know (a kubernetes template that sets none runs its
+// image's) may find a bare name through a directory the token may write: with fs:write the mint
+// is refused, saying why and what to do. An absolute path, or a token without fs:write, does not
+// depend on PATH.
+func TestCheckSearchPathFailsClosedOnAnUnknownPATH(t *testing.T) {
+	write := []string{protocol.ScopeFSRead, protocol.ScopeFSWrite, protocol.ScopeExec}
+	err := CheckSearchPath(write, []string{"/usr/bin/true", "pytest"}, "/usr/local/bin:/usr/bin:/bin", false)
+	if code(t, err) != protocol.CodeInvalidArgument {
+		t.Fatalf("fs:write and a bare name under an unknown PATH: %v, want invalid_argument", err)
+	}
+	for _, want := range []string{"pytest", "PATH", "does not know", "absolute path", "template's env", protocol.ScopeFSWrite} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("the refusal %q does not say %q", err, want)
+		}
+	}
+	for _, tc := range []struct {
+		scopes []string
+		allow  []string
+	}{
+		{write, []string{"/usr/bin/pytest"}},
+		{[]string{protocol.ScopeFSRead, protocol.ScopeExec}, []string{"pytest"}},
+		{write, nil},
+	} {
+		if err := CheckSearchPath(tc.scopes, tc.allow, "", false); err != nil {
+			t.Errorf("%v %v under an unknown PATH: %v, want it allowed", tc.scopes, tc.allow, err)
 		}
 	}
 }

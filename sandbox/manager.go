@@ -81,14 +81,15 @@ type hosted struct {
 	ws    *workspace.Workspace
 }
 
-// SearchPath is the PATH rec's commands find a bare program name through (provider.SearchPath of
-// its template), for the delegation policy that checks an allowlist against it.
-func (m *Manager) SearchPath(rec store.Record) string {
+// SearchPath is the PATH rec's commands find a bare program name through, and whether the broker
+// knows it (provider.SearchPath of its template), for the delegation policy that checks an
+// allowlist against it.
+func (m *Manager) SearchPath(rec store.Record) (path string, known bool) {
 	tmpl, ok := m.cfg.Templates[rec.Template]
 	if !ok {
 		tmpl = m.cfg.Templates["default"]
 	}
-	return provider.SearchPath(tmpl)
+	return provider.SearchPath(m.cfg.Provider, tmpl)
 }
 
 // release stops the sandbox's processes and closes its workspace; the caller holds h.mu.

@@ -37,6 +37,8 @@ type sourceLimiter struct {
 
 	mu   sync.Mutex
 	open map[netip.Addr]int
+	// waiting counts each source's refusals on those goroutines, at most maxRefusersPerSource.
+	waiting map[netip.Addr]int
 }
 
 func newSourceLimiter(l net.Listener, max int, refused prometheus.Counter) *sourceLimiter {
@@ -44,12 +46,12 @@ func newSourceLimiter(l net.Listener, max int, refused prometheus.Counter) *sour
 		Message: fmt.Sprintf("this address has %d connections open to this broker, its maximum: close some (keep-alive connections count), or retry later (the operator's --max-connections-per-source raises it)", max)}})
 	refusal := fmt.Appendf(nil, "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: %d\r\nRetry-After: 5\r\nConnection: close\r\n\r\n%s", len(body), body)
 	return &sourceLimiter{Listener: l, max: max, refused: refused, refusal: refusal,
-		refusers: make(chan struct{}, maxRefusers), open: map[netip.Addr]int{}}
+		refusers: make(chan struct{}, maxRefusers), open: map[netip.Addr]int{}, waiting: map[netip.Addr]int{}}
 }
 
 // Accept returns the next connection whose source is under the cap; the others are answered and
-// closed, each on a goroutine of its own up to maxRefusers at once and here past them, so refused
-// connections never hold more than those.
+// closed, each on a goroutine of its own up to maxRefusers at once (maxRefusersPerSource of one
+// source) and here past them, so refused connections never hold more than those.
 func (l *sourceLimiter) Accept() (net.Conn, error) {
 	for {
 		c, err := l.Listener.Accept()
@@ -61,22 +63,31 @@ func (l *sourceLimiter) Accept() (net.Conn, error) {
 			return &sourceConn{Conn: c, release: func() { l.give(src) }}, nil
 		}
 		l.refused.Inc()
-		select {
-		case l.refusers <- struct{}{}:
-			go func() {
-				defer func() { <-l.refusers }()
-				l.refuse(c, true)
-			}()
-		default:
-			l.refuse(c, false)
+		if l.add(l.waiting, src, maxRefusersPerSource) {
+			select {
+			case l.refusers <- struct{}{}:
+				go func() {
+					defer func() { <-l.refusers; l.remove(l.waiting, src) }()
+					l.refuse(c, true)
+				}()
+				continue
+			default:
+				l.remove(l.waiting, src)
+			}
 		}
+		l.refuse(c, false)
 	}
 }
 
 // maxRefusers bounds the refused connections answered after their request's head at once (a
 // goroutine and a 4 KiB buffer each, for at most refusalWait plus refusalLinger); past it a refused
-// connection is answered at once, on the accepting goroutine.
-const maxRefusers = 64
+// connection is answered at once, on the accepting goroutine. maxRefusersPerSource is one source's
+// share of them: one that opens connections and sends nothing would otherwise hold them all, and
+// every other source's refusals would be answered before their request again.
+const (
+	maxRefusers          = 64
+	maxRefusersPerSource = 8
+)
 
 const (
 	// refusalWait is how long a refusal waits for the request's head.
@@ -124,21 +135,27 @@ func readHead(c net.Conn, limit int) {
 	}
 }
 
-func (l *sourceLimiter) take(src netip.Addr) bool {
+// take counts a connection of src open, unless src is at the cap.
+func (l *sourceLimiter) take(src netip.Addr) bool { return l.add(l.open, src, l.max) }
+
+func (l *sourceLimiter) give(src netip.Addr) { l.remove(l.open, src) }
+
+// add counts one more for src in counts (open or waiting), unless it has max already.
+func (l *sourceLimiter) add(counts map[netip.Addr]int, src netip.Addr, max int) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.open[src] >= l.max {
+	if counts[src] >= max {
 		return false
 	}
-	l.open[src]++
+	counts[src]++
 	return true
 }
 
-func (l *sourceLimiter) give(src netip.Addr) {
+func (l *sourceLimiter) remove(counts map[netip.Addr]int, src netip.Addr) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.open[src]--; l.open[src] <= 0 {
-		delete(l.open, src)
+	if counts[src]--; counts[src] <= 0 {
+		delete(counts, src)
 	}
 }
 

@@ -770,3 +770,54 @@ func TestAllowlistNameFoundThroughAWritablePATHIsRefused(t *testing.T) {
 		t.Errorf("a bare name under the default PATH: %v", err)
 	}
 }
+
+// remoteDir is the dir provider dressed as a remote one (as the kubernetes provider is): what the
+// mint looks at is only that the sandbox's PATH is then its image's, which the broker does not know.
+type remoteDir struct{ provider.Provider }
+
+func (remoteDir) RemoteWorkspace() {}
+
+// On the kubernetes provider a template that sets no PATH runs its image's, which the broker does
+// not know and which may name a directory under /workspace (a venv's bin): a mint with fs:write
+// and a bare allowlisted name is refused, saying why and what to do, not checked against a PATH
+// the sandbox does not have. A template that sets PATH, a program named by its absolute path, or
+// a token without fs:write is minted.
+func TestAllowlistNameUnderAnUnknownPATHIsRefused(t *testing.T) {
+	t.Parallel()
+	dataDir := servertest.DataDir(t)
+	dir, _, err := provider.Preflight(t.Context(), provider.Config{DataDir: dataDir}, "dir")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := servertest.New(t, servertest.Options{ProviderImpl: remoteDir{dir}, DataDir: dataDir, Templates: map[string]provider.Template{
+		"default": {Name: "default"},
+		"pinned":  {Name: "pinned", Env: map[string]string{"PATH": "/usr/bin:/bin"}},
+	}})
+	ctx := t.Context()
+	for _, name := range []string{"image", "pinned"} {
+		req := protocol.CreateSandboxRequest{Name: name}
+		if name == "pinned" {
+			req.Template = "pinned"
+		}
+		if _, err := b.Client.CreateSandbox(ctx, req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err = b.Client.Delegate(ctx, "image", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"pytest"}})
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "does not know") {
+		t.Fatalf("fs:write with pytest under the image's PATH: %v, want invalid_argument saying the PATH is unknown", err)
+	}
+	for _, mint := range []struct {
+		sandbox string
+		req     protocol.MintRequest
+	}{
+		{"image", protocol.MintRequest{Scopes: []string{"exec", "fs:read"}, AllowCmd: []string{"pytest"}}},
+		{"image", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"/usr/bin/true"}}},
+		{"pinned", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"pytest"}}},
+	} {
+		if _, err := b.Client.Delegate(ctx, mint.sandbox, mint.req); err != nil {
+			t.Errorf("%s %v %v: %v, want it minted", mint.sandbox, mint.req.Scopes, mint.req.AllowCmd, err)
+		}
+	}
+}

@@ -15,7 +15,8 @@ func (s *Server) mintDelegation(c echo.Context) error {
 		return err
 	}
 	rec := sandboxOf(c)
-	if err := delegation.CheckSearchPath(req.Scopes, req.AllowCmd, s.sandboxes.SearchPath(rec)); err != nil {
+	searchPath, known := s.sandboxes.SearchPath(rec)
+	if err := delegation.CheckSearchPath(req.Scopes, req.AllowCmd, searchPath, known); err != nil {
 		return err
 	}
 	res, err := s.delegation.Mint(c.Request().Context(), rec, principal(c).Actor(), req)

@@ -222,8 +222,9 @@ func TestCpThroughSbctl(t *testing.T) {
 
 // A destination that is a symbolic link is followed as cp follows one: a link to a directory takes
 // the file in (with a trailing / too), one to a file is written through and stays a link, one
-// leading out of /workspace or to nothing is refused with the reason. sbctl replaced the link
-// itself with the copy, and refused "LINK/" as "not a directory; several sources go into a
+// leading out of /workspace or to nothing is refused with the reason, and exits 1: the sandbox's
+// content refuses it, the command line is right (it exited 2, a usage error). sbctl replaced the
+// link itself with the copy, and refused "LINK/" as "not a directory; several sources go into a
 // directory" for one source.
 func TestCpIntoASymlinkedDestination(t *testing.T) {
 	t.Parallel()
@@ -241,13 +242,20 @@ func TestCpIntoASymlinkedDestination(t *testing.T) {
 	if got != "'dirlink' -> 'real'\n'real/filelink' -> 'target'\nnew\nnew\n" {
 		t.Fatalf("after copying onto links:\n%s", got)
 	}
-	for dst, want := range map[string]string{
-		"box:out/":         "resolves outside the workspace through a symbolic link",
-		"box:dangling":     "is a symbolic link to nowhere, which does not exist",
-		"box:real/target/": "is not a directory (a trailing / names one)",
+	// A link the sandbox holds refuses the copy, which is no wrong command line: exit 1, not 2.
+	for _, tc := range []struct {
+		dst  string
+		code int
+		want string
+	}{
+		{"box:out", 1, "box:out leads out of the workspace: out is a symbolic link to /etc"},
+		{"box:out/", 1, "resolves outside the workspace through a symbolic link"},
+		{"box:dangling", 1, "is a symbolic link to nowhere, which does not exist"},
+		{"box:real/target/", 2, "is not a directory (a trailing / names one)"},
+		{"box:/etc", 2, "outside /workspace"},
 	} {
-		if r := b.sbctl("cp", f, dst); r.code == 0 || !strings.Contains(r.stderr, want) {
-			t.Errorf("cp to %s: exit %d %q, want %q", dst, r.code, r.stderr, want)
+		if r := b.sbctl("cp", f, tc.dst); r.code != tc.code || !strings.Contains(r.stderr, tc.want) {
+			t.Errorf("cp to %s: exit %d %q, want %d %q", tc.dst, r.code, r.stderr, tc.code, tc.want)
 		}
 	}
 	if got := b.ok("exec", "box", "-c", "stat -c '%N' out dangling; ls /etc/f.txt 2>&1; true"); !strings.HasPrefix(got, "'out' -> '/etc'\n'dangling' -> 'nowhere'\n") || !strings.Contains(got, "No such file") {

@@ -19,6 +19,7 @@ import (
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/workspace"
 	"github.com/sbxbroker/broker/tartree"
 )
 
@@ -74,6 +75,13 @@ otherwise cp is quiet (-o json prints what moved).`,
 				return usage.Errorf("neither side is a sandbox: write the sandbox side as REF:PATH (e.g. dev:/workspace/src)")
 			case !dremote && len(srcs) > 1:
 				return usage.Errorf("copy out of a sandbox one REF:PATH at a time")
+			}
+			for _, a := range args {
+				if _, p, remote := sandboxSide(a); remote {
+					if err := checkSandboxPath(a, p); err != nil {
+						return err
+					}
+				}
 			}
 			start := time.Now()
 			ctx := cmd.Context()
@@ -230,8 +238,10 @@ func (g *globals) dial(ctx context.Context, ref string) (*backend.Remote, error)
 }
 
 // followLinks stats p in the sandbox, following symbolic links (at most 40, as the kernel does)
-// to what they name: it returns the path it ended at and what is there.
-func followLinks(ctx context.Context, r *backend.Remote, p string) (string, protocol.FileInfo, error) {
+// to what they name: it returns the path it ended at and what is there. A link leading out of the
+// workspace, or too many of them, is the sandbox's content refusing the copy, not a wrong command
+// line: its error is no usage error. name is how the person wrote p, for the errors.
+func followLinks(ctx context.Context, r *backend.Remote, name, p string) (string, protocol.FileInfo, error) {
 	for range 40 {
 		fi, err := r.Stat(ctx, p)
 		if err != nil || fi.Type != protocol.FileTypeSymlink {
@@ -241,9 +251,32 @@ func followLinks(ctx context.Context, r *backend.Remote, p string) (string, prot
 		if !path.IsAbs(next) {
 			next = path.Join(path.Dir(path.Clean(p)), next)
 		}
+		if _, err := workspace.Resolve(next); err != nil {
+			return p, fi, fmt.Errorf("%s leads out of the workspace: %s is a symbolic link to %s; copy onto a path inside %s",
+				name, p, fi.Target, protocol.WorkspaceRoot)
+		}
 		p = next
 	}
-	return p, protocol.FileInfo{}, usage.Errorf("%s: too many levels of symbolic links", p)
+	return p, protocol.FileInfo{}, fmt.Errorf("%s: too many levels of symbolic links", name)
+}
+
+// checkSandboxPath refuses, as a wrong command line, a sandbox path that the workspace's path
+// rules refuse whatever the sandbox holds (outside /workspace, empty, too long). arg is how the
+// person wrote it. The broker applies the same rules; a path that passes them and is still
+// refused (a link leading out) is refused by what the sandbox holds, which is no usage error.
+func checkSandboxPath(arg, p string) error {
+	if _, err := workspace.Resolve(p); err != nil {
+		return usage.Errorf("%s: %s", arg, describe(err))
+	}
+	return nil
+}
+
+// checkCwd is checkSandboxPath for --cwd ("" is the default, /workspace).
+func checkCwd(cwd string) error {
+	if cwd == "" {
+		return nil
+	}
+	return checkSandboxPath("--cwd", cwd)
 }
 
 // cpIn copies local sources (or a tar stream on stdin) into the sandbox.
@@ -282,10 +315,10 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 	// takes the sources in, and one to a file is written through (the broker refuses a link that
 	// leads out of /workspace). Before, the link itself was replaced by the copy.
 	given := dst
-	dst, fi, err := followLinks(ctx, r, dst)
+	dst, fi, err := followLinks(ctx, r, ref+":"+given, dst)
 	var pe *protocol.Error
 	if dst != given && errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound {
-		return protocol.TreeResult{}, usage.Errorf("%s:%s is a symbolic link to %s, which does not exist", ref, given, dst)
+		return protocol.TreeResult{}, fmt.Errorf("%s:%s is a symbolic link to %s, which does not exist", ref, given, dst)
 	}
 	dir, as := dst, ""
 	switch {

@@ -62,6 +62,9 @@ from it.`,
 			if timeout < 0 || (timeout > 0 && timeout < time.Millisecond) {
 				return usage.Errorf("--timeout %s: give at least 1ms, e.g. 500ms, 30s or 2h (0 is the sandbox's default)", timeout)
 			}
+			if err := checkCwd(cwd); err != nil {
+				return err
+			}
 			c, err := g.client()
 			if err != nil {
 				return err
@@ -93,9 +96,6 @@ from it.`,
 				}
 			}
 			res, err := r.Exec(cmd.Context(), backend.ExecRequest{ExecArgs: a, Stdout: g.stdout, Stderr: g.stderr})
-			if pe := (*protocol.Error)(nil); errors.As(err, &pe) && pe.Code == protocol.CodeInvalidPath && cwd != "" {
-				return usage.Errorf("--cwd: %s", pe.Message) // exec's one path
-			}
 			if err != nil {
 				return err
 			}

@@ -121,8 +121,9 @@ first start on the embedded defaults.
 
 A REF is a sandbox id (sb_...) or name.
 
-Exit codes: 0 ok, 1 error, 2 usage (a wrong command line, or an argument the broker refuses as
-such: a path outside /workspace, a bad --ttl), 3 not found, 4 not authorized, 5 conflict (name
+Exit codes: 0 ok, 1 error (the sandbox refuses it: a symbolic link leading out of /workspace, a
+missing directory), 2 usage (a wrong command line, or an argument the broker refuses as such: a
+path outside /workspace, a bad --ttl), 3 not found, 4 not authorized, 5 conflict (name
 taken, sandbox stopped or failed, or hosted by another broker), 6 broker unreachable or
 unavailable, 7 refused by a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C);
 sbctl exec exits with the command's own code.`,
@@ -264,10 +265,11 @@ func exitCodeOf(err error) int {
 		case protocol.CodeUnreachable, protocol.CodeUnavailable: // the dataplane, or a broker that says retry
 			return exitUnreachable
 		}
-		// A path the dataplane's rules refuse (outside /workspace, empty, too long) is the caller's
-		// mistake whatever the sandbox holds, as a REST 400 is; the dataplane's refusals carry no
-		// HTTP status. Its invalid_argument may depend on the sandbox (a missing cwd or program): 1.
-		if pe.Status == 400 || (pe.Status == 0 && pe.Code == protocol.CodeInvalidPath) {
+		// A REST 400 is the caller's mistake. The dataplane's refusals carry no HTTP status and may
+		// depend on the sandbox (a link leading out, a missing cwd or program): 1. The paths a
+		// command line gives are checked against the path rules before they are sent
+		// (checkSandboxPath), so a path wrong whatever the sandbox holds exits 2 there.
+		if pe.Status == 400 {
 			return exitUsage
 		}
 	}

@@ -54,6 +54,9 @@ the exec scope opens the same shell through the dataplane (docs/dataplane.md, "s
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := checkCwd(cwd); err != nil {
+				return err
+			}
 			a := protocol.ShellArgs{Argv: args[1:], Cwd: cwd}
 			if len(env) > 0 {
 				a.Env = map[string]string{}

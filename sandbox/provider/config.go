@@ -70,14 +70,18 @@ const (
 // basePath is PATH inside every sandbox.
 const basePath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-// SearchPath is the PATH a sandbox of template t finds a bare program name through: the template's
-// own PATH, or the base one. (On kubernetes a template without PATH gets its image's, which the
-// broker does not know: this answers the base one for it.)
-func SearchPath(t Template) string {
-	if p, ok := t.Env["PATH"]; ok {
-		return p
+// SearchPath is the PATH a sandbox of template t under provider p finds a bare program name
+// through, and whether the broker knows it: the template's own PATH, else the base one the broker
+// gives every sandbox it runs here. A remote provider's sandbox (a kubernetes pod) without the
+// template's PATH runs its image's, which the broker does not know: known is then false.
+func SearchPath(p Provider, t Template) (path string, known bool) {
+	if path, ok := t.Env["PATH"]; ok {
+		return path, true
 	}
-	return basePath
+	if IsRemote(p) {
+		return "", false
+	}
+	return basePath, true
 }
 
 // Errors the providers return; callers test them with errors.Is.

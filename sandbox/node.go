@@ -236,9 +236,7 @@ func (m *Manager) expireOnRecover(ctx context.Context, c Caller, rec store.Recor
 // word would lose work.
 func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 	dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: id})
-	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
-		m.uids.drop(id) // nothing ran as it: no runtime starts before its files
-		m.unindex(id)
+	if !m.filesToKeep(id, dir) {
 		return
 	}
 	h := m.hostedFor(id, org)
@@ -252,6 +250,30 @@ func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 	m.cfg.Log.Warn("a sandbox on this broker has no record in Redis (was Redis flushed or replaced?): its files are kept; "+
 		"copy out what you need, then remove the directory and its index entry",
 		"sandbox_id", id, "org", org, "files", dir, "index_entry", filepath.Join(m.cfg.IndexDir, id))
+}
+
+// filesToKeep reports whether the sandbox id with no record has files (dir) for recordMissing to
+// keep. With none, it is a create that crashed before its files, or whose record Redis lost: its
+// uid and index entry go. A start holds the lifecycle lock from before the provider makes the files
+// until its last write: one under way (Redis lost the record it just made) keeps the uid, since its
+// runtime may run as it (the template's setup) until the record's loss ends it. Nothing is done then;
+// the next reconcile looks again.
+func (m *Manager) filesToKeep(id, dir string) bool {
+	m.mu.Lock()
+	h := m.host[id]
+	m.mu.Unlock()
+	if h != nil {
+		if !h.mu.TryLock() {
+			return false
+		}
+		defer h.mu.Unlock()
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		return true
+	}
+	m.uids.drop(id) // nothing ran as it: no runtime starts before its files
+	m.unindex(id)
+	return false
 }
 
 // keepUID holds the uid that the kept files of a sandbox with no record belong to, in Redis and in

@@ -1,10 +1,13 @@
 package sandbox
 
 import (
+	"context"
+	"maps"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/sandbox/provider"
 	"github.com/sbxbroker/broker/store"
 )
 
@@ -46,4 +49,50 @@ func TestAStartThatLosesTheLockToADeleteHoldsNoUID(t *testing.T) {
 	m.mu.Unlock()
 	m.Reconcile(ctx)
 	wantHeld(t, m, "the start that lost the lock to the delete, then a reconcile", map[string]int{})
+}
+
+// createBlocks is a provider whose Create says it began (entered) and waits for proceed before it
+// creates the files: a slow disk, an image being unpacked.
+type createBlocks struct {
+	provider.Provider
+	entered, proceed chan struct{}
+}
+
+func (p *createBlocks) Create(ctx context.Context, spec provider.Spec) error {
+	p.entered <- struct{}{}
+	<-p.proceed
+	return p.Provider.Create(ctx, spec)
+}
+
+// Redis loses its data while a create on this broker is starting its sandbox (its record made, its
+// files not yet), and the reconcile runs then: it finds no record and no files. The create's start
+// still holds the uid (it may run the template's setup as it for minutes): the reconcile must not
+// give it up, or the next create, which Redis hands the same uid, runs as it too.
+func TestTheReconcileKeepsTheUIDOfACreateStartingWhenRedisLostItsData(t *testing.T) {
+	ctx := t.Context()
+	m, _, srv := testManager(t, time.Now)
+	prov := &createBlocks{Provider: m.cfg.Provider, entered: make(chan struct{}), proceed: make(chan struct{})}
+	m.cfg.Provider = prov
+	m.cfg.UIDs = store.UIDRange{First: 239500, Last: 239503}
+	c := Caller{Org: "o", Actor: "key:k"}
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := m.Create(ctx, c, CreateRequest{Name: "a"})
+		done <- err
+	}()
+	<-prov.entered
+	uids := heldUIDs(m)
+	if len(uids) != 1 {
+		t.Fatalf("uids held while the create starts: %v", uids)
+	}
+	if err := srv.Client(t).FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	m.Reconcile(ctx)
+	got := heldUIDs(m)
+	close(prov.proceed) // later creates' Create goes straight through
+	<-done              // its record is gone: it fails, its runtime ends
+	if !maps.Equal(got, uids) {
+		t.Fatalf("after the reconcile, while the create still starts: the broker holds %v, want %v", got, uids)
+	}
 }

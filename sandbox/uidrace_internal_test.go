@@ -96,3 +96,35 @@ func TestTheReconcileKeepsTheUIDOfACreateStartingWhenRedisLostItsData(t *testing
 		t.Fatalf("after the reconcile, while the create still starts: the broker holds %v, want %v", got, uids)
 	}
 }
+
+// A create drew its uid (in Redis too) and the broker died before the record was made, or Redis
+// lost every answer to the create and the record never landed: the sandbox has an index entry, a
+// uid in Redis, and no record nor files. Finding so (at the next start, or the reconcile of an
+// unsettled create) gives the uid back in Redis too, not only in the broker's table: nothing else
+// ever would, and each such create would take one uid out of the range for good.
+func TestACreateCutShortBeforeItsRecordGivesItsUIDBackInRedis(t *testing.T) {
+	ctx := t.Context()
+	m, st, _ := testManager(t, time.Now)
+	m.cfg.UIDs = store.UIDRange{First: 239600, Last: 239603}
+	id := protocol.NewSandboxID()
+	if err := m.index(id, "o"); err != nil {
+		t.Fatal(err)
+	}
+	uid, err := m.allocateUID(ctx, "o", id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Close(ctx) // the broker dies here
+	m2, err := NewManager(m.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m2.Close(context.Background()) })
+	if err := m2.Recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wantHeld(t, m2, "after the restart", map[string]int{})
+	if owner, err := st.UIDOwner(ctx, uid); err != nil || owner != "" {
+		t.Fatalf("uid %d in Redis after the restart found no record and no files: held by %q (%v), want free", uid, owner, err)
+	}
+}

@@ -79,9 +79,10 @@ type hosted struct {
 	// its runtime here rather than a runtime a stop left (provision).
 	claim string
 	ws    *workspace.Workspace
-	// destroyed: destroy removed the sandbox (files, uid, record) and this entry from m.host. A
-	// start that looked the entry up before and waited for mu must not start it, nor take its
-	// uid again: nothing would give that uid back.
+	// destroyed: the sandbox is gone (destroy removed its files, uid and record, or the reconcile
+	// found neither record nor files) and this entry left m.host. A start that looked the entry
+	// up before and waited for mu must not start it, nor take its uid again: nothing would give
+	// that uid back.
 	destroyed bool
 }
 

@@ -278,6 +278,16 @@ func (m *Manager) filesToKeep(ctx context.Context, org, id, dir string) bool {
 	}
 	m.uids.drop(id) // nothing ran as it: no runtime starts before its files
 	m.unindex(id)
+	if h != nil {
+		// An entry a late request made (it read the record before a delete), or a start's whose
+		// record Redis lost: the sandbox is gone, and the reconcile need not read it again.
+		h.destroyed = true
+		m.mu.Lock()
+		if m.host[id] == h {
+			delete(m.host, id)
+		}
+		m.mu.Unlock()
+	}
 	return false
 }
 

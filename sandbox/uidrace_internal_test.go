@@ -128,3 +128,28 @@ func TestACreateCutShortBeforeItsRecordGivesItsUIDBackInRedis(t *testing.T) {
 		t.Fatalf("uid %d in Redis after the restart found no record and no files: held by %q (%v), want free", uid, owner, err)
 	}
 }
+
+// A request that read a sandbox's record before its delete and reaches its files after it (a
+// dataplane call, a stop) looks up its entry again: the reconcile that finds no record and no files
+// forgets that entry too, rather than reading Redis for it (and giving its uid back) every pass for
+// as long as the broker runs.
+func TestTheReconcileForgetsTheEntryOfADeletedSandboxALateRequestMade(t *testing.T) {
+	ctx := t.Context()
+	m, _, _ := testManager(t, time.Now)
+	c := Caller{Org: "o", Actor: "key:k"}
+	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "late"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Delete(ctx, c, rec.ID); err != nil {
+		t.Fatal(err)
+	}
+	m.Workspace(rec) // a request that read the record before the delete
+	m.Reconcile(ctx)
+	m.mu.Lock()
+	_, kept := m.host[rec.ID]
+	m.mu.Unlock()
+	if kept {
+		t.Fatal("the reconcile keeps the entry of a sandbox with no record and no files: it reads Redis for it every pass")
+	}
+}

@@ -254,11 +254,12 @@ func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 
 // filesToKeep reports whether the sandbox id with no record has files (dir) for recordMissing to
 // keep. With none, it is a create that crashed before its files, or whose record Redis lost: its
-// uid (in Redis too: its create drew it before the record, and nothing else would give it back)
-// and index entry go; a release Redis does not answer leaves both for the next look. A start holds the lifecycle lock from before the provider makes the files
-// until its last write: one under way (Redis lost the record it just made) keeps the uid, since its
-// runtime may run as it (the template's setup) until the record's loss ends it. Nothing is done then;
-// the next reconcile looks again.
+// uid (in Redis too: its create drew it before the record, and nothing else would give it back),
+// index entry and hosted entry go; a release Redis does not answer leaves them for the next look.
+// A start holds the lifecycle lock from before the provider makes the files until its last write:
+// one under way (Redis lost the record it just made) keeps the uid, since its runtime may run as it
+// (the template's setup) until the record's loss ends it; nor is anything dropped while a runtime
+// of it runs here (a remote provider's files are not here). The next reconcile looks again.
 func (m *Manager) filesToKeep(ctx context.Context, org, id, dir string) bool {
 	m.mu.Lock()
 	h := m.host[id]
@@ -271,6 +272,9 @@ func (m *Manager) filesToKeep(ctx context.Context, org, id, dir string) bool {
 	}
 	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
 		return true
+	}
+	if h != nil && h.inst != nil {
+		return false
 	}
 	if err := m.cfg.Store.ReleaseUID(ctx, org, id); err != nil {
 		m.cfg.Log.Warn("releasing the uid of a sandbox with no record and no files failed; trying again later", "sandbox_id", id, "err", err)

@@ -103,6 +103,11 @@ func writableDir(dir string) string {
 	if !strings.HasPrefix(dir, "/") {
 		return "is resolved against the working directory"
 	}
+	// path.Clean takes ".." lexically; the kernel takes it after the symbolic link before it, so
+	// /dev/fd/../cwd is /proc/self/cwd, the workspace, while Clean says /dev/cwd.
+	if slices.Contains(strings.Split(dir, "/"), "..") {
+		return "has a \"..\", which the kernel takes after following the link before it (/dev/fd/.. is /proc/self, which reaches " + protocol.WorkspaceRoot + ")"
+	}
 	clean := path.Clean(dir)
 	for _, root := range []string{protocol.WorkspaceRoot, "/proc", "/dev/fd"} {
 		if clean == root || strings.HasPrefix(clean, root+"/") {

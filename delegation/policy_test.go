@@ -286,6 +286,7 @@ func TestCheckSearchPath(t *testing.T) {
 	for _, path := range []string{
 		"/workspace/.venv/bin:/usr/bin", "/usr/bin:/workspace", "/usr/bin:", ":/usr/bin", "/usr/bin::/bin",
 		".:/usr/bin", "bin:/usr/bin", "/usr/../workspace/bin", "//workspace/bin", "/proc/self/cwd", "/dev/fd/3",
+		"/dev/fd/../cwd", "/dev/fd/../root/workspace/bin:/usr/bin",
 	} {
 		err := CheckSearchPath(write, []string{"/usr/bin/true", "pytest"}, path, true)
 		if code(t, err) != protocol.CodeInvalidArgument || !strings.Contains(err.Error(), "pytest") || !strings.Contains(err.Error(), "PATH") {

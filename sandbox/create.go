@@ -187,6 +187,11 @@ func (m *Manager) provisionClaim(ctx context.Context, c Caller, rec store.Record
 	defer h.mu.Unlock()
 	// Provisioning must finish even if the client that asked goes away: others wait on it.
 	ctx = context.WithoutCancel(ctx)
+	if h.destroyed {
+		// A delete took the lock first and removed the sandbox: its record, files and uid are
+		// gone, and this start's would never be released.
+		return rec, m.mapStoreErr(store.ErrNotFound, rec.Name)
+	}
 	if h.inst != nil && rec.Claim != "" && h.claim == rec.Claim {
 		// Another start of this claim took the lock first (a resume's own and a reconcile's for
 		// the record it found provisioning): its runtime is this start's, and ending it would

@@ -79,6 +79,11 @@ type hosted struct {
 	// its runtime here rather than a runtime a stop left (provision).
 	claim string
 	ws    *workspace.Workspace
+	// destroyed: the sandbox is gone (destroy removed its files, uid and record, or the reconcile
+	// found neither record nor files) and this entry left m.host. A start that looked the entry
+	// up before and waited for mu must not start it, nor take its uid again: nothing would give
+	// that uid back.
+	destroyed bool
 }
 
 // SearchPath is the PATH rec's commands find a bare program name through, and whether the broker
@@ -387,6 +392,7 @@ func (m *Manager) destroy(ctx context.Context, rec store.Record) error {
 		return err
 	}
 	m.unindex(rec.ID)
+	h.destroyed = true
 	m.mu.Lock()
 	delete(m.host, rec.ID)
 	m.mu.Unlock()

@@ -236,9 +236,7 @@ func (m *Manager) expireOnRecover(ctx context.Context, c Caller, rec store.Recor
 // word would lose work.
 func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 	dir := m.cfg.Provider.WorkspaceDir(provider.Spec{ID: id})
-	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
-		m.uids.drop(id) // nothing ran as it: no runtime starts before its files
-		m.unindex(id)
+	if !m.filesToKeep(ctx, org, id, dir) {
 		return
 	}
 	h := m.hostedFor(id, org)
@@ -252,6 +250,49 @@ func (m *Manager) recordMissing(ctx context.Context, org, id string) {
 	m.cfg.Log.Warn("a sandbox on this broker has no record in Redis (was Redis flushed or replaced?): its files are kept; "+
 		"copy out what you need, then remove the directory and its index entry",
 		"sandbox_id", id, "org", org, "files", dir, "index_entry", filepath.Join(m.cfg.IndexDir, id))
+}
+
+// filesToKeep reports whether the sandbox id with no record has files (dir) for recordMissing to
+// keep. With none, it is a create that crashed before its files, or whose record Redis lost: its
+// uid (in Redis too: its create drew it before the record, and nothing else would give it back),
+// index entry and hosted entry go; a release Redis does not answer leaves them for the next look.
+// A start holds the lifecycle lock from before the provider makes the files until its last write:
+// one under way (Redis lost the record it just made) keeps the uid, since its runtime may run as it
+// (the template's setup) until the record's loss ends it; nor is anything dropped while a runtime
+// of it runs here (a remote provider's files are not here). The next reconcile looks again.
+func (m *Manager) filesToKeep(ctx context.Context, org, id, dir string) bool {
+	m.mu.Lock()
+	h := m.host[id]
+	m.mu.Unlock()
+	if h != nil {
+		if !h.mu.TryLock() {
+			return false
+		}
+		defer h.mu.Unlock()
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		return true
+	}
+	if h != nil && h.inst != nil {
+		return false
+	}
+	if err := m.cfg.Store.ReleaseUID(ctx, org, id); err != nil {
+		m.cfg.Log.Warn("releasing the uid of a sandbox with no record and no files failed; trying again later", "sandbox_id", id, "err", err)
+		return false
+	}
+	m.uids.drop(id) // nothing ran as it: no runtime starts before its files
+	m.unindex(id)
+	if h != nil {
+		// An entry a late request made (it read the record before a delete), or a start's whose
+		// record Redis lost: the sandbox is gone, and the reconcile need not read it again.
+		h.destroyed = true
+		m.mu.Lock()
+		if m.host[id] == h {
+			delete(m.host, id)
+		}
+		m.mu.Unlock()
+	}
+	return false
 }
 
 // keepUID holds the uid that the kept files of a sandbox with no record belong to, in Redis and in

@@ -129,7 +129,23 @@ func (p *pool) wake() {
 func (m *Manager) RunPool(ctx context.Context) {
 	p := m.pool
 	if len(p.tmpl) == 0 {
-		return
+		// No template has a pool now, but Recover may have left an earlier run's pooled sandboxes
+		// it could not remove (the store away): their uids stay taken in Redis until removed.
+		for {
+			p.retryLeftovers(ctx)
+			p.mu.Lock()
+			left := len(p.leftovers)
+			p.mu.Unlock()
+			if left == 0 || ctx.Err() != nil {
+				return
+			}
+			timer := time.NewTimer(poolRetryMax)
+			select {
+			case <-ctx.Done():
+			case <-timer.C:
+			}
+			timer.Stop()
+		}
 	}
 	for ctx.Err() == nil {
 		p.retryLeftovers(ctx)

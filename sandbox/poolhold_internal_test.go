@@ -73,3 +73,42 @@ func TestAHeldPooledSandboxsUIDComesBackOnceItsDestroySucceeds(t *testing.T) {
 		t.Fatalf("the held sandbox's index entry: %v", err)
 	}
 }
+
+// A broker restarted with no pool in its templates finds a pooled sandbox an earlier run left, and
+// its removal fails (the store or the provider away): the filler still tries it again, so its uid
+// comes back to the range. Before, the filler ran only for templates with a pool, and the uid
+// stayed taken in Redis until a restart.
+func TestAPooledLeftoverIsRetriedWithNoPoolConfigured(t *testing.T) {
+	ctx := t.Context()
+	m, st, _ := testManager(t, time.Now)
+	m.cfg.UIDs = store.UIDRange{First: 239700, Last: 239703}
+	tmpl := m.cfg.Templates["default"]
+	tmpl.Pool = provider.Pool{Size: 1}
+	m.cfg.Templates["pooled"] = tmpl
+	m.pool = newPool(m)
+	if err := m.pool.fill(ctx, "pooled"); err != nil {
+		t.Fatal(err)
+	}
+	pd := m.pool.tmpl["pooled"].ready[0]
+	pd.h.mu.Lock()
+	pd.h.release(ctx) // its processes end with the broker; its index entry and uid stay
+	pd.h.mu.Unlock()
+
+	cfg := m.cfg
+	cfg.Templates = map[string]provider.Template{"default": provider.DefaultTemplate()} // no pool now
+	prov := &destroyFails{Provider: m.cfg.Provider}
+	prov.fails.Store(1)
+	cfg.Provider = prov
+	m2, err := NewManager(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m2.Close(context.Background()) })
+	if err := m2.Recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	m2.RunPool(ctx) // returns once nothing is left over
+	if owner, err := st.UIDOwner(ctx, pd.uid); err != nil || owner != "" {
+		t.Fatalf("uid %d of the earlier run's pooled sandbox: held by %q (%v), want free", pd.uid, owner, err)
+	}
+}

@@ -393,7 +393,9 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 	}
 	switch rec.Status {
 	case protocol.StatusStopped, protocol.StatusFailed:
-		m.stopLocal(ctx, rec)
+		if !m.holdsNothing(id) {
+			m.stopLocal(ctx, rec)
+		}
 	case protocol.StatusDeleting:
 		m.destroy(ctx, rec)
 	case protocol.StatusProvisioning:
@@ -417,6 +419,21 @@ func (m *Manager) reconcileOne(ctx context.Context, org, id, startBy string) {
 			}
 		}
 	}
+}
+
+// holdsNothing reports whether sandbox id's entry here has neither a runtime nor an open workspace:
+// a stopped sandbox's then needs no stop, nor stopLocal's second read of its record. Every stopped
+// sandbox hosted here is reconciled on every pass, so that read would double the pass's Redis
+// round trips. An entry a start or stop holds is not looked into: stopLocal waits for it.
+func (m *Manager) holdsNothing(id string) bool {
+	m.mu.Lock()
+	h := m.host[id]
+	m.mu.Unlock()
+	if h == nil || !h.mu.TryLock() {
+		return false
+	}
+	defer h.mu.Unlock()
+	return h.inst == nil && h.ws == nil
 }
 
 // Close stops every runtime on this node without touching records: they are "running" still, and a

@@ -131,7 +131,7 @@ func (l *local) Exec(ctx context.Context, r ExecRequest) (protocol.ExecResult, e
 	if err := protocol.ValidateExec(a); err != nil {
 		return protocol.ExecResult{}, err
 	}
-	rel, err := workspace.Resolve(a.Cwd)
+	rel, err := protocol.ResolvePath(a.Cwd)
 	if a.Cwd == "" {
 		rel, err = ".", nil
 	}

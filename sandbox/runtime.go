@@ -87,7 +87,7 @@ const WorkspaceRoot = workspace.Root
 // not_running; a command that runs and fails is a result with a non-zero exit code.
 func (r *Runtime) Exec(ctx context.Context, req ExecRequest) (ExecResult, error) {
 	if req.Cwd != "" {
-		if _, err := workspace.Resolve(req.Cwd); err != nil {
+		if _, err := protocol.ResolvePath(req.Cwd); err != nil {
 			return ExecResult{}, err
 		}
 	}
@@ -133,7 +133,7 @@ func (r *Runtime) Done() <-chan struct{} { return r.inst.Done() }
 // CleanPath names a sandbox path the way results do (/workspace/...): the workspace root for a
 // path that is not valid.
 func CleanPath(p string) string {
-	rel, err := workspace.Resolve(p)
+	rel, err := protocol.ResolvePath(p)
 	if err != nil || rel == "." {
 		return workspace.Root
 	}

@@ -19,7 +19,6 @@ import (
 	"github.com/sbxbroker/broker/backend"
 	"github.com/sbxbroker/broker/cmd/internal/usage"
 	"github.com/sbxbroker/broker/protocol"
-	"github.com/sbxbroker/broker/sandbox/workspace"
 	"github.com/sbxbroker/broker/tartree"
 )
 
@@ -251,7 +250,7 @@ func followLinks(ctx context.Context, r *backend.Remote, name, p string) (string
 		if !path.IsAbs(next) {
 			next = path.Join(path.Dir(path.Clean(p)), next)
 		}
-		if _, err := workspace.Resolve(next); err != nil {
+		if _, err := protocol.ResolvePath(next); err != nil {
 			return p, fi, fmt.Errorf("%s leads out of the workspace: %s is a symbolic link to %s; copy onto a path inside %s",
 				name, p, fi.Target, protocol.WorkspaceRoot)
 		}
@@ -265,7 +264,7 @@ func followLinks(ctx context.Context, r *backend.Remote, name, p string) (string
 // person wrote it. The broker applies the same rules; a path that passes them and is still
 // refused (a link leading out) is refused by what the sandbox holds, which is no usage error.
 func checkSandboxPath(arg, p string) error {
-	if _, err := workspace.Resolve(p); err != nil {
+	if _, err := protocol.ResolvePath(p); err != nil {
 		return usage.Errorf("%s: %s", arg, describe(err))
 	}
 	return nil

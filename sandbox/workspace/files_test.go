@@ -153,7 +153,7 @@ func TestRead(t *testing.T) {
 			if !strings.HasPrefix(got.Path, "/workspace/") {
 				t.Errorf("Path = %q", got.Path)
 			}
-			rel, _ := Resolve(tt.args.Path)
+			rel, _ := protocol.ResolvePath(tt.args.Path)
 			fi, _ := os.Stat(filepath.Join(dir, rel))
 			if got.Size != fi.Size() {
 				t.Errorf("Size = %d, want the file's %d", got.Size, fi.Size())
@@ -272,7 +272,7 @@ func TestWrite(t *testing.T) {
 			if fi.Mode() != tt.perm {
 				t.Errorf("mode = %v, want %v", fi.Mode(), tt.perm)
 			}
-			rel, _ := Resolve(tt.args.Path)
+			rel, _ := protocol.ResolvePath(tt.args.Path)
 			if got.Path != sandboxPath(rel) || got.Size != int64(len(tt.want)) || got.Created != tt.created {
 				t.Errorf("result = %+v, want size %d created %v", got, len(tt.want), tt.created)
 			}
@@ -627,7 +627,7 @@ func TestClosed(t *testing.T) {
 func TestLongNameChangesNothing(t *testing.T) {
 	t.Parallel()
 	w, dir := newWS(t, Options{})
-	long := strings.Repeat("n", MaxNameBytes+1)
+	long := strings.Repeat("n", protocol.MaxNameBytes+1)
 	for _, p := range []string{"made/at/commit/" + long, "made/" + long + "/f.txt"} {
 		_, err := w.Write(protocol.WriteArgs{Path: p, Content: "x"})
 		wantCode(t, err, protocol.CodeInvalidPath, dir)

@@ -64,8 +64,8 @@ func compilePattern(p string) (*pattern, error) {
 	switch {
 	case p == "":
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern is empty")
-	case len(p) > MaxPathBytes:
-		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern is %d bytes long; the limit is %d", len(p), MaxPathBytes)
+	case len(p) > protocol.MaxPathBytes:
+		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern is %d bytes long; the limit is %d", len(p), protocol.MaxPathBytes)
 	case strings.IndexByte(p, 0) >= 0 || !utf8.ValidString(p):
 		return nil, protocol.Errorf(protocol.CodeInvalidArgument, "the glob pattern %s contains a NUL byte or invalid UTF-8", quote(p))
 	}

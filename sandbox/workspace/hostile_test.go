@@ -133,7 +133,7 @@ func TestHostilePaths(t *testing.T) {
 		{"MkdirParents", func(p string) (any, error) { return nil, w.Mkdir(protocol.MkdirArgs{Path: p, Parents: true}) }},
 		{"Glob", func(p string) (any, error) { return w.Glob(protocol.GlobArgs{Pattern: "**", Path: p}) }},
 		{"GlobPattern", func(p string) (any, error) {
-			rel, err := Resolve(p)
+			rel, err := protocol.ResolvePath(p)
 			if err != nil {
 				return nil, err
 			}

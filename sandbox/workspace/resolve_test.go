@@ -47,18 +47,18 @@ func TestResolve(t *testing.T) {
 		{"a\\..\\..\\x", "a\\..\\..\\x"}, // backslash is a name character on Unix
 	}
 	for _, tt := range tests {
-		got, err := Resolve(tt.in)
+		got, err := protocol.ResolvePath(tt.in)
 		if tt.want == "" {
 			if codeOf(err) != protocol.CodeInvalidPath {
-				t.Errorf("Resolve(%q) = %q, %v; want invalid_path", tt.in, got, err)
+				t.Errorf("ResolvePath(%q) = %q, %v; want invalid_path", tt.in, got, err)
 			}
 			if err != nil && len(err.Error()) > 400 {
-				t.Errorf("Resolve(%q): message is %d bytes long", tt.in, len(err.Error()))
+				t.Errorf("ResolvePath(%q): message is %d bytes long", tt.in, len(err.Error()))
 			}
 			continue
 		}
 		if err != nil || got != tt.want {
-			t.Errorf("Resolve(%q) = %q, %v; want %q", tt.in, got, err, tt.want)
+			t.Errorf("ResolvePath(%q) = %q, %v; want %q", tt.in, got, err, tt.want)
 		}
 	}
 }
@@ -73,28 +73,28 @@ func FuzzResolve(f *testing.F) {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, in string) {
-		rel, err := Resolve(in)
+		rel, err := protocol.ResolvePath(in)
 		if err != nil {
 			if codeOf(err) != protocol.CodeInvalidPath {
-				t.Fatalf("Resolve(%q): error code %q, want invalid_path", in, codeOf(err))
+				t.Fatalf("ResolvePath(%q): error code %q, want invalid_path", in, codeOf(err))
 			}
 			return
 		}
 		switch {
 		case rel == "":
-			t.Fatalf("Resolve(%q) = empty", in)
+			t.Fatalf("ResolvePath(%q) = empty", in)
 		case path.IsAbs(rel):
-			t.Fatalf("Resolve(%q) = %q is absolute", in, rel)
+			t.Fatalf("ResolvePath(%q) = %q is absolute", in, rel)
 		case rel == ".." || strings.HasPrefix(rel, "../"):
-			t.Fatalf("Resolve(%q) = %q escapes", in, rel)
+			t.Fatalf("ResolvePath(%q) = %q escapes", in, rel)
 		case path.Clean(rel) != rel:
-			t.Fatalf("Resolve(%q) = %q is not clean", in, rel)
+			t.Fatalf("ResolvePath(%q) = %q is not clean", in, rel)
 		case strings.IndexByte(rel, 0) >= 0:
-			t.Fatalf("Resolve(%q) = %q contains NUL", in, rel)
+			t.Fatalf("ResolvePath(%q) = %q contains NUL", in, rel)
 		}
 		// The round trip names the same place.
-		if back, err := Resolve(sandboxPath(rel)); err != nil || back != rel {
-			t.Fatalf("Resolve(sandboxPath(%q)) = %q, %v", rel, back, err)
+		if back, err := protocol.ResolvePath(sandboxPath(rel)); err != nil || back != rel {
+			t.Fatalf("ResolvePath(sandboxPath(%q)) = %q, %v", rel, back, err)
 		}
 	})
 }

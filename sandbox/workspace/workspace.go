@@ -10,21 +10,12 @@ import (
 	"sync"
 	"syscall"
 	"time"
-	"unicode/utf8"
 
 	"github.com/sbxbroker/broker/protocol"
 )
 
 // Root is the sandbox path of the workspace directory itself.
 const Root = protocol.WorkspaceRoot
-
-// MaxPathBytes is the longest sandbox path Resolve accepts.
-const MaxPathBytes = 4096
-
-// MaxNameBytes is the longest name of one path element Resolve accepts: NAME_MAX, what ext4 and
-// tmpfs take. Refused lexically, a name too long changes nothing; found by the kernel, it would fail
-// an operation after the missing parents it makes.
-const MaxNameBytes = 255
 
 // Defaults for the zero values of Options.
 const (
@@ -162,41 +153,7 @@ func (w *Workspace) Close() error {
 	return w.root.Close()
 }
 
-// Resolve turns a sandbox path (absolute under /workspace, or relative to it) into the clean path
-// relative to the workspace directory ("." for /workspace itself), or an invalid_path error. It is
-// purely lexical: symlinks are the business of the operation that uses the result, which must go
-// through an os.Root.
-func Resolve(sandboxPath string) (string, error) {
-	switch {
-	case sandboxPath == "":
-		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path is empty; give a path under %s", Root)
-	case len(sandboxPath) > MaxPathBytes:
-		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path is %d bytes long; the limit is %d", len(sandboxPath), MaxPathBytes)
-	case strings.IndexByte(sandboxPath, 0) >= 0:
-		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path %s contains a NUL byte", quote(sandboxPath))
-	case !utf8.ValidString(sandboxPath):
-		return "", protocol.Errorf(protocol.CodeInvalidPath, "the path %s is not valid UTF-8", quote(sandboxPath))
-	}
-	if n := longestName(sandboxPath); n > MaxNameBytes {
-		return "", protocol.Errorf(protocol.CodeInvalidPath, "a name in the path %s is %d bytes long; the limit is %d", quote(sandboxPath), n, MaxNameBytes)
-	}
-	p := path.Clean(sandboxPath)
-	if path.IsAbs(p) {
-		if p == Root {
-			return ".", nil
-		}
-		if rel, ok := strings.CutPrefix(p, Root+"/"); ok {
-			return rel, nil
-		}
-		return "", protocol.Errorf(protocol.CodeInvalidPath, "%s is outside %s; give a path under %s or relative to it", quote(sandboxPath), Root, Root)
-	}
-	if p == ".." || strings.HasPrefix(p, "../") {
-		return "", protocol.Errorf(protocol.CodeInvalidPath, "%s leaves %s; give a path under %s or relative to it", quote(sandboxPath), Root, Root)
-	}
-	return p, nil
-}
-
-// Resolve cleans a path lexically, so "f/", "d/." and "d/x/.." name f, d and d. The operations that
+// protocol.ResolvePath cleans a path lexically, so "f/", "d/." and "d/x/.." name f, d and d. The operations that
 // act on what a path names check the raw path against these rules too (open(2) would refuse it),
 // instead of acting on the cleaned name.
 
@@ -229,26 +186,10 @@ func dotTail(p string) error {
 	return nil
 }
 
-// longestName is the length of p's longest element.
-func longestName(p string) int {
-	longest := 0
-	for name := range strings.SplitSeq(p, "/") {
-		longest = max(longest, len(name))
-	}
-	return longest
-}
+// quote shows a caller's raw path in a message (protocol.QuotePath).
+func quote(s string) string { return protocol.QuotePath(s) }
 
-// quote shows a caller's raw path in a message: escaped, and cut so that a hostile path cannot make
-// the message huge.
-func quote(s string) string {
-	const shown = 200
-	if len(s) > shown {
-		return fmt.Sprintf("%q...", s[:shown])
-	}
-	return fmt.Sprintf("%q", s)
-}
-
-// sandboxPath is the inverse of Resolve for a clean relative path.
+// sandboxPath is the inverse of protocol.ResolvePath for a clean relative path.
 func sandboxPath(rel string) string {
 	if rel == "." {
 		return Root
@@ -266,7 +207,7 @@ func join(dir, name string) string {
 
 // resolve is Resolve plus the sandbox path the messages name.
 func resolve(p string) (rel, sp string, err error) {
-	rel, err = Resolve(p)
+	rel, err = protocol.ResolvePath(p)
 	if err != nil {
 		return "", "", err
 	}

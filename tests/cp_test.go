@@ -251,12 +251,16 @@ func TestCpIntoASymlinkedDestination(t *testing.T) {
 		{"box:out", 1, "box:out leads out of the workspace: out is a symbolic link to /etc"},
 		{"box:out/", 1, "resolves outside the workspace through a symbolic link"},
 		{"box:dangling", 1, "is a symbolic link to nowhere, which does not exist"},
-		{"box:real/target/", 2, "is not a directory (a trailing / names one)"},
+		{"box:real/target/", 1, "is not a directory (a trailing / names one)"},
 		{"box:/etc", 2, "outside /workspace"},
 	} {
 		if r := b.sbctl("cp", f, tc.dst); r.code != tc.code || !strings.Contains(r.stderr, tc.want) {
 			t.Errorf("cp to %s: exit %d %q, want %d %q", tc.dst, r.code, r.stderr, tc.code, tc.want)
 		}
+	}
+	// Several sources onto a file the sandbox holds: the same, exit 1.
+	if r := b.sbctl("cp", f, f, "box:real/target"); r.code != 1 || !strings.Contains(r.stderr, "several sources go into a directory") {
+		t.Errorf("cp of two sources onto a file: exit %d %q, want 1 saying several sources go into a directory", r.code, r.stderr)
 	}
 	if got := b.ok("exec", "box", "-c", "stat -c '%N' out dangling; ls /etc/f.txt 2>&1; true"); !strings.HasPrefix(got, "'out' -> '/etc'\n'dangling' -> 'nowhere'\n") || !strings.Contains(got, "No such file") {
 		t.Fatalf("a refused copy changed something:\n%s", got)

@@ -319,6 +319,8 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 	if dst != given && errors.As(err, &pe) && pe.Code == protocol.CodeFileNotFound {
 		return protocol.TreeResult{}, fmt.Errorf("%s:%s is a symbolic link to %s, which does not exist", ref, given, dst)
 	}
+	// A destination the sandbox holds as a file where a directory is needed is the sandbox's
+	// content refusing the copy, not a wrong command line: it exits 1, as a link leading out does.
 	dir, as := dst, ""
 	switch {
 	case err == nil && fi.Type == protocol.FileTypeDir:
@@ -328,15 +330,15 @@ func (g *globals) cpIn(ctx context.Context, srcs []string, ref, dst string) (pro
 				break
 			}
 			if len(srcs) > 1 {
-				return protocol.TreeResult{}, usage.Errorf("%s:%s is not a directory; several sources go into a directory", ref, given)
+				return protocol.TreeResult{}, fmt.Errorf("%s:%s is not a directory; several sources go into a directory", ref, given)
 			}
-			return protocol.TreeResult{}, usage.Errorf("%s:%s is not a directory (a trailing / names one)", ref, given)
+			return protocol.TreeResult{}, fmt.Errorf("%s:%s is not a directory (a trailing / names one)", ref, given)
 		}
 		dir, as = path.Dir(path.Clean(dst)), path.Base(path.Clean(dst))
 	case errors.As(err, &pe) && pe.Code == protocol.CodeNotDirectory && strings.HasSuffix(dst, "/"):
 		// The broker's stat answers not_directory for "file/"; a file by that name says why here.
 		if fi, serr := r.Stat(ctx, strings.TrimRight(dst, "/")); serr == nil && fi.Type != protocol.FileTypeDir {
-			return protocol.TreeResult{}, usage.Errorf("%s:%s is not a directory (a trailing / names one)", ref, given)
+			return protocol.TreeResult{}, fmt.Errorf("%s:%s is not a directory (a trailing / names one)", ref, given)
 		}
 		return protocol.TreeResult{}, err
 	default:

@@ -3,6 +3,7 @@ package sbxinit
 import (
 	"errors"
 	"os"
+	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
@@ -18,6 +19,12 @@ func TestSpawn(t *testing.T) {
 	if !spawnSupported() {
 		t.Skip("the soft limit of open files is not the hard one: spawn is not used here")
 	}
+	// The init handles SIGHUP and SIGINT (handleSignals), the two a Go program keeps ignored when
+	// its parent ignored them (nohup), so the kernel resets them in each child: the test process
+	// does the same, or a test run under nohup would see SIGHUP ignored in the command.
+	held := make(chan os.Signal, 1)
+	signal.Notify(held, syscall.SIGHUP, syscall.SIGINT)
+	defer signal.Stop(held)
 	devnull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)

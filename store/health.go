@@ -61,6 +61,13 @@ func Unavailable(err error) bool {
 	return false
 }
 
+// Full reports an error that says Redis is at its maxmemory and refused a write ("OOM command not
+// allowed"). The refused call changed nothing (a script that hits it aborts before its first
+// write), so unlike Unavailable its outcome is known: callers answer 503 without resending.
+func Full(err error) bool {
+	return err != nil && redis.HasErrorPrefix(err, "OOM")
+}
+
 // health watches every call of the store's client through a go-redis hook. It bounds each call to
 // the timeout, and notices outages: a call that failed for want of Redis, then one that succeeded.
 // After an outage it owes every lease a full TTL of grace (see GrantGrace): the owners' heartbeats

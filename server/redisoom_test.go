@@ -1,0 +1,86 @@
+package server_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/sbxbroker/broker/backend"
+	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/server/servertest"
+)
+
+// A Redis at its maxmemory refuses writes ("OOM command not allowed"). Whatever an owner asks then
+// that must write gets 503 unavailable saying so (retry later), not a 500, and changes nothing: a
+// revoke that fails says so and the token keeps its old state until a revoke succeeds, which then
+// holds. Heartbeats keep working (a lease renewal takes no memory to speak of), so a full Redis does
+// not stop healthy sandboxes.
+func TestFullRedisAnswersUnavailable(t *testing.T) {
+	t.Parallel()
+	clock := servertest.NewClock(time.Now())
+	b := servertest.New(t, servertest.Options{Now: clock.Now})
+	ctx := t.Context()
+	ttl := int64(10)
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev", TTLSeconds: &ttl}); err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(ctx, "dev", protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	admin := b.Redis.Client(t)
+	if err := admin.ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	full := true
+	defer func() {
+		if full {
+			admin.ConfigSet(ctx, "maxmemory", "0")
+		}
+	}()
+	calls := []struct {
+		what string
+		call func() error
+	}{
+		{"create", func() error {
+			_, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "other"})
+			return err
+		}},
+		{"mint", func() error {
+			_, err := b.Client.Delegate(ctx, "dev", protocol.MintRequest{Scopes: []string{"fs:read"}})
+			return err
+		}},
+		{"revoke", func() error { _, err := b.Client.Revoke(ctx, "dev", m.JTI); return err }},
+		{"revoke all", func() error { _, err := b.Client.RevokeAll(ctx, "dev"); return err }},
+	}
+	for _, c := range calls {
+		if err := c.call(); code(err) != protocol.CodeUnavailable {
+			t.Errorf("%s with Redis full: %v, want 503 unavailable", c.what, err)
+		}
+	}
+	clock.Advance(time.Second)
+	if _, err := b.Client.Heartbeat(ctx, "dev"); err != nil {
+		t.Errorf("a heartbeat with Redis full: %v", err)
+	}
+	clock.Advance(time.Duration(ttl-1) * time.Second)
+	if _, err := b.Client.Heartbeat(ctx, "dev"); err != nil {
+		t.Errorf("a heartbeat with Redis full: %v", err)
+	}
+	if r, err := b.Sweeper.SweepOnce(ctx); err != nil || r.Stopped != 0 {
+		t.Errorf("a sweep with Redis full: %+v %v, want nothing stopped", r, err)
+	}
+
+	if err := admin.ConfigSet(ctx, "maxmemory", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	full = false
+	got, err := b.Client.GetSandbox(ctx, "dev")
+	if err != nil || got.Status != protocol.StatusRunning {
+		t.Fatalf("after Redis was full: %v %+v, want running", err, got)
+	}
+	if _, err := b.Client.Revoke(ctx, "dev", m.JTI); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := backend.Dial(ctx, backend.Config{URL: m.Sandbox.DataplaneURL, Credential: m.Token}); code(err) != protocol.CodeTokenRevoked {
+		t.Fatalf("the token revoked once Redis had room: %v, want token_revoked", err)
+	}
+}

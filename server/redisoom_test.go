@@ -13,7 +13,7 @@ import (
 // that must write gets 503 unavailable saying so (retry later), not a 500, and changes nothing: a
 // revoke that fails says so and the token keeps its old state until a revoke succeeds, which then
 // holds. Heartbeats keep working (a lease renewal takes no memory to speak of), so a full Redis does
-// not stop healthy sandboxes.
+// not stop healthy sandboxes; stops and deletes, which free memory, work too.
 func TestFullRedisAnswersUnavailable(t *testing.T) {
 	t.Parallel()
 	clock := servertest.NewClock(time.Now())
@@ -21,6 +21,9 @@ func TestFullRedisAnswersUnavailable(t *testing.T) {
 	ctx := t.Context()
 	ttl := int64(10)
 	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev", TTLSeconds: &ttl}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "gone"}); err != nil {
 		t.Fatal(err)
 	}
 	m, err := b.Client.Delegate(ctx, "dev", protocol.MintRequest{Scopes: []string{"fs:read"}})
@@ -56,6 +59,13 @@ func TestFullRedisAnswersUnavailable(t *testing.T) {
 		if err := c.call(); code(err) != protocol.CodeUnavailable {
 			t.Errorf("%s with Redis full: %v, want 503 unavailable", c.what, err)
 		}
+	}
+	// A stop and a delete free memory: they work.
+	if _, err := b.Client.StopSandbox(ctx, "gone"); err != nil {
+		t.Errorf("a stop with Redis full: %v", err)
+	}
+	if _, err := b.Client.DeleteSandbox(ctx, "gone"); err != nil {
+		t.Errorf("a delete with Redis full: %v", err)
 	}
 	clock.Advance(time.Second)
 	if _, err := b.Client.Heartbeat(ctx, "dev"); err != nil {

@@ -60,8 +60,8 @@ func apiError(err error) (int, *protocol.Error) {
 		return he.Code, protocol.Errorf(protocol.CodeInvalidArgument, "%v", he.Message)
 	case errors.Is(err, context.DeadlineExceeded):
 		return 503, protocol.Errorf(protocol.CodeUnavailable, "the broker timed out; retry")
-	case store.Full(err):
-		return 503, protocol.Errorf(protocol.CodeUnavailable, "the broker's Redis is full (maxmemory) and changed nothing; retry later (its operator must free memory or raise maxmemory)")
+	case store.RefusesWrites(err):
+		return 503, protocol.Errorf(protocol.CodeUnavailable, "the broker's Redis refuses writes: %s; nothing was changed, retry later", store.WriteRefusal(err))
 	case isRedisDown(err):
 		return 503, protocol.Errorf(protocol.CodeUnavailable, "the broker cannot reach its Redis; retry shortly")
 	}

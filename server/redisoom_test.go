@@ -94,3 +94,55 @@ func TestFullRedisAnswersUnavailable(t *testing.T) {
 		t.Fatalf("the token revoked once Redis had room: %v, want token_revoked", err)
 	}
 }
+
+// A Redis that refuses every write for a while (min-replicas-to-write unmet: NOREPLICAS; a failed
+// save: MISCONF) fails the owners' heartbeats through no fault of theirs, as an outage does: they
+// get 503 unavailable, and once Redis takes writes again the leases that ran out meanwhile get a
+// full TTL of grace before any sweep stops them.
+func TestRedisRefusingWritesStopsNothing(t *testing.T) {
+	t.Parallel()
+	clock := servertest.NewClock(time.Now())
+	b := servertest.New(t, servertest.Options{Now: clock.Now})
+	ctx := t.Context()
+	ttl := int64(10)
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev", TTLSeconds: &ttl}); err != nil {
+		t.Fatal(err)
+	}
+	admin := b.Redis.Client(t)
+	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	refusing := true
+	defer func() {
+		if refusing {
+			admin.ConfigSet(ctx, "min-replicas-to-write", "0")
+		}
+	}()
+	clock.Advance(time.Second)
+	if _, err := b.Client.Heartbeat(ctx, "dev"); code(err) != protocol.CodeUnavailable {
+		t.Errorf("a heartbeat with Redis refusing writes: %v, want 503 unavailable", err)
+	}
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "other"}); code(err) != protocol.CodeUnavailable {
+		t.Errorf("a create with Redis refusing writes: %v, want 503 unavailable", err)
+	}
+	clock.Advance(time.Duration(ttl) * time.Second)
+	if r, _ := b.Sweeper.SweepOnce(ctx); r.Stopped != 0 {
+		t.Errorf("a sweep with Redis refusing writes stopped %d", r.Stopped)
+	}
+	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	refusing = false
+	// A sweep warns before it stops, a warning window later: three sweeps, within a TTL of the
+	// recovery.
+	for range 3 {
+		if r, err := b.Sweeper.SweepOnce(ctx); err != nil || r.Stopped != 0 {
+			t.Fatalf("a sweep within a TTL of Redis taking writes again: %+v %v, want nothing stopped", r, err)
+		}
+		clock.Advance(time.Duration(ttl) * time.Second * 3 / 10)
+	}
+	got, err := b.Client.GetSandbox(ctx, "dev")
+	if err != nil || got.Status != protocol.StatusRunning {
+		t.Fatalf("after Redis refused writes for longer than the lease: %v %+v, want running", err, got)
+	}
+}

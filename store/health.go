@@ -61,11 +61,27 @@ func Unavailable(err error) bool {
 	return false
 }
 
-// Full reports an error that says Redis is at its maxmemory and refused a write ("OOM command not
-// allowed"). The refused call changed nothing (a script that hits it aborts before its first
-// write), so unlike Unavailable its outcome is known: callers answer 503 without resending.
-func Full(err error) bool {
-	return err != nil && redis.HasErrorPrefix(err, "OOM")
+// RefusesWrites reports an error that says Redis refused a write and changed nothing: it is at its
+// maxmemory (OOM), it has fewer replicas than min-replicas-to-write (NOREPLICAS), or its last save
+// failed (MISCONF). A script that hits one aborts before its first write, so unlike Unavailable
+// the outcome is known: callers answer 503 without sending the call again.
+func RefusesWrites(err error) bool {
+	return WriteRefusal(err) != ""
+}
+
+// WriteRefusal names, for a person, why Redis refused a write ("" when err is no such refusal).
+func WriteRefusal(err error) string {
+	switch {
+	case err == nil:
+		return ""
+	case redis.HasErrorPrefix(err, "OOM"):
+		return "it is full (maxmemory)"
+	case redis.HasErrorPrefix(err, "NOREPLICAS"):
+		return "it has fewer replicas than its min-replicas-to-write"
+	case redis.HasErrorPrefix(err, "MISCONF"):
+		return "its last save to disk failed"
+	}
+	return ""
 }
 
 // health watches every call of the store's client through a go-redis hook. It bounds each call to
@@ -97,6 +113,19 @@ func (h *health) observe(err error) {
 			return
 		}
 		h.mu.Unlock()
+	case RefusesWrites(err):
+		// Writes fail, heartbeats among them, while reads may succeed: an outage owed its grace,
+		// paid by the sweeper's next GrantGrace once one succeeds (it writes too), never counted
+		// twice while owed, and with no "reachable again" at the next successful read.
+		h.mu.Lock()
+		owed := h.outages > h.granted
+		if !owed {
+			h.outages++
+		}
+		h.mu.Unlock()
+		if !owed {
+			h.log.Warn("Redis refuses writes: writes answer 503 until it takes them again; leases get a full TTL of grace when it does", "err", err)
+		}
 	case err == nil || !errors.Is(err, context.Canceled):
 		h.mu.Lock()
 		was, since := h.down, h.since

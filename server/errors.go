@@ -73,6 +73,12 @@ func isRedisDown(err error) bool {
 	return errors.Is(err, store.ErrClientClosed) || errors.As(err, &ne) || store.Unavailable(err)
 }
 
+// isRevocation reports a request that revokes delegation tokens.
+func isRevocation(c echo.Context) bool {
+	p := c.Path()
+	return c.Request().Method == http.MethodDelete && (p == "/v1/sandboxes/:ref/delegations" || p == "/v1/sandboxes/:ref/delegations/:jti")
+}
+
 // errorHandler is echo's HTTPErrorHandler: every error answer goes through here.
 func (s *Server) errorHandler(err error, c echo.Context) {
 	if c.Response().Committed {
@@ -83,6 +89,10 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 	}
 	status, pe := apiError(err)
 	pe.RequestID = requestID(c)
+	if status == http.StatusServiceUnavailable && isRevocation(c) {
+		// "Retry" alone lets an owner believe a delegate is cut off when it is not.
+		pe.Message += " (the revocation may not have happened: the token may still work; revoke again until this succeeds)"
+	}
 	if status >= 500 {
 		s.log.Error("request failed", "request_id", pe.RequestID, "route", c.Path(), "err", err)
 	} else {

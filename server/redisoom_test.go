@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -145,4 +146,41 @@ func TestRedisRefusingWritesStopsNothing(t *testing.T) {
 	if err != nil || got.Status != protocol.StatusRunning {
 		t.Fatalf("after Redis refused writes for longer than the lease: %v %+v, want running", err, got)
 	}
+}
+
+// A revoke that Redis did not take (hung, or refusing writes) says that the token may still work and
+// to revoke again, rather than only "retry": a delegate's token must not be taken for dead when it
+// is not.
+func TestFailedRevokeSaysTheTokenMayStillWork(t *testing.T) {
+	t.Parallel()
+	b := servertest.New(t, servertest.Options{})
+	ctx := t.Context()
+	if _, err := b.Client.CreateSandbox(ctx, protocol.CreateSandboxRequest{Name: "dev"}); err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.Client.Delegate(ctx, "dev", protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(what string, err error) {
+		t.Helper()
+		if code(err) != protocol.CodeUnavailable || !strings.Contains(err.Error(), "may still work") {
+			t.Errorf("%s: %v, want 503 unavailable saying the token may still work", what, err)
+		}
+	}
+	// Within the API key's 2 s cache (the mint just read it): the revoke reaches the store.
+	b.Redis.Pause()
+	_, err = b.Client.Revoke(ctx, "dev", m.JTI)
+	b.Redis.Continue()
+	check("a revoke with Redis hung", err)
+
+	admin := b.Redis.Client(t)
+	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	defer admin.ConfigSet(ctx, "min-replicas-to-write", "0")
+	_, err = b.Client.Revoke(ctx, "dev", m.JTI)
+	check("a revoke with Redis refusing writes", err)
+	_, err = b.Client.RevokeAll(ctx, "dev")
+	check("a revoke of all with Redis refusing writes", err)
 }

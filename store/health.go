@@ -113,10 +113,12 @@ func (h *health) observe(err error) {
 			return
 		}
 		h.mu.Unlock()
-	case RefusesWrites(err):
-		// Writes fail, heartbeats among them, while reads may succeed: an outage owed its grace,
-		// paid by the sweeper's next GrantGrace once one succeeds (it writes too), never counted
-		// twice while owed, and with no "reachable again" at the next successful read.
+	case RefusesWrites(err) && !redis.HasErrorPrefix(err, "OOM"):
+		// Every write fails, heartbeats among them, while reads may succeed: an outage owed its
+		// grace, paid by the sweeper's next GrantGrace once one succeeds (it writes too), never
+		// counted twice while owed, and with no "reachable again" at the next successful read. A
+		// full Redis (OOM) is not one: it refuses only scripts whose first write takes memory, so
+		// heartbeats still renew leases, and its sweeps (stops, retention deletes) free memory.
 		h.mu.Lock()
 		owed := h.outages > h.granted
 		if !owed {

@@ -62,9 +62,10 @@ func Unavailable(err error) bool {
 }
 
 // RefusesWrites reports an error that says Redis refused a write and changed nothing: it is at its
-// maxmemory (OOM), it has fewer replicas than min-replicas-to-write (NOREPLICAS), or its last save
-// failed (MISCONF). A script that hits one aborts before its first write, so unlike Unavailable
-// the outcome is known: callers answer 503 without sending the call again.
+// maxmemory (OOM), it has fewer replicas than min-replicas-to-write (NOREPLICAS), or it cannot
+// write to its disk (MISCONF: a failed save, or a full disk under its append-only file). A script
+// that hits one aborts before its first write, so unlike Unavailable the outcome is known: callers
+// answer 503 without sending the call again.
 func RefusesWrites(err error) bool {
 	return WriteRefusal(err) != ""
 }
@@ -79,7 +80,7 @@ func WriteRefusal(err error) string {
 	case redis.HasErrorPrefix(err, "NOREPLICAS"):
 		return "it has fewer replicas than its min-replicas-to-write"
 	case redis.HasErrorPrefix(err, "MISCONF"):
-		return "its last save to disk failed"
+		return "it cannot write to its disk (a failed save, or a full disk under its append-only file)"
 	}
 	return ""
 }

@@ -63,8 +63,9 @@ type Writer struct {
 }
 
 type queued struct {
-	org string
-	e   protocol.Event
+	org  string
+	e    protocol.Event
+	dead bool // lost to make room for another org (pending.evictOverShare); not written
 }
 
 // WriterOptions change a writer.
@@ -106,7 +107,7 @@ func (w *Writer) Emit(org string, e protocol.Event) {
 		return
 	}
 	select {
-	case w.queue <- queued{org, e}:
+	case w.queue <- queued{org: org, e: e}:
 	default:
 		w.overMu.Lock()
 		w.overflow[lostKey{org, e.SandboxID, e.Name}]++
@@ -161,28 +162,108 @@ const linger = 20 * time.Millisecond
 type lostKey struct{ org, sandbox, name string }
 
 // pending is the writer's buffer: events not yet written, oldest first, and the count of events
-// lost past the buffer per sandbox, in the order they started to be lost.
+// lost past the buffer per sandbox, in the order they started to be lost. The buffer is shared by
+// every org, so an org holds at most a quarter of it while another needs room (the per-org share of
+// the broker's other budgets): one whose agents flood events during an outage loses its own newest
+// ones, never the others'.
 type pending struct {
 	log       *slog.Logger
 	max       int
-	events    []queued
+	events    []queued // dead ones included until compact
+	live      int      // events not dead
+	dead      int
 	lost      map[lostKey]int64
 	lostOrder []lostKey
+	held      map[string]int // live events per org, gap events included
+	losing    map[string]int // lost entries per org: an org losing keeps nothing until its gaps are in
+	// newest is, per org, where its newest live event may be (no later one is its), so that
+	// evictions scan each position once between compactions.
+	newest map[string]int
 }
+
+// share is how many buffered events an org is sure of keeping.
+func (p *pending) share() int { return max(p.max/4, 1) }
 
 func (p *pending) add(q queued) {
 	p.settle()
-	if len(p.events) < p.max && len(p.lost) == 0 {
-		p.events = append(p.events, q)
+	// Later events of a losing org must not overtake the gap that stands for its earlier ones.
+	if p.losing[q.org] == 0 && (p.live < p.max || p.held[q.org] < p.share() && p.evictOverShare()) {
+		p.keep(q)
 		return
 	}
-	// Full, or losing already: later events must not overtake the gap that stands for earlier ones.
 	p.lose(lostKey{q.org, q.e.SandboxID, q.e.Name}, 1)
+}
+
+func (p *pending) keep(q queued) {
+	p.events = append(p.events, q)
+	p.live++
+	p.held[q.org]++
+	delete(p.newest, q.org)
+}
+
+// evictOverShare makes room in a full buffer by losing the newest event of the org that holds the
+// most, when that is more than its share: the org's gap then stands after its kept events, in order.
+// The event is marked dead, not removed: removing from the middle of a large buffer at each
+// eviction would copy it each time.
+func (p *pending) evictOverShare() bool {
+	top := ""
+	for org, n := range p.held {
+		if n > p.share() && (top == "" || n > p.held[top]) {
+			top = org
+		}
+	}
+	if top == "" {
+		return false
+	}
+	i := len(p.events) - 1
+	if n, ok := p.newest[top]; ok {
+		i = min(i, n)
+	}
+	for ; i >= 0; i-- {
+		if q := &p.events[i]; !q.dead && q.org == top && q.e.Type != protocol.EventGap {
+			q.dead = true
+			p.live--
+			p.dead++
+			p.held[top]--
+			p.newest[top] = i - 1
+			p.lose(lostKey{q.org, q.e.SandboxID, q.e.Name}, 1)
+			return true
+		}
+	}
+	p.newest[top] = -1
+	return false
+}
+
+// compact drops the dead events, before a write.
+func (p *pending) compact() {
+	if p.dead == 0 {
+		return
+	}
+	live := p.events[:0]
+	for _, q := range p.events {
+		if !q.dead {
+			live = append(live, q)
+		}
+	}
+	clear(p.events[len(live):]) // let the dropped events' strings go
+	p.events, p.dead = live, 0
+	clear(p.newest)
+}
+
+// recount sets the counts from the events still buffered, all live (after a write took some).
+func (p *pending) recount() {
+	clear(p.held)
+	clear(p.newest)
+	for _, q := range p.events {
+		p.held[q.org]++
+	}
+	p.live, p.dead = len(p.events), 0
 }
 
 func (p *pending) lose(k lostKey, n int64) {
 	if _, ok := p.lost[k]; !ok {
 		p.lostOrder = append(p.lostOrder, k)
+		p.losing[k.org]++
 	}
 	p.lost[k] += n
 }
@@ -200,16 +281,17 @@ func (w *Writer) takeOverflow(p *pending) {
 // settle turns counted losses into gap events once the buffer has room for them: they follow
 // every event kept before them and precede every event emitted after.
 func (p *pending) settle() {
-	if len(p.lost) == 0 || len(p.events)+len(p.lostOrder) >= p.max {
+	if len(p.lost) == 0 || p.live+len(p.lostOrder) >= p.max {
 		return
 	}
 	var total int64
 	for _, k := range p.lostOrder {
 		n := p.lost[k]
 		total += n
-		p.events = append(p.events, queued{k.org, protocol.Event{Type: protocol.EventGap, SandboxID: k.sandbox, Name: k.name,
+		p.keep(queued{org: k.org, e: protocol.Event{Type: protocol.EventGap, SandboxID: k.sandbox, Name: k.name,
 			Time: time.Now().UTC(), Actor: "broker", Missed: &n}})
 	}
+	clear(p.losing)
 	p.log.Warn("events lost while Redis was away: the buffer was full; gap events say how many per sandbox", "lost", total)
 	clear(p.lost)
 	p.lostOrder = p.lostOrder[:0]
@@ -217,7 +299,7 @@ func (p *pending) settle() {
 
 func (w *Writer) run() {
 	defer close(w.done)
-	p := &pending{log: w.log, max: w.buffer, lost: map[lostKey]int64{}}
+	p := &pending{log: w.log, max: w.buffer, lost: map[lostKey]int64{}, held: map[string]int{}, losing: map[string]int{}, newest: map[string]int{}}
 	closed := false
 	retry := time.Duration(0)
 	for {
@@ -250,10 +332,12 @@ func (w *Writer) run() {
 		}
 		w.takeOverflow(p)
 		p.settle()
+		p.compact()
 		n := min(len(p.events), batchSize)
 		failed := w.write(p.events[:n])
 		rest := append(failed, p.events[n:]...)
 		p.events = append(p.events[:0], rest...)
+		p.recount()
 		if len(failed) == 0 {
 			retry = 0
 			continue

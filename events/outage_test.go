@@ -166,3 +166,58 @@ func TestCloseWithRedisHungGivesUpInTime(t *testing.T) {
 		t.Fatalf("dropped %d events, want the 10 still held", w.Dropped())
 	}
 }
+
+// One org whose agents flood events while Redis is away cannot take the whole buffer from the
+// others: an org within its share (a quarter of the buffer) keeps its events, which push out the
+// newest of an org past its share; the flooding org's stream says what it lost with a gap, in order.
+func TestOneOrgCannotTakeTheOutageBuffer(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	ropts := &redis.UniversalOptions{Addrs: []string{srv.Addr}}
+	store.BoundOptions(ropts, 0)
+	raw := redis.NewUniversalClient(ropts)
+	t.Cleanup(func() { raw.Close() })
+	st := store.NewWithOptions(raw, store.Options{Log: quiet})
+	t.Cleanup(st.Close)
+	failed := &failures{Handler: quiet.Handler()}
+	const buffer, flood, share = 20, 50, 5
+	w := events.NewWriterWithOptions(st, slog.New(failed), events.WriterOptions{Buffer: buffer})
+	defer w.Close()
+	w.Emit("flood", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_f", Command: "before"})
+	streamEvents(t, raw, "flood", 1)
+	srv.Stop(t)
+	for i := range flood {
+		w.Emit("flood", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_f", Command: fmt.Sprint(i)})
+	}
+	after := failed.n.Load()
+	wait.Eventually(t, 15*time.Second, func() bool { return failed.n.Load() >= after+2 }, "two failed writes while Redis is away")
+	for i := range share {
+		w.Emit("quiet", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_q", Command: fmt.Sprint(i)})
+	}
+	after = failed.n.Load()
+	wait.Eventually(t, 15*time.Second, func() bool { return failed.n.Load() >= after+2 }, "two failed writes while Redis is away")
+	srv.Restart(t)
+
+	got := streamEvents(t, raw, "quiet", share)
+	if len(got) != share {
+		t.Fatalf("the quiet org's stream after the outage: %+v, want its %d events", got, share)
+	}
+	for i, e := range got {
+		if e.Type != protocol.EventExec || e.Command != fmt.Sprint(i) {
+			t.Fatalf("the quiet org's event %d: %+v, want command %d (in order, none lost)", i, e, i)
+		}
+	}
+	kept := buffer - share
+	f := streamEvents(t, raw, "flood", 1+kept+1)
+	if len(f) != 1+kept+1 {
+		t.Fatalf("the flooding org's stream: %d events, want %d: %+v", len(f), 1+kept+1, f)
+	}
+	for i := range kept {
+		if f[1+i].Command != fmt.Sprint(i) {
+			t.Fatalf("the flooding org's event %d: %+v, want command %d", i, f[1+i], i)
+		}
+	}
+	if gap := f[1+kept]; gap.Type != protocol.EventGap || gap.Missed == nil || *gap.Missed != flood-int64(kept) {
+		t.Fatalf("after the flooding org's kept events: %+v, want a gap of %d", gap, flood-kept)
+	}
+}

@@ -60,6 +60,8 @@ func apiError(err error) (int, *protocol.Error) {
 		return he.Code, protocol.Errorf(protocol.CodeInvalidArgument, "%v", he.Message)
 	case errors.Is(err, context.DeadlineExceeded):
 		return 503, protocol.Errorf(protocol.CodeUnavailable, "the broker timed out; retry")
+	case store.RefusesWrites(err):
+		return 503, protocol.Errorf(protocol.CodeUnavailable, "the broker's Redis refuses writes: %s; nothing was changed, retry later", store.WriteRefusal(err))
 	case isRedisDown(err):
 		return 503, protocol.Errorf(protocol.CodeUnavailable, "the broker cannot reach its Redis; retry shortly")
 	}
@@ -69,6 +71,12 @@ func apiError(err error) (int, *protocol.Error) {
 func isRedisDown(err error) bool {
 	var ne interface{ Timeout() bool }
 	return errors.Is(err, store.ErrClientClosed) || errors.As(err, &ne) || store.Unavailable(err)
+}
+
+// isRevocation reports a request that revokes delegation tokens.
+func isRevocation(c echo.Context) bool {
+	p := c.Path()
+	return c.Request().Method == http.MethodDelete && (p == "/v1/sandboxes/:ref/delegations" || p == "/v1/sandboxes/:ref/delegations/:jti")
 }
 
 // errorHandler is echo's HTTPErrorHandler: every error answer goes through here.
@@ -81,6 +89,10 @@ func (s *Server) errorHandler(err error, c echo.Context) {
 	}
 	status, pe := apiError(err)
 	pe.RequestID = requestID(c)
+	if status == http.StatusServiceUnavailable && isRevocation(c) {
+		// "Retry" alone lets an owner believe a delegate is cut off when it is not.
+		pe.Message += " (the revocation may not have happened: the token may still work; revoke again until this succeeds)"
+	}
 	if status >= 500 {
 		s.log.Error("request failed", "request_id", pe.RequestID, "route", c.Path(), "err", err)
 	} else {

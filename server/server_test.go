@@ -214,13 +214,19 @@ func TestOrgIsolation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	minted, err := a.Delegate(ctx, "private", protocol.MintRequest{Scopes: []string{"fs:read"}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	before := b.RedisSnapshot()
-	for _, ref := range []string{res.Sandbox.ID, "private"} {
+	for _, ref := range []string{res.Sandbox.ID, "private", strings.ToUpper(res.Sandbox.ID)} {
 		for _, op := range []struct {
 			method, path string
 		}{
 			{"GET", ""}, {"POST", "/stop"}, {"POST", "/resume"}, {"POST", "/heartbeat"}, {"DELETE", ""},
 			{"POST", "/ttl"}, {"GET", "/environment"}, {"POST", "/delegations"}, {"GET", "/delegations"},
+			{"DELETE", "/delegations"}, {"DELETE", "/delegations/" + minted.JTI}, {"GET", "/events"},
+			{"PUT", "/dataplane/upload"},
 		} {
 			body := ""
 			if op.path == "/ttl" {

@@ -61,6 +61,30 @@ func Unavailable(err error) bool {
 	return false
 }
 
+// RefusesWrites reports an error that says Redis refused a write and changed nothing: it is at its
+// maxmemory (OOM), it has fewer replicas than min-replicas-to-write (NOREPLICAS), or it cannot
+// write to its disk (MISCONF: a failed save, or a full disk under its append-only file). A script
+// that hits one aborts before its first write, so unlike Unavailable the outcome is known: callers
+// answer 503 without sending the call again.
+func RefusesWrites(err error) bool {
+	return WriteRefusal(err) != ""
+}
+
+// WriteRefusal names, for a person, why Redis refused a write ("" when err is no such refusal).
+func WriteRefusal(err error) string {
+	switch {
+	case err == nil:
+		return ""
+	case redis.HasErrorPrefix(err, "OOM"):
+		return "it is full (maxmemory)"
+	case redis.HasErrorPrefix(err, "NOREPLICAS"):
+		return "it has fewer replicas than its min-replicas-to-write"
+	case redis.HasErrorPrefix(err, "MISCONF"):
+		return "it cannot write to its disk (a failed save, or a full disk under its append-only file)"
+	}
+	return ""
+}
+
 // health watches every call of the store's client through a go-redis hook. It bounds each call to
 // the timeout, and notices outages: a call that failed for want of Redis, then one that succeeded.
 // After an outage it owes every lease a full TTL of grace (see GrantGrace): the owners' heartbeats
@@ -90,6 +114,21 @@ func (h *health) observe(err error) {
 			return
 		}
 		h.mu.Unlock()
+	case RefusesWrites(err) && !redis.HasErrorPrefix(err, "OOM"):
+		// Every write fails, heartbeats among them, while reads may succeed: an outage owed its
+		// grace, paid by the sweeper's next GrantGrace once one succeeds (it writes too), never
+		// counted twice while owed, and with no "reachable again" at the next successful read. A
+		// full Redis (OOM) is not one: it refuses only scripts whose first write takes memory, so
+		// heartbeats still renew leases, and its sweeps (stops, retention deletes) free memory.
+		h.mu.Lock()
+		owed := h.outages > h.granted
+		if !owed {
+			h.outages++
+		}
+		h.mu.Unlock()
+		if !owed {
+			h.log.Warn("Redis refuses writes: writes answer 503 until it takes them again; leases get a full TTL of grace when it does", "err", err)
+		}
 	case err == nil || !errors.Is(err, context.Canceled):
 		h.mu.Lock()
 		was, since := h.down, h.since

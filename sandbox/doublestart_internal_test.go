@@ -84,13 +84,7 @@ func TestTwoStartsOfOneClaimEmitOneResumed(t *testing.T) {
 func stoppedAndClaimed(t *testing.T, m *Manager, st *store.Store, c Caller, name string) store.Record {
 	t.Helper()
 	ctx := t.Context()
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
+	rec := createdAndStopped(t, m, c, name)
 	claimForResume(t, st, rec.ID, "claim-1")
 	claimed, err := st.Get(ctx, "o", rec.ID)
 	if err != nil {

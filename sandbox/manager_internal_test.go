@@ -79,3 +79,16 @@ func claimForResume(t *testing.T, st *store.Store, id, claim string) {
 		t.Fatal(err)
 	}
 }
+
+// createdAndStopped creates sandbox name for c and stops it, as its owner would.
+func createdAndStopped(t *testing.T, m *Manager, c Caller, name string) store.Record {
+	t.Helper()
+	rec, _, err := m.Create(t.Context(), c, CreateRequest{Name: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Stop(t.Context(), c, rec.ID, protocol.StopRequested); err != nil {
+		t.Fatal(err)
+	}
+	return rec
+}

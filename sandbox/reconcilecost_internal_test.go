@@ -17,13 +17,7 @@ func TestAReconcilePassReadsAStoppedSandboxOnce(t *testing.T) {
 	c := Caller{Org: "o", Actor: "key:k"}
 	const n = 12
 	for i := range n {
-		rec, _, err := m.Create(ctx, c, CreateRequest{Name: "s" + strconv.Itoa(i)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := m.Stop(ctx, c, rec.ID, ""); err != nil {
-			t.Fatal(err)
-		}
+		createdAndStopped(t, m, c, "s"+strconv.Itoa(i))
 	}
 	rdb := srv.Client(t)
 	if err := rdb.ConfigResetStat(ctx).Err(); err != nil {

@@ -37,13 +37,7 @@ func TestALateStopLeavesAResumedSandboxRunning(t *testing.T) {
 	}
 
 	// A reconcile pass's read, overtaken by a resume before its stop runs.
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "read-then-resumed"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
+	rec := createdAndStopped(t, m, c, "read-then-resumed")
 	stale, err := st.Get(ctx, "o", rec.ID)
 	if err != nil {
 		t.Fatal(err)

@@ -18,13 +18,7 @@ func TestALateStopWithRedisAwayLeavesAResumedSandboxRunning(t *testing.T) {
 	ctx := t.Context()
 	m, st, srv := testManager(t, time.Now)
 	c := Caller{Org: "o", Actor: "key:k"}
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "resumed"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
+	rec := createdAndStopped(t, m, c, "resumed")
 	stale, err := st.Get(ctx, "o", rec.ID) // a reconcile pass's read
 	if err != nil {
 		t.Fatal(err)

@@ -20,13 +20,7 @@ func TestAStartThatLosesTheLockToADeleteHoldsNoUID(t *testing.T) {
 	m, st, _ := testManager(t, time.Now)
 	m.cfg.UIDs = store.UIDRange{First: 239400, Last: 239403}
 	c := Caller{Org: "o", Actor: "key:k"}
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "r"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
+	rec := createdAndStopped(t, m, c, "r")
 	// The resume's claim lands; its start has not taken the lifecycle lock yet.
 	claimed, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusStopped},
 		To: protocol.StatusProvisioning, Claim: m.newClaim()})

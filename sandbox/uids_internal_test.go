@@ -119,13 +119,7 @@ func TestAStartAsAUIDAnotherSandboxHereHoldsIsRefused(t *testing.T) {
 	m, _, _ := testManager(t, time.Now)
 	m.cfg.UIDs = store.UIDRange{First: 239200, Last: 239203}
 	c := Caller{Org: "o", Actor: "key:k"}
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "b"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
+	rec := createdAndStopped(t, m, c, "b")
 	m.uids.drop(rec.ID) // as after a restart, before Recover
 	if org, id := m.uids.hold("other-org", "sb-other", rec.UID); id != "" {
 		t.Fatalf("uid %d is held by %s/%s", rec.UID, org, id)
@@ -153,13 +147,7 @@ func TestADeleteWhoseMessageWasLostIsFinishedByTheReconcileAfterARestart(t *test
 	m, st, _ := testManager(t, time.Now)
 	m.cfg.UIDs = store.UIDRange{First: 239300, Last: 239303}
 	c := Caller{Org: "o", Actor: "key:k"}
-	rec, _, err := m.Create(ctx, c, CreateRequest{Name: "s"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Stop(ctx, c, rec.ID, protocol.StopRequested); err != nil {
-		t.Fatal(err)
-	}
+	rec := createdAndStopped(t, m, c, "s")
 	m.Close(ctx)
 	m2, err := NewManager(m.cfg)
 	if err != nil {

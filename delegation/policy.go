@@ -81,7 +81,7 @@ func CheckSearchPath(scopes, allow []string, searchPath string, known bool) erro
 		}
 		if !known {
 			return protocol.Errorf(protocol.CodeInvalidArgument,
-				"allow_cmd: %s is looked up through the sandbox's PATH, which the broker does not know (its template sets no PATH, so the sandbox runs its image's): that PATH may name a directory this token may write into (scope %s), where it could put any program under that name. Name the program by its absolute path outside the workspace (e.g. /usr/bin/%s), set PATH in the template's env, or mint the token without %s",
+				"allow_cmd: %s is looked up through the sandbox's PATH, which the broker does not know (its template sets no PATH, so the sandbox runs its image's, and no running sandbox here tells it): that PATH may name a directory this token may write into (scope %s), where it could put any program under that name. Name the program by its absolute path outside the workspace (e.g. /usr/bin/%s), set PATH in the template's env, mint while the sandbox runs, or mint the token without %s",
 				quoteShort(p), protocol.ScopeFSWrite, p, protocol.ScopeFSWrite)
 		}
 		for _, dir := range strings.Split(searchPath, ":") {

@@ -87,9 +87,23 @@ type hosted struct {
 }
 
 // SearchPath is the PATH rec's commands find a bare program name through, and whether the broker
-// knows it (provider.SearchPath of its template), for the delegation policy that checks an
-// allowlist against it.
+// knows it, for the delegation policy that checks an allowlist against it: a sandbox running here
+// says its own (its environment snapshot, the PATH its commands get: on kubernetes a template
+// without PATH runs its image's, which only the running pod tells); otherwise its template's, as
+// provider.SearchPath gives it. A sandbox whose start or stop holds it is read from its template.
 func (m *Manager) SearchPath(rec store.Record) (path string, known bool) {
+	m.mu.Lock()
+	h := m.host[rec.ID]
+	m.mu.Unlock()
+	if h != nil && rec.Node == m.cfg.Node && h.mu.TryLock() {
+		inst := h.inst
+		h.mu.Unlock()
+		if inst != nil {
+			if p, ok := inst.Environment()["PATH"]; ok {
+				return p, true
+			}
+		}
+	}
 	tmpl, ok := m.cfg.Templates[rec.Template]
 	if !ok {
 		tmpl = m.cfg.Templates["default"]

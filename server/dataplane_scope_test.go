@@ -777,11 +777,12 @@ type remoteDir struct{ provider.Provider }
 
 func (remoteDir) RemoteWorkspace() {}
 
-// On the kubernetes provider a template that sets no PATH runs its image's, which the broker does
-// not know and which may name a directory under /workspace (a venv's bin): a mint with fs:write
-// and a bare allowlisted name is refused, saying why and what to do, not checked against a PATH
-// the sandbox does not have. A template that sets PATH, a program named by its absolute path, or
-// a token without fs:write is minted.
+// On the kubernetes provider a template that sets no PATH runs its image's, which only the running
+// pod tells (its environment snapshot) and which may name a directory under /workspace (a venv's
+// bin): a running sandbox's mint is checked against the PATH it has; once it is not running here,
+// a mint with fs:write and a bare allowlisted name is refused, saying why and what to do, not
+// checked against a PATH the sandbox may not have. A template that sets PATH, a program named by
+// its absolute path, or a token without fs:write is minted.
 func TestAllowlistNameUnderAnUnknownPATHIsRefused(t *testing.T) {
 	t.Parallel()
 	dataDir := servertest.DataDir(t)
@@ -802,6 +803,12 @@ func TestAllowlistNameUnderAnUnknownPATHIsRefused(t *testing.T) {
 		if _, err := b.Client.CreateSandbox(ctx, req); err != nil {
 			t.Fatal(err)
 		}
+	}
+	if _, err := b.Client.Delegate(ctx, "image", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"pytest"}}); err != nil {
+		t.Fatalf("fs:write with pytest in a running sandbox whose PATH is the base one: %v, want it minted", err)
+	}
+	if _, err := b.Client.StopSandbox(ctx, "image"); err != nil {
+		t.Fatal(err)
 	}
 	_, err = b.Client.Delegate(ctx, "image", protocol.MintRequest{Scopes: []string{"exec", "fs:write"}, AllowCmd: []string{"pytest"}})
 	var pe *protocol.Error

@@ -2,6 +2,7 @@ package kube_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -98,9 +99,20 @@ func TestBrokerOnKubernetes(t *testing.T) {
 		t.Fatalf("download: %d %v", n, err)
 	}
 
+	// The template sets no PATH, so the pod runs its image's: a bare allowlisted name with fs:write
+	// is checked against the PATH the running pod reports, and refused once no pod tells it.
+	bare := protocol.MintRequest{Scopes: []string{"fs:write", "exec"}, AllowCmd: []string{"sh"}}
+	if _, err := b.Client.Delegate(ctx, "pod-box", bare); err != nil {
+		t.Fatalf("fs:write and a bare name in a running pod whose image's PATH has no writable entry: %v", err)
+	}
+
 	// Stop: the pod goes, the claim (and the files) stay.
 	if _, err := b.Client.StopSandbox(ctx, "pod-box"); err != nil {
 		t.Fatal(err)
+	}
+	var pe *protocol.Error
+	if _, err := b.Client.Delegate(ctx, "pod-box", bare); !errors.As(err, &pe) || pe.Code != protocol.CodeInvalidArgument || !strings.Contains(pe.Message, "does not know") {
+		t.Errorf("fs:write and a bare name with no pod to tell its PATH: %v, want invalid_argument saying the PATH is unknown", err)
 	}
 	if _, err := pods.Get(ctx, podName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 		t.Fatalf("the pod after stop: %v", err)

@@ -122,11 +122,11 @@ first start on the embedded defaults.
 A REF is a sandbox id (sb_...) or name.
 
 Exit codes: 0 ok, 1 error (the sandbox refuses it: a symbolic link leading out of /workspace, a
-missing directory, a file where a directory is needed), 2 usage (a wrong command line, or an argument the broker refuses as such: a
-path outside /workspace, a bad --ttl), 3 not found, 4 not authorized, 5 conflict (name
-taken, sandbox stopped or failed, or hosted by another broker), 6 broker unreachable or
-unavailable, 7 refused by a limit (see sbctl limits), 128+n ended by signal n (130 for Ctrl-C);
-sbctl exec exits with the command's own code.`,
+missing directory, a file where a directory is needed), 2 usage (a wrong command line, or an
+argument the broker refuses as such: a path outside /workspace, a bad --ttl), 3 not found, 4 not
+authorized, 5 conflict (name taken, sandbox stopped or failed, or hosted by another broker), 6
+broker unreachable or unavailable, 7 refused by a limit (see sbctl limits), 128+n ended by signal
+n (130 for Ctrl-C); sbctl exec exits with the command's own code.`,
 		Example: `  sbctl create dev --ttl 30m --tag thread_id=T42
   sbctl exec dev -c 'echo hi > hello.txt && ls'
   sbctl cp ./src dev:/workspace/

@@ -291,10 +291,7 @@ func (m *Manager) provisionClaim(ctx context.Context, c Caller, rec store.Record
 		m.firstStarts.n.Add(1)
 		m.firstStarts.nanos.Add(int64(time.Since(started)))
 	}
-	if pl, ok := inst.(placed); ok {
-		b, _ := json.Marshal(protocol.Placement{Node: pl.Node(), Pod: pl.Pod()})
-		fields[store.FieldPlacement] = string(b)
-	}
+	m.runtimeFields(inst, fields)
 	if first && tmpl.Setup != "" {
 		if why := runSetup(ctx, inst, tmpl.Setup); why != "" {
 			return fail(protocol.ReasonSetupFailed, why, nil)
@@ -336,6 +333,19 @@ func (m *Manager) markRunning(ctx context.Context, rec store.Record, h *hosted, 
 // returned (the workspace's sweep between them included).
 func (m *Manager) ProviderStarts() (n int64, took time.Duration) {
 	return m.firstStarts.n.Load(), time.Duration(m.firstStarts.nanos.Load())
+}
+
+// runtimeFields adds to fields what a started runtime tells its record: where a provider that
+// places sandboxes elsewhere put it, and a remote runtime's PATH, which the broker cannot know
+// before it runs (an image's) and every broker's mint checks an allowlist against (SearchPath).
+func (m *Manager) runtimeFields(inst provider.Instance, fields map[string]string) {
+	if pl, ok := inst.(placed); ok {
+		b, _ := json.Marshal(protocol.Placement{Node: pl.Node(), Pod: pl.Pod()})
+		fields[store.FieldPlacement] = string(b)
+	}
+	if provider.IsRemote(m.cfg.Provider) {
+		fields[store.FieldSearchPath] = inst.Environment()["PATH"] // "": it reported none
+	}
 }
 
 // placed is an instance that runs elsewhere and says where (the kubernetes provider's pod).

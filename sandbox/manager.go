@@ -87,22 +87,14 @@ type hosted struct {
 }
 
 // SearchPath is the PATH rec's commands find a bare program name through, and whether the broker
-// knows it, for the delegation policy that checks an allowlist against it: a sandbox running here
-// says its own (its environment snapshot, the PATH its commands get: on kubernetes a template
-// without PATH runs its image's, which only the running pod tells); otherwise its template's, as
-// provider.SearchPath gives it. A sandbox whose start or stop holds it is read from its template.
+// knows it, for the delegation policy that checks an allowlist against it. A remote provider's
+// running sandbox has the PATH its runtime reported at its start (on kubernetes its image's when
+// the template sets none, or the template's as it was then), which every broker reads from the
+// record; any other has what its template gives it now (provider.SearchPath), unknown for a
+// remote sandbox not running.
 func (m *Manager) SearchPath(rec store.Record) (path string, known bool) {
-	m.mu.Lock()
-	h := m.host[rec.ID]
-	m.mu.Unlock()
-	if h != nil && rec.Node == m.cfg.Node && h.mu.TryLock() {
-		inst := h.inst
-		h.mu.Unlock()
-		if inst != nil {
-			if p, ok := inst.Environment()["PATH"]; ok {
-				return p, true
-			}
-		}
+	if rec.Status == protocol.StatusRunning && rec.SearchPath != "" && provider.IsRemote(m.cfg.Provider) {
+		return rec.SearchPath, true
 	}
 	tmpl, ok := m.cfg.Templates[rec.Template]
 	if !ok {

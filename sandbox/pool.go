@@ -2,7 +2,6 @@ package sandbox
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -545,10 +544,7 @@ func (m *Manager) adopt(ctx context.Context, c Caller, rec store.Record, pd *poo
 		}
 	}
 	fields := map[string]string{store.FieldProvider: provider.Runner(m.cfg.Provider, tmpl)}
-	if pl, ok := inst.(placed); ok {
-		b, _ := json.Marshal(protocol.Placement{Node: pl.Node(), Pod: pl.Pod()})
-		fields[store.FieldPlacement] = string(b)
-	}
+	m.runtimeFields(inst, fields)
 	// Its index entry keeps the claim's mark ("~pool", template, org) rather than being written
 	// again on the create's path: Recover reads the mark, finds the record and rewrites it.
 	return m.markRunning(ctx, rec, h, inst, fields)

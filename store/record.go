@@ -64,6 +64,10 @@ type Record struct {
 	// Placement is where a provider that places sandboxes elsewhere last started it (JSON of
 	// protocol.Placement; "" for the host's own providers).
 	Placement string
+	// SearchPath is the PATH the runtime of a remote provider's sandbox gets (its image's, when its
+	// template sets none), as that runtime reported it at its last start; "" when it reported none,
+	// and for the host's own providers, whose PATH the broker sets itself.
+	SearchPath string
 	// Claim names the last move into provisioning that claimed the record (Transition.Claim, or the
 	// new id of a create-or-reuse that resumed it); "" for a record never resumed. Read only: a
 	// create never writes it.
@@ -76,6 +80,7 @@ const (
 	fTags, fTTL, fCreated, fCreatedBy, fHeartbeat          = "tags", "ttl", "created", "created_by", "heartbeat"
 	fExpires, fStopped, fStopReason, fFailure, fLost, fGen = "expires", "stopped", "stop_reason", "failure", "lost", "gen"
 	fStarted, fUID, fNodeLost, fPlacement, fClaim          = "started", "uid", "node_lost", "placement", "claim"
+	fSearchPath                                            = "search_path"
 )
 
 // fields flattens a new record into HSET arguments.
@@ -119,6 +124,7 @@ func recordFromMap(m map[string]string) (Record, error) {
 		NodeLostAt: fromMS(m[fNodeLost]),
 		UID:        int(atoi(m[fUID])),
 		Placement:  m[fPlacement],
+		SearchPath: m[fSearchPath],
 		Claim:      m[fClaim],
 	}
 	if t := m[fTags]; t != "" && t != "null" {

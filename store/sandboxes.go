@@ -410,6 +410,7 @@ const (
 	FieldProvider   = fProvider
 	FieldUID        = fUID
 	FieldPlacement  = fPlacement
+	FieldSearchPath = fSearchPath
 )
 
 // Transition applies t to the sandbox ref and returns the updated record; its times come from the

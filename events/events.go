@@ -306,9 +306,12 @@ func (w *Writer) takeOverflow(p *pending) {
 }
 
 // settle turns counted losses into gap events once the buffer has room for them: they follow
-// every event kept before them and precede every event emitted after.
+// every event kept before them and precede every event emitted after. An empty buffer takes them
+// all, even more than it holds (losses on more sandboxes than that): waiting for more room than
+// there will ever be would keep the gaps out, and every later event of their orgs, for good, and
+// the writer would spin on an empty buffer (and its Close never return).
 func (p *pending) settle() {
-	if len(p.lost) == 0 || p.live+len(p.lostOrder) >= p.max {
+	if len(p.lost) == 0 || p.live > 0 && p.live+len(p.lostOrder) >= p.max {
 		return
 	}
 	var total int64

@@ -175,14 +175,32 @@ type pending struct {
 	lost      map[lostKey]int64
 	lostOrder []lostKey
 	held      map[string]int // live events per org, gap events included
-	losing    map[string]int // lost entries per org: an org losing keeps nothing until its gaps are in
+	// over holds the orgs whose held is past their share (three at most): the only ones an
+	// eviction looks at, so that an add to a full buffer costs the same with thousands of orgs.
+	over   map[string]struct{}
+	losing map[string]int // lost entries per org: an org losing keeps nothing until its gaps are in
 	// newest is, per org, where its newest live event may be (no later one is its), so that
 	// evictions scan each position once between compactions.
 	newest map[string]int
 }
 
+func newPending(log *slog.Logger, max int) *pending {
+	return &pending{log: log, max: max, lost: map[lostKey]int64{}, held: map[string]int{}, over: map[string]struct{}{},
+		losing: map[string]int{}, newest: map[string]int{}}
+}
+
 // share is how many buffered events an org is sure of keeping.
 func (p *pending) share() int { return max(p.max/4, 1) }
+
+// hold sets org's count of live events, and whether it is past its share.
+func (p *pending) hold(org string, n int) {
+	p.held[org] = n
+	if n > p.share() {
+		p.over[org] = struct{}{}
+	} else {
+		delete(p.over, org)
+	}
+}
 
 func (p *pending) add(q queued) {
 	p.settle()
@@ -197,41 +215,46 @@ func (p *pending) add(q queued) {
 func (p *pending) keep(q queued) {
 	p.events = append(p.events, q)
 	p.live++
-	p.held[q.org]++
+	p.hold(q.org, p.held[q.org]+1)
 	delete(p.newest, q.org)
 }
 
 // evictOverShare makes room in a full buffer by losing the newest event of the org that holds the
 // most, when that is more than its share: the org's gap then stands after its kept events, in order.
-// The event is marked dead, not removed: removing from the middle of a large buffer at each
-// eviction would copy it each time.
+// An org past its share with nothing but gap events to its name (they cannot go: they stand for
+// what it lost) is passed over for the next. The event is marked dead, not removed: removing from
+// the middle of a large buffer at each eviction would copy it each time.
 func (p *pending) evictOverShare() bool {
-	top := ""
-	for org, n := range p.held {
-		if n > p.share() && (top == "" || n > p.held[top]) {
-			top = org
+	for {
+		top := ""
+		for org := range p.over {
+			if n, ok := p.newest[org]; ok && n < 0 {
+				continue // nothing it holds can go
+			}
+			if top == "" || p.held[org] > p.held[top] {
+				top = org
+			}
 		}
-	}
-	if top == "" {
-		return false
-	}
-	i := len(p.events) - 1
-	if n, ok := p.newest[top]; ok {
-		i = min(i, n)
-	}
-	for ; i >= 0; i-- {
-		if q := &p.events[i]; !q.dead && q.org == top && q.e.Type != protocol.EventGap {
-			q.dead = true
-			p.live--
-			p.dead++
-			p.held[top]--
-			p.newest[top] = i - 1
-			p.lose(lostKey{q.org, q.e.SandboxID, q.e.Name}, 1)
-			return true
+		if top == "" {
+			return false
 		}
+		i := len(p.events) - 1
+		if n, ok := p.newest[top]; ok {
+			i = min(i, n)
+		}
+		for ; i >= 0; i-- {
+			if q := &p.events[i]; !q.dead && q.org == top && q.e.Type != protocol.EventGap {
+				q.dead = true
+				p.live--
+				p.dead++
+				p.hold(top, p.held[top]-1)
+				p.newest[top] = i - 1
+				p.lose(lostKey{q.org, q.e.SandboxID, q.e.Name}, 1)
+				return true
+			}
+		}
+		p.newest[top] = -1
 	}
-	p.newest[top] = -1
-	return false
 }
 
 // compact drops the dead events, before a write.
@@ -253,9 +276,13 @@ func (p *pending) compact() {
 // recount sets the counts from the events still buffered, all live (after a write took some).
 func (p *pending) recount() {
 	clear(p.held)
+	clear(p.over)
 	clear(p.newest)
 	for _, q := range p.events {
 		p.held[q.org]++
+	}
+	for org, n := range p.held {
+		p.hold(org, n)
 	}
 	p.live, p.dead = len(p.events), 0
 }
@@ -279,9 +306,12 @@ func (w *Writer) takeOverflow(p *pending) {
 }
 
 // settle turns counted losses into gap events once the buffer has room for them: they follow
-// every event kept before them and precede every event emitted after.
+// every event kept before them and precede every event emitted after. An empty buffer takes them
+// all, even more than it holds (losses on more sandboxes than that): waiting for more room than
+// there will ever be would keep the gaps out, and every later event of their orgs, for good, and
+// the writer would spin on an empty buffer (and its Close never return).
 func (p *pending) settle() {
-	if len(p.lost) == 0 || p.live+len(p.lostOrder) >= p.max {
+	if len(p.lost) == 0 || p.live > 0 && p.live+len(p.lostOrder) >= p.max {
 		return
 	}
 	var total int64
@@ -299,7 +329,7 @@ func (p *pending) settle() {
 
 func (w *Writer) run() {
 	defer close(w.done)
-	p := &pending{log: w.log, max: w.buffer, lost: map[lostKey]int64{}, held: map[string]int{}, losing: map[string]int{}, newest: map[string]int{}}
+	p := newPending(w.log, w.buffer)
 	closed := false
 	retry := time.Duration(0)
 	for {

@@ -221,3 +221,46 @@ func TestOneOrgCannotTakeTheOutageBuffer(t *testing.T) {
 		t.Fatalf("after the flooding org's kept events: %+v, want a gap of %d", gap, flood-kept)
 	}
 }
+
+// Losses on more sandboxes than the buffer holds events: once Redis is back and the kept events are
+// written, the gaps go in, all of them, and the org's later events follow. Before, the gaps waited
+// for a buffer with room for every one of them beside what it held, which an empty buffer of this
+// size never has: the writer spun writing nothing, and every later event of the org was counted
+// into gaps that were never written.
+func TestGapsOfMoreSandboxesThanTheBufferGoIn(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	ropts := &redis.UniversalOptions{Addrs: []string{srv.Addr}}
+	store.BoundOptions(ropts, 0)
+	raw := redis.NewUniversalClient(ropts)
+	t.Cleanup(func() { raw.Close() })
+	st := store.NewWithOptions(raw, store.Options{Log: quiet})
+	t.Cleanup(st.Close)
+	failed := &failures{Handler: quiet.Handler()}
+	const buffer, sandboxes = 4, 10
+	w := events.NewWriterWithOptions(st, slog.New(failed), events.WriterOptions{Buffer: buffer})
+	defer w.Close()
+	w.Emit("o", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_x", Command: "before"})
+	streamEvents(t, raw, "o", 1)
+	srv.Stop(t)
+	for i := range sandboxes {
+		w.Emit("o", protocol.Event{Type: protocol.EventExec, SandboxID: fmt.Sprint("sb_", i), Command: fmt.Sprint(i)})
+	}
+	after := failed.n.Load()
+	wait.Eventually(t, 15*time.Second, func() bool { return failed.n.Load() >= after+2 }, "two failed writes while Redis is away")
+	srv.Restart(t)
+	want := 1 + buffer + (sandboxes - buffer)
+	got := streamEvents(t, raw, "o", want)
+	if len(got) != want {
+		t.Fatalf("%d events in the stream after the outage, want %d (the kept ones and a gap per sandbox that lost): %+v", len(got), want, got)
+	}
+	for i := buffer; i < sandboxes; i++ {
+		if e := got[1+i]; e.Type != protocol.EventGap || e.SandboxID != fmt.Sprint("sb_", i) || e.Missed == nil || *e.Missed != 1 {
+			t.Fatalf("event %d: %+v, want sb_%d's gap of 1", 1+i, e, i)
+		}
+	}
+	w.Emit("o", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_x", Command: "after"})
+	if got := streamEvents(t, raw, "o", want+1); len(got) != want+1 || got[want].Command != "after" {
+		t.Fatalf("the event after the gaps: %+v", got)
+	}
+}

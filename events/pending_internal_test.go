@@ -13,8 +13,7 @@ import (
 // events of the org that holds the most; each org's stream then reads its kept events, its gap, and
 // what came after, in order.
 func TestPendingSharesTheBuffer(t *testing.T) {
-	p := &pending{log: slog.New(slog.DiscardHandler), max: 8, lost: map[lostKey]int64{}, held: map[string]int{},
-		losing: map[string]int{}, newest: map[string]int{}}
+	p := newPending(slog.New(slog.DiscardHandler), 8)
 	ev := func(org string, i int) queued {
 		return queued{org: org, e: protocol.Event{Type: protocol.EventExec, SandboxID: "sb_" + org, Command: fmt.Sprint(i)}}
 	}
@@ -59,5 +58,43 @@ func TestPendingSharesTheBuffer(t *testing.T) {
 	}
 	if n := p.lost[lostKey{"a", "sb_a", ""}]; n != 1 {
 		t.Fatalf("a lost %d after the write, want 1 (its 16)", n)
+	}
+}
+
+// An org whose share is all gap events (it lost events on many sandboxes, and the gaps went in)
+// holds the most but has nothing to push out: the org past its share that holds ordinary events
+// makes the room instead. Before, the eviction looked only at the org holding the most, found
+// nothing to take, and the org within its share lost its event to a buffer another org overfilled.
+func TestPendingEvictsPastAnOrgOfGaps(t *testing.T) {
+	p := newPending(slog.New(slog.DiscardHandler), 20)
+	for i := range 9 {
+		p.lose(lostKey{"g", fmt.Sprint("sb_g", i), ""}, 1)
+	}
+	p.settle() // g holds 9 gap events
+	for i := range 8 {
+		p.add(queued{org: "b", e: protocol.Event{Type: protocol.EventExec, SandboxID: "sb_b", Command: fmt.Sprint(i)}})
+	}
+	for i := range 3 {
+		p.add(queued{org: "c", e: protocol.Event{Type: protocol.EventExec, SandboxID: "sb_c", Command: fmt.Sprint(i)}})
+	}
+	if p.live != p.max {
+		t.Fatalf("%d live events, want the buffer (%d) full", p.live, p.max)
+	}
+	p.add(queued{org: "c", e: protocol.Event{Type: protocol.EventExec, SandboxID: "sb_c", Command: "3"}})
+	if n := p.lost[lostKey{"c", "sb_c", ""}]; n != 0 {
+		t.Fatalf("c, within its share (3 of 5), lost %d events while b holds 8", n)
+	}
+	if n := p.lost[lostKey{"b", "sb_b", ""}]; n != 1 {
+		t.Fatalf("b, past its share, lost %d events, want its newest", n)
+	}
+	p.compact()
+	last := p.events[len(p.events)-1]
+	if last.org != "c" || last.e.Command != "3" {
+		t.Fatalf("the newest event kept: %+v, want c's 3", last)
+	}
+	for _, q := range p.events {
+		if q.org == "b" && q.e.Command == "7" {
+			t.Fatalf("b's newest event (7) is still kept: %+v", p.events)
+		}
 	}
 }

@@ -56,6 +56,23 @@ func (f *failures) Handle(_ context.Context, r slog.Record) error {
 	return nil
 }
 
+// outageWriter is an event writer with an outage buffer of buffer events over a real redis-server
+// (srv, for a test to stop and restart), its client bounded as the broker's is (each call gives up
+// within --redis-timeout); failed counts the writes it logs as failed.
+func outageWriter(t *testing.T, buffer int) (srv *redistest.Server, rdb redis.UniversalClient, w *events.Writer, failed *failures) {
+	t.Helper()
+	srv = redistest.Start(t)
+	ropts := &redis.UniversalOptions{Addrs: []string{srv.Addr}}
+	store.BoundOptions(ropts, 0)
+	rdb = redis.NewUniversalClient(ropts)
+	t.Cleanup(func() { rdb.Close() })
+	st := store.NewWithOptions(rdb, store.Options{Log: quiet})
+	t.Cleanup(st.Close)
+	failed = &failures{Handler: quiet.Handler()}
+	w = events.NewWriterWithOptions(st, slog.New(failed), events.WriterOptions{Buffer: buffer})
+	return srv, rdb, w, failed
+}
+
 // Events emitted while Redis is down are kept and written, in order, when it is back; past the
 // buffer, one gap event per sandbox says how many were lost.
 func TestEventsSurviveARedisOutage(t *testing.T) {
@@ -65,17 +82,7 @@ func TestEventsSurviveARedisOutage(t *testing.T) {
 		buffer, emits int
 	}{{"within the buffer", 100, 60}, {"past the buffer", 20, 50}} {
 		t.Run(tc.name, func(t *testing.T) {
-			srv := redistest.Start(t)
-			// Bounded as the broker's client is (each call gives up within --redis-timeout).
-			ropts := &redis.UniversalOptions{Addrs: []string{srv.Addr}}
-			store.BoundOptions(ropts, 0)
-			raw := redis.NewUniversalClient(ropts)
-			t.Cleanup(func() { raw.Close() })
-			st := store.NewWithOptions(raw, store.Options{Log: quiet})
-			t.Cleanup(st.Close)
-			rdb := raw
-			failed := &failures{Handler: quiet.Handler()}
-			w := events.NewWriterWithOptions(st, slog.New(failed), events.WriterOptions{Buffer: tc.buffer})
+			srv, rdb, w, failed := outageWriter(t, tc.buffer)
 			defer w.Close()
 			org := "o"
 			w.Emit(org, protocol.Event{Type: protocol.EventExec, SandboxID: "sb_1", Command: "before"})
@@ -172,16 +179,8 @@ func TestCloseWithRedisHungGivesUpInTime(t *testing.T) {
 // newest of an org past its share; the flooding org's stream says what it lost with a gap, in order.
 func TestOneOrgCannotTakeTheOutageBuffer(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Start(t)
-	ropts := &redis.UniversalOptions{Addrs: []string{srv.Addr}}
-	store.BoundOptions(ropts, 0)
-	raw := redis.NewUniversalClient(ropts)
-	t.Cleanup(func() { raw.Close() })
-	st := store.NewWithOptions(raw, store.Options{Log: quiet})
-	t.Cleanup(st.Close)
-	failed := &failures{Handler: quiet.Handler()}
 	const buffer, flood, share = 20, 50, 5
-	w := events.NewWriterWithOptions(st, slog.New(failed), events.WriterOptions{Buffer: buffer})
+	srv, raw, w, failed := outageWriter(t, buffer)
 	defer w.Close()
 	w.Emit("flood", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_f", Command: "before"})
 	streamEvents(t, raw, "flood", 1)
@@ -229,16 +228,8 @@ func TestOneOrgCannotTakeTheOutageBuffer(t *testing.T) {
 // into gaps that were never written.
 func TestGapsOfMoreSandboxesThanTheBufferGoIn(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Start(t)
-	ropts := &redis.UniversalOptions{Addrs: []string{srv.Addr}}
-	store.BoundOptions(ropts, 0)
-	raw := redis.NewUniversalClient(ropts)
-	t.Cleanup(func() { raw.Close() })
-	st := store.NewWithOptions(raw, store.Options{Log: quiet})
-	t.Cleanup(st.Close)
-	failed := &failures{Handler: quiet.Handler()}
 	const buffer, sandboxes = 4, 10
-	w := events.NewWriterWithOptions(st, slog.New(failed), events.WriterOptions{Buffer: buffer})
+	srv, raw, w, failed := outageWriter(t, buffer)
 	defer w.Close()
 	w.Emit("o", protocol.Event{Type: protocol.EventExec, SandboxID: "sb_x", Command: "before"})
 	streamEvents(t, raw, "o", 1)

@@ -59,18 +59,6 @@ func (t *uidTable) drop(id string) {
 	delete(t.byID, id)
 }
 
-// holder names the sandbox that holds uid here, if any.
-func (t *uidTable) holder(uid int) (org, id string) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for hid, h := range t.byID {
-		if h.uid == uid {
-			return h.org, hid
-		}
-	}
-	return "", ""
-}
-
 // allocateUID takes a host uid for the sandbox from the range, or answers 0 when there is none. The
 // uid is in the broker's table when it returns: the caller gives it back (releaseUID), or the
 // sandbox's destroy does.

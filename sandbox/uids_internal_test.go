@@ -173,3 +173,15 @@ func TestADeleteWhoseMessageWasLostIsFinishedByTheReconcileAfterARestart(t *test
 	}
 	wantHeld(t, m2, "after the reconcile", map[string]int{})
 }
+
+// holder names the sandbox that holds uid here, if any.
+func (t *uidTable) holder(uid int) (org, id string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for hid, h := range t.byID {
+		if h.uid == uid {
+			return h.org, hid
+		}
+	}
+	return "", ""
+}

@@ -3,12 +3,12 @@ package mcp_test
 import (
 	"bytes"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/sbxbroker/broker/mcp"
 	"github.com/sbxbroker/broker/protocol"
+	"github.com/sbxbroker/broker/tests/wait"
 )
 
 // A client that writes its requests and closes stdin at once (`printf ... | sbctl mcp dev`, a
@@ -66,7 +66,7 @@ func TestStdioReadsMessagesAsTheSDKDoes(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			in := initialize + tc.msg + "\n" + `{"jsonrpc":"2.0","id":"last","method":"ping"}` + "\n"
-			out := &syncBuffer{}
+			out := &wait.Buffer{}
 			srv := mcp.NewServer(nil, mcp.Options{Scopes: []string{protocol.ScopeFSRead}})
 			done := make(chan error, 1)
 			go func() { done <- srv.Run(t.Context(), mcp.StdioTransport(strings.NewReader(in), out)) }()
@@ -87,21 +87,4 @@ func TestStdioReadsMessagesAsTheSDKDoes(t *testing.T) {
 			}
 		})
 	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

@@ -2,7 +2,6 @@ package server_test
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -12,7 +11,6 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,25 +19,8 @@ import (
 	"github.com/sbxbroker/broker/sandbox"
 	"github.com/sbxbroker/broker/server/servertest"
 	"github.com/sbxbroker/broker/store"
+	"github.com/sbxbroker/broker/tests/wait"
 )
-
-// lockedBuffer collects a broker's logs for a test to read.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // requestSeries counts the sbx_http_requests_total series /metrics reports, and returns the
 // longest line of the exposition.
@@ -89,7 +70,7 @@ func rawMethod(t *testing.T, addr, method, path string) int {
 // metric series (each one is kept for the life of the process) or an unbounded log line.
 func TestUnknownMethodsAndRoutesAreBounded(t *testing.T) {
 	t.Parallel()
-	logs := &lockedBuffer{}
+	logs := &wait.Buffer{}
 	b := servertest.New(t, servertest.Options{Log: slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 	addr := strings.TrimPrefix(b.URL, "http://")
 	b.Client.ListSandboxes(t.Context(), client.ListOptions{})

@@ -519,7 +519,7 @@ func TestUploadPutKeyRevokedMidUploadIsNoGuess(t *testing.T) {
 // token by its jti (a refused upload leaves no event), never the token itself.
 func TestUploadPutAccessLogNamesTheToken(t *testing.T) {
 	t.Parallel()
-	var logs lockedBuffer
+	var logs wait.Buffer
 	b := servertest.New(t, servertest.Options{Provider: "dir", Log: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 	reader := mintFor(t, b, "door-log", "fs:read")
 	if status, code, _ := putUpload(t, b, reader.Sandbox.SandboxID, "path=a.txt", reader.Token, strings.NewReader("x")); status != 403 {

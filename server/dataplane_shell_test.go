@@ -6,7 +6,6 @@ import (
 	"os"
 	"runtime"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,33 +21,9 @@ import (
 	"github.com/sbxbroker/broker/tests/wait"
 )
 
-// screen collects what a shell writes to its terminal.
-type screen struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *screen) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *screen) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func (s *screen) waitFor(t *testing.T, text string) {
+func startShell(t *testing.T, r *backend.Remote, ctx context.Context, a protocol.ShellArgs) (*backend.Shell, *wait.Buffer) {
 	t.Helper()
-	wait.Eventually(t, 20*time.Second, func() bool { return strings.Contains(s.String(), text) },
-		"%q on the terminal; it shows %q", text, s.String())
-}
-
-func startShell(t *testing.T, r *backend.Remote, ctx context.Context, a protocol.ShellArgs) (*backend.Shell, *screen) {
-	t.Helper()
-	out := &screen{}
+	out := &wait.Buffer{}
 	sh, err := r.Shell(ctx, backend.ShellRequest{ShellArgs: a, Output: out})
 	if err != nil {
 		t.Fatal(err)
@@ -89,7 +64,7 @@ func shellOnRealTerminal(t *testing.T, level string, b *servertest.Broker) {
 	}
 	sh, out := startShell(t, r, t.Context(), protocol.ShellArgs{Rows: 30, Cols: 100})
 	sh.Write([]byte("echo \"$0 on $(tty) sized $(stty size)\"\n"))
-	out.waitFor(t, "/bin/bash on /dev/pts/0 sized 30 100")
+	out.WaitFor(t, 20*time.Second, "/bin/bash on /dev/pts/0 sized 30 100")
 
 	if err := sh.Resize(45, 132); err != nil {
 		t.Fatal(err)
@@ -113,7 +88,7 @@ func shellOnRealTerminal(t *testing.T, level string, b *servertest.Broker) {
 	}, "sleep running under the shell")
 	sh.Write([]byte{0x03}) // ^C
 	sh.Write([]byte("echo slept=$?\n"))
-	out.waitFor(t, "slept=130")
+	out.WaitFor(t, 20*time.Second, "slept=130")
 
 	if _, err := sh.Write([]byte("sleep 1001\n")); err != nil {
 		t.Fatal(err)
@@ -123,7 +98,7 @@ func shellOnRealTerminal(t *testing.T, level string, b *servertest.Broker) {
 		return err == nil && res.ExitCode == 0
 	}, "sleep 1001 running under the shell")
 	sh.Write([]byte{0x1a}) // ^Z
-	out.waitFor(t, "Stopped")
+	out.WaitFor(t, 20*time.Second, "Stopped")
 	sh.Write([]byte("fg\n"))
 	wait.Eventually(t, 10*time.Second, func() bool {
 		res, err := r.Exec(t.Context(), backend.ExecRequest{ExecArgs: protocol.ExecArgs{Command: "ps -o stat= -C sleep"}})
@@ -201,7 +176,7 @@ func shellEndsWithItsCredential(t *testing.T, b *servertest.Broker) {
 	// Revoked: the connection closes (4001) and the shell with its jobs is gone.
 	sh, out := startShell(t, r, t.Context(), protocol.ShellArgs{})
 	sh.Write([]byte("sleep 2001 & sleep 2002 & echo started\n"))
-	out.waitFor(t, "started")
+	out.WaitFor(t, 20*time.Second, "started")
 	wait.Eventually(t, 10*time.Second, func() bool { return alive("[s]leep 2001") && alive("[s]leep 2002") }, "the jobs running")
 	if _, err := b.Client.Revoke(t.Context(), "ends", m.JTI); err != nil {
 		t.Fatal(err)
@@ -217,7 +192,7 @@ func shellEndsWithItsCredential(t *testing.T, b *servertest.Broker) {
 	ctx, cancel := context.WithCancel(t.Context())
 	sh, out = startShell(t, owner, ctx, protocol.ShellArgs{})
 	sh.Write([]byte("sleep 2003 & echo started\n"))
-	out.waitFor(t, "started")
+	out.WaitFor(t, 20*time.Second, "started")
 	wait.Eventually(t, 10*time.Second, func() bool { return alive("[s]leep 2003") }, "the job running")
 	cancel()
 	if _, err := shellEnd(t, sh); !errors.Is(err, context.Canceled) {
@@ -228,7 +203,7 @@ func shellEndsWithItsCredential(t *testing.T, b *servertest.Broker) {
 	// The sandbox stops under it.
 	sh, out = startShell(t, owner, t.Context(), protocol.ShellArgs{})
 	sh.Write([]byte("echo started\n"))
-	out.waitFor(t, "started")
+	out.WaitFor(t, 20*time.Second, "started")
 	if _, err := b.Client.StopSandbox(t.Context(), "ends"); err != nil {
 		t.Fatal(err)
 	}
@@ -406,7 +381,7 @@ func shellReleasesWhatItHolds(t *testing.T, b *servertest.Broker) {
 		ctx, cancel := context.WithCancel(t.Context())
 		sh, out := startShell(t, r, ctx, protocol.ShellArgs{})
 		sh.Write([]byte("sleep 3000 & echo started\n"))
-		out.waitFor(t, "started")
+		out.WaitFor(t, 20*time.Second, "started")
 		if masters() != 1 || serving() == 0 {
 			t.Fatalf("a shell in progress: %d terminal masters and %d goroutines serving it, want 1 and some", masters(), serving())
 		}

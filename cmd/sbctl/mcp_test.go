@@ -6,7 +6,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,24 +13,8 @@ import (
 
 	"github.com/sbxbroker/broker/protocol"
 	"github.com/sbxbroker/broker/server/servertest"
+	"github.com/sbxbroker/broker/tests/wait"
 )
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // sbctl mcp serves the sandbox's tools over stdio with a token of the asked scopes, renews the
 // token before it expires (the session goes on past the first token's expiry), and revokes the
@@ -44,7 +27,7 @@ func TestMCPStdioRenewsAndRevokes(t *testing.T) {
 	}
 	inR, inW := io.Pipe()
 	outR, outW := io.Pipe()
-	var stderr syncBuffer
+	var stderr wait.Buffer
 	exited := make(chan int, 1)
 	go func() {
 		code := run(t.Context(), []string{"--broker", b.URL, "--api-key", b.Client.APIKey(), "--config", filepath.Join(t.TempDir(), "none.yaml"),

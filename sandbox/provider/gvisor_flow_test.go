@@ -178,7 +178,7 @@ func TestGvisorFlowControl(t *testing.T) {
 		in, _ := startSandbox(t, n, gvisorTemplate)
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
-		out := &syncBuffer{}
+		out := &wait.Buffer{}
 		pr, pw := io.Pipe()
 		defer pw.Close()
 		done := make(chan error, 1)
@@ -189,7 +189,7 @@ func TestGvisorFlowControl(t *testing.T) {
 				Stdin: pr, Stdout: out, TTY: &TTY{}})
 			done <- err
 		}()
-		out.waitFor(t, "ready")
+		out.WaitFor(t, 10*time.Second, "ready")
 		stdin := &endlessInput{}
 		go io.Copy(pw, stdin)
 		wait.Eventually(t, 20*time.Second, func() bool { return stdin.n.Load() >= stalledBeyond },
@@ -246,14 +246,14 @@ func TestGvisorFlowControl(t *testing.T) {
 		defer cancel()
 		pr, pw := io.Pipe()
 		defer pw.Close()
-		out := &syncBuffer{}
+		out := &wait.Buffer{}
 		done := make(chan error, 1)
 		go func() {
 			// Three channels: stdin, stdout, stderr.
 			_, err := in.Exec(ctx, ExecRequest{Command: "echo ready; exec sleep 600", Stdin: pr, Stdout: out, Stderr: io.Discard})
 			done <- err
 		}()
-		out.waitFor(t, "ready")
+		out.WaitFor(t, 10*time.Second, "ready")
 		_, err := in.Exec(context.Background(), ExecRequest{Command: "true", Stdout: io.Discard})
 		if !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "command streams open") {
 			t.Fatalf("a command past the bound: %v", err)

@@ -41,7 +41,7 @@ func TestGvisorTerminal(t *testing.T) {
 	resize := make(chan WindowSize, 1)
 	out, stdin, done := ttyRun(t, ctx, in, []string{"sh", "-c", "while read x; do stty size; done"}, &TTY{Resize: resize})
 	io.WriteString(stdin, "\n")
-	out.waitFor(t, "24 80\r\n")
+	out.WaitFor(t, 10*time.Second, "24 80\r\n")
 	resize <- WindowSize{Rows: 50, Cols: 120}
 	waitForResize(t, out, stdin, "50 120")
 	stdin.Close() // the end of input is typed as ^D: read sees end of file
@@ -53,7 +53,7 @@ func TestGvisorTerminal(t *testing.T) {
 	// sentry's line discipline.
 	mark := marker()
 	out, stdin, done = ttyRun(t, ctx, in, []string{"sh", "-c", "echo ready; exec " + mark}, nil)
-	out.waitFor(t, "ready")
+	out.WaitFor(t, 10*time.Second, "ready")
 	io.WriteString(stdin, "\x03")
 	if res := waitResult(t, done); res.Signal != "INT" || res.ExitCode != 130 {
 		t.Fatalf("^C: %+v, want SIGINT", res)
@@ -71,7 +71,7 @@ func TestGvisorTerminal(t *testing.T) {
 	mark = marker()
 	cctx, cancel := context.WithCancel(ctx)
 	out, _, done = ttyRun(t, cctx, in, []string{"bash", "-ic", "set -m; " + mark + " & echo ready; wait"}, nil)
-	out.waitFor(t, "ready")
+	out.WaitFor(t, 10*time.Second, "ready")
 	if got := sandboxRunning(t, in, mark); got != 1 {
 		t.Fatalf("%d processes %q before the cancel, want 1", got, mark)
 	}
@@ -89,7 +89,7 @@ func TestGvisorTerminal(t *testing.T) {
 	}
 
 	// The sandbox stopping ends a terminal command in flight, and leaves no runsc process.
-	sout := &syncBuffer{}
+	sout := &wait.Buffer{}
 	pr, pw := io.Pipe()
 	defer pw.Close()
 	errc := make(chan error, 1)
@@ -97,7 +97,7 @@ func TestGvisorTerminal(t *testing.T) {
 		_, err := in.Exec(ctx, ExecRequest{Argv: []string{"sh", "-c", "echo ready; exec sleep 1000"}, Stdin: pr, Stdout: sout, TTY: &TTY{}})
 		errc <- err
 	}()
-	sout.waitFor(t, "ready")
+	sout.WaitFor(t, 10*time.Second, "ready")
 	if err := in.Stop(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -6,7 +6,6 @@ import (
 	"io"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,33 +14,9 @@ import (
 	"github.com/sbxbroker/broker/tests/wait"
 )
 
-// syncBuffer collects a terminal's output for a test to wait on.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func (s *syncBuffer) waitFor(t *testing.T, text string) {
-	t.Helper()
-	wait.Eventually(t, 10*time.Second, func() bool { return strings.Contains(s.String(), text) },
-		"%q in the terminal's output:\n%q", text, s)
-}
-
 // waitForResize types Enter until a `while read; do stty size; done` loop on the terminal prints
 // the new size: a keystroke can reach the terminal before a resize sent ahead of it.
-func waitForResize(t *testing.T, out *syncBuffer, stdin io.Writer, size string) {
+func waitForResize(t *testing.T, out *wait.Buffer, stdin io.Writer, size string) {
 	t.Helper()
 	wait.Eventually(t, 10*time.Second, func() bool {
 		if strings.Contains(out.String(), size) {
@@ -53,12 +28,12 @@ func waitForResize(t *testing.T, out *syncBuffer, stdin io.Writer, size string) 
 }
 
 // ttyRun starts argv on a terminal and returns its output, its stdin and the result's channel.
-func ttyRun(t *testing.T, ctx context.Context, in Instance, argv []string, tty *TTY) (*syncBuffer, *io.PipeWriter, chan ExecResult) {
+func ttyRun(t *testing.T, ctx context.Context, in Instance, argv []string, tty *TTY) (*wait.Buffer, *io.PipeWriter, chan ExecResult) {
 	t.Helper()
 	if tty == nil {
 		tty = &TTY{}
 	}
-	out := &syncBuffer{}
+	out := &wait.Buffer{}
 	pr, pw := io.Pipe()
 	t.Cleanup(func() { pw.Close() })
 	done := make(chan ExecResult, 1)
@@ -104,7 +79,7 @@ func TestExecOnTerminal(t *testing.T) {
 	resize := make(chan WindowSize, 1)
 	out, stdin, done := ttyRun(t, ctx, in, []string{"sh", "-c", "while read x; do stty size; done"}, &TTY{Resize: resize})
 	io.WriteString(stdin, "\n")
-	out.waitFor(t, "24 80\r\n")
+	out.WaitFor(t, 10*time.Second, "24 80\r\n")
 	resize <- WindowSize{Rows: 50, Cols: 120}
 	waitForResize(t, out, stdin, "50 120")
 	io.WriteString(stdin, "\x04") // ^D: read sees the end of input
@@ -115,7 +90,7 @@ func TestExecOnTerminal(t *testing.T) {
 	// ^C interrupts the foreground job, the way the line discipline does it: a byte, not a request.
 	mark := marker()
 	out, stdin, done = ttyRun(t, ctx, in, []string{"sh", "-c", "echo ready; exec " + mark}, nil)
-	out.waitFor(t, "ready")
+	out.WaitFor(t, 10*time.Second, "ready")
 	waitHostRunning(t, mark)
 	io.WriteString(stdin, "\x03")
 	if res := waitResult(t, done); res.Signal != "INT" || res.ExitCode != 130 {
@@ -134,7 +109,7 @@ func TestExecOnTerminal(t *testing.T) {
 	mark = marker()
 	cctx, cancel := context.WithCancel(ctx)
 	out, _, done = ttyRun(t, cctx, in, []string{"bash", "-ic", "set -m; " + mark + " & echo ready; wait"}, nil)
-	out.waitFor(t, "ready")
+	out.WaitFor(t, 10*time.Second, "ready")
 	waitHostRunning(t, mark)
 	cancel()
 	if res := waitResult(t, done); res.Reason != ReasonCancelled {
@@ -162,7 +137,7 @@ func TestTerminalCancelWithoutTheInit(t *testing.T) {
 	// The job's subshell exits at once: its child is an orphan in the job's group, not the
 	// shell's, found only through the terminal it holds.
 	out, _, done := ttyRun(t, ctx, in, []string{"bash", "-ic", "set -m; trap '' HUP; (" + job + " &); echo ready; sleep 1000"}, nil)
-	out.waitFor(t, "ready")
+	out.WaitFor(t, 10*time.Second, "ready")
 	waitHostRunning(t, job)
 	waitCommandPids(t, inst)
 	inst.mu.Lock()

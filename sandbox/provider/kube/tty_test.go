@@ -21,30 +21,6 @@ import (
 	"github.com/sbxbroker/broker/tests/wait"
 )
 
-// screen collects a terminal's output for a test to wait on.
-type screen struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *screen) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *screen) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func (s *screen) waitFor(t *testing.T, text string) {
-	t.Helper()
-	wait.Eventually(t, 10*time.Second, func() bool { return strings.Contains(s.String(), text) },
-		"%q in the terminal's output:\n%q", text, s)
-}
-
 type ttyDone struct {
 	res provider.ExecResult
 	err error
@@ -91,9 +67,9 @@ func procGone(pid int) bool {
 var pidLine = regexp.MustCompile(`pid=(\d+)`)
 
 // pidOn waits for "pid=N" on the screen and answers N.
-func pidOn(t *testing.T, out *screen) int {
+func pidOn(t *testing.T, out *wait.Buffer) int {
 	t.Helper()
-	out.waitFor(t, "ready")
+	out.WaitFor(t, 10*time.Second, "ready")
 	m := pidLine.FindStringSubmatch(out.String())
 	if m == nil {
 		t.Fatalf("no pid= on the terminal: %q", out)
@@ -117,17 +93,17 @@ func TestAgentTerminal(t *testing.T) {
 		t.Fatal("a pod's instance says it has no terminals")
 	}
 
-	out := &screen{}
+	out := &wait.Buffer{}
 	_, done := onTerminal(t, ctx, in, []string{"sh", "-c", "tty; stty size; exit 7"}, &provider.TTY{Rows: 33, Cols: 101}, out)
 	if d := ended(t, done); d.err != nil || d.res.ExitCode != 7 || !strings.Contains(out.String(), "/dev/pts/") || !strings.Contains(out.String(), "33 101\r\n") {
 		t.Fatalf("tty; stty size; exit 7: %+v %v %q", d.res, d.err, out)
 	}
 
 	resize := make(chan provider.WindowSize, 1)
-	out = &screen{}
+	out = &wait.Buffer{}
 	stdin, done := onTerminal(t, ctx, in, []string{"sh", "-c", "while read x; do echo \"got $x\"; stty size; done"}, &provider.TTY{Resize: resize}, out)
 	io.WriteString(stdin, "echo hello\n")
-	out.waitFor(t, "got echo hello\r\n24 80\r\n")
+	out.WaitFor(t, 10*time.Second, "got echo hello\r\n24 80\r\n")
 	resize <- provider.WindowSize{Rows: 50, Cols: 120}
 	wait.Eventually(t, 10*time.Second, func() bool {
 		if strings.Contains(out.String(), "50 120") {
@@ -141,16 +117,16 @@ func TestAgentTerminal(t *testing.T) {
 		t.Fatalf("^D ended the loop with %+v %v", d.res, d.err)
 	}
 
-	out = &screen{}
+	out = &wait.Buffer{}
 	stdin, done = onTerminal(t, ctx, in, []string{"sh", "-c", "echo ready; exec sleep 1000"}, nil, out)
-	out.waitFor(t, "ready")
+	out.WaitFor(t, 10*time.Second, "ready")
 	io.WriteString(stdin, "\x03")
 	if d := ended(t, done); d.res.Signal != "INT" || d.res.ExitCode != 130 {
 		t.Fatalf("^C: %+v %v, want SIGINT", d.res, d.err)
 	}
 
 	// A job left in the background goes with the session's leader.
-	out = &screen{}
+	out = &wait.Buffer{}
 	_, done = onTerminal(t, ctx, in, []string{"sh", "-c", "sleep 1000 & echo pid=$! ready; exit 3"}, nil, out)
 	job := pidOn(t, out)
 	if d := ended(t, done); d.res.ExitCode != 3 {
@@ -160,7 +136,7 @@ func TestAgentTerminal(t *testing.T) {
 
 	// Cancelling ends the whole session, jobs in their own process groups included.
 	cctx, cancel := context.WithCancel(ctx)
-	out = &screen{}
+	out = &wait.Buffer{}
 	_, done = onTerminal(t, cctx, in, []string{"bash", "-ic", "set -m; sleep 1000 & echo pid=$! ready; wait"}, nil, out)
 	job = pidOn(t, out)
 	cancel()
@@ -286,7 +262,7 @@ func TestAgentTerminalHostile(t *testing.T) {
 	// Output that nobody reads: yes blocks on the terminal once the socket buffers are full.
 	bw := &blockedWriter{release: make(chan struct{})}
 	cctx, cancel := context.WithCancel(ctx)
-	var first screen
+	var first wait.Buffer
 	_, done := onTerminal(t, cctx, in, []string{"sh", "-c", "echo pid=$$ ready; exec yes"}, nil, io.MultiWriter(&first, &onceWriter{w: bw}))
 	yes := pidOn(t, &first)
 	wait.Eventually(t, 20*time.Second, func() bool { return procState(yes) == 'S' }, "yes blocked on a terminal nobody reads (state %c)", procState(yes))
@@ -306,7 +282,7 @@ func TestAgentTerminalHostile(t *testing.T) {
 	// A paste into a program that reads nothing: the broker holds to the window and blocks its
 	// reader; a cancel still reaches the agent.
 	cctx, cancel = context.WithCancel(ctx)
-	out := &screen{}
+	out := &wait.Buffer{}
 	// Raw mode: a full terminal stops taking input (a canonical one would drop it instead).
 	stdin, done := onTerminal(t, cctx, in, []string{"sh", "-c", "stty raw -echo; echo pid=$$ ready; exec sleep 1000"}, nil, out)
 	sleeper := pidOn(t, out)
@@ -332,7 +308,7 @@ func TestAgentTerminalHostile(t *testing.T) {
 	px := newCutProxy(t, in.client.addr)
 	cut := &instance{name: "cut", done: make(chan struct{})}
 	cut.client = &agentClient{addr: px.addr(), secret: in.client.secret, tls: in.client.tls, gone: cut.goneErr}
-	out = &screen{}
+	out = &wait.Buffer{}
 	_, done = onTerminal(t, ctx, cut, []string{"bash", "-ic", "set -m; sleep 1000 & echo pid=$! ready; wait"}, nil, out)
 	job := pidOn(t, out)
 	px.cut()

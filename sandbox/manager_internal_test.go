@@ -92,3 +92,19 @@ func createdAndStopped(t *testing.T, m *Manager, c Caller, name string) store.Re
 	}
 	return rec
 }
+
+// restarted closes m, as a broker that stops, and answers the Manager of its next run on the same
+// config, recovered.
+func restarted(t *testing.T, m *Manager) *Manager {
+	t.Helper()
+	m.Close(t.Context())
+	m2, err := NewManager(m.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m2.Close(context.Background()) })
+	if err := m2.Recover(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return m2
+}

@@ -108,15 +108,7 @@ func TestACreateCutShortBeforeItsRecordGivesItsUIDBackInRedis(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.Close(ctx) // the broker dies here
-	m2, err := NewManager(m.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { m2.Close(context.Background()) })
-	if err := m2.Recover(ctx); err != nil {
-		t.Fatal(err)
-	}
+	m2 := restarted(t, m) // the broker dies here
 	wantHeld(t, m2, "after the restart", map[string]int{})
 	if owner, err := st.UIDOwner(ctx, uid); err != nil || owner != "" {
 		t.Fatalf("uid %d in Redis after the restart found no record and no files: held by %q (%v), want free", uid, owner, err)

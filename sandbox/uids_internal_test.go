@@ -1,7 +1,6 @@
 package sandbox
 
 import (
-	"context"
 	"errors"
 	"maps"
 	"os"
@@ -92,15 +91,7 @@ func TestTheBrokersUIDTableFollowsEverySandbox(t *testing.T) {
 	}
 
 	// A restarted broker holds the uids of the sandboxes it hosts before any starts.
-	m.Close(ctx)
-	m2, err := NewManager(m.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { m2.Close(context.Background()) })
-	if err := m2.Recover(ctx); err != nil {
-		t.Fatal(err)
-	}
+	m2 := restarted(t, m)
 	wantHeld(t, m2, "after a restart", map[string]int{"o/" + p.ID: p.UID})
 	if _, err := m2.Delete(ctx, c, p.ID); err != nil {
 		t.Fatal(err)
@@ -148,15 +139,7 @@ func TestADeleteWhoseMessageWasLostIsFinishedByTheReconcileAfterARestart(t *test
 	m.cfg.UIDs = store.UIDRange{First: 239300, Last: 239303}
 	c := Caller{Org: "o", Actor: "key:k"}
 	rec := createdAndStopped(t, m, c, "s")
-	m.Close(ctx)
-	m2, err := NewManager(m.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { m2.Close(context.Background()) })
-	if err := m2.Recover(ctx); err != nil {
-		t.Fatal(err)
-	}
+	m2 := restarted(t, m)
 	// Another broker's delete: the record moves; the message to this node is lost.
 	if _, err := st.Transition(ctx, "o", rec.ID, store.Transition{From: []string{protocol.StatusStopped}, To: protocol.StatusDeleting}); err != nil {
 		t.Fatal(err)
